@@ -393,3 +393,55 @@ def naive_attention(q, k, v, dout, *, keep=None, **opts):
         mag_dv=fold(np.einsum("bhij,bihd->bjhd", pd, np.abs(dout))),
         s_abs=float(np.max(s_abs, initial=0.0)),
     )
+
+
+# --------------------------------------------------------------------------------------
+# Tolerances.  Rounding in float64 attention comes from three places: the dot
+# products (at most headdim * eps * sum_d |q_d k_d| per score, Higham's bound),
+# the exponentials and their rescaling (a few eps relative per term and per
+# block), and the sums over keys (seqlen_k * eps relative to the sum of
+# |terms|).  An error in a score shifts its probability by the same amount
+# *relatively*, so every output element is off by at most
+#     rel = c * eps * (headdim * s_abs + seqlen_k + c)
+# times the sum of the absolute values of its terms ("magnitude", returned by
+# naive_attention).  c = 16 is head-room over the worst case, not a fudge for
+# wrong results: a wrong mask, scale or rescale gives errors of order one
+# times the magnitude, ~1e8 times larger than this bound at the sizes drawn.
+# --------------------------------------------------------------------------------------
+
+EPS64 = float(np.finfo(np.float64).eps)
+
+
+def rounding_rel(model: dict, headdim: int, seqlen_k: int, eps: float = EPS64, c: float = 16.0) -> float:
+    """The relative rounding bound described above, for a naive_attention result."""
+    return c * eps * (headdim * model["s_abs"] + seqlen_k + c)
+
+
+def assert_close(actual, expected, magnitude, rel, what: str):
+    """|actual - expected| <= rel * (magnitude + 1e-12 * max(magnitude)), elementwise, no NaN."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert not np.isnan(actual).any(), f"{what}: NaN in result"
+    magnitude = np.broadcast_to(np.asarray(magnitude, dtype=np.float64), expected.shape)
+    bound = rel * (magnitude + 1e-12 * np.max(magnitude, initial=0.0))
+    err = np.abs(actual - expected)
+    bad = ~(err <= bound)
+    if bad.any():
+        idx = tuple(int(x) for x in np.argwhere(bad)[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} elements off; first at {idx}: "
+                             f"got {actual[idx]!r}, expected {expected[idx]!r}, |err| {err[idx]:.3g} > "
+                             f"bound {bound[idx]:.3g} (rel {rel:.3g}); max |err| {np.max(err):.3g}")
+
+
+def assert_lse_close(actual, expected, rel, what: str = "lse"):
+    """Same -inf pattern, finite entries within ``rel`` absolutely (lse's rounding is absolute)."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert not np.isnan(actual).any(), f"{what}: NaN"
+    np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected),
+                                  err_msg=f"{what}: -inf (fully masked rows) differ")
+    fin = np.isfinite(expected)
+    err = np.abs(actual[fin] - expected[fin])
+    assert np.all(err <= rel), f"{what}: max |err| {np.max(err, initial=0):.3g} > {rel:.3g}"
