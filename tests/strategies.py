@@ -101,6 +101,9 @@ class Problem:
         opts = {key: value for key, value in opts.items() if value is not None}
         return dataclasses.replace(self, opts=types.MappingProxyType(opts))
 
+    def _repr_pretty_(self, printer, cycle):          # Hypothesis prints falsifying examples with this
+        printer.text(repr(self))
+
     def __repr__(self) -> str:
         opts = ", ".join(f"{key}={_summary(value)}" for key, value in sorted(self.opts.items()))
         return (f"Problem(batch={self.batch}, seqlen_q={self.seqlen_q}, seqlen_k={self.seqlen_k}, "
