@@ -1,0 +1,249 @@
+"""The public functions: validate, choose a kernel specialisation, launch, hand back the caller's kind of array.
+
+Layering as in flash-attn: ``flash_attention`` / ``flash_attention_backward``
+(public, documented options) -> ``_forward`` / ``_backward`` (device arrays in,
+device arrays out) -> the kernel factories in ``flashnb.kernels`` (one compiled
+kernel per specialisation key, cached).
+"""
+import numpy as np
+from numba import cuda
+
+from . import _arrays, _options
+from .kernels._jit import SIMULATOR, launch
+from .kernels._tiles import np_acc
+from .kernels.backward import make_cast, make_dkdv, make_dq, make_preprocess
+from .kernels.forward import make_forward, tile_threads
+
+BACKENDS = ("simt",)
+
+# Default tiles (BLOCK_Q, BLOCK_K) by accumulation type and head dim: the largest
+# tiles whose shared memory (q, k, v, p in the accumulation type) leaves room
+# for two or more blocks per SM.  Measurements: docs/performance.md.
+_GPU_TILES = {
+    "float32": ((64, (64, 64)), (128, (64, 32)), (256, (32, 32))),
+    "float64": ((64, (64, 32)), (128, (32, 32)), (256, (32, 16))),
+}
+_SIM_TILES = (8, 8)  # the simulator runs one Python thread per CUDA thread: keep blocks small
+MAX_SHARED_BYTES = 227 * 1024  # per block, opted in, on compute capability 9.0 (8.0: 163 KB)
+
+
+def default_tiles(headdim, acc_name):
+    if SIMULATOR:
+        return _SIM_TILES
+    for max_d, tiles in _GPU_TILES[acc_name]:
+        if headdim <= max_d:
+            return tiles
+    raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
+
+
+def _tiles(block_q, block_k, headdim, acc_name):
+    bq, bk = default_tiles(headdim, acc_name)
+    return _options.check_tile(block_q, "block_q") or bq, _options.check_tile(block_k, "block_k") or bk
+
+
+def _check_shared(nbytes, what):
+    if not SIMULATOR and nbytes > MAX_SHARED_BYTES:
+        raise ValueError(f"{what} needs {nbytes} bytes of shared memory per block (limit {MAX_SHARED_BYTES}); "
+                         "choose smaller block_q / block_k")
+
+
+def _compute_dtype(kind):
+    """(dtype the kernels read and write, accumulation dtype name)."""
+    if kind.dtype == "bfloat16":
+        return "float32", "float32"  # SIMT kernels: bfloat16 goes through float32 copies
+    return kind.dtype, np_acc(kind.dtype).__name__
+
+
+def _prepare(arrays, names, kind, stream):
+    """Numba device views of the caller's arrays (bfloat16 tensors: float32 copies)."""
+    out = []
+    for x in arrays:
+        if kind.dtype == "bfloat16":
+            x = x.float()
+        out.append(_arrays.to_device(x, stream))
+    return out
+
+
+def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), attn_mask=None,
+                    attn_bias=None, alibi_slopes=None, softcap=0.0, block_mask=None, block_mask_size=(128, 128),
+                    dropout_p=0.0, seed=0, return_lse=False, block_q=None, block_k=None, deterministic=False,
+                    stream=None, backend="auto"):
+    """Exact attention ``softmax(q k^T * softmax_scale [+ options]) v`` without materialising the scores.
+
+    Arguments (flash-attn's layout; docs/semantics.md defines every option):
+        q: ``(batch, seqlen_q, nheads, headdim)``; k, v: ``(batch, seqlen_k, nheads_k, headdim)``,
+            ``nheads % nheads_k == 0`` (grouped-query attention). float16, bfloat16, float32 or float64;
+            NumPy arrays, CuPy arrays, PyTorch CUDA tensors or Numba device arrays, any strides.
+        softmax_scale: default ``1 / sqrt(headdim)``.
+        causal, window_size: aligned to the bottom-right corner: query ``i`` sees key ``j`` iff
+            ``j <= i + seqlen_k - seqlen_q`` (causal); ``window_size=(left, right)``, -1 unbounded.
+            For seqlen_q=2, seqlen_k=5 the causal mask is::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+        attn_mask (bool, True = may attend), attn_bias (float), block_mask (bool, per block of
+            ``block_mask_size``): broadcastable to ``(batch, nheads, seqlen_q, seqlen_k)`` (block mask: to
+            the block grid). alibi_slopes: ``(nheads,)`` or ``(batch, nheads)``. softcap: 0 = off.
+        dropout_p, seed: dropout on the attention probabilities; the keep mask is Philox-4x32-10 of
+            ``(seed, batch, head, i, j)``, the same in the backward and in ``reference.dropout_keep_mask``.
+        return_lse: also return ``lse`` ``(batch, nheads, seqlen_q)`` (natural log; float64 for float64
+            inputs, else float32); a row that sees no key gives ``out = 0``, ``lse = -inf``.
+        block_q, block_k: tile sizes (powers of two up to 128); default per head dim.
+        stream: a Numba, CuPy or PyTorch stream (default: the caller's library's current stream).
+        backend: "auto" or "simt" (CUDA-core kernels; the only backend so far).
+
+    Returns ``out`` (like ``q``), or ``(out, lse)``, as the same kind of array as ``q``.
+    Copies: NumPy inputs are copied to the device and the results back; bfloat16
+    inputs are converted to float32 copies (the SIMT kernels compute in float32).
+    Inputs are never written.
+    """
+    del deterministic  # the forward is deterministic by construction (no atomics)
+    kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
+    _check_backend(backend)
+    io_dtype, acc_name = _compute_dtype(kind)
+    acc = np.dtype(acc_name).type
+    nb_stream = _arrays.resolve_stream(stream, kind)
+    opts = _options.normalise(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
+                              headdim=headdim, acc=acc, stream=nb_stream, softmax_scale=softmax_scale,
+                              causal=causal, window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
+                              alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                              block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+    bq, bk = _tiles(block_q, block_k, headdim, acc_name)
+    qd, kd, vd = _prepare((q, k, v), ("q", "k", "v"), kind, nb_stream)
+    out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, nb_stream)
+    out_k = out_d if kind.dtype != "bfloat16" else cuda.device_array(out_d.shape, np.float32, stream=nb_stream)
+    lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), acc_name, q, nb_stream)
+    _forward(qd, kd, vd, out_k, lse_d, opts, bq, bk, acc, nb_stream)
+    if kind.dtype == "bfloat16":
+        out_ret.copy_(_torch_from(out_k))
+    out = _arrays.finish(kind, out_ret, out_d, nb_stream)
+    if return_lse:
+        return out, _arrays.finish(kind, lse_ret, lse_d, nb_stream)
+    return out
+
+
+def _forward(q, k, v, out, lse, opts, bq, bk, acc, stream):
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        return
+    f = opts.flags
+    kern, shared, threads = make_forward(bq, bk, headdim, acc.__name__, f.has_window, f.has_attn_mask,
+                                         f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi, f.has_dropout)
+    _check_shared(shared, f"the forward with block_q={bq}, block_k={bk}, head dim {headdim}")
+    grid = (-(-seqlen_q // bq), nheads, batch)
+    launch(kern, grid, threads, stream, shared,
+           (q, k, v, out, lse, nheads // nheads_k, seqlen_k - seqlen_q) + opts.kernel_args(acc))
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             attn_mask=None, attn_bias=None, alibi_slopes=None, softcap=0.0, block_mask=None,
+                             block_mask_size=(128, 128), dropout_p=0.0, seed=0, block_q=None, block_k=None,
+                             deterministic=False, stream=None, backend="auto"):
+    """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)`` for ``out, lse = flash_attention(..., return_lse=True)``.
+
+    The same options as the forward (they must match the forward call). ``dk``, ``dv`` are summed over
+    the query heads that share a key/value head. ``deterministic=True`` computes dQ in a second pass
+    over key tiles (bit-identical run to run); the default adds each key tile's share of dQ with
+    float atomics (faster; the summation order may vary run to run). Returns arrays of ``q``'s kind;
+    the same copies as ``flash_attention``.
+    """
+    kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
+    _check_backend(backend)
+    for x, name, shape in ((dout, "dout", tuple(q.shape)), (out, "out", tuple(q.shape)),
+                           (lse, "lse", (batch, nheads, seqlen_q))):
+        kd = _arrays.kind_of(x, name)
+        if kd.lib != kind.lib:
+            raise TypeError(f"{name} is a {kd.lib} array but q is a {kind.lib} array; pass one kind")
+        if tuple(int(s) for s in x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+        if name != "lse" and kd.dtype != kind.dtype:
+            raise TypeError(f"{name} has dtype {kd.dtype} but q has {kind.dtype}; pass one dtype")
+        if name == "lse" and kd.dtype not in ("float32", "float64"):
+            raise TypeError(f"lse must be float32 or float64, got {kd.dtype}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    io_dtype, acc_name = _compute_dtype(kind)
+    acc = np.dtype(acc_name).type
+    nb_stream = _arrays.resolve_stream(stream, kind)
+    opts = _options.normalise(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
+                              headdim=headdim, acc=acc, stream=nb_stream, softmax_scale=softmax_scale,
+                              causal=causal, window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
+                              alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                              block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+    bq, bk = _tiles(block_q, block_k, headdim, acc_name)
+    dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), kind, nb_stream)
+    lsed = _arrays.to_device(lse, nb_stream)
+    grads = []
+    for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
+                  (batch, seqlen_k, nheads_k, headdim)):
+        ret, view = _arrays.empty_like_kind(kind, shape, kind.dtype, q, nb_stream)
+        kernel_view = view if kind.dtype != "bfloat16" else cuda.device_array(shape, np.float32, stream=nb_stream)
+        grads.append((ret, view, kernel_view))
+    _backward(dd, qd, kd, vd, od, lsed, grads[0][2], grads[1][2], grads[2][2], opts, bq, bk, acc, nb_stream,
+              deterministic)
+    result = []
+    for ret, view, kernel_view in grads:
+        if kind.dtype == "bfloat16":
+            ret.copy_(_torch_from(kernel_view))
+        result.append(_arrays.finish(kind, ret, view, nb_stream))
+    return tuple(result)
+
+
+def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, deterministic):
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if batch == 0 or nheads == 0:
+        return
+    f = opts.flags
+    flags = (f.has_window, f.has_attn_mask, f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi,
+             f.has_dropout)
+    group, off = nheads // nheads_k, seqlen_k - seqlen_q
+    args = opts.kernel_args(acc)
+    delta = cuda.device_array((batch, nheads, seqlen_q), acc, stream=stream)
+    lse2 = cuda.device_array((batch, nheads, seqlen_q), acc, stream=stream)
+    if seqlen_q > 0:
+        pre = make_preprocess(acc.__name__)
+        pre[(-(-seqlen_q // 128), nheads, batch), 128, stream](dout, out, lse, delta, lse2)
+    # atomics need the dQ partial product's rows to cover the query tile (BLOCK_Q >= threads per key side)
+    atomic = not deterministic and bq >= tile_threads(bk) and seqlen_q > 0
+    if atomic:
+        dq_accum = cuda.device_array(dq.shape, acc, stream=stream)
+        _zero(dq_accum, stream)
+    else:
+        dq_accum = cuda.device_array((1, 1, 1, 1), acc, stream=stream)
+    if seqlen_k > 0:
+        kern, shared, threads = make_dkdv(bq, bk, headdim, acc.__name__, atomic, *flags)
+        _check_shared(shared, f"the dK/dV kernel with block_q={bq}, block_k={bk}, head dim {headdim}")
+        launch(kern, (-(-seqlen_k // bk), nheads_k, batch), threads, stream, shared,
+               (q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off) + args)
+    if seqlen_q == 0:
+        return
+    if atomic:
+        cast = make_cast(acc.__name__)
+        n = nheads * headdim
+        cast[(-(-n // 128), seqlen_q, batch), 128, stream](dq_accum, dq)
+    else:
+        kern, shared, threads = make_dq(bq, bk, headdim, acc.__name__, *flags)
+        _check_shared(shared, f"the dQ kernel with block_q={bq}, block_k={bk}, head dim {headdim}")
+        launch(kern, (-(-seqlen_q // bq), nheads, batch), threads, stream, shared,
+               (q, k, v, dout, lse2, delta, dq, group, off) + args)
+
+
+def _zero(arr, stream):
+    """Fill a contiguous device array with zeros (Numba has no memset on arrays in the simulator)."""
+    if SIMULATOR:
+        arr.copy_to_device(np.zeros(arr.shape, arr.dtype), stream=stream)
+    else:
+        cuda.driver.device_memset(arr, 0, arr.nbytes, stream=stream)
+
+
+def _check_backend(backend):
+    if backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+
+
+def _torch_from(device_array):
+    import torch
+    return torch.as_tensor(device_array, device="cuda")

@@ -1,0 +1,99 @@
+"""Element-wise score rules shared by every kernel: score modifiers, masks, dropout.
+
+These implement docs/semantics.md for one element ``(b, h, i, j)`` (``h`` the
+query head, ``i`` the query row, ``j`` the key row) and are inlined into the
+kernels' register micro-tile loops.  Each factory takes the compile-time
+feature flags, so a kernel built without a feature contains no code for it.
+
+Order of operations (semantics.md): scale, softcap, bias and ALiBi, masks,
+softmax, dropout.
+"""
+import math
+
+import numpy as np
+
+from ._jit import device_function
+
+# Philox-4x32-10 (Salmon et al., SC'11, Random123): round multipliers and Weyl key increments.
+PHILOX_M0 = np.uint64(0xD2511F53)
+PHILOX_M1 = np.uint64(0xCD9E8D57)
+PHILOX_W0 = np.uint64(0x9E3779B9)
+PHILOX_W1 = np.uint64(0xBB67AE85)
+LOW32 = np.uint64(0xFFFFFFFF)
+SHIFT32 = np.uint64(32)
+PHILOX_ROUNDS = 10
+
+
+def make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI):
+    """``score(qk, i, j, b, h, off, scale, softcap, bias, alibi)``: the score before masking, natural units.
+
+    ``qk = dot(q_i, k_j)``; returns ``softcap * tanh(scale * qk / softcap) + bias - slope * |i + off - j|``
+    with each term present only when its flag is set.
+    """
+
+    @device_function
+    def score(qk, i, j, b, h, off, scale, softcap, bias, alibi):
+        x = qk * scale
+        if HAS_SOFTCAP:
+            x = softcap * math.tanh(x / softcap)
+        if HAS_BIAS:
+            # size-1 dimensions broadcast: min(index, size - 1) is 0 there
+            x += ACC(bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1),
+                          min(i, bias.shape[2] - 1), min(j, bias.shape[3] - 1)])
+        if HAS_ALIBI:
+            x -= ACC(alibi[min(b, alibi.shape[0] - 1), h]) * ACC(abs(i + off - j))
+        return x
+
+    return score
+
+
+def make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK):
+    """``allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)``.
+
+    True iff query ``i`` may attend key ``j``: both in range, inside the
+    (bottom-right aligned) window ``i + off - left <= j <= i + off + right``
+    (``-1`` unbounded; causal is ``right = 0``), allowed by ``attn_mask`` and by
+    the block mask at block ``(i // bm_q, j // bm_k)``.
+    """
+
+    @device_function
+    def allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
+        ok = i < seqlen_q and j < seqlen_k
+        if HAS_WINDOW:
+            rel = j - (i + off)
+            if left >= 0:
+                ok = ok and rel >= -left
+            if right >= 0:
+                ok = ok and rel <= right
+        if HAS_ATTN_MASK:
+            ok = ok and attn_mask[min(b, attn_mask.shape[0] - 1), min(h, attn_mask.shape[1] - 1),
+                                  min(i, attn_mask.shape[2] - 1), min(j, attn_mask.shape[3] - 1)] != 0
+        if HAS_BLOCK_MASK:
+            ok = ok and block_mask[min(b, block_mask.shape[0] - 1), min(h, block_mask.shape[1] - 1),
+                                   min(i // bm_q, block_mask.shape[2] - 1),
+                                   min(j // bm_k, block_mask.shape[3] - 1)] != 0
+        return ok
+
+    return allowed
+
+
+@device_function
+def philox_keep(seed_lo, seed_hi, b, h, i, j, threshold):
+    """Dropout keep bit of element (b, h, i, j): first word of Philox-4x32-10((j, i, h, b), seed) >= threshold.
+
+    uint32 products are formed in uint64 (hi = product >> 32, lo = product & 0xFFFFFFFF).
+    """
+    c0 = np.uint64(j)
+    c1 = np.uint64(i)
+    c2 = np.uint64(h)
+    c3 = np.uint64(b)
+    k0 = np.uint64(seed_lo)
+    k1 = np.uint64(seed_hi)
+    for rnd in range(PHILOX_ROUNDS):
+        if rnd > 0:  # the key is bumped between rounds, not before the first
+            k0 = (k0 + PHILOX_W0) & LOW32
+            k1 = (k1 + PHILOX_W1) & LOW32
+        p0 = PHILOX_M0 * c0
+        p1 = PHILOX_M1 * c2
+        c0, c1, c2, c3 = ((p1 >> SHIFT32) ^ c1 ^ k0, p1 & LOW32, (p0 >> SHIFT32) ^ c3 ^ k1, p0 & LOW32)
+    return c0 >= np.uint64(threshold)

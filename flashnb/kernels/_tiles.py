@@ -1,0 +1,168 @@
+"""Tile primitives for the SIMT kernels: loads into shared memory, register micro-tile products, row reductions.
+
+A thread block of ``THREADS_R * THREADS_C`` threads works on a ``ROWS x COLS``
+tile of scores.  Thread ``(ty, tx)`` (``tid = ty * THREADS_C + tx``) owns the
+register micro-tile
+
+    rows  ty * TR + r       for r < TR = ROWS / THREADS_R   (contiguous: one row block per thread row)
+    cols  tx + c * THREADS_C for c < TC = COLS / THREADS_C   (strided: neighbouring lanes read neighbouring
+                                                             shared-memory rows, so a padded row stride
+                                                             puts them in different banks)
+
+and, for the ``ROWS x HEAD_DIM`` output accumulator, dims ``tx + c * THREADS_C``
+for ``c < TD = ceil(HEAD_DIM / THREADS_C)``.  Shared-memory tiles are rows of
+``HEAD_DIM`` values at a padded stride (``HEAD_DIM + 1``): the row-strided reads
+of the product loop then hit 32 different banks.
+
+The ``THREADS_C`` threads sharing a row are consecutive lanes of one warp, so a
+row reduction is a butterfly of ``shfl_xor`` on the GPU.  The simulator has no
+shuffles: there the same reduction goes through a shared-memory scratch row and
+two barriers (``make_row_allreduce``), with the same result.
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from ._jit import SIMULATOR, device_function
+
+FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in the shuffle
+
+
+def padded(n):
+    """Shared-memory row stride for rows of ``n`` values: odd, so consecutive rows start in different banks."""
+    return n + 1 if n % 2 == 0 else n
+
+
+def make_tile_load(ROWS, HEAD_DIM, STRIDE, NTHREADS, ACC):
+    """``load(src, b, row0, h, nrows, dst)``: ``dst[r, d] = src[b, row0 + r, h, d]`` as ``ACC``, zeros past ``nrows``.
+
+    Consecutive threads take consecutive ``d``: coalesced global reads when the
+    head dimension is contiguous.  Rows at or past ``nrows`` are written as zeros
+    so that a partial tile contributes nothing (and reads no memory it does not own).
+    """
+    ZERO = ACC(0)
+    TOTAL = ROWS * HEAD_DIM
+
+    @device_function
+    def load(src, b, row0, h, nrows, dst):
+        for idx in range(cuda.threadIdx.x, TOTAL, NTHREADS):
+            r = idx // HEAD_DIM  # HEAD_DIM is a compile-time constant: a multiply-shift, not a division
+            d = idx - r * HEAD_DIM
+            if r < nrows:
+                dst[r * STRIDE + d] = ACC(src[b, row0 + r, h, d])
+            else:
+                dst[r * STRIDE + d] = ZERO
+
+    return load
+
+
+def make_mm_abt(TR, TC, THREADS_C, KDIM, A_STRIDE, B_STRIDE, ACC):
+    """``mm(a, b, c, ty, tx)``: ``c[r, j] = sum_d a[ty*TR + r, d] * b[tx + j*THREADS_C, d]`` (C = A B^T).
+
+    ``a`` and ``b`` are shared-memory tiles with rows of ``KDIM`` values; ``c`` is
+    the thread's ``TR x TC`` register micro-tile, overwritten.  Per ``d`` each
+    thread loads ``TR + TC`` values and does ``TR * TC`` fused multiply-adds.
+    """
+    ZERO = ACC(0)
+
+    @device_function
+    def mm(a, b, c, ty, tx):
+        a_reg = cuda.local.array(TR, ACC)
+        b_reg = cuda.local.array(TC, ACC)
+        for r in range(TR):
+            for j in range(TC):
+                c[r, j] = ZERO
+        for d in range(KDIM):
+            for r in range(TR):
+                a_reg[r] = a[(ty * TR + r) * A_STRIDE + d]
+            for j in range(TC):
+                b_reg[j] = b[(tx + j * THREADS_C) * B_STRIDE + d]
+            for r in range(TR):
+                for j in range(TC):
+                    c[r, j] += a_reg[r] * b_reg[j]
+
+    return mm
+
+
+def make_mm_acc(TR, TD, THREADS_C, KDIM, HEAD_DIM, P_STRIDE, V_STRIDE, ACC, TRANSPOSE_P=False):
+    """``mm(p, v, acc, ty, tx)``: ``acc[r, c] += sum_k P[row_r, k] * v[k, tx + c*THREADS_C]`` (acc += P V).
+
+    ``P[row, k]`` is ``p[row * P_STRIDE + k]``, or ``p[k * P_STRIDE + row]`` with
+    ``TRANSPOSE_P`` (the backward's ``P^T dO`` and ``dS^T Q``).  Dims past
+    ``HEAD_DIM`` (when ``THREADS_C`` does not divide it) are skipped.
+    """
+    EVEN = HEAD_DIM % THREADS_C == 0
+
+    @device_function
+    def mm(p, v, acc, ty, tx):
+        p_reg = cuda.local.array(TR, ACC)
+        v_reg = cuda.local.array(TD, ACC)
+        for k in range(KDIM):
+            for r in range(TR):
+                if TRANSPOSE_P:
+                    p_reg[r] = p[k * P_STRIDE + ty * TR + r]
+                else:
+                    p_reg[r] = p[(ty * TR + r) * P_STRIDE + k]
+            for c in range(TD):
+                d = tx + c * THREADS_C
+                if EVEN or d < HEAD_DIM:
+                    v_reg[c] = v[k * V_STRIDE + d]
+            for r in range(TR):
+                for c in range(TD):
+                    acc[r, c] += p_reg[r] * v_reg[c]
+
+    return mm
+
+
+def make_row_allreduce(TR, THREADS_C, NTHREADS, ACC, is_max):
+    """``reduce(vals, scratch, ty, tx)``: every thread of a row ends with the row's max (or sum) in ``vals[r]``.
+
+    GPU: butterfly ``shfl_xor`` over the ``THREADS_C`` consecutive lanes of the
+    row (log2(THREADS_C) steps, no shared memory, no barrier).  Simulator: write
+    partials to ``scratch[row, tx]``, barrier, read them all back, barrier.
+    ``scratch`` holds ``ROWS * THREADS_C`` values (unused on the GPU).
+    """
+    assert THREADS_C & (THREADS_C - 1) == 0 and THREADS_C <= 32
+    STEPS = int(math.log2(THREADS_C))
+    # lanes that exist: a block of fewer than 32 threads has a partial warp
+    LANES = FULL_MASK if NTHREADS >= 32 else (1 << NTHREADS) - 1
+
+    if not SIMULATOR:
+        @device_function
+        def reduce_gpu(vals, scratch, ty, tx):
+            for r in range(TR):
+                x = vals[r]
+                offset = THREADS_C >> 1
+                for _ in range(STEPS):
+                    y = cuda.shfl_xor_sync(LANES, x, offset)
+                    x = max(x, y) if is_max else x + y
+                    offset >>= 1
+                vals[r] = x
+
+        return reduce_gpu
+
+    @device_function
+    def reduce_sim(vals, scratch, ty, tx):
+        for r in range(TR):
+            scratch[(ty * TR + r) * THREADS_C + tx] = vals[r]
+        cuda.syncthreads()
+        for r in range(TR):
+            x = scratch[(ty * TR + r) * THREADS_C]
+            for t in range(1, THREADS_C):
+                y = scratch[(ty * TR + r) * THREADS_C + t]
+                x = max(x, y) if is_max else x + y
+            vals[r] = x
+        cuda.syncthreads()
+
+    return reduce_sim
+
+
+def scratch_size(ROWS, THREADS_C):
+    """Shared-memory values the row reduction needs (only the simulator uses them)."""
+    return ROWS * THREADS_C if SIMULATOR else 0
+
+
+def np_acc(dtype):
+    """The accumulation type for an input dtype: float64 for float64, float32 otherwise."""
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32

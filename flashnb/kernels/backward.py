@@ -1,0 +1,375 @@
+"""FlashAttention-2 backward as Numba CUDA kernels (SIMT), recomputing P from ``lse``.
+
+Three kernels, as in FA2 section 3.1 / Algorithm 2:
+
+1. ``preprocess``: ``delta_i = rowsum(dO_i * O_i)``, one thread per (batch, head, query).
+2. ``dkdv``: one block per (key tile, key/value head, batch); the key tile stays
+   in shared memory while the block walks every query tile (of every query head
+   of its group, so grouped-query ``dK, dV`` are summed in registers, without
+   atomics):
+
+       S^T  = K_j Q_i^T                 (recompute)
+       P^T  = exp2(S^T log2(e) - lse_i log2(e))           [0 where masked or lse_i = -inf]
+       dV_j += (P^T * keep / (1 - p_drop)) dO_i
+       dP^T = V_j dO_i^T
+       dS^T = P^T * (dP^T * keep / (1 - p_drop) - delta_i)   [x (1 - tanh^2) through a softcap]
+       dK_j += scale * dS^T Q_i
+       dQ_i += scale * dS K_j           (ATOMIC_DQ: float atomics into an accumulator)
+
+3. ``dq`` (deterministic mode): one block per (query tile, head, batch)
+   recomputing S, P, dP, dS against every key tile and summing ``dQ`` in
+   registers: no atomics, bit-identical run to run.
+
+The oracle for this is ``reference.flash_backward``.
+"""
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from ._jit import device_function, kernel
+from ._scores import make_allowed_fn, make_score_fn, philox_keep
+from ._tiles import make_mm_abt, make_mm_acc, make_tile_load, padded
+from .forward import LOG2E, make_window_helpers, tile_threads
+
+
+@lru_cache(maxsize=None)
+def make_preprocess(ACC_NAME):
+    """``delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]``; lse in log2 units, +inf for empty rows."""
+    ACC = np.dtype(ACC_NAME).type
+    ZERO, LOG2E_T, POS_INF, NEG_INF = ACC(0), ACC(LOG2E), ACC(np.inf), ACC(-np.inf)
+
+    @kernel
+    def preprocess(dout, out, lse, delta, lse2):
+        b = cuda.blockIdx.z
+        h = cuda.blockIdx.y
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i >= out.shape[1]:
+            return
+        acc = ZERO
+        for d in range(out.shape[3]):
+            acc += ACC(dout[b, i, h, d]) * ACC(out[b, i, h, d])
+        delta[b, h, i] = acc
+        x = ACC(lse[b, h, i])
+        # exp2(s - lse2) must be 0 for a row that saw no key (lse = -inf): use +inf there
+        lse2[b, h, i] = x * LOG2E_T if x != NEG_INF else POS_INF
+
+    return preprocess
+
+
+@lru_cache(maxsize=None)
+def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW, HAS_ATTN_MASK,
+                      HAS_BLOCK_MASK):
+    """``grad(qk, dp, i, j, ...) -> (p_dropped, ds)`` for one element: recomputed P and dS (before ``scale``)."""
+    ACC = np.dtype(ACC_NAME).type
+    ZERO, ONE, LOG2E_T = ACC(0), ACC(1), ACC(LOG2E)
+    score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+
+    @device_function
+    def grad(qk, dp, i, j, b, h, lse2_i, delta_i, need_mask, seqlen_q, seqlen_k, off, scale, softcap, left,
+             right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
+             seed_lo, seed_hi):
+        x = score(qk, i, j, b, h, off, scale, softcap, attn_bias, alibi)
+        p = math.exp2(x * LOG2E_T - lse2_i)                 # P = exp(S - lse)
+        if need_mask:
+            if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
+                p = ZERO
+        if HAS_DROPOUT:
+            keep = drop_scale if philox_keep(seed_lo, seed_hi, b, h, i, j, drop_threshold) else ZERO
+            p_drop = p * keep
+            ds = p * (dp * keep - delta_i)
+        else:
+            p_drop = p
+            ds = p * (dp - delta_i)
+        if HAS_SOFTCAP:
+            t = math.tanh(qk * scale / softcap)
+            ds = ds * (ONE - t * t)                          # d/dx softcap*tanh(x/softcap) = 1 - tanh^2
+        return p_drop, ds
+
+    return grad
+
+
+@lru_cache(maxsize=None)
+def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+              HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
+    """Build the dK/dV kernel (rows = keys, columns = queries); returns (kernel, shared bytes, threads)."""
+    ACC = np.dtype(ACC_NAME).type
+    ACC_DT = np.dtype(ACC)
+    THREADS_R, THREADS_C = tile_threads(BLOCK_K), tile_threads(BLOCK_Q)
+    NTHREADS = THREADS_R * THREADS_C
+    TR = BLOCK_K // THREADS_R                # key rows per thread
+    TC = BLOCK_Q // THREADS_C                # query columns per thread
+    TD = -(-HEAD_DIM // THREADS_C)           # dims per thread in dK, dV (and dQ)
+    TRQ = BLOCK_Q // THREADS_R               # query rows per thread in the dQ partial product
+    EVEN_D = HEAD_DIM % THREADS_C == 0
+    STRIDE = padded(HEAD_DIM)
+    DS_STRIDE = padded(BLOCK_Q)
+    K_OFF = 0
+    V_OFF = K_OFF + BLOCK_K * STRIDE
+    Q_OFF = V_OFF + BLOCK_K * STRIDE
+    DO_OFF = Q_OFF + BLOCK_Q * STRIDE
+    P_OFF = DO_OFF + BLOCK_Q * STRIDE        # P^T (dropped), then dS^T: BLOCK_K x BLOCK_Q
+    L_OFF = P_OFF + BLOCK_K * DS_STRIDE      # lse_i * log2(e)
+    D_OFF = L_OFF + BLOCK_Q                  # delta_i
+    SMEM_N = D_OFF + BLOCK_Q
+    SHARED_BYTES = SMEM_N * ACC_DT.itemsize
+    ZERO, POS_INF = ACC(0), ACC(np.inf)
+    assert not ATOMIC_DQ or TRQ >= 1, "atomic dQ needs BLOCK_Q >= min(16, BLOCK_K)"
+
+    load_kv = make_tile_load(BLOCK_K, HEAD_DIM, STRIDE, NTHREADS, ACC)
+    load_q = make_tile_load(BLOCK_Q, HEAD_DIM, STRIDE, NTHREADS, ACC)
+    st_tile = make_mm_abt(TR, TC, THREADS_C, HEAD_DIM, STRIDE, STRIDE, ACC)        # K Q^T and V dO^T
+    acc_tile = make_mm_acc(TR, TD, THREADS_C, BLOCK_Q, HEAD_DIM, DS_STRIDE, STRIDE, ACC)     # (.)^T-rows x Q/dO
+    dq_tile = make_mm_acc(TRQ, TD, THREADS_C, BLOCK_K, HEAD_DIM, DS_STRIDE, STRIDE, ACC, TRANSPOSE_P=True)
+    grad = make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
+                             HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    _, inside_window, block_mask_cover = make_window_helpers(BLOCK_Q, BLOCK_K)
+
+    @device_function
+    def query_tile_range(k_first, k_last, off, left, right, seqlen_q):
+        """Query tiles ``[lo, hi)`` holding a query that may see some key in ``[k_first, k_last]``."""
+        lo = 0
+        hi = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
+        if right >= 0:
+            lo = max(k_first - off - right, 0) // BLOCK_Q   # j <= i + off + right
+        if left >= 0:
+            i_max = k_last - off + left                        # j >= i + off - left
+            hi = min(hi, i_max // BLOCK_Q + 1) if i_max >= 0 else 0
+        return lo, hi
+
+    @kernel
+    def flash_dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
+                   attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
+                   seed_lo, seed_hi):
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        k0 = cuda.blockIdx.x * BLOCK_K
+        hk = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        ty = tid // THREADS_C
+        tx = tid - ty * THREADS_C
+        k_last = min(k0 + BLOCK_K, seqlen_k) - 1
+
+        smem = cuda.shared.array(0, ACC_DT)
+        k_smem = smem[K_OFF:V_OFF]
+        v_smem = smem[V_OFF:Q_OFF]
+        q_smem = smem[Q_OFF:DO_OFF]
+        do_smem = smem[DO_OFF:P_OFF]
+        p_smem = smem[P_OFF:L_OFF]
+        lse_smem = smem[L_OFF:D_OFF]
+        delta_smem = smem[D_OFF:SMEM_N]
+
+        s_reg = cuda.local.array((TR, TC), ACC)
+        dp_reg = cuda.local.array((TR, TC), ACC)
+        dk_acc = cuda.local.array((TR, TD), ACC)
+        dv_acc = cuda.local.array((TR, TD), ACC)
+        dq_part = cuda.local.array((TRQ, TD), ACC)
+        for r in range(TR):
+            for c in range(TD):
+                dk_acc[r, c] = ZERO
+                dv_acc[r, c] = ZERO
+
+        load_kv(k, b, k0, hk, seqlen_k - k0, k_smem)
+        load_kv(v, b, k0, hk, seqlen_k - k0, v_smem)
+        qt_lo, qt_hi = query_tile_range(k0, k_last, off, left, right, seqlen_q)
+        for g in range(group):
+            h = hk * group + g
+            for qt in range(qt_lo, qt_hi):
+                q0 = qt * BLOCK_Q
+                q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
+                need_mask = k0 + BLOCK_K > seqlen_k or HAS_ATTN_MASK
+                if HAS_WINDOW:
+                    need_mask = need_mask or not inside_window(q0, q_last, k0, k0 + BLOCK_K - 1, off, left, right)
+                if HAS_BLOCK_MASK:
+                    any_on, all_on = block_mask_cover(b, h, q0, q_last, k0, k_last, block_mask, bm_q, bm_k)
+                    if not any_on:
+                        continue
+                    need_mask = need_mask or not all_on
+
+                cuda.syncthreads()                       # the previous tile's readers are done
+                load_q(q, b, q0, h, seqlen_q - q0, q_smem)
+                load_q(dout, b, q0, h, seqlen_q - q0, do_smem)
+                for t in range(tid, BLOCK_Q, NTHREADS):
+                    i = q0 + t
+                    # rows past the end: lse2 = +inf makes their P exactly 0
+                    lse_smem[t] = lse2[b, h, i] if i < seqlen_q else POS_INF
+                    delta_smem[t] = delta[b, h, i] if i < seqlen_q else ZERO
+                cuda.syncthreads()
+
+                st_tile(k_smem, q_smem, s_reg, ty, tx)   # S^T = K Q^T
+                st_tile(v_smem, do_smem, dp_reg, ty, tx)  # dP^T = V dO^T
+                for r in range(TR):
+                    j = k0 + ty * TR + r
+                    for c in range(TC):
+                        il = tx + c * THREADS_C
+                        p_drop, ds = grad(s_reg[r, c], dp_reg[r, c], q0 + il, j, b, h, lse_smem[il],
+                                          delta_smem[il], need_mask, seqlen_q, seqlen_k, off, scale, softcap,
+                                          left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
+                                          drop_threshold, drop_scale, seed_lo, seed_hi)
+                        s_reg[r, c] = p_drop
+                        dp_reg[r, c] = ds
+                # dV += P_drop^T dO
+                for r in range(TR):
+                    for c in range(TC):
+                        p_smem[(ty * TR + r) * DS_STRIDE + tx + c * THREADS_C] = s_reg[r, c]
+                cuda.syncthreads()
+                acc_tile(p_smem, do_smem, dv_acc, ty, tx)
+                cuda.syncthreads()
+                # dK += dS^T Q (scale applied at the end)
+                for r in range(TR):
+                    for c in range(TC):
+                        p_smem[(ty * TR + r) * DS_STRIDE + tx + c * THREADS_C] = dp_reg[r, c]
+                cuda.syncthreads()
+                acc_tile(p_smem, q_smem, dk_acc, ty, tx)
+                if ATOMIC_DQ:
+                    # dQ_i += dS K_j: this block's share, added atomically (blocks of other key tiles race here)
+                    for r in range(TRQ):
+                        for c in range(TD):
+                            dq_part[r, c] = ZERO
+                    dq_tile(p_smem, k_smem, dq_part, ty, tx)
+                    for r in range(TRQ):
+                        i = q0 + ty * TRQ + r
+                        if i < seqlen_q:
+                            for c in range(TD):
+                                d = tx + c * THREADS_C
+                                if EVEN_D or d < HEAD_DIM:
+                                    cuda.atomic.add(dq_accum, (b, i, h, d), dq_part[r, c] * scale)
+
+        for r in range(TR):
+            j = k0 + ty * TR + r
+            if j < seqlen_k:
+                for c in range(TD):
+                    d = tx + c * THREADS_C
+                    if EVEN_D or d < HEAD_DIM:
+                        dk[b, j, hk, d] = dk_acc[r, c] * scale
+                        dv[b, j, hk, d] = dv_acc[r, c]
+
+    return flash_dkdv, SHARED_BYTES, NTHREADS
+
+
+@lru_cache(maxsize=None)
+def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
+    """Build the deterministic dQ kernel (rows = queries, columns = keys); returns (kernel, bytes, threads)."""
+    ACC = np.dtype(ACC_NAME).type
+    ACC_DT = np.dtype(ACC)
+    THREADS_R, THREADS_C = tile_threads(BLOCK_Q), tile_threads(BLOCK_K)
+    NTHREADS = THREADS_R * THREADS_C
+    TR = BLOCK_Q // THREADS_R
+    TC = BLOCK_K // THREADS_C
+    TD = -(-HEAD_DIM // THREADS_C)
+    EVEN_D = HEAD_DIM % THREADS_C == 0
+    STRIDE = padded(HEAD_DIM)
+    DS_STRIDE = padded(BLOCK_K)
+    Q_OFF = 0
+    DO_OFF = Q_OFF + BLOCK_Q * STRIDE
+    K_OFF = DO_OFF + BLOCK_Q * STRIDE
+    V_OFF = K_OFF + BLOCK_K * STRIDE
+    DS_OFF = V_OFF + BLOCK_K * STRIDE
+    SMEM_N = DS_OFF + BLOCK_Q * DS_STRIDE
+    SHARED_BYTES = SMEM_N * ACC_DT.itemsize
+    ZERO, POS_INF = ACC(0), ACC(np.inf)
+
+    load_q = make_tile_load(BLOCK_Q, HEAD_DIM, STRIDE, NTHREADS, ACC)
+    load_k = make_tile_load(BLOCK_K, HEAD_DIM, STRIDE, NTHREADS, ACC)
+    s_tile = make_mm_abt(TR, TC, THREADS_C, HEAD_DIM, STRIDE, STRIDE, ACC)        # Q K^T and dO V^T
+    dq_tile = make_mm_acc(TR, TD, THREADS_C, BLOCK_K, HEAD_DIM, DS_STRIDE, STRIDE, ACC)
+    grad = make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
+                             HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    key_tile_range, inside_window, block_mask_cover = make_window_helpers(BLOCK_Q, BLOCK_K)
+
+    @kernel
+    def flash_dq(q, k, v, dout, lse2, delta, dq, group, off, scale, softcap, left, right,
+                 attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
+                 seed_lo, seed_hi):
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        q0 = cuda.blockIdx.x * BLOCK_Q
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        hk = h // group
+        tid = cuda.threadIdx.x
+        ty = tid // THREADS_C
+        tx = tid - ty * THREADS_C
+        q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
+
+        smem = cuda.shared.array(0, ACC_DT)
+        q_smem = smem[Q_OFF:DO_OFF]
+        do_smem = smem[DO_OFF:K_OFF]
+        k_smem = smem[K_OFF:V_OFF]
+        v_smem = smem[V_OFF:DS_OFF]
+        ds_smem = smem[DS_OFF:SMEM_N]
+
+        s_reg = cuda.local.array((TR, TC), ACC)
+        dp_reg = cuda.local.array((TR, TC), ACC)
+        dq_acc = cuda.local.array((TR, TD), ACC)
+        lse_reg = cuda.local.array(TR, ACC)
+        delta_reg = cuda.local.array(TR, ACC)
+        for r in range(TR):
+            i = q0 + ty * TR + r
+            lse_reg[r] = lse2[b, h, i] if i < seqlen_q else POS_INF
+            delta_reg[r] = delta[b, h, i] if i < seqlen_q else ZERO
+            for c in range(TD):
+                dq_acc[r, c] = ZERO
+
+        load_q(q, b, q0, h, seqlen_q - q0, q_smem)
+        load_q(dout, b, q0, h, seqlen_q - q0, do_smem)
+        kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
+        for kt in range(kt_lo, kt_hi):
+            k0 = kt * BLOCK_K
+            k_last = min(k0 + BLOCK_K, seqlen_k) - 1
+            need_mask = k0 + BLOCK_K > seqlen_k or HAS_ATTN_MASK
+            if HAS_WINDOW:
+                need_mask = need_mask or not inside_window(q0, q_last, k0, k0 + BLOCK_K - 1, off, left, right)
+            if HAS_BLOCK_MASK:
+                any_on, all_on = block_mask_cover(b, h, q0, q_last, k0, k_last, block_mask, bm_q, bm_k)
+                if not any_on:
+                    continue
+                need_mask = need_mask or not all_on
+
+            cuda.syncthreads()
+            load_k(k, b, k0, hk, seqlen_k - k0, k_smem)
+            load_k(v, b, k0, hk, seqlen_k - k0, v_smem)
+            cuda.syncthreads()
+            s_tile(q_smem, k_smem, s_reg, ty, tx)        # S = Q K^T
+            s_tile(do_smem, v_smem, dp_reg, ty, tx)      # dP = dO V^T
+            for r in range(TR):
+                i = q0 + ty * TR + r
+                for c in range(TC):
+                    j = k0 + tx + c * THREADS_C
+                    _, ds = grad(s_reg[r, c], dp_reg[r, c], i, j, b, h, lse_reg[r], delta_reg[r], need_mask,
+                                 seqlen_q, seqlen_k, off, scale, softcap, left, right, attn_mask, attn_bias,
+                                 alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
+                    ds_smem[(ty * TR + r) * DS_STRIDE + tx + c * THREADS_C] = ds
+            cuda.syncthreads()
+            dq_tile(ds_smem, k_smem, dq_acc, ty, tx)     # dQ += dS K
+
+        for r in range(TR):
+            i = q0 + ty * TR + r
+            if i < seqlen_q:
+                for c in range(TD):
+                    d = tx + c * THREADS_C
+                    if EVEN_D or d < HEAD_DIM:
+                        dq[b, i, h, d] = dq_acc[r, c] * scale
+
+    return flash_dq, SHARED_BYTES, NTHREADS
+
+
+@lru_cache(maxsize=None)
+def make_cast(ACC_NAME):
+    """``dst[...] = src[...]``: the atomic dQ accumulator to the output dtype."""
+
+    @kernel
+    def cast(src, dst):
+        b = cuda.blockIdx.z
+        i = cuda.blockIdx.y
+        t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        nh, nd = src.shape[2], src.shape[3]
+        if t < nh * nd:
+            h = t // nd
+            dst[b, i, h, t - h * nd] = src[b, i, h, t - h * nd]
+
+    return cast

@@ -1,0 +1,228 @@
+"""FlashAttention-2 forward as a Numba CUDA kernel (SIMT: CUDA cores, float32 or float64 arithmetic).
+
+One thread block per (query tile, head, batch) (FA2 section 3.2: parallel over
+sequence blocks).  The block stages its ``BLOCK_Q x HEAD_DIM`` query tile in
+shared memory once, then for each key tile it may see:
+
+    K_j, V_j -> shared memory                     (FA2 Algorithm 1, line 6)
+    S = Q K_j^T                 register micro-tiles (line 8)
+    S <- modifiers, masks, in log2 units           (scores * log2(e): exp2 is one instruction)
+    m_new = max(m_i, rowmax(S))                    (line 9)
+    P = exp2(S - m_new), l_i = l_i exp2(m_i - m_new) + rowsum(P)
+    acc = acc * exp2(m_i - m_new) + P V_j          (line 10, P through shared memory)
+
+and at the end writes ``out = acc / l_i`` and ``lse = m_i + log(l_i)`` (lines
+12-14: the normalisation is deferred to here).  Key tiles that the window,
+causal or block mask forbid entirely are never loaded; only tiles that cross a
+mask boundary (or the end of the keys) evaluate the element-wise mask, under a
+uniform branch; features a call does not use are compiled out (flags in the
+specialisation key).  The oracle for this is ``reference.flash_forward``.
+"""
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from ._jit import device_function, kernel
+from ._scores import make_allowed_fn, make_score_fn, philox_keep
+from ._tiles import (make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, padded,
+                     scratch_size)
+
+LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * log2(e))
+LN2 = 0.6931471805599453    # ln(2): log(l) = log2(l) * ln(2)
+
+
+def tile_threads(block):
+    """Threads along one tile dimension: 16, or the whole dimension if smaller."""
+    return min(16, block)
+
+
+@lru_cache(maxsize=None)
+def make_window_helpers(BLOCK_Q, BLOCK_K):
+    """Tile-level window arithmetic, shared by the forward and the dQ kernel."""
+
+    @device_function
+    def key_tile_range(q_first, q_last, off, left, right, seqlen_k):
+        """Key tiles ``[lo, hi)`` holding a key that some query in ``[q_first, q_last]`` may see."""
+        lo = 0
+        hi = (seqlen_k + BLOCK_K - 1) // BLOCK_K
+        if left >= 0:
+            lo = max(q_first + off - left, 0) // BLOCK_K
+        if right >= 0:
+            j_max = q_last + off + right  # the last key the last query may see
+            hi = min(hi, j_max // BLOCK_K + 1) if j_max >= 0 else 0
+        return lo, hi
+
+    @device_function
+    def inside_window(q_first, q_last, k_first, k_last, off, left, right):
+        """True iff every (query, key) pair of the tile lies inside the window."""
+        ok = True
+        if left >= 0:
+            ok = k_first - (q_last + off) >= -left
+        if right >= 0:
+            ok = ok and k_last - (q_first + off) <= right
+        return ok
+
+    @device_function
+    def block_mask_cover(b, h, q_first, q_last, k_first, k_last, block_mask, bm_q, bm_k):
+        """(any, all): whether any / every block-mask block under the tile is allowed."""
+        any_on = False
+        all_on = True
+        for bi in range(q_first // bm_q, q_last // bm_q + 1):
+            for bj in range(k_first // bm_k, k_last // bm_k + 1):
+                on = block_mask[min(b, block_mask.shape[0] - 1), min(h, block_mask.shape[1] - 1),
+                                min(bi, block_mask.shape[2] - 1), min(bj, block_mask.shape[3] - 1)] != 0
+                any_on = any_on or on
+                all_on = all_on and on
+        return any_on, all_on
+
+    return key_tile_range, inside_window, block_mask_cover
+
+
+@lru_cache(maxsize=None)
+def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
+    """Build (once per specialisation) the forward kernel and its shared-memory size in bytes."""
+    ACC = np.dtype(ACC_NAME).type
+    THREADS_Q, THREADS_K = tile_threads(BLOCK_Q), tile_threads(BLOCK_K)
+    NTHREADS = THREADS_Q * THREADS_K
+    TQ = BLOCK_Q // THREADS_Q                # query rows per thread
+    TK = BLOCK_K // THREADS_K                # key columns per thread
+    TD = -(-HEAD_DIM // THREADS_K)           # output dims per thread (ceil)
+    EVEN_D = HEAD_DIM % THREADS_K == 0
+    QK_STRIDE = padded(HEAD_DIM)             # q/k rows: padded so row-strided reads spread over banks
+    V_STRIDE = HEAD_DIM                      # v rows are read along d by consecutive lanes: no padding
+    P_STRIDE = padded(BLOCK_K)
+    # one dynamic shared-memory buffer, carved into the tiles below
+    Q_OFF = 0
+    K_OFF = Q_OFF + BLOCK_Q * QK_STRIDE
+    V_OFF = K_OFF + BLOCK_K * QK_STRIDE
+    P_OFF = V_OFF + BLOCK_K * V_STRIDE
+    R_OFF = P_OFF + BLOCK_Q * P_STRIDE
+    SMEM_N = R_OFF + max(scratch_size(BLOCK_Q, THREADS_K), 1)
+    SHARED_BYTES = SMEM_N * np.dtype(ACC).itemsize
+    HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI
+    ACC_DT = np.dtype(ACC)
+    ZERO, NEG_INF, LOG2E_T, LN2_T = ACC(0), ACC(-np.inf), ACC(LOG2E), ACC(LN2)
+
+    load_q = make_tile_load(BLOCK_Q, HEAD_DIM, QK_STRIDE, NTHREADS, ACC)
+    load_k = make_tile_load(BLOCK_K, HEAD_DIM, QK_STRIDE, NTHREADS, ACC)
+    load_v = make_tile_load(BLOCK_K, HEAD_DIM, V_STRIDE, NTHREADS, ACC)
+    qk_tile = make_mm_abt(TQ, TK, THREADS_K, HEAD_DIM, QK_STRIDE, QK_STRIDE, ACC)
+    pv_tile = make_mm_acc(TQ, TD, THREADS_K, BLOCK_K, HEAD_DIM, P_STRIDE, V_STRIDE, ACC)
+    row_max = make_row_allreduce(TQ, THREADS_K, NTHREADS, ACC, is_max=True)
+    row_sum = make_row_allreduce(TQ, THREADS_K, NTHREADS, ACC, is_max=False)
+    score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    key_tile_range, inside_window, block_mask_cover = make_window_helpers(BLOCK_Q, BLOCK_K)
+
+    @kernel
+    def flash_forward(q, k, v, out, lse, group, off, scale, softcap, left, right,
+                      attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
+                      drop_threshold, drop_scale, seed_lo, seed_hi):
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        q0 = cuda.blockIdx.x * BLOCK_Q
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        hk = h // group                                   # grouped-query attention: shared K/V head
+        tid = cuda.threadIdx.x
+        ty = tid // THREADS_K
+        tx = tid - ty * THREADS_K
+        q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
+        scale_log2 = scale * LOG2E_T
+
+        smem = cuda.shared.array(0, ACC_DT)
+        q_smem = smem[Q_OFF:K_OFF]       # BLOCK_Q x HEAD_DIM, stride QK_STRIDE
+        k_smem = smem[K_OFF:V_OFF]       # BLOCK_K x HEAD_DIM, stride QK_STRIDE
+        v_smem = smem[V_OFF:P_OFF]       # BLOCK_K x HEAD_DIM, stride V_STRIDE
+        p_smem = smem[P_OFF:R_OFF]       # BLOCK_Q x BLOCK_K probabilities, stride P_STRIDE
+        scratch = smem[R_OFF:SMEM_N]     # row-reduction scratch (simulator only)
+
+        s_reg = cuda.local.array((TQ, TK), ACC)
+        acc = cuda.local.array((TQ, TD), ACC)
+        m_i = cuda.local.array(TQ, ACC)
+        l_i = cuda.local.array(TQ, ACC)   # per-thread partial row sums, reduced once at the end
+        row = cuda.local.array(TQ, ACC)
+        for r in range(TQ):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
+            for c in range(TD):
+                acc[r, c] = ZERO
+
+        load_q(q, b, q0, h, seqlen_q - q0, q_smem)
+        kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
+        for kt in range(kt_lo, kt_hi):
+            k0 = kt * BLOCK_K
+            k_last = min(k0 + BLOCK_K, seqlen_k) - 1
+            need_mask = k0 + BLOCK_K > seqlen_k or HAS_ATTN_MASK
+            if HAS_WINDOW:
+                need_mask = need_mask or not inside_window(q0, q_last, k0, k0 + BLOCK_K - 1, off, left, right)
+            if HAS_BLOCK_MASK:
+                any_on, all_on = block_mask_cover(b, h, q0, q_last, k0, k_last, block_mask, bm_q, bm_k)
+                if not any_on:
+                    continue                              # a skipped block: never loaded (section 3.3)
+                need_mask = need_mask or not all_on
+
+            cuda.syncthreads()                            # the previous tile's readers are done
+            load_k(k, b, k0, hk, seqlen_k - k0, k_smem)
+            load_v(v, b, k0, hk, seqlen_k - k0, v_smem)
+            cuda.syncthreads()
+
+            qk_tile(q_smem, k_smem, s_reg, ty, tx)       # S = Q K_j^T
+            for r in range(TQ):
+                i = q0 + ty * TQ + r
+                for c in range(TK):
+                    j = k0 + tx + c * THREADS_K
+                    if HAS_MODS:
+                        x = score(s_reg[r, c], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
+                    else:
+                        x = s_reg[r, c] * scale_log2
+                    if need_mask:
+                        if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
+                                       attn_mask, block_mask, bm_q, bm_k):
+                            x = NEG_INF
+                    s_reg[r, c] = x
+
+            # online softmax (base 2): m_new = max(m_i, rowmax S); rescale by exp2(m_i - m_new)
+            for r in range(TQ):
+                x = NEG_INF
+                for c in range(TK):
+                    x = max(x, s_reg[r, c])
+                row[r] = x
+            row_max(row, scratch, ty, tx)
+            for r in range(TQ):
+                m_new = max(m_i[r], row[r])
+                m_use = m_new if m_new != NEG_INF else ZERO   # a row with nothing seen yet: exp2(-inf) = 0, not NaN
+                alpha = math.exp2(m_i[r] - m_use)
+                m_i[r] = m_new
+                l_tile = ZERO
+                for c in range(TK):
+                    p = math.exp2(s_reg[r, c] - m_use)
+                    l_tile += p                               # l_i uses P before dropout
+                    if HAS_DROPOUT:
+                        i = q0 + ty * TQ + r
+                        j = k0 + tx + c * THREADS_K
+                        p = p * drop_scale if philox_keep(seed_lo, seed_hi, b, h, i, j, drop_threshold) else ZERO
+                    p_smem[(ty * TQ + r) * P_STRIDE + tx + c * THREADS_K] = p
+                l_i[r] = l_i[r] * alpha + l_tile
+                for c in range(TD):
+                    acc[r, c] *= alpha
+            cuda.syncthreads()
+            pv_tile(p_smem, v_smem, acc, ty, tx)         # acc += P V_j
+
+        row_sum(l_i, scratch, ty, tx)
+        for r in range(TQ):
+            i = q0 + ty * TQ + r
+            if i < seqlen_q:
+                l = l_i[r]
+                inv_l = ACC(1) / l if l > ZERO else ZERO       # a fully masked row: out = 0
+                for c in range(TD):
+                    d = tx + c * THREADS_K
+                    if EVEN_D or d < HEAD_DIM:
+                        out[b, i, h, d] = acc[r, c] * inv_l
+                if tx == 0:
+                    lse[b, h, i] = (m_i[r] + math.log2(l)) * LN2_T if l > ZERO else NEG_INF
+
+    return flash_forward, SHARED_BYTES, NTHREADS
