@@ -1,0 +1,28 @@
+"""The oracle: attention in plain NumPy, float64 by default, independent of ``flashnb``.
+
+Every function implements docs/semantics.md; docs/algorithm.md walks from one to
+the next.
+
+* ``attention``, ``attention_backward``      standard attention, S and P materialised
+  (FlashAttention paper, Algorithms 0 and 3)            -- ``reference.standard``
+* ``flash_forward``, ``flash_forward_v1``      tiled forwards, FA2 and FA1 loop orders
+* ``flash_backward``, ``flash_backward_v1``    recompute backwards (FA2 delta / FA1 Algorithm 4)
+                                                       -- ``reference.flash``
+* ``dropout_keep_mask``, ``philox4x32_10``     the dropout generator -- ``reference.dropout``
+* ``io_model``                                 HBM traffic: closed forms and counted oracles
+
+This package never imports ``flashnb``: it is what the kernels are checked against.
+"""
+from . import io_model
+from ._scores import OPTION_DEFAULTS
+from .dropout import PHILOX4x32_10_KNOWN_ANSWERS, dropout_keep, dropout_keep_mask, philox4x32_10
+from .flash import attention_delta, flash_backward, flash_backward_v1, flash_forward, flash_forward_v1
+from .io_model import IOCount
+from .standard import attention, attention_backward, attention_probs
+
+__all__ = [
+    "attention", "attention_backward", "attention_probs", "attention_delta",
+    "flash_forward", "flash_forward_v1", "flash_backward", "flash_backward_v1",
+    "dropout_keep_mask", "dropout_keep", "philox4x32_10", "PHILOX4x32_10_KNOWN_ANSWERS",
+    "io_model", "IOCount", "OPTION_DEFAULTS",
+]
