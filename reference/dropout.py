@@ -1,8 +1,8 @@
 """Dropout keep mask: Philox-4x32-10 as a pure function of ``(seed, b, h, i, j)``.
 
 Implements docs/semantics.md, section "Dropout". FlashAttention never stores the
-dropout mask: the forward (FA1 Algorithm 2, line 13) and the backward (FA1
-Algorithm 4, line 14) regenerate the same bits from the generator state. A
+dropout mask: the forward (FA1 Algorithm 2) and the backward (FA1 Algorithm 4)
+regenerate the same bits from the generator state. A
 counter-based generator makes that regeneration trivial: the random word for
 element ``(b, h, i, j)`` is ``philox4x32_10(counter=(j, i, h, b), key=seed)[0]``,
 with no sequential state at all, so any tile can be regenerated in any order.

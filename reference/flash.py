@@ -186,7 +186,7 @@ def flash_forward_v1(q, k, v, block_q, block_k, *, io_counter=None, **opts):
             alpha = np.exp(m_i - m_new_safe)                     #          exp(m_i - m_new)
             beta = np.exp(m_tilde - m_new_safe)                  #          exp(m~_ij - m_new)
             l_new = alpha * l_i + beta * l_tilde                 #          l_new = alpha l_i + beta l~_ij
-            p_tilde = pb.apply_dropout(p_tilde, pb.keep(r0, r1, c0, c1))   # Algorithm 2, line 13
+            p_tilde = pb.apply_dropout(p_tilde, pb.keep(r0, r1, c0, c1))   # Algorithm 2: dropout on P~_ij
             # line 12: O_i = diag(l_new)^-1 (diag(l_i) alpha O_i + beta P~_ij V_j), normalised at every step
             O_new = (l_i * alpha)[..., None] * O_i + beta[..., None] * (p_tilde @ v_j)
             O_new = O_new / np.where(l_new == 0, dt.type(1), l_new)[..., None]   # fully masked so far: O stays 0
@@ -239,7 +239,7 @@ def _backward(dout, q, k, v, out, lse, block_q, block_k, io_counter, opts, *, fa
     dk = np.zeros((B, H, Nk, d), dtype=dt)                       # HBM, per query head until the GQA sum
     dv = np.zeros((B, H, Nk, d), dtype=dt)
     if fa1:
-        counter.write("dQ", BH * Nq * d)                         # Algorithm 4 line 5: dQ, dK, dV = 0 in HBM
+        counter.write("dQ", BH * Nq * d)                         # Algorithm 4: initialise dQ, dK, dV = 0 in HBM
         counter.write("dK", BH * Nk * d)
         counter.write("dV", BH * Nk * d)
         delta = None
@@ -274,7 +274,7 @@ def _backward(dout, q, k, v, out, lse, block_q, block_k, io_counter, opts, *, fa
             dv_new = dv_j + p_drop.swapaxes(-1, -2) @ do_i       # dV_j += P_drop^T dO_i
             dp = pb.apply_dropout(do_i @ v_j.swapaxes(-1, -2), keep)   # dP_ij = (dO_i V_j^T) * keep / (1 - p)
             if fa1:
-                delta_i = np.sum(do_i * o[:, :, r0:r1], axis=-1, dtype=dt)   # Algorithm 4 line 19: D_i = rowsum(dO_i * O_i)
+                delta_i = np.sum(do_i * o[:, :, r0:r1], axis=-1, dtype=dt)   # Algorithm 4: D_i = rowsum(dO_i * O_i)
             else:
                 delta_i = delta[:, :, r0:r1]
             ds = p * (dp - delta_i[..., None])                   # dS_ij = P_ij * (dP_ij - D_i)
