@@ -152,7 +152,7 @@ def _passes(pass_: str, forward: Callable, backward: Callable):
 
 # ---- flashnb ----------------------------------------------------------------------------
 
-def _accepts(fn, name: str) -> bool:
+def accepts(fn, name: str) -> bool:
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -176,9 +176,9 @@ def flashnb_impl(flashnb, backend: str | None) -> Impl:
     def calls(case: Case):
         fwd_kw = dict(_flashnb_options(case), return_lse=True)
         bwd_kw = _flashnb_options(case)
-        if backend is not None and _accepts(flashnb.flash_attention, "backend"):
+        if backend is not None and accepts(flashnb.flash_attention, "backend"):
             fwd_kw["backend"] = backend
-        if backend is not None and _accepts(flashnb.flash_attention_backward, "backend"):
+        if backend is not None and accepts(flashnb.flash_attention_backward, "backend"):
             bwd_kw["backend"] = backend
         return fwd_kw, bwd_kw
 
