@@ -28,7 +28,6 @@ algorithms regenerate dropout from the seed and store nothing).
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 from . import flash as _flash
