@@ -1,0 +1,19 @@
+"""flashnb's benchmark: ``python -m bench`` answers "is flashnb worth it on my GPU and shapes?".
+
+Modules, in the order a run uses them:
+
+* ``cli``      -- options, the GPU and no-GPU paths, what is printed;
+* ``env``      -- CUDA device detection before numba is imported, header facts;
+* ``cases``    -- ``Case`` (one shape and option set) and the default sweep;
+* ``flops``    -- the FlashAttention FLOP formula, written in code;
+* ``impls``    -- every implementation (flashnb backends, materialised CuPy / PyTorch,
+  PyTorch SDPA backends) behind one ``make(case, data, pass)`` interface;
+* ``gpu``      -- events, synchronisation, L2 flush, peak-memory accounting, inputs;
+* ``harness``  -- the one timing loop, and the sweep that never dies on a refusal;
+* ``smoke``    -- flashnb against the oracle at toy sizes (also in the simulator);
+* ``io_table`` -- reference.io_model's HBM traffic next to measured times;
+* ``report``   -- terminal / Markdown / CSV / JSON writers and readers, the plot.
+
+This file imports nothing: ``python -m bench`` must be able to switch numba to
+its simulator before numba is first imported.
+"""

@@ -93,7 +93,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if "OutOfMemoryError" in names:
         return True
     text = str(exc).lower()
-    return "out of memory" in text or "cuda_error_out_of_memory" in text
+    return any(m in text for m in ("out of memory", "cuda_error_out_of_memory", "cublas_status_alloc_failed"))
 
 
 class Gpu:

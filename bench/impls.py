@@ -132,9 +132,11 @@ class CaseData:
         if "cupy_bias" not in self._cache:
             cp = self._cupy_module
             ok = self.allowed(cp, {})
+            bias = None
             if ok is not None:
-                ok = cp.where(ok, 0.0, -cp.inf).astype(self.cupy_arrays()[0].dtype)
-            self._cache["cupy_bias"] = ok
+                bias = cp.zeros(ok.shape, dtype=self.cupy_arrays()[0].dtype)
+                bias[~ok] = -cp.inf
+            self._cache["cupy_bias"] = bias
         return self._cache["cupy_bias"]
 
 

@@ -1,0 +1,366 @@
+"""``python -m bench``: is flashnb worth it on this GPU, for these shapes?
+
+Flow: parse the options; detect a CUDA device (ctypes, before numba is
+imported: without one, numba is switched to its simulator); then
+
+* with a GPU: validate flashnb at toy sizes, time every selected implementation
+  on every case and pass with one harness (``bench.harness``), and report
+  results, speed-ups, the IO model with measured times, and a verdict;
+* without one: print the IO-model predictions and a simulator smoke run, and
+  say that timings need a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench import env
+from bench.cases import DEFAULT_HEADDIMS, DEFAULT_HIDDEN, DEFAULT_SEQLENS, DEFAULT_TOKENS, DTYPES, sweep
+from bench.flops import NO_WINDOW, PASSES
+
+EXAMPLES = """\
+examples:
+  python -m bench                                   # the flash-attn sweep, float16, every implementation
+  python -m bench --dtype float32 --pass fwd,fwdbwd --headdims 64,128
+  python -m bench --seqlens 1024,4096 --headdims 128 --causal true --impl flashnb,sdpa-flash
+  python -m bench --nheads 32 --nheads-k 8 --seqlens 2048           # grouped-query attention
+  python -m bench --format json --output run.json --plot run.png
+  python -m bench --io                              # only the IO-model table (measured on a GPU)
+  python -m bench --list                            # which implementations this machine can run
+"""
+
+
+# ---- argument parsing -----------------------------------------------------------------------
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _choices(allowed):
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(x.strip() for x in text.split(",") if x.strip())
+        bad = [x for x in values if x not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated), got {text!r}")
+        return tuple(dict.fromkeys(values))
+    return parse
+
+
+def _window(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (integers, -1 = unbounded), got {text!r}") from None
+    if left < -1 or right < -1:
+        raise argparse.ArgumentTypeError(f"window sizes must be >= -1, got {text!r}")
+    return left, right
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+    return parse
+
+
+def _dropout(text: str) -> float:
+    p = float(text)
+    if not 0.0 <= p < 1.0:
+        raise argparse.ArgumentTypeError(f"dropout must be in [0, 1), got {text!r}")
+    return p
+
+
+def _causal(text: str) -> tuple[bool, ...]:
+    table = {"both": (False, True), "true": (True,), "yes": (True,), "false": (False,), "no": (False,)}
+    if text.lower() not in table:
+        raise argparse.ArgumentTypeError(f"choose both, true or false, got {text!r}")
+    return table[text.lower()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+        description="Time flashnb against materialised attention (CuPy, PyTorch) and PyTorch SDPA's backends: "
+                    "forward, backward and forward+backward; TFLOP/s, peak extra memory, speed-ups; plus the "
+                    "IO model of the FlashAttention paper. Without a GPU: the IO model and a simulator smoke run.")
+    s = p.add_argument_group("shapes (default: flash-attn's sweep, batch*seqlen = 16k tokens, nheads*headdim = 2048)")
+    s.add_argument("--dtype", type=_choices(DTYPES), default=("float16",), help="float16, bfloat16, float32 (comma list)")
+    s.add_argument("--seqlens", type=_int_list, default=DEFAULT_SEQLENS, metavar="N,...",
+                   help="query sequence lengths (default %(default)s)")
+    s.add_argument("--seqlen-k", type=_positive(int), default=None, metavar="N",
+                   help="key sequence length for every case (default: = seqlen; causal is bottom-right aligned)")
+    s.add_argument("--headdims", type=_int_list, default=DEFAULT_HEADDIMS, metavar="D,...",
+                   help="head dimensions (default %(default)s)")
+    s.add_argument("--batch", type=_positive(int), default=None, help="batch size (default: tokens // seqlen)")
+    s.add_argument("--nheads", type=_positive(int), default=None, help="query heads (default: hidden // headdim)")
+    s.add_argument("--nheads-k", type=_positive(int), default=None,
+                   help="key/value heads, for grouped-query attention (default: = nheads)")
+    s.add_argument("--tokens", type=_positive(int), default=DEFAULT_TOKENS, help="batch * seqlen (default %(default)s)")
+    s.add_argument("--hidden", type=_positive(int), default=DEFAULT_HIDDEN, help="nheads * headdim (default %(default)s)")
+    s.add_argument("--causal", type=_causal, default=(False, True), metavar="{both,true,false}",
+                   help="causal masking (default both)")
+    s.add_argument("--window", type=_window, default=NO_WINDOW, metavar="LEFT,RIGHT",
+                   help="sliding window, -1 = unbounded (default -1,-1)")
+    s.add_argument("--dropout", type=_dropout, default=0.0, metavar="P", help="dropout probability (default 0)")
+
+    w = p.add_argument_group("what to run")
+    w.add_argument("--impl", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()), default=None,
+                   metavar="NAME,...", help="implementations or prefixes: flashnb, flashnb-simt, sdpa, sdpa-flash, "
+                   "sdpa-cudnn, sdpa-efficient, sdpa-math, torch-materialised, cupy-materialised (default: all)")
+    w.add_argument("--pass", dest="passes", type=_choices(PASSES), default=PASSES, metavar="fwd,bwd,fwdbwd",
+                   help="passes to time (default all three)")
+    w.add_argument("--io", action="store_true", help="only the IO-model table (with measured times on a GPU)")
+    w.add_argument("--list", action="store_true", help="list the implementations and whether they can run here")
+    w.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip validating flashnb (toy sizes against the oracle; forward against SDPA per case)")
+
+    t = p.add_argument_group("timing")
+    t.add_argument("--reps", type=_positive(int), default=30, help="most timed calls per measurement (default %(default)s)")
+    t.add_argument("--warmup", type=int, default=3, help="warm-up calls after the first (default %(default)s)")
+    t.add_argument("--max-time", type=_positive(float), default=2.0, metavar="SECONDS",
+                   help="about how long the timed calls of one measurement may take; fewer reps if slower "
+                        "(never below 5) (default %(default)s)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default %(default)s)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--format", choices=("table", "markdown", "csv", "json"), default="table",
+                   help="report format (default: terminal table)")
+    o.add_argument("--output", "-o", metavar="FILE", default=None,
+                   help="write the report there (the terminal table still goes to stdout)")
+    o.add_argument("--plot", metavar="FILE.png", default=None, help="TFLOP/s against seqlen (needs matplotlib)")
+    o.add_argument("--sram-kib", type=_positive(int), default=192,
+                   help="SRAM per SM assumed by the IO model (default %(default)s, the paper's A100)")
+    o.add_argument("--quiet", "-q", action="store_true", help="no progress indicator on stderr")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    try:
+        args.cases = make_cases(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def make_cases(args):
+    return sweep(args.dtype, args.seqlens, args.headdims, args.causal, batch=args.batch, nheads=args.nheads,
+                 nheads_k=args.nheads_k, seqlen_k=args.seqlen_k, tokens=args.tokens, hidden=args.hidden,
+                 window=args.window, dropout_p=args.dropout)
+
+
+def _io_cases(args):
+    from bench.io_table import io_cases
+    return io_cases(args.dtype[0], args.seqlens, args.headdims, batch=args.batch, nheads=args.nheads,
+                    nheads_k=args.nheads_k, seqlen_k=args.seqlen_k, tokens=args.tokens, hidden=args.hidden)
+
+
+# ---- the two paths --------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.plot:
+        from bench.report import matplotlib_missing
+        missing = matplotlib_missing()
+        if missing:
+            print(f"error: {missing}", file=sys.stderr)
+            return 2
+    simulator = env.use_simulator_if_no_gpu()      # before anything imports numba
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if simulator:
+        return run_without_gpu(args, argv)
+    return run_with_gpu(args, argv)
+
+
+def _smoke_section(records):
+    from bench.report import Column, Section
+    cols = [Column("impl", "impl"), Column("dtype", "dtype"), Column("shape", "shape"), Column("status", "status"),
+            Column("max_error", "max |err|", lambda x: "" if x is None else f"{x:.1e}"),
+            Column("tolerance", "tolerance"), Column("detail", "detail")]
+    return Section("validation", "Validation: flashnb against the oracle (reference.attention, float64) at toy size",
+                   cols, records)
+
+
+def _emit(args, header, results, sections, messages) -> None:
+    from bench.report import render
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(render(args.format, header, results, sections, messages))
+        sys.stdout.write(render("table", header, results, sections, messages))
+        print(f"# report written to {args.output} ({args.format})")
+    else:
+        sys.stdout.write(render(args.format, header, results, sections, messages))
+
+
+def _list(impls) -> None:
+    from tabulate import tabulate
+    rows = [[i.name, i.family, "yes" if not i.unavailable else f"no: {i.unavailable}"] for i in impls]
+    print(tabulate(rows, ["implementation", "family", "can run here"], tablefmt="simple"))
+
+
+def run_without_gpu(args, argv) -> int:
+    """IO-model predictions and a simulator smoke run; timings need a GPU."""
+    from bench.io_table import io_section
+    from bench.impls import Impl, Libraries, all_impls
+    header = env.header(argv, {"driver": env.driver_version(), "cuda_driver": env.driver_cuda_version()},
+                        simulator=True)
+    messages = ["No CUDA device found (or NUMBA_ENABLE_CUDASIM=1): timings need a GPU. Shown instead: the IO "
+                "model's predictions and a smoke run of flashnb in Numba's CUDA simulator at toy sizes."]
+    if args.list:
+        libs = Libraries(why_not={"torch": "no CUDA device", "cupy": "no CUDA device"})
+        try:
+            import flashnb
+            libs.flashnb = flashnb
+        except ImportError as exc:
+            libs.why_not["flashnb"] = str(exc)
+        impls = [Impl(i.name, i.family, i.make, unavailable=i.unavailable or "no CUDA device (simulator only)")
+                 for i in all_impls(libs)]
+        _list(impls)
+        return 0
+    sections = [io_section(_io_cases(args), [], args.sram_kib * 1024, measured=False)]
+    smoke = []
+    if args.check:
+        from bench.smoke import smoke_run
+        smoke = smoke_run()
+        sections.insert(0, _smoke_section(smoke))
+    if args.plot:
+        messages.append(f"--plot {args.plot}: nothing to plot without timings (needs a GPU)")
+    _emit(args, header, [], sections, messages)
+    print("flashnb bench: no CUDA device, so no timings; run `python -m bench` on a GPU machine for them.",
+          file=sys.stderr)
+    return 1 if any(r["status"] == "FAIL" for r in smoke) else 0
+
+
+def _import_libraries():
+    """torch, cupy, flashnb: each if importable and able to see the GPU; otherwise why not."""
+    from bench.impls import Libraries
+    libs = Libraries()
+    try:
+        import torch
+        if torch.cuda.is_available():
+            libs.torch = torch
+        else:
+            libs.why_not["torch"] = "installed, but torch.cuda.is_available() is False"
+    except ImportError as exc:
+        libs.why_not["torch"] = f"not installed ({exc})"
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+        libs.cupy = cupy
+    except ImportError as exc:
+        libs.why_not["cupy"] = f"not installed ({exc})"
+    except Exception as exc:                                # noqa: BLE001 - e.g. CUDA runtime mismatch
+        libs.why_not["cupy"] = f"{type(exc).__name__}: {exc}"
+    try:
+        import flashnb
+        libs.flashnb = flashnb
+    except Exception as exc:                                # noqa: BLE001 - report, time the rest
+        libs.why_not["flashnb"] = f"import failed: {type(exc).__name__}: {exc}"
+    return libs
+
+
+def run_with_gpu(args, argv) -> int:
+    from bench import report
+    from bench.gpu import Gpu, install_numba_memory_counter
+    from bench.harness import DeviceLost, Progress, Settings, run_sweep
+    from bench.impls import CaseData, all_impls, select
+    from bench.io_table import FIGURE2_LABEL, STANDARD_IMPLS, io_section
+
+    messages = []
+    why = install_numba_memory_counter()                    # before flashnb creates Numba's context
+    if why:
+        messages.append(why)
+    libs = _import_libraries()
+    try:
+        impls = select(all_impls(libs), args.impl)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.list:
+        _list(impls)
+        return 0
+    gpu = Gpu(libs.torch, libs.cupy) if (libs.torch or libs.cupy) else None
+    device = {"driver": env.driver_version(), "cuda_driver": env.driver_cuda_version()}
+    if gpu is not None:
+        device.update(gpu.info())
+    header = env.header(argv, device, simulator=False)
+    settings = Settings(warmup=args.warmup, reps=args.reps, max_time_s=args.max_time, seed=args.seed,
+                        check=args.check)
+    header["timing"] = (f"median of <= {args.reps} calls (~{args.max_time} s per measurement, >= 5 calls) after "
+                        f"1 + {args.warmup} warm-up calls; L2 flushed before each call; CUDA events, default stream")
+    header["flops"] = ("fwd = 4*B*H*Nq*Nk*d (halved when causal and Nq == Nk, else exact unmasked pairs); "
+                       "bwd = 2.5 fwd; fwd+bwd = 3.5 fwd")
+    header["memory"] = ("MiB: peak allocated during one call minus allocated before it (torch + cupy pool + numba); "
+                        "bwd: beyond the forward's saved state")
+    if libs.torch is not None:
+        header["torch_tf32_matmul"] = str(libs.torch.backends.cuda.matmul.allow_tf32)
+    runnable = [i for i in impls if not i.unavailable]
+    for i in impls:
+        if i.unavailable:
+            messages.append(f"not measured: {i.name} ({i.unavailable})")
+
+    sections, smoke = [], []
+    if args.check:
+        from bench.smoke import smoke_run
+        smoke = smoke_run()
+        sections.append(_smoke_section(smoke))
+        if any(r["status"] == "FAIL" for r in smoke):
+            messages.append("flashnb FAILED validation at toy size: its timings below measure wrong results")
+    if gpu is None:
+        messages.append("timings need PyTorch or CuPy to drive the GPU (events, inputs); neither is usable: "
+                        + "; ".join(f"{k}: {v}" for k, v in libs.why_not.items()))
+        sections.append(io_section(_io_cases(args), [], args.sram_kib * 1024, measured=False))
+        _emit(args, header, [], sections, messages)
+        return 1
+
+    make_data = lambda case: CaseData(gpu, case, args.seed, libs.cupy)
+    io_cases = _io_cases(args)
+    io_impls = [i for i in runnable if i.family == "flashnb" or i.name in STANDARD_IMPLS]
+    io_passes = tuple(p for p in ("fwd", "bwd") if p in args.passes) or ("fwd", "bwd")
+    if args.io:
+        plan = [([c for _, c in io_cases], io_impls, io_passes)]
+    else:
+        main_cases = set(args.cases)          # the sweep's rows of the IO table come from the main results
+        extra = [c for label, c in io_cases if label == FIGURE2_LABEL and c not in main_cases]
+        plan = [(args.cases, runnable, args.passes), (extra, io_impls, io_passes)]
+    total = sum(len(c) * len(i) * len(p) for c, i, p in plan)
+    progress = Progress(total, enabled=not args.quiet)
+    runs, exit_code = [], 0
+    try:
+        for cases, chosen, passes in plan:
+            runs.append([r.record() for r in run_sweep(cases, chosen, passes, gpu, settings, make_data, progress)])
+    except (DeviceLost, KeyboardInterrupt) as exc:
+        runs.append([r.record() for r in getattr(exc, "partial_results", [])])
+        what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped: the device was lost ({exc})"
+        messages.append(f"sweep {what}; the tables hold the results so far")
+        exit_code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+
+    results = runs[0] if runs else []
+    io_results = [r for run in runs for r in run]
+    if any("MISMATCH" in r["note"] for r in results):
+        messages.append("some flashnb forward results differ from torch SDPA (see MISMATCH notes)")
+    passes = args.passes if not args.io else io_passes
+    speedups = report.speedups(results)
+    summary = report.summary_records(speedups, passes)
+    sections.append(report.results_section(results, passes))
+    sections += [report.speedup_section(speedups, p, results) for p in passes]
+    sections.append(io_section(io_cases, io_results, args.sram_kib * 1024, measured=True))
+    sections.append(report.summary_section(summary, passes))
+    _emit(args, header, results, sections, messages)
+    if args.plot:
+        report.plot(results, args.plot, passes, title=f"{header['device']}  {header['date']}")
+        print(f"# plot written to {args.plot}")
+    if any(r["status"] == "FAIL" for r in smoke):
+        exit_code = exit_code or 1
+    return exit_code
