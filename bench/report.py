@@ -74,12 +74,14 @@ class Column:
 
 @dataclass
 class Section:
-    """A titled table: raw ``records`` (JSON gets them as they are) and ``columns`` to show them."""
+    """A titled table: ``records`` and the ``columns`` that show them; JSON gets ``data``
+    (the unformatted records behind a pivoted table) or else the records."""
     key: str
     title: str
     columns: list[Column]
     records: list[dict]
     notes: list[str] = field(default_factory=list)
+    data: list[dict] | None = None
 
     def cells(self) -> tuple[list[str], list[list[str]]]:
         headers = [c.header for c in self.columns]
@@ -186,7 +188,8 @@ def speedup_section(speedup_records: list[dict], pass_: str, results: list[dict]
     cols = _case_columns(case_records) + [Column("flashnb", "flashnb")]
     cols += [Column(b, b, fmt_ratio) for b in baselines]
     return Section(f"speedup_{pass_}", f"Speed-up of flashnb, {PASS_LABEL[pass_]}: baseline time / flashnb time "
-                   f"(> 1: flashnb faster; empty: one of the two did not run)", cols, list(rows.values()))
+                   f"(> 1: flashnb faster; empty: one of the two did not run)", cols, list(rows.values()),
+                   data=[s for s in speedup_records if s["pass"] == pass_])
 
 
 def summary_records(speedup_records: list[dict], passes=PASSES) -> list[dict]:
@@ -212,7 +215,7 @@ def summary_section(summary: list[dict], passes=PASSES) -> Section:
     cols = [Column("flashnb", "flashnb"), Column("baseline", "vs baseline")]
     cols += [Column(p, f"{PASS_LABEL[p]}: geomean speed-up", fmt_general) for p in passes]
     return Section("summary", "Is flashnb worth it? Geometric-mean speed-up over the cases both ran "
-                   "(> 1: flashnb faster)", cols, list(rows.values()))
+                   "(> 1: flashnb faster)", cols, list(rows.values()), data=summary)
 
 
 # ---- renderers ------------------------------------------------------------------------------
@@ -287,7 +290,7 @@ def render_json(header: dict, results: list[dict], sections: list[Section], mess
     doc = {"header": header, "messages": list(messages), "results": results}
     for s in sections:
         if s.key != "results_table":           # the pivot is only a view of "results"
-            doc[s.key] = s.records
+            doc[s.key] = s.data if s.data is not None else s.records
     return json.dumps(_json_safe(doc), indent=1) + "\n"
 
 

@@ -57,7 +57,8 @@ def test_json_round_trip_keeps_numbers_and_sections():
     assert doc["results"] == recs
     assert doc["header"] == {"device": "x"} and doc["messages"] == ["a note"]
     assert "results_table" not in doc              # the pivot is a view, not data
-    assert doc["summary"] == sections[1].records
+    assert doc["summary"] == report.summary_records(sp)      # unformatted numbers, not the pivot
+    assert doc["summary"][0]["geomean_speedup"] == 0.5 and doc["summary"][0]["baseline"] == "sdpa-flash"
 
 
 def test_json_never_writes_nan():
