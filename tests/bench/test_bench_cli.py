@@ -1,0 +1,101 @@
+"""``python -m bench``: option parsing, and the no-GPU path run as a real subprocess."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import cli, report
+from bench.cases import Case
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_the_flash_attn_sweep():
+    args = cli.parse_args([])
+    assert args.dtype == ("float16",) and args.passes == ("fwd", "bwd", "fwdbwd")
+    assert args.format == "table" and args.output is None and args.plot is None and args.check
+    assert len(args.cases) == 24
+    assert args.cases[0] == Case("float16", 32, 32, 32, 512, 512, 64, False)
+    assert args.cases[-1] == Case("float16", 1, 16, 16, 16384, 16384, 128, True)
+
+
+def test_options_shape_the_cases():
+    args = cli.parse_args(["--dtype", "float32,bfloat16", "--seqlens", "1024,4096", "--headdims", "128",
+                           "--causal", "true", "--nheads", "32", "--nheads-k", "8", "--batch", "2",
+                           "--window", "128,0", "--dropout", "0.1", "--seqlen-k", "2048",
+                           "--pass", "fwd,fwdbwd", "--impl", "flashnb,sdpa-flash", "--reps", "7"])
+    assert args.passes == ("fwd", "fwdbwd") and args.impl == ("flashnb", "sdpa-flash") and args.reps == 7
+    assert [(c.dtype, c.seqlen_q) for c in args.cases] == [
+        ("float32", 1024), ("float32", 4096), ("bfloat16", 1024), ("bfloat16", 4096)]
+    c = args.cases[0]
+    assert (c.batch, c.nheads, c.nheads_k, c.seqlen_k, c.headdim, c.causal, c.window, c.dropout_p) == \
+        (2, 32, 8, 2048, 128, True, (128, 0), 0.1)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--dtype", "float64"], ["--seqlens", "0"], ["--seqlens", "1k"], ["--headdims", ""],
+    ["--pass", "forward"], ["--causal", "maybe"], ["--window", "3"], ["--window", "-2,0"],
+    ["--dropout", "1.0"], ["--reps", "0"], ["--max-time", "-1"], ["--warmup", "-1"],
+    ["--nheads", "6", "--nheads-k", "4"], ["--format", "xml"],
+])
+def test_bad_options_exit_with_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv)
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_help_mentions_every_option_family(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for opt in ("--dtype", "--seqlens", "--headdims", "--nheads-k", "--window", "--dropout", "--impl", "--pass",
+                "--reps", "--format", "--output", "--plot", "--io", "--list"):
+        assert opt in text
+
+
+def run_bench(*argv, timeout=120):
+    """``python -m bench`` in a child process, forced onto the no-GPU path by NUMBA_ENABLE_CUDASIM=1."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "bench", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_no_gpu_run_prints_io_table_and_smoke_result():
+    proc = run_bench()
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "# command: " in out and "-m bench" in out and "# device: none (Numba CUDA simulator)" in out
+    assert "timings need a GPU" in out and "no timings" in proc.stderr
+    assert "## IO model: predicted HBM traffic, standard vs flash attention" in out
+    io_lines = [line for line in out.splitlines() if line.startswith(("Figure 2  ", "sweep  "))]
+    assert len(io_lines) == 1 + 12 and io_lines[0].split()[:8] == ["Figure", "2", "float16", "64", "16", "1024",
+                                                                   "64", "9.13"]
+    assert "## Validation" in out
+    # the smoke run either checked flashnb or said clearly why it could not
+    assert ("flashnb-simt" in out and " ok " in out) or "unavailable" in out
+
+
+def test_no_gpu_json_output_file(tmp_path):
+    path = tmp_path / "r.json"
+    proc = run_bench("--no-check", "--format", "json", "--output", str(path), "--seqlens", "1024", "--headdims", "64")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(path.read_text())
+    assert doc["results"] == [] and "timings need a GPU" in doc["messages"][0]
+    rows = doc["io_model"]
+    assert [r["setting"] for r in rows] == ["Figure 2", "sweep"]
+    assert rows[1]["std_fwd_bytes"] > rows[1]["flash_fwd_bytes"] > 0 and rows[1]["std_fwd_ms"] is None
+    assert "## IO model" in proc.stdout              # the terminal table still goes to stdout
+
+
+def test_no_gpu_markdown_and_list():
+    proc = run_bench("--no-check", "--format", "markdown", "--headdims", "128")
+    assert proc.returncode == 0, proc.stderr
+    (title, headers, rows), = report.read_markdown_tables(proc.stdout)
+    assert title.startswith("IO model") and headers[:2] == ["setting", "dtype"] and len(rows) == 1 + 6
+    proc = run_bench("--list")
+    assert proc.returncode == 0, proc.stderr
+    assert "sdpa-flash" in proc.stdout and "cupy-materialised" in proc.stdout and "no CUDA device" in proc.stdout
