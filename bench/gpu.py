@@ -65,7 +65,10 @@ def install_numba_memory_counter() -> str | None:
     if _numba_counter_installed:
         return None
     try:
-        from numba.core import config
+        try:
+            from numba.cuda.core import config          # numba-cuda >= 0.2x keeps the CUDA settings here
+        except ImportError:
+            from numba.core import config
         if getattr(config, "CUDA_MEMORY_MANAGER", "default") != "default":
             return f"numba uses the external memory manager {config.CUDA_MEMORY_MANAGER}; its memory is not counted"
         from numba import cuda

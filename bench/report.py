@@ -400,6 +400,10 @@ def plot(results: list[dict], path: str, passes=PASSES, title: str = "") -> None
                     style = "-o" if impl.startswith("flashnb") else "--."
                     ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=impl)
             ax.set_xscale("log", base=2)
+            ticks = sorted({r["seqlen_q"] for r in results})
+            ax.set_xticks(ticks, [f"{t // 1024}k" if t >= 1024 and t % 1024 == 0 else str(t) for t in ticks])
+            ax.minorticks_off()
+            ax.set_ylim(bottom=0)
             ax.set_title(f"{PASS_LABEL[p]}  {g[0]}  d={g[1]}{'  causal' if g[2] else ''}", fontsize=9)
             ax.set_xlabel("seqlen")
             ax.set_ylabel("TFLOP/s")

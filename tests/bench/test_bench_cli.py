@@ -99,3 +99,12 @@ def test_no_gpu_markdown_and_list():
     proc = run_bench("--list")
     assert proc.returncode == 0, proc.stderr
     assert "sdpa-flash" in proc.stdout and "cupy-materialised" in proc.stdout and "no CUDA device" in proc.stdout
+
+
+def test_plot_without_matplotlib_fails_early_and_says_why(tmp_path):
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed here; the message is for machines without it")
+    proc = run_bench("--plot", str(tmp_path / "p.png"))
+    assert proc.returncode == 2
+    assert "needs matplotlib" in proc.stderr and proc.stdout == ""

@@ -145,3 +145,10 @@ def test_number_formats():
     assert report.fmt_ms(None) == "" and report.fmt_ms(12.34567) == "12.346" and report.fmt_ms(0.01234) == "0.0123"
     assert report.fmt_ratio(1.0) == "1.00x" and report.fmt_tflops(307.06) == "307.1"
     assert math.isclose(float(report.fmt_mib(1023.6)), 1024)
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is an optional extra (pip install matplotlib)")
+    path = tmp_path / "tflops.png"
+    report.plot(records(), str(path), title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
