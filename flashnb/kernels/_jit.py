@@ -6,7 +6,10 @@ The same kernel source runs on a real GPU and in Numba's CUDA simulator
 the options are filtered here and the few device helpers that need a shuffle
 get a shared-memory twin (see ``_tiles.make_row_allreduce``).
 """
+import warnings
+
 from numba import config, cuda
+from numba.core.errors import NumbaPerformanceWarning
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 
@@ -24,6 +27,7 @@ def kernel(fn):
 
 
 _raised = set()  # specialised dispatchers whose dynamic shared-memory limit is already raised
+LAUNCHED = {}    # id -> (kernel, threads, dynamic shared bytes) of every kernel launched: resource reports
 
 
 def launch(kern, grid, block, stream, shared_bytes, args):
@@ -36,7 +40,11 @@ def launch(kern, grid, block, stream, shared_bytes, args):
         if id(kern) not in _raised:
             _set_max_dynamic_shared(kern, shared_bytes)
             _raised.add(id(kern))
-    kern[grid, block, stream, shared_bytes](*args)
+    LAUNCHED[id(kern)] = (kern, block, shared_bytes)
+    with warnings.catch_warnings():
+        # small problems give small grids; Numba's "under-utilization" warning is noise to a caller
+        warnings.simplefilter("ignore", NumbaPerformanceWarning)
+        kern[grid, block, stream, shared_bytes](*args)
 
 
 def _set_max_dynamic_shared(kern, nbytes):

@@ -30,7 +30,7 @@ from numba import cuda
 
 from ._jit import device_function, kernel
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
-from ._tiles import make_mm_abt, make_mm_acc, make_tile_load, padded
+from ._tiles import U, make_mm_abt, make_mm_acc, make_tile_load, padded
 from .forward import LOG2E, make_window_helpers, tile_threads
 
 
@@ -102,7 +102,7 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
     TR = BLOCK_K // THREADS_R                # key rows per thread
     TC = BLOCK_Q // THREADS_C                # query columns per thread
     TD = -(-HEAD_DIM // THREADS_C)           # dims per thread in dK, dV (and dQ)
-    TRQ = BLOCK_Q // THREADS_R               # query rows per thread in the dQ partial product
+    TRQ = max(1, BLOCK_Q // THREADS_R)       # query rows per thread in the dQ partial product (atomic dQ)
     EVEN_D = HEAD_DIM % THREADS_C == 0
     STRIDE = padded(HEAD_DIM)
     DS_STRIDE = padded(BLOCK_Q)
@@ -214,14 +214,14 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
                 # dV += P_drop^T dO
                 for r in range(TR):
                     for c in range(TC):
-                        p_smem[(ty * TR + r) * DS_STRIDE + tx + c * THREADS_C] = s_reg[r, c]
+                        p_smem[U((ty * TR + r) * DS_STRIDE + tx + c * THREADS_C)] = s_reg[r, c]
                 cuda.syncthreads()
                 acc_tile(p_smem, do_smem, dv_acc, ty, tx)
                 cuda.syncthreads()
                 # dK += dS^T Q (scale applied at the end)
                 for r in range(TR):
                     for c in range(TC):
-                        p_smem[(ty * TR + r) * DS_STRIDE + tx + c * THREADS_C] = dp_reg[r, c]
+                        p_smem[U((ty * TR + r) * DS_STRIDE + tx + c * THREADS_C)] = dp_reg[r, c]
                 cuda.syncthreads()
                 acc_tile(p_smem, q_smem, dk_acc, ty, tx)
                 if ATOMIC_DQ:
@@ -343,7 +343,7 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
                     _, ds = grad(s_reg[r, c], dp_reg[r, c], i, j, b, h, lse_reg[r], delta_reg[r], need_mask,
                                  seqlen_q, seqlen_k, off, scale, softcap, left, right, attn_mask, attn_bias,
                                  alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
-                    ds_smem[(ty * TR + r) * DS_STRIDE + tx + c * THREADS_C] = ds
+                    ds_smem[U((ty * TR + r) * DS_STRIDE + tx + c * THREADS_C)] = ds
             cuda.syncthreads()
             dq_tile(ds_smem, k_smem, dq_acc, ty, tx)     # dQ += dS K
 

@@ -26,7 +26,7 @@ from numba import cuda
 
 from ._jit import device_function, kernel
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
-from ._tiles import (make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, padded,
+from ._tiles import (U, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, padded,
                      scratch_size)
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * log2(e))
@@ -205,7 +205,7 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
                         i = q0 + ty * TQ + r
                         j = k0 + tx + c * THREADS_K
                         p = p * drop_scale if philox_keep(seed_lo, seed_hi, b, h, i, j, drop_threshold) else ZERO
-                    p_smem[(ty * TQ + r) * P_STRIDE + tx + c * THREADS_K] = p
+                    p_smem[U((ty * TQ + r) * P_STRIDE + tx + c * THREADS_K)] = p
                 l_i[r] = l_i[r] * alpha + l_tile
                 for c in range(TD):
                     acc[r, c] *= alpha
@@ -221,7 +221,7 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
                 for c in range(TD):
                     d = tx + c * THREADS_K
                     if EVEN_D or d < HEAD_DIM:
-                        out[b, i, h, d] = acc[r, c] * inv_l
+                        out[U(b), U(i), U(h), U(d)] = acc[r, c] * inv_l
                 if tx == 0:
                     lse[b, h, i] = (m_i[r] + math.log2(l)) * LN2_T if l > ZERO else NEG_INF
 

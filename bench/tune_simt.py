@@ -1,0 +1,166 @@
+"""Tile sweep for the SIMT kernels on a GPU: check against float64, then time, one table.
+
+    python -m bench.tune_simt [--dtype float32] [--seqlens 1024,4096] [--headdims 64,128]
+
+For each head dim and tile configuration: correctness of forward and backward
+against a float64 PyTorch computation on a small problem, then the forward and
+forward+backward time (median of CUDA-event timings, inputs rotated over four
+sets) at the FlashAttention-2 benchmark shapes (batch * seqlen = 16k tokens,
+nheads * headdim = 2048), next to PyTorch SDPA's memory-efficient backend
+measured in the same run.  Resource usage (registers, shared memory, local
+memory) comes from the compiled kernels.  Results feed docs/performance.md.
+"""
+import argparse
+import math
+import statistics
+import sys
+
+import numpy as np
+
+
+def _fwd_flops(b, h, n, d, causal):
+    return 4 * b * h * n * n * d / (2 if causal else 1)
+
+
+def _time(fn, sets, reps=20):
+    import torch
+    for s in sets[:2]:
+        fn(*s)
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        s = sets[r % len(sets)]
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(*s)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _check(dtype, d, bq, bk, causal):
+    """Max error of out and grads against float64 at a small shape (relative to the output's max)."""
+    import torch
+    import flashnb
+    torch.manual_seed(0)
+    B, S, H = 2, 300, 3
+    q, k, v, do = (torch.randn(B, S, H, d, device="cuda", dtype=dtype) for _ in range(4))
+    out, lse = flashnb.flash_attention(q, k, v, causal=causal, return_lse=True, block_q=bq, block_k=bk)
+    dq, dk, dv = flashnb.flash_attention_backward(do, q, k, v, out, lse, causal=causal, block_q=bq, block_k=bk)
+    q64, k64, v64 = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
+    ref.backward(do.double().transpose(1, 2))
+    errs = []
+    for mine, theirs in ((out, ref), (dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
+        theirs = theirs.transpose(1, 2)
+        errs.append(float((mine.double() - theirs).abs().max() / theirs.abs().max()))
+    return max(errs)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seqlens", default="1024,4096")
+    ap.add_argument("--headdims", default="64,128")
+    ap.add_argument("--configs", default="", help="bq:bk pairs per head dim, e.g. 64=64:64,64:32;128=64:32")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--threads", default="16", help="threads per tile side to try, e.g. 16,8 (16 ships)")
+    args = ap.parse_args(argv)
+
+    import torch
+    from tabulate import tabulate
+    import flashnb
+    from flashnb.api import default_tiles
+
+    dtype = getattr(torch, args.dtype)
+    configs = {}
+    for part in filter(None, args.configs.split(";")):
+        d, pairs = part.split("=")
+        configs[int(d)] = [tuple(map(int, p.split(":"))) for p in pairs.split(",")]
+    rows = []
+    for threads in map(int, args.threads.split(",")):
+        _set_threads(threads)
+        rows += _sweep(args, configs, dtype, threads)
+    print(f"# {torch.cuda.get_device_name()} dtype={args.dtype} causal={args.causal}; "
+          f"ratio = SDPA memory-efficient time / flashnb time (>1: flashnb faster)")
+    print(tabulate(rows, headers="keys"))
+    _resources()
+
+
+def _set_threads(threads):
+    """Variant: at most ``threads`` threads per tile side (the kernels ship with 16). Rebuilds the kernels."""
+    from flashnb.kernels import backward, forward
+    forward.tile_threads = backward.tile_threads = lambda block: min(threads, block)
+    import flashnb.api
+    flashnb.api.tile_threads = forward.tile_threads
+    for f in (forward.make_forward, forward.make_window_helpers, backward.make_dkdv, backward.make_dq):
+        f.cache_clear()
+
+
+def _sweep(args, configs, dtype, threads):
+    import torch
+    import flashnb
+    from flashnb.api import default_tiles
+    rows = []
+    for d in map(int, args.headdims.split(",")):
+        acc = "float64" if args.dtype == "float64" else "float32"
+        for bq, bk in configs.get(d, [default_tiles(d, acc)]):
+            err = _check(dtype, d, bq, bk, args.causal)
+            for n in map(int, args.seqlens.split(",")):
+                b, h = max(1, 16384 // n), 2048 // d
+                sets = [tuple(torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
+                        for _ in range(4)]
+                f = _fwd_flops(b, h, n, d, args.causal)
+
+                def fwd(q, k, v, do):
+                    return flashnb.flash_attention(q, k, v, causal=args.causal, block_q=bq, block_k=bk,
+                                                   return_lse=True)
+
+                def fwdbwd(q, k, v, do):
+                    out, lse = fwd(q, k, v, do)
+                    return flashnb.flash_attention_backward(do, q, k, v, out, lse, causal=args.causal,
+                                                            block_q=bq, block_k=bk)
+
+                def sdpa(q, k, v, do, grad=False):
+                    from torch.nn.attention import SDPBackend, sdpa_kernel
+                    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+                    if grad:
+                        qt, kt, vt = (x.detach().requires_grad_() for x in (qt, kt, vt))
+                    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                        o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
+                        if grad:
+                            o.backward(do.transpose(1, 2))
+                    return o
+
+                t_f = _time(fwd, sets)
+                t_s = _time(sdpa, sets)
+                row = dict(d=d, tiles=f"{bq}x{bk}", thr=threads, N=n, B=b, H=h, rel_err=f"{err:.1e}",
+                           fwd_ms=round(t_f, 3), fwd_tflops=round(f / t_f / 1e9, 1),
+                           eff_fwd_tflops=round(f / t_s / 1e9, 1), fwd_ratio=round(t_s / t_f, 3))
+                if not args.no_bwd:
+                    t_fb = _time(fwdbwd, sets, reps=10)
+                    t_sb = _time(lambda *s: sdpa(*s, grad=True), sets, reps=10)
+                    row.update(fb_ms=round(t_fb, 3), fb_tflops=round(3.5 * f / t_fb / 1e9, 1),
+                               eff_fb_tflops=round(3.5 * f / t_sb / 1e9, 1), fb_ratio=round(t_sb / t_fb, 3))
+                rows.append(row)
+                print(row, file=sys.stderr, flush=True)
+    return rows
+
+
+def _resources():
+    """Registers / shared / local memory of every kernel specialisation launched in this run."""
+    from tabulate import tabulate
+    from flashnb.kernels._jit import LAUNCHED
+    rows = []
+    for kern, threads, shared in LAUNCHED.values():
+        for sig in kern.overloads:
+            rows.append(dict(kernel=kern.py_func.__name__, threads=threads, dyn_shared=shared,
+                             regs=kern.overloads[sig].regs_per_thread, local=kern.overloads[sig].local_mem_per_thread,
+                             dtype=str(sig[0].dtype)))
+    print(tabulate(rows, headers="keys"))
+
+
+if __name__ == "__main__":
+    main()
