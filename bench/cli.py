@@ -12,6 +12,7 @@ imported: without one, numba is switched to its simulator); then
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from bench import env
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("timing")
     t.add_argument("--reps", type=_positive(int), default=30, help="most timed calls per measurement (default %(default)s)")
     t.add_argument("--warmup", type=int, default=3, help="warm-up calls after the first (default %(default)s)")
-    t.add_argument("--max-time", type=_positive(float), default=2.0, metavar="SECONDS",
+    t.add_argument("--max-time", type=_positive(float), default=1.0, metavar="SECONDS",
                    help="about how long the timed calls of one measurement may take; fewer reps if slower "
                         "(never below 5) (default %(default)s)")
     t.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default %(default)s)")
@@ -270,6 +271,16 @@ def _import_libraries():
     return libs
 
 
+def _stop_cleanly_on_sigterm():
+    """``timeout`` and job schedulers send SIGTERM: treat it as Ctrl-C, so the results so far are written."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    try:
+        signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:                                      # not the main thread (embedded use): leave it
+        pass
+
+
 def run_with_gpu(args, argv) -> int:
     from bench import report
     from bench.gpu import Gpu, install_numba_memory_counter
@@ -324,6 +335,7 @@ def run_with_gpu(args, argv) -> int:
         _emit(args, header, [], sections, messages)
         return 1
 
+    _stop_cleanly_on_sigterm()
     make_data = lambda case: CaseData(gpu, case, args.seed, libs.cupy)
     io_cases = _io_cases(args)
     io_impls = [i for i in runnable if i.family == "flashnb" or i.name in STANDARD_IMPLS]

@@ -38,7 +38,7 @@ MISMATCH_TOLERANCE = 5e-2   # relative max |flashnb - SDPA| of the forward that 
 class Settings:
     warmup: int = 3
     reps: int = 30
-    max_time_s: float = 2.0
+    max_time_s: float = 1.0
     seed: int = 0
     check: bool = True
 

@@ -100,7 +100,8 @@ def io_section(cases, results, sram_bytes: int | None = None, measured: bool = T
     fig2 = m.figure2_comparison(sram)
     notes = [
         f"Model: reference.io_model closed forms; standard = Algorithms 0 + 3, flash = FA2 loop order; "
-        f"block sizes from an SRAM of {sram // 1024} KiB (paper, Algorithm 1 line 1); GB = 1e9 bytes.",
+        f"block sizes from an SRAM of {sram // 1024} KiB (paper, Algorithm 1 line 1); GB = 1e9 bytes; "
+        f"std/flash = predicted bytes of standard over flash, fwd + bwd.",
         f"Figure 2 check (fwd + bwd, fp16): model {fig2['standard_gb']:.1f} GB standard vs "
         f"{fig2['flash1_gb']:.1f} GB FA1 / {fig2['flash2_gb']:.1f} GB FA2; the paper measured "
         f"{fig2['paper_standard_gb']} GB vs {fig2['paper_flash_gb']} GB on an A100.",

@@ -194,15 +194,18 @@ def speedup_section(speedup_records: list[dict], pass_: str, results: list[dict]
 
 def summary_records(speedup_records: list[dict], passes=PASSES) -> list[dict]:
     """Geometric-mean speed-up and wins per (flashnb impl, baseline, pass) over the cases both ran."""
-    groups: dict[tuple, list[float]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for s in speedup_records:
-        groups.setdefault((s["flashnb"], s["baseline"], s["pass"]), []).append(s["speedup"])
+        groups.setdefault((s["flashnb"], s["baseline"], s["pass"]), []).append(s)
+    geomean = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
     out = []
-    for (f, b, p), xs in groups.items():
+    for (f, b, p), group in groups.items():
+        xs = [s["speedup"] for s in group]
+        mem = [s["memory_ratio"] for s in group if s.get("memory_ratio")]
         out.append({"flashnb": f, "baseline": b, "pass": p, "cases": len(xs),
-                    "wins": sum(x > 1 for x in xs),
-                    "geomean_speedup": math.exp(sum(math.log(x) for x in xs) / len(xs)),
-                    "min_speedup": min(xs), "max_speedup": max(xs)})
+                    "wins": sum(x > 1 for x in xs), "geomean_speedup": geomean(xs),
+                    "min_speedup": min(xs), "max_speedup": max(xs),
+                    "geomean_memory_ratio": geomean(mem)})
     order = {p: i for i, p in enumerate(passes)}
     return sorted(out, key=lambda r: (r["flashnb"], r["baseline"], order.get(r["pass"], 99)))
 
@@ -211,11 +214,15 @@ def summary_section(summary: list[dict], passes=PASSES) -> Section:
     rows: dict[tuple, dict] = {}
     for s in summary:
         row = rows.setdefault((s["flashnb"], s["baseline"]), {"flashnb": s["flashnb"], "baseline": s["baseline"]})
-        row[s["pass"]] = f"{s['geomean_speedup']:.2f}x ({s['wins']}/{s['cases']} faster)"
+        mem = s.get("geomean_memory_ratio")
+        row[s["pass"]] = (f"{s['geomean_speedup']:.2f}x ({s['wins']}/{s['cases']} faster"
+                          + (f"; memory {mem:.2g}x)" if mem else ")"))
     cols = [Column("flashnb", "flashnb"), Column("baseline", "vs baseline")]
     cols += [Column(p, f"{PASS_LABEL[p]}: geomean speed-up", fmt_general) for p in passes]
     return Section("summary", "Is flashnb worth it? Geometric-mean speed-up over the cases both ran "
-                   "(> 1: flashnb faster)", cols, list(rows.values()), data=summary)
+                   "(> 1: flashnb faster)", cols, list(rows.values()), data=summary,
+                   notes=["memory: geometric mean of flashnb's peak extra memory / the baseline's (< 1: flashnb "
+                          "needs less)"])
 
 
 # ---- renderers ------------------------------------------------------------------------------

@@ -262,6 +262,7 @@ def test_gpu_path_end_to_end_with_a_fake_device(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench.gpu, "install_numba_memory_counter", lambda: None)
     monkeypatch.setattr(bench.impls, "all_impls", fake_impls)
     monkeypatch.setattr(bench.impls, "CaseData", lambda gpu, case, seed, cupy: case)
+    monkeypatch.setattr(cli, "_stop_cleanly_on_sigterm", lambda: None)   # leave pytest's signal handlers alone
     out = tmp_path / "run.json"
     argv = ["--seqlens", "512,1024", "--headdims", "64", "--no-check", "--reps", "5", "--quiet",
             "--format", "json", "--output", str(out)]
@@ -277,4 +278,4 @@ def test_gpu_path_end_to_end_with_a_fake_device(monkeypatch, tmp_path, capsys):
     assert io["Figure 2"]["flash_fwd_ms"] == 1.0 and io["Figure 2"]["std_bwd_ms"] == 20.0   # measured extra
     assert io["sweep"]["std_fwd_ms"] == 8.0           # from the main results
     printed = capsys.readouterr().out
-    assert "## Is flashnb worth it?" in printed and "0.50x" not in printed and "2.00x (4/4 faster)" in printed
+    assert "## Is flashnb worth it?" in printed and "0.50x" not in printed and "2.00x (4/4 faster; memory 1x)" in printed

@@ -120,12 +120,15 @@ def test_speedups_are_baseline_over_flashnb_and_only_where_both_ran():
 
 
 def test_summary_geomean_and_wins():
-    sp = [{"flashnb": "flashnb-simt", "baseline": "b", "pass": "fwd", "speedup": x} for x in (0.5, 2.0, 8.0)]
+    sp = [{"flashnb": "flashnb-simt", "baseline": "b", "pass": "fwd", "speedup": x, "memory_ratio": m}
+          for x, m in ((0.5, 0.01), (2.0, None), (8.0, 0.04))]
     (s,) = report.summary_records(sp)
-    assert s["geomean_speedup"] == pytest.approx(2.0)
+    assert s["geomean_speedup"] == pytest.approx(2.0) and s["geomean_memory_ratio"] == pytest.approx(0.02)
     assert (s["wins"], s["cases"], s["min_speedup"], s["max_speedup"]) == (2, 3, 0.5, 8.0)
     headers, rows = report.summary_section([s]).cells()
-    assert rows[0][2] == "2.00x (2/3 faster)"
+    assert rows[0][2] == "2.00x (2/3 faster; memory 0.02x)"
+    s["geomean_memory_ratio"] = None
+    assert report.summary_section([s]).cells()[1][0][2] == "2.00x (2/3 faster)"
 
 
 def test_terminal_report_has_header_notes_and_tables():
