@@ -8,7 +8,8 @@ and derived sections (``Section``: raw records plus how to show them).
   are pivoted to one row per (case, implementation) with a column group per
   pass, and long reasons become numbered footnotes;
 * CSV: the header as ``# key: value`` comment lines, then the long results
-  (``read_csv`` reads it back; pandas: ``read_csv(path, comment="#")``);
+  (``read_csv`` reads it back; pandas: ``read_csv(path, comment="#")``), then
+  each other section's records as a further table after a blank line;
 * JSON: ``{"header", "results", <section key>: [records]}``, numbers unrounded.
 """
 from __future__ import annotations
@@ -244,7 +245,7 @@ def render(fmt: str, header: dict, results: list[dict], sections: list[Section],
     if fmt == "markdown":
         return render_markdown(header, sections, messages)
     if fmt == "csv":
-        return render_csv(header, results)
+        return render_csv(header, results, sections)
     if fmt == "json":
         return render_json(header, results, sections, messages)
     raise ValueError(f"format must be one of {FORMATS}, not {fmt!r}")
@@ -282,7 +283,9 @@ def render_markdown(header: dict, sections: list[Section], messages=()) -> str:
     return "\n".join(out) + "\n"
 
 
-def render_csv(header: dict, results: list[dict]) -> str:
+def render_csv(header: dict, results: list[dict], sections: list[Section] = ()) -> str:
+    """Header comments, the long results; then, after a blank line and ``# table: <key>``, the
+    unformatted records of each other section (IO model, speed-ups, verdict, validation)."""
     buf = io.StringIO()
     for k, v in header.items():
         buf.write(f"# {k}: {' '.join(str(v).split())}\n")
@@ -290,6 +293,15 @@ def render_csv(header: dict, results: list[dict]) -> str:
     w.writerow([name for name, _ in RESULT_FIELDS])
     for r in results:
         w.writerow(["" if r.get(name) is None else r[name] for name, _ in RESULT_FIELDS])
+    for s in sections:
+        data = s.data if s.data is not None else s.records
+        if s.key == "results_table" or not data:
+            continue
+        names = list(dict.fromkeys(k for rec in data for k in rec))
+        buf.write(f"\n# table: {s.key}\n")
+        w.writerow(names)
+        for rec in data:
+            w.writerow(["" if rec.get(n) is None else rec[n] for n in names])
     return buf.getvalue()
 
 
@@ -316,9 +328,11 @@ def _parse(value: str, kind):
 
 
 def read_csv(text: str) -> tuple[dict, list[dict]]:
-    """(header, results) from ``render_csv`` output."""
+    """(header, results) from ``render_csv`` output (the first table; ``read_csv_tables`` for the others)."""
     header, body = {}, []
     for line in text.splitlines(keepends=True):
+        if not line.strip():
+            break                                   # the end of the results table
         if line.startswith("# "):
             k, _, v = line[2:].rstrip("\n").partition(": ")
             header[k] = v
@@ -328,6 +342,22 @@ def read_csv(text: str) -> tuple[dict, list[dict]]:
     names = rows[0]
     kinds = dict(RESULT_FIELDS)
     return header, [{n: _parse(v, kinds[n]) for n, v in zip(names, row)} for row in rows[1:]]
+
+
+def read_csv_tables(text: str) -> dict[str, list[dict]]:
+    """The extra ``# table: <key>`` blocks of ``render_csv`` output, values as strings."""
+    tables, key, block = {}, None, []
+    for line in text.splitlines(keepends=True) + ["\n"]:
+        if line.startswith("# table: "):
+            key, block = line[len("# table: "):].strip(), []
+        elif not line.strip():
+            if key is not None and block:
+                rows = list(csv.reader(block))
+                tables[key] = [dict(zip(rows[0], r)) for r in rows[1:]]
+            key, block = None, []
+        elif key is not None:
+            block.append(line)
+    return tables
 
 
 def read_json(text: str) -> dict:

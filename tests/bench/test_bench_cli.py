@@ -91,6 +91,15 @@ def test_no_gpu_json_output_file(tmp_path):
     assert "## IO model" in proc.stdout              # the terminal table still goes to stdout
 
 
+def test_no_gpu_csv_has_the_io_table():
+    proc = run_bench("--no-check", "--format", "csv", "--seqlens", "2048", "--headdims", "64")
+    assert proc.returncode == 0, proc.stderr
+    header, results = report.read_csv(proc.stdout)
+    assert results == [] and header["device"].startswith("none")
+    io = report.read_csv_tables(proc.stdout)["io_model"]
+    assert [(r["setting"], r["seqlen_q"]) for r in io] == [("Figure 2", "1024"), ("sweep", "2048")]
+
+
 def test_no_gpu_markdown_and_list():
     proc = run_bench("--no-check", "--format", "markdown", "--headdims", "128")
     assert proc.returncode == 0, proc.stderr

@@ -49,6 +49,19 @@ def test_csv_round_trip_is_exact():
     assert text.splitlines()[0].startswith("# device: ")
 
 
+def test_csv_carries_the_other_sections_after_the_results():
+    recs = records()
+    sp = report.speedups(recs)
+    sections = [report.results_section(recs), report.speedup_section(sp, "fwd", recs),
+                report.summary_section(report.summary_records(sp))]
+    text = report.render_csv({"device": "x"}, recs, sections)
+    assert report.read_csv(text) == ({"device": "x"}, recs)
+    tables = report.read_csv_tables(text)
+    assert set(tables) == {"speedup_fwd", "summary"}
+    assert [float(r["speedup"]) for r in tables["speedup_fwd"]] == [s["speedup"] for s in sp if s["pass"] == "fwd"]
+    assert tables["summary"][0]["baseline"] == "sdpa-flash"
+
+
 def test_json_round_trip_keeps_numbers_and_sections():
     recs = records()
     sp = report.speedups(recs)
