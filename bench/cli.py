@@ -93,13 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "forward, backward and forward+backward; TFLOP/s, peak extra memory, speed-ups; plus the "
                     "IO model of the FlashAttention paper. Without a GPU: the IO model and a simulator smoke run.")
     s = p.add_argument_group("shapes (default: flash-attn's sweep, batch*seqlen = 16k tokens, nheads*headdim = 2048)")
-    s.add_argument("--dtype", type=_choices(DTYPES), default=("float16",), help="float16, bfloat16, float32 (comma list)")
+    s.add_argument("--dtype", type=_choices(DTYPES), default=("float16",), help="float16, bfloat16, float32 (comma list; default float16)")
     s.add_argument("--seqlens", type=_int_list, default=DEFAULT_SEQLENS, metavar="N,...",
-                   help="query sequence lengths (default %(default)s)")
+                   help=f"query sequence lengths (default {','.join(map(str, DEFAULT_SEQLENS))})")
     s.add_argument("--seqlen-k", type=_positive(int), default=None, metavar="N",
                    help="key sequence length for every case (default: = seqlen; causal is bottom-right aligned)")
     s.add_argument("--headdims", type=_int_list, default=DEFAULT_HEADDIMS, metavar="D,...",
-                   help="head dimensions (default %(default)s)")
+                   help=f"head dimensions (default {','.join(map(str, DEFAULT_HEADDIMS))})")
     s.add_argument("--batch", type=_positive(int), default=None, help="batch size (default: tokens // seqlen)")
     s.add_argument("--nheads", type=_positive(int), default=None, help="query heads (default: hidden // headdim)")
     s.add_argument("--nheads-k", type=_positive(int), default=None,
