@@ -289,6 +289,10 @@ def run_with_gpu(args, argv) -> int:
     from bench.io_table import FIGURE2_LABEL, STANDARD_IMPLS, io_section
 
     messages = []
+    import numpy
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 5):
+        messages.append(f"numpy {numpy.__version__}: numba-cuda 0.30 cannot compile kernels under numpy >= 2.5 "
+                        "(numba-cuda issue 907); put numpy 2.4 first on the path, or flashnb rows will be n/a")
     why = install_numba_memory_counter()                    # before flashnb creates Numba's context
     if why:
         messages.append(why)
