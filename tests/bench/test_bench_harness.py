@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 
-from bench import cli, harness
+from bench import cli
 from bench.cases import Case, sweep
 from bench.flops import attended_pairs
 from bench.harness import DeviceLost, Progress, Settings, measure, percentile, repetitions, run_sweep
