@@ -33,6 +33,7 @@ FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in the shuffle
 # pointer plus constant offsets.  An unsigned index has no wraparound: ``a[U(i)]``
 # (a no-op conversion) turns ~6 integer instructions per shared-memory load into 0.
 U = np.uint64
+UNROLL = 4  # reduction-loop unroll factor of the micro-tile products (written out: 4 calls)
 
 
 def padded(n):
@@ -73,20 +74,31 @@ def make_mm_abt(TR, TC, THREADS_C, KDIM, A_STRIDE, B_STRIDE, ACC):
     ZERO = ACC(0)
 
     @device_function
+    def step(a, b, c, ty, tx, d, a_reg, b_reg):
+        for r in range(TR):
+            a_reg[r] = a[U((ty * TR + r) * A_STRIDE + d)]
+        for j in range(TC):
+            b_reg[j] = b[U((tx + j * THREADS_C) * B_STRIDE + d)]
+        for r in range(TR):
+            for j in range(TC):
+                c[r, j] += a_reg[r] * b_reg[j]
+
+    @device_function
     def mm(a, b, c, ty, tx):
         a_reg = cuda.local.array(TR, ACC)
         b_reg = cuda.local.array(TC, ACC)
         for r in range(TR):
             for j in range(TC):
                 c[r, j] = ZERO
-        for d in range(KDIM):
-            for r in range(TR):
-                a_reg[r] = a[U((ty * TR + r) * A_STRIDE + d)]
-            for j in range(TC):
-                b_reg[j] = b[U((tx + j * THREADS_C) * B_STRIDE + d)]
-            for r in range(TR):
-                for j in range(TC):
-                    c[r, j] += a_reg[r] * b_reg[j]
+        # the reduction loop unrolled 4 times by hand (LLVM leaves a loop of this size
+        # rolled): loads get immediate offsets and the loop overhead is amortised
+        for d0 in range(0, KDIM - KDIM % UNROLL, UNROLL):
+            step(a, b, c, ty, tx, d0, a_reg, b_reg)
+            step(a, b, c, ty, tx, d0 + 1, a_reg, b_reg)
+            step(a, b, c, ty, tx, d0 + 2, a_reg, b_reg)
+            step(a, b, c, ty, tx, d0 + 3, a_reg, b_reg)
+        for d in range(KDIM - KDIM % UNROLL, KDIM):
+            step(a, b, c, ty, tx, d, a_reg, b_reg)
 
     return mm
 
@@ -101,22 +113,31 @@ def make_mm_acc(TR, TD, THREADS_C, KDIM, HEAD_DIM, P_STRIDE, V_STRIDE, ACC, TRAN
     EVEN = HEAD_DIM % THREADS_C == 0
 
     @device_function
+    def step(p, v, acc, ty, tx, k, p_reg, v_reg):
+        for r in range(TR):
+            if TRANSPOSE_P:
+                p_reg[r] = p[U(k * P_STRIDE + ty * TR + r)]
+            else:
+                p_reg[r] = p[U((ty * TR + r) * P_STRIDE + k)]
+        for c in range(TD):
+            d = tx + c * THREADS_C
+            if EVEN or d < HEAD_DIM:
+                v_reg[c] = v[U(k * V_STRIDE + d)]
+        for r in range(TR):
+            for c in range(TD):
+                acc[r, c] += p_reg[r] * v_reg[c]
+
+    @device_function
     def mm(p, v, acc, ty, tx):
         p_reg = cuda.local.array(TR, ACC)
         v_reg = cuda.local.array(TD, ACC)
-        for k in range(KDIM):
-            for r in range(TR):
-                if TRANSPOSE_P:
-                    p_reg[r] = p[U(k * P_STRIDE + ty * TR + r)]
-                else:
-                    p_reg[r] = p[U((ty * TR + r) * P_STRIDE + k)]
-            for c in range(TD):
-                d = tx + c * THREADS_C
-                if EVEN or d < HEAD_DIM:
-                    v_reg[c] = v[U(k * V_STRIDE + d)]
-            for r in range(TR):
-                for c in range(TD):
-                    acc[r, c] += p_reg[r] * v_reg[c]
+        for k0 in range(0, KDIM - KDIM % UNROLL, UNROLL):   # unrolled by hand, as in make_mm_abt
+            step(p, v, acc, ty, tx, k0, p_reg, v_reg)
+            step(p, v, acc, ty, tx, k0 + 1, p_reg, v_reg)
+            step(p, v, acc, ty, tx, k0 + 2, p_reg, v_reg)
+            step(p, v, acc, ty, tx, k0 + 3, p_reg, v_reg)
+        for k in range(KDIM - KDIM % UNROLL, KDIM):
+            step(p, v, acc, ty, tx, k, p_reg, v_reg)
 
     return mm
 
