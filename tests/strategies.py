@@ -196,10 +196,13 @@ def problems(draw, *, max_batch=2, min_seqlen=1, max_seqlen=40, max_nheads=4,
 
     data_seed = draw(st.integers(0, 2**63 - 1))
     rng = np.random.default_rng(data_seed)
-    # Magnitude of q: mostly 1, sometimes large (log-uniform up to `scale`).
-    q_scale = draw(st.one_of(st.just(1.0), st.floats(0.0, math.log10(max(scale, 1.0))).map(lambda e: 10.0 ** e)))
-    if scale < 1.0:
-        q_scale = scale
+    # Magnitude of q: 1, a power of ten up to `scale`, or log-uniform in [1, scale].
+    if scale <= 1.0:
+        q_scale = float(scale)
+    else:
+        decades = [1.0] + [10.0 ** e for e in range(1, 10) if 10.0 ** e < scale] + [float(scale)]
+        q_scale = draw(st.one_of(st.sampled_from(decades),
+                                 st.floats(0.0, math.log10(scale)).map(lambda e: 10.0 ** e)))
     v_scale = draw(st.sampled_from((1.0, 10.0)))
 
     def normal(shape, factor=1.0):

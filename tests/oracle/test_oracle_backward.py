@@ -2,7 +2,7 @@
 
 Three independent witnesses: the test's own closed form (strategies.naive_attention),
 central finite differences of the scalar loss sum(out * dout) in float64, and
-the tiled recompute backward (FA2 Algorithm 2) against the closed form.
+the tiled recompute backwards (FA2's delta and FA1 Algorithm 4) against the closed form.
 """
 import numpy as np
 import pytest
@@ -12,6 +12,7 @@ import reference
 import strategies as S
 
 SMALL = dict(max_seqlen=20, max_batch=2, max_nheads=4)
+RECOMPUTE = [reference.flash_backward, reference.flash_backward_v1]
 
 
 def _model(p: S.Problem, **changes):
@@ -44,20 +45,32 @@ def test_closed_form_backward_matches_independent_model(p):
     _check_grads(grads, m, S.rounding_rel(m, p.headdim, p.seqlen_k), "attention_backward")
 
 
-@given(S.problems(**SMALL))
-def test_recompute_backward_matches_closed_form(p):
-    """flash_backward (tiled, recomputes P from q, k and the saved lse) == attention_backward."""
+@pytest.mark.parametrize("backward", RECOMPUTE, ids=lambda f: f.__name__)
+@given(p=S.problems(**SMALL))
+def test_recompute_backward_matches_closed_form(backward, p):
+    """flash_backward[_v1] (tiled, recomputes P from q, k and the saved lse) == attention_backward."""
     out, lse = reference.attention(p.q, p.k, p.v, **p.opts)
     expected = reference.attention_backward(p.dout, p.q, p.k, p.v, **p.opts)
-    grads = reference.flash_backward(p.dout, p.q, p.k, p.v, out, lse, p.block_q, p.block_k, **p.opts)
+    grads = backward(p.dout, p.q, p.k, p.v, out, lse, p.block_q, p.block_k, **p.opts)
     m = _model(p)
     rel = S.rounding_rel(m, p.headdim, p.seqlen_k)
     for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
-        S.assert_close(g, e, m["mag_" + name], rel, f"flash_backward {name}")
+        S.assert_close(g, e, m["mag_" + name], rel, f"{backward.__name__} {name}")
 
 
+@given(S.problems(**SMALL))
+def test_recompute_backward_from_tiled_forward(p):
+    """The tiled pipeline end to end: flash_forward's (out, lse) fed to flash_backward == closed form."""
+    out, lse = reference.flash_forward(p.q, p.k, p.v, p.block_q, p.block_k, **p.opts)
+    # the backward tiles need not match the forward's: swap them on purpose
+    grads = reference.flash_backward(p.dout, p.q, p.k, p.v, out, lse, p.block_k, p.block_q, **p.opts)
+    m = _model(p)
+    _check_grads(grads, m, S.rounding_rel(m, p.headdim, p.seqlen_k), "flash_forward -> flash_backward")
+
+
+@pytest.mark.parametrize("backward", RECOMPUTE, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("block_q,block_k", [(1, 1), (2, 3), (4, 16), (7, 5), (16, 4), (64, 64)])
-def test_recompute_backward_block_sweep(block_q, block_k):
+def test_recompute_backward_block_sweep(backward, block_q, block_k):
     rng = np.random.default_rng(99)
     q = rng.standard_normal((2, 13, 4, 6)) * 10
     k, v = rng.standard_normal((2, 2, 11, 2, 6))
@@ -66,7 +79,7 @@ def test_recompute_backward_block_sweep(block_q, block_k):
                 attn_bias=rng.standard_normal((13, 11)))
     out, lse = reference.attention(q, k, v, **opts)
     expected = reference.attention_backward(dout, q, k, v, **opts)
-    grads = reference.flash_backward(dout, q, k, v, out, lse, block_q, block_k, **opts)
+    grads = backward(dout, q, k, v, out, lse, block_q, block_k, **opts)
     for g, e in zip(grads, expected):
         np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-11 * np.abs(e).max())
 
@@ -130,18 +143,21 @@ def test_fully_masked_rows_contribute_zero_gradients(p, seed):
     pm = p.with_opts(attn_mask=~dead if mask is None else (mask & ~dead))
     dead_bih = np.broadcast_to(dead[..., 0], (p.batch, p.nheads, p.seqlen_q))
     out, lse = reference.attention(pm.q, pm.k, pm.v, **pm.opts)
-    for grads in (reference.attention_backward(pm.dout, pm.q, pm.k, pm.v, **pm.opts),
-                  reference.flash_backward(pm.dout, pm.q, pm.k, pm.v, out, lse, p.block_q, p.block_k, **pm.opts)):
+    m = _model(pm)
+    rel = S.rounding_rel(m, p.headdim, p.seqlen_k)
+    dout2 = pm.dout.copy()
+    dout2.transpose(0, 2, 1, 3)[dead_bih] = 1e6                   # dout of dead rows must not matter
+    backwards = [lambda do: reference.attention_backward(do, pm.q, pm.k, pm.v, **pm.opts)]
+    backwards += [lambda do, f=f: f(do, pm.q, pm.k, pm.v, out, lse, p.block_q, p.block_k, **pm.opts)
+                  for f in RECOMPUTE]
+    for backward in backwards:
+        grads = backward(pm.dout)
         assert not any(np.isnan(g).any() for g in grads)
         assert np.all(grads[0].transpose(0, 2, 1, 3)[dead_bih] == 0.0)
-        # Changing dout on dead rows must not change anything.
-        dout2 = pm.dout.copy()
-        dout2.transpose(0, 2, 1, 3)[dead_bih] = 1e6
-        grads2 = reference.attention_backward(dout2, pm.q, pm.k, pm.v, **pm.opts)
-        for g, g2 in zip(grads[1:], grads2[1:]):
-            m = _model(pm)
-            S.assert_close(g2, g, m["mag_dk"] + m["mag_dv"], S.rounding_rel(m, p.headdim, p.seqlen_k),
-                           "dk/dv with dout changed on fully masked rows")
+        _check_grads(grads, m, rel, "with fully masked rows")
+        grads2 = backward(dout2)
+        for name, g, g2 in zip(("dk", "dv"), grads[1:], grads2[1:]):
+            S.assert_close(g2, g, m["mag_" + name], rel, f"{name} with dout changed on fully masked rows")
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(3, 0), (0, 3), (0, 0)])
@@ -151,8 +167,7 @@ def test_empty_sequence_gradients(seqlen_q, seqlen_k):
     k, v = rng.standard_normal((2, 2, seqlen_k, 1, 4))
     dout = rng.standard_normal(q.shape)
     out, lse = reference.attention(q, k, v)
-    for grads in (reference.attention_backward(dout, q, k, v),
-                  reference.flash_backward(dout, q, k, v, out, lse, 4, 4)):
+    for grads in [reference.attention_backward(dout, q, k, v)] + [f(dout, q, k, v, out, lse, 4, 4) for f in RECOMPUTE]:
         for g, x in zip(grads, (q, k, v)):
             assert g.shape == x.shape and np.all(g == 0)
 
@@ -170,5 +185,6 @@ def test_dropout_forward_and_backward_use_the_keep_mask(p):
     out, lse = reference.attention(p.q, p.k, p.v, **p.opts)
     S.assert_close(out, m["out"], m["mag_out"], rel, "out with dropout")
     _check_grads(reference.attention_backward(p.dout, p.q, p.k, p.v, **p.opts), m, rel, "attention_backward")
-    _check_grads(reference.flash_backward(p.dout, p.q, p.k, p.v, out, lse, p.block_q, p.block_k, **p.opts),
-                 m, rel, "flash_backward")
+    for backward in RECOMPUTE:
+        _check_grads(backward(p.dout, p.q, p.k, p.v, out, lse, p.block_q, p.block_k, **p.opts),
+                     m, rel, backward.__name__)

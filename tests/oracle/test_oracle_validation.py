@@ -64,6 +64,7 @@ def _all_entry_points(q, k, v, **opts):
         ("flash_forward", lambda: reference.flash_forward(q, k, v, 4, 4, **opts)),
         ("flash_forward_v1", lambda: reference.flash_forward_v1(q, k, v, 4, 4, **opts)),
         ("flash_backward", lambda: reference.flash_backward(dout, q, k, v, out, lse, 4, 4, **opts)),
+        ("flash_backward_v1", lambda: reference.flash_backward_v1(dout, q, k, v, out, lse, 4, 4, **opts)),
     ]
 
 
@@ -71,7 +72,7 @@ def _all_entry_points(q, k, v, **opts):
 def test_bad_arrays_are_rejected_by_name(arg, case):
     (q, k, v), names = BAD_ARRAYS[arg][case]
     for name, call in _all_entry_points(q, k, v):
-        if name == "flash_backward" and arg in ("q", "nheads"):
+        if name.startswith("flash_backward") and arg in ("q", "nheads"):
             continue                                               # out/lse no longer match q; covered below
         _raises_naming(names, call)
 
@@ -86,11 +87,13 @@ def test_bad_options_are_rejected_by_name(arg, case):
 def test_bad_dout_out_lse_and_blocks_are_rejected_by_name():
     out, lse = reference.attention(Q, K, V)
     _raises_naming("dout", reference.attention_backward, DOUT[:, :4], Q, K, V)
-    _raises_naming("dout", reference.flash_backward, DOUT[:, :4], Q, K, V, out, lse, 4, 4)
-    _raises_naming("out", reference.flash_backward, DOUT, Q, K, V, out[:, :4], lse, 4, 4)
-    _raises_naming("lse", reference.flash_backward, DOUT, Q, K, V, out, lse[..., :4], 4, 4)
+    for backward in (reference.flash_backward, reference.flash_backward_v1):
+        _raises_naming("dout", backward, DOUT[:, :4], Q, K, V, out, lse, 4, 4)
+        _raises_naming("out", backward, DOUT, Q, K, V, out[:, :4], lse, 4, 4)
+        _raises_naming("lse", backward, DOUT, Q, K, V, out, lse[..., :4], 4, 4)
     for fn, args in ((reference.flash_forward, (Q, K, V)), (reference.flash_forward_v1, (Q, K, V)),
-                     (reference.flash_backward, (DOUT, Q, K, V, out, lse))):
+                     (reference.flash_backward, (DOUT, Q, K, V, out, lse)),
+                     (reference.flash_backward_v1, (DOUT, Q, K, V, out, lse))):
         _raises_naming("block_q", fn, *args, 0, 4)
         _raises_naming("block_k", fn, *args, 4, 0)
         _raises_naming("block_q", fn, *args, 2.5, 4)
@@ -128,6 +131,9 @@ def test_inputs_are_never_modified(p):
     reference.flash_forward(q, k, v, p.block_q, p.block_k, **opts)
     reference.flash_forward_v1(q, k, v, p.block_q, p.block_k, **opts)
     reference.flash_backward(dout, q, k, v, out, lse, p.block_q, p.block_k, **opts)
+    reference.flash_backward_v1(dout, q, k, v, out, lse, p.block_q, p.block_k, **opts)
+    reference.dropout_keep_mask(opts.get("seed", 0), p.batch, p.nheads, p.seqlen_q, p.seqlen_k,
+                                opts.get("dropout_p", 0.0))
     for a, b in zip(arrays, before):
         np.testing.assert_array_equal(a, b)
     # Writable inputs too (the read-only flag alone would hide a copy-then-compare bug).
@@ -135,7 +141,10 @@ def test_inputs_are_never_modified(p):
     wopts = {key: (value.copy() if isinstance(value, np.ndarray) else value) for key, value in p.opts.items()}
     o, l = reference.attention(w[0], w[1], w[2], **wopts)
     reference.attention_backward(w[3], w[0], w[1], w[2], **wopts)
+    reference.flash_forward(w[0], w[1], w[2], p.block_q, p.block_k, **wopts)
+    reference.flash_forward_v1(w[0], w[1], w[2], p.block_q, p.block_k, **wopts)
     reference.flash_backward(w[3], w[0], w[1], w[2], o, l, p.block_q, p.block_k, **wopts)
+    reference.flash_backward_v1(w[3], w[0], w[1], w[2], o, l, p.block_q, p.block_k, **wopts)
     for a, b in zip(w, (p.q, p.k, p.v, p.dout)):
         np.testing.assert_array_equal(a, b)
     for key, value in wopts.items():
