@@ -165,7 +165,8 @@ def shapes(draw, *, max_batch=2, min_seqlen=1, max_seqlen=40, max_nheads=4,
 def problems(draw, *, max_batch=2, min_seqlen=1, max_seqlen=40, max_nheads=4,
              headdims=DEFAULT_HEADDIMS, dtypes=(np.float64,), options=ALL_OPTIONS,
              required=frozenset(), block_sizes=None, max_block=None, scale=1e3,
-             allow_empty=False, gqa=True, fully_masked_rows=True, max_dropout_p=0.9):
+             allow_empty=False, gqa=True, fully_masked_rows=True, max_dropout_p=0.9,
+             block_mask_sizes=None):
     """Draw a ``Problem``.
 
     max_batch, min_seqlen, max_seqlen, max_nheads: size bounds.
@@ -182,6 +183,9 @@ def problems(draw, *, max_batch=2, min_seqlen=1, max_seqlen=40, max_nheads=4,
     gqa: let nheads_k be a proper divisor of nheads.
     fully_masked_rows: let ``attn_mask`` mask whole rows.
     max_dropout_p: the largest dropout probability drawn.
+    block_mask_sizes: values to sample each side of ``block_mask_size`` from;
+        ``None`` means any integer in ``[1, max_seqlen]`` (a kernel that needs
+        the block mask aligned to its tiles passes its tile sizes' multiples).
     """
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = draw(shapes(
         max_batch=max_batch, min_seqlen=min_seqlen, max_seqlen=max_seqlen, max_nheads=max_nheads,
@@ -243,7 +247,9 @@ def problems(draw, *, max_batch=2, min_seqlen=1, max_seqlen=40, max_nheads=4,
     if "softcap" in chosen:
         opts["softcap"] = draw(st.floats(0.5, 50.0))
     if "block_mask" in chosen:
-        size = (draw(st.integers(1, max(max_seqlen, 1))), draw(st.integers(1, max(max_seqlen, 1))))
+        side = (st.integers(1, max(max_seqlen, 1)) if block_mask_sizes is None
+                else st.sampled_from(tuple(block_mask_sizes)))
+        size = (draw(side), draw(side))
         nblocks = (-(-seqlen_q // size[0]), -(-seqlen_k // size[1]))
         shape = _broadcast_shape(draw, (batch, nheads) + nblocks)
         density = draw(st.sampled_from((0.5, 0.8, 1.0)))

@@ -188,3 +188,17 @@ def test_dropout_forward_and_backward_use_the_keep_mask(p):
     for backward in RECOMPUTE:
         _check_grads(backward(p.dout, p.q, p.k, p.v, out, lse, p.block_q, p.block_k, **p.opts),
                      m, rel, backward.__name__)
+
+
+@given(S.problems(**SMALL))
+def test_delta_is_rowsum_dout_out_and_rowsum_p_dp(p):
+    """FA2's delta = rowsum(dout * out) (attention_delta) equals the softmax Jacobian's rowsum(P * dP)."""
+    out, _ = reference.attention(p.q, p.k, p.v, **p.opts)
+    delta = reference.attention_delta(p.dout, out)
+    m = _model(p)
+    rel = S.rounding_rel(m, p.headdim, p.seqlen_k)
+    dp = np.einsum("bihd,bjhd->bhij", p.dout, np.repeat(p.v, p.nheads // p.nheads_k, axis=2)) * m["keep_scale"]
+    expected = np.sum(m["p"] * dp, axis=-1)
+    magnitude = np.sum(m["p"] * np.abs(dp), axis=-1) + np.einsum("bihd,bihd->bhi", np.abs(p.dout), m["mag_out"])
+    assert delta.shape == (p.batch, p.nheads, p.seqlen_q)
+    S.assert_close(delta, expected, magnitude, rel, "delta")
