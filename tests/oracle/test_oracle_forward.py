@@ -319,14 +319,17 @@ def test_huge_scores_do_not_overflow():
         assert np.all(out <= v.max(axis=1, keepdims=True) + 1e-9) and np.all(out >= v.min(axis=1, keepdims=True) - 1e-9)
 
 
-@pytest.mark.parametrize("dtype,lse_dtype", [(np.float64, np.float64), (np.float32, np.float32),
-                                             (np.float16, np.float32)])
-def test_output_dtypes(dtype, lse_dtype):
-    """lse is float32 for 16/32-bit inputs and float64 for float64 (semantics.md, Shapes); out is shaped like q."""
+@pytest.mark.parametrize("dtype,compute,out_dtype,lse_dtype", [
+    (np.float64, None, np.float64, np.float64), (np.float32, None, np.float64, np.float64),
+    (np.float16, None, np.float64, np.float64), (np.float32, np.float32, np.float32, np.float32),
+    (np.float16, np.float16, np.float16, np.float32)])
+def test_output_dtypes(dtype, compute, out_dtype, lse_dtype):
+    """The oracle returns its compute precision (semantics.md, Shapes): float64 by default, whatever the
+    input dtype; with dtype=float32/float16 it returns out in that dtype and lse in float32."""
     q, k, v = (a.astype(dtype) for a in _explicit(3, 4))
-    out, lse = reference.attention(q, k, v)
+    out, lse = reference.attention(q, k, v, dtype=compute)
     assert out.shape == q.shape
-    assert lse.dtype == lse_dtype, f"lse dtype {lse.dtype} for {np.dtype(dtype).name} inputs, semantics.md says {np.dtype(lse_dtype).name}"
+    assert out.dtype == out_dtype and lse.dtype == lse_dtype, (out.dtype, lse.dtype)
 
 
 @given(S.problems(options=S.ALL_OPTIONS - {"attn_mask", "block_mask", "causal", "window_size"},
