@@ -66,7 +66,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="", help="bq:bk pairs per head dim, e.g. 64=64:64,64:32;128=64:32")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--no-bwd", action="store_true")
-    ap.add_argument("--threads", default="16", help="threads per tile side to try, e.g. 16,8 (16 ships)")
+    ap.add_argument("--threads", default="16x16",
+                    help="thread layouts to try, ROWSxCOLS (rows own micro-tile rows, cols are the lanes of a row)")
     args = ap.parse_args(argv)
 
     import torch
@@ -80,7 +81,7 @@ def main(argv=None):
         d, pairs = part.split("=")
         configs[int(d)] = [tuple(map(int, p.split(":"))) for p in pairs.split(",")]
     rows = []
-    for threads in map(int, args.threads.split(",")):
+    for threads in args.threads.split(","):
         _set_threads(threads)
         rows += _sweep(args, configs, dtype, threads)
     print(f"# {torch.cuda.get_device_name()} dtype={args.dtype} causal={args.causal}; "
@@ -90,11 +91,10 @@ def main(argv=None):
 
 
 def _set_threads(threads):
-    """Variant: at most ``threads`` threads per tile side (the kernels ship with 16). Rebuilds the kernels."""
+    """Variant: ``ROWSxCOLS`` threads per tile side (``forward.MAX_THREADS``). Rebuilds the kernels."""
     from flashnb.kernels import backward, forward
-    forward.tile_threads = backward.tile_threads = lambda block: min(threads, block)
-    import flashnb.api
-    flashnb.api.tile_threads = forward.tile_threads
+    rows, cols = map(int, threads.split("x"))
+    forward.MAX_THREADS.update(rows=rows, cols=cols)
     for f in (forward.make_forward, forward.make_window_helpers, backward.make_dkdv, backward.make_dq):
         f.cache_clear()
 

@@ -207,7 +207,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, de
         pre = make_preprocess(acc.__name__)
         pre[(-(-seqlen_q // 128), nheads, batch), 128, stream](dout, out, lse, delta, lse2)
     # atomics need the dQ partial product's rows to cover the query tile (BLOCK_Q >= threads per key side)
-    atomic = not deterministic and bq >= tile_threads(bk) and seqlen_q > 0
+    atomic = not deterministic and bq >= tile_threads(bk, "rows") and seqlen_q > 0
     if atomic:
         dq_accum = cuda.device_array(dq.shape, acc, stream=stream)
         _zero(dq_accum, stream)

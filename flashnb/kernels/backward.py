@@ -97,7 +97,7 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
     """Build the dK/dV kernel (rows = keys, columns = queries); returns (kernel, shared bytes, threads)."""
     ACC = np.dtype(ACC_NAME).type
     ACC_DT = np.dtype(ACC)
-    THREADS_R, THREADS_C = tile_threads(BLOCK_K), tile_threads(BLOCK_Q)
+    THREADS_R, THREADS_C = tile_threads(BLOCK_K, "rows"), tile_threads(BLOCK_Q, "cols")
     NTHREADS = THREADS_R * THREADS_C
     TR = BLOCK_K // THREADS_R                # key rows per thread
     TC = BLOCK_Q // THREADS_C                # query columns per thread
@@ -256,7 +256,7 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
     """Build the deterministic dQ kernel (rows = queries, columns = keys); returns (kernel, bytes, threads)."""
     ACC = np.dtype(ACC_NAME).type
     ACC_DT = np.dtype(ACC)
-    THREADS_R, THREADS_C = tile_threads(BLOCK_Q), tile_threads(BLOCK_K)
+    THREADS_R, THREADS_C = tile_threads(BLOCK_Q, "rows"), tile_threads(BLOCK_K, "cols")
     NTHREADS = THREADS_R * THREADS_C
     TR = BLOCK_Q // THREADS_R
     TC = BLOCK_K // THREADS_C

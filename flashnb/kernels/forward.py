@@ -33,9 +33,16 @@ LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453    # ln(2): log(l) = log2(l) * ln(2)
 
 
-def tile_threads(block):
-    """Threads along one tile dimension: 16, or the whole dimension if smaller."""
-    return min(16, block)
+# Threads along each side of a score tile: "rows" own register micro-tile rows (their
+# values are broadcast across a row of lanes), "cols" are the lanes of one row (a
+# power of two <= 32, so a row reduction stays inside a warp).  Tuned on an H100:
+# docs/performance.md.
+MAX_THREADS = {"rows": 16, "cols": 16}
+
+
+def tile_threads(block, axis):
+    """Threads along one side (``"rows"`` or ``"cols"``) of a tile of ``block`` elements."""
+    return min(MAX_THREADS[axis], block)
 
 
 @lru_cache(maxsize=None)
@@ -85,7 +92,7 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
     """Build (once per specialisation) the forward kernel and its shared-memory size in bytes."""
     ACC = np.dtype(ACC_NAME).type
-    THREADS_Q, THREADS_K = tile_threads(BLOCK_Q), tile_threads(BLOCK_K)
+    THREADS_Q, THREADS_K = tile_threads(BLOCK_Q, "rows"), tile_threads(BLOCK_K, "cols")
     NTHREADS = THREADS_Q * THREADS_K
     TQ = BLOCK_Q // THREADS_Q                # query rows per thread
     TK = BLOCK_K // THREADS_K                # key columns per thread
