@@ -20,7 +20,7 @@ BACKENDS = ("simt",)
 # tiles whose shared memory (q, k, v, p in the accumulation type) leaves room
 # for two or more blocks per SM.  Measurements: docs/performance.md.
 _GPU_TILES = {
-    "float32": ((64, (64, 64)), (128, (64, 64)), (256, (32, 32))),
+    "float32": ((64, (64, 64)), (128, (64, 32)), (256, (32, 32))),
     "float64": ((64, (64, 32)), (128, (32, 32)), (256, (32, 16))),
 }
 _SIM_TILES = (8, 8)  # the simulator runs one Python thread per CUDA thread: keep blocks small

@@ -47,30 +47,9 @@ def make_tile_load(ROWS, HEAD_DIM, STRIDE, NTHREADS, ACC):
     Consecutive threads take consecutive ``d``: coalesced global reads when the
     head dimension is contiguous.  Rows at or past ``nrows`` are written as zeros
     so that a partial tile contributes nothing (and reads no memory it does not own).
-    When ``HEAD_DIM`` divides the thread count, each thread keeps one column ``d``
-    and walks rows ``NTHREADS / HEAD_DIM`` apart: one address increment per
-    element instead of a division and a four-stride address per element.
     """
     ZERO = ACC(0)
     TOTAL = ROWS * HEAD_DIM
-
-    if NTHREADS % HEAD_DIM == 0 and ROWS % (NTHREADS // HEAD_DIM) == 0:
-        ROW_STEP = NTHREADS // HEAD_DIM
-        PASSES = ROWS // ROW_STEP                    # compile-time trip count: the loop unrolls fully
-
-        @device_function
-        def load_rows(src, b, row0, h, nrows, dst):
-            tile = src[b, row0:, h, :]                   # (rows from row0, HEAD_DIM) view: 2 strides
-            d = cuda.threadIdx.x % HEAD_DIM
-            r_first = cuda.threadIdx.x // HEAD_DIM
-            for it in range(PASSES):
-                r = r_first + it * ROW_STEP
-                x = ZERO
-                if r < nrows:
-                    x = ACC(tile[U(r), U(d)])
-                dst[U(r * STRIDE + d)] = x
-
-        return load_rows
 
     @device_function
     def load(src, b, row0, h, nrows, dst):

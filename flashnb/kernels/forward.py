@@ -99,7 +99,7 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
     TD = -(-HEAD_DIM // THREADS_K)           # output dims per thread (ceil)
     EVEN_D = HEAD_DIM % THREADS_K == 0
     QK_STRIDE = padded(HEAD_DIM)             # q/k rows: padded so row-strided reads spread over banks
-    V_STRIDE = HEAD_DIM                      # v rows are read along d by consecutive lanes: no padding
+    V_STRIDE = QK_STRIDE                     # v read along d by consecutive lanes: conflict-free either way
     P_STRIDE = padded(BLOCK_K)
     # one dynamic shared-memory buffer, carved into the tiles below
     Q_OFF = 0
@@ -123,6 +123,20 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
     score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     key_tile_range, inside_window, block_mask_cover = make_window_helpers(BLOCK_Q, BLOCK_K)
+
+    @device_function
+    def next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, block_mask, bm_q, bm_k):
+        """The first key tile after ``kt`` that the block mask does not skip (``kt + 1`` without one)."""
+        kt += 1
+        if HAS_BLOCK_MASK:
+            while kt < kt_hi:
+                k0 = kt * BLOCK_K
+                any_on, _ = block_mask_cover(b, h, q_first, q_last, k0, min(k0 + BLOCK_K, seqlen_k) - 1,
+                                             block_mask, bm_q, bm_k)
+                if any_on:
+                    break
+                kt += 1                                   # a skipped block: never loaded (section 3.3)
+        return kt
 
     @kernel
     def flash_forward(q, k, v, out, lse, group, off, scale, softcap, left, right,
@@ -160,22 +174,21 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
 
         load_q(q, b, q0, h, seqlen_q - q0, q_smem)
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
-        for kt in range(kt_lo, kt_hi):
+        kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, block_mask, bm_q, bm_k)
+        if kt < kt_hi:
+            load_k(k, b, kt * BLOCK_K, hk, seqlen_k - kt * BLOCK_K, k_smem)
+            load_v(v, b, kt * BLOCK_K, hk, seqlen_k - kt * BLOCK_K, v_smem)
+        cuda.syncthreads()
+        while kt < kt_hi:
             k0 = kt * BLOCK_K
-            k_last = min(k0 + BLOCK_K, seqlen_k) - 1
+            kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, block_mask, bm_q, bm_k)
             need_mask = k0 + BLOCK_K > seqlen_k or HAS_ATTN_MASK
             if HAS_WINDOW:
                 need_mask = need_mask or not inside_window(q0, q_last, k0, k0 + BLOCK_K - 1, off, left, right)
             if HAS_BLOCK_MASK:
-                any_on, all_on = block_mask_cover(b, h, q0, q_last, k0, k_last, block_mask, bm_q, bm_k)
-                if not any_on:
-                    continue                              # a skipped block: never loaded (section 3.3)
+                _, all_on = block_mask_cover(b, h, q0, q_last, k0, min(k0 + BLOCK_K, seqlen_k) - 1,
+                                             block_mask, bm_q, bm_k)
                 need_mask = need_mask or not all_on
-
-            cuda.syncthreads()                            # the previous tile's readers are done
-            load_k(k, b, k0, hk, seqlen_k - k0, k_smem)
-            load_v(v, b, k0, hk, seqlen_k - k0, v_smem)
-            cuda.syncthreads()
 
             qk_tile(q_smem, k_smem, s_reg, ty, tx)       # S = Q K_j^T
             for r in range(TQ):
@@ -218,6 +231,12 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
                     acc[r, c] *= alpha
             cuda.syncthreads()
             pv_tile(p_smem, v_smem, acc, ty, tx)         # acc += P V_j
+            cuda.syncthreads()                           # every reader of K_j, V_j, P is done
+            if kn < kt_hi:
+                load_k(k, b, kn * BLOCK_K, hk, seqlen_k - kn * BLOCK_K, k_smem)
+                load_v(v, b, kn * BLOCK_K, hk, seqlen_k - kn * BLOCK_K, v_smem)
+                cuda.syncthreads()
+            kt = kn
 
         row_sum(l_i, scratch, ty, tx)
         for r in range(TQ):
