@@ -1,0 +1,91 @@
+"""The forward kernel (flashnb.flash_attention) against the float64 oracle (reference.attention).
+
+Properties over random problems (tests/strategies.py, sized by kernel_harness
+for the simulator or a GPU): seqlen_q != seqlen_k, lengths of 1 and lengths that
+are not multiples of the tile, tiles larger than the sequence, MHA/GQA/MQA, odd
+head dims, tiles drawn from powers of two, every option alone and in
+combination, float64/float32/float16.  Outputs are NaN-poisoned before the
+launch, inputs must come back bit-identical.  Tolerances: kernel_harness's
+docstring (float64 1e-10, float32 1e-4 relative to the output scale, float16
+flash-attn's 2x-the-float16-oracle rule).
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import strategies as S
+from kernel_harness import (SIMULATOR, check_forward, expected, kernel_forward, kernel_problems,
+                            assert_bitwise_equal, poison_outputs)  # noqa: F401 (autouse fixture)
+
+# The simulator spends ~1 s per forward at these sizes: the parametrised
+# per-option tests draw fewer examples each (every option is still exercised).
+PER_OPTION_EXAMPLES = 4 if SIMULATOR else 15
+
+
+def _forward_matches_oracle(p):
+    out, lse = kernel_forward(p)
+    check_forward(expected(p, backward=False), out, lse)
+
+
+@given(p=kernel_problems(dtypes=(np.float64,)))
+def test_forward_float64_matches_oracle(p):
+    """out within 1e-10 (+ score rounding) of the output scale, lse likewise, -inf rows exact."""
+    _forward_matches_oracle(p)
+
+
+@given(p=kernel_problems(dtypes=(np.float32,)))
+def test_forward_float32_matches_oracle(p):
+    """out within 1e-4 (+ score rounding) of the output scale in float32 arithmetic."""
+    _forward_matches_oracle(p)
+
+
+@given(p=kernel_problems(dtypes=(np.float16,)))
+def test_forward_float16_within_twice_float16_oracle_error(p):
+    """max |kernel - oracle64| <= 2 max |oracle16 - oracle64| + floor (flash-attn's rule)."""
+    _forward_matches_oracle(p)
+
+
+@pytest.mark.parametrize("option", sorted(S.ALL_OPTIONS))
+@settings(max_examples=PER_OPTION_EXAMPLES)
+@given(data=st.data())
+def test_forward_each_option_alone(option, data):
+    """Each option group of semantics.md on its own (any dtype): catches an option that only works combined."""
+    p = data.draw(kernel_problems(dtypes=(np.float64, np.float32, np.float16), options={option},
+                                  required={option}), label="problem")
+    _forward_matches_oracle(p)
+
+
+@settings(max_examples=PER_OPTION_EXAMPLES + 2)
+@given(p=kernel_problems(dtypes=(np.float64, np.float32), required=S.ALL_OPTIONS))
+def test_forward_every_option_at_once(p):
+    """All nine option groups in one call (their specialisation flags all on)."""
+    _forward_matches_oracle(p)
+
+
+@settings(max_examples=8 if SIMULATOR else 20)
+@given(p=kernel_problems(dtypes=(np.float64, np.float32, np.float16)))
+def test_forward_bit_identical_over_two_runs_and_with_or_without_lse(p):
+    """The forward has no atomics: two runs give the same bits; return_lse=False gives the same out."""
+    out1, lse1 = kernel_forward(p)
+    out2, lse2 = kernel_forward(p)
+    assert_bitwise_equal(out1, out2, "out, run 1 vs run 2")
+    assert_bitwise_equal(lse1, lse2, "lse, run 1 vs run 2")
+    out3 = kernel_forward(p, return_lse=False)
+    assert isinstance(out3, np.ndarray), "return_lse=False must return out alone"
+    assert_bitwise_equal(out1, out3, "out with return_lse=True vs False")
+    check_forward(expected(p, backward=False), out1, lse1)
+
+
+@settings(max_examples=6 if SIMULATOR else 25)
+@given(p=kernel_problems(dtypes=(np.float64, np.float32, np.float16), tiles=st.just((None, None))))
+def test_forward_default_tiles(p):
+    """block_q = block_k = None: the API's default tiles for the head dim and dtype."""
+    _forward_matches_oracle(p)
+
+
+@settings(max_examples=6 if SIMULATOR else 25)
+@given(p=kernel_problems(dtypes=(np.float64, np.float32), scale=1.0), softmax_scale=st.floats(-2.0, 2.0))
+def test_forward_any_finite_softmax_scale(p, softmax_scale):
+    """softmax_scale may be 0 (uniform attention) or negative: it only multiplies q . k."""
+    p = p.with_opts(softmax_scale=softmax_scale)
+    _forward_matches_oracle(p)
