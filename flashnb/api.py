@@ -132,7 +132,7 @@ def _forward(q, k, v, out, lse, opts, bq, bk, acc, stream):
     kern, shared, threads = make_forward(bq, bk, headdim, acc.__name__, f.has_window, f.has_attn_mask,
                                          f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi, f.has_dropout)
     _check_shared(shared, f"the forward with block_q={bq}, block_k={bk}, head dim {headdim}")
-    grid = (-(-seqlen_q // bq), nheads, batch)
+    grid = -(-seqlen_q // bq) * nheads * batch           # 1-D: (query tile, head, batch), tile fastest
     launch(kern, grid, threads, stream, shared,
            (q, k, v, out, lse, nheads // nheads_k, seqlen_k - seqlen_q) + opts.kernel_args(acc))
 
@@ -205,7 +205,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, de
     lse2 = cuda.device_array((batch, nheads, seqlen_q), acc, stream=stream)
     if seqlen_q > 0:
         pre = make_preprocess(acc.__name__)
-        pre[(-(-seqlen_q // 128), nheads, batch), 128, stream](dout, out, lse, delta, lse2)
+        pre[-(-seqlen_q // 128) * nheads * batch, 128, stream](dout, out, lse, delta, lse2)
     # atomics need the dQ partial product's rows to cover the query tile (BLOCK_Q >= threads per key side)
     atomic = not deterministic and bq >= tile_threads(bk, "rows") and seqlen_q > 0
     if atomic:
@@ -216,18 +216,18 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, de
     if seqlen_k > 0:
         kern, shared, threads = make_dkdv(bq, bk, headdim, acc.__name__, atomic, *flags)
         _check_shared(shared, f"the dK/dV kernel with block_q={bq}, block_k={bk}, head dim {headdim}")
-        launch(kern, (-(-seqlen_k // bk), nheads_k, batch), threads, stream, shared,
+        launch(kern, -(-seqlen_k // bk) * nheads_k * batch, threads, stream, shared,
                (q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off) + args)
     if seqlen_q == 0:
         return
     if atomic:
         cast = make_cast(acc.__name__)
         n = nheads * headdim
-        cast[(-(-n // 128), seqlen_q, batch), 128, stream](dq_accum, dq)
+        cast[-(-n // 128) * seqlen_q * batch, 128, stream](dq_accum, dq)
     else:
         kern, shared, threads = make_dq(bq, bk, headdim, acc.__name__, *flags)
         _check_shared(shared, f"the dQ kernel with block_q={bq}, block_k={bk}, head dim {headdim}")
-        launch(kern, (-(-seqlen_q // bq), nheads, batch), threads, stream, shared,
+        launch(kern, -(-seqlen_q // bq) * nheads * batch, threads, stream, shared,
                (q, k, v, dout, lse2, delta, dq, group, off) + args)
 
 

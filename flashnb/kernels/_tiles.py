@@ -36,6 +36,19 @@ U = np.uint64
 UNROLL = 4  # reduction-loop unroll factor of the micro-tile products (written out: 4 calls)
 
 
+@device_function
+def tile_head_batch(n_tiles, nheads):
+    """(tile, head, batch) of this block in a 1-D grid of ``n_tiles * nheads * batch`` blocks, tile fastest.
+
+    One dimension because ``gridDim.y`` and ``gridDim.z`` stop at 65535 (a batch of
+    70k sequences, or 70k rows, would not launch); tile fastest so that the blocks
+    of one head run together and share its K and V in L2.
+    """
+    bh = cuda.blockIdx.x // n_tiles
+    b = bh // nheads
+    return cuda.blockIdx.x - bh * n_tiles, bh - b * nheads, b
+
+
 def padded(n):
     """Shared-memory row stride for rows of ``n`` values: odd, so consecutive rows start in different banks."""
     return n + 1 if n % 2 == 0 else n

@@ -30,7 +30,7 @@ from numba import cuda
 
 from ._jit import device_function, kernel
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
-from ._tiles import U, make_mm_abt, make_mm_acc, make_tile_load, padded
+from ._tiles import U, tile_head_batch, make_mm_abt, make_mm_acc, make_tile_load, padded
 from .forward import LOG2E, make_window_helpers, tile_threads
 
 
@@ -42,9 +42,8 @@ def make_preprocess(ACC_NAME):
 
     @kernel
     def preprocess(dout, out, lse, delta, lse2):
-        b = cuda.blockIdx.z
-        h = cuda.blockIdx.y
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        chunk, h, b = tile_head_batch((out.shape[1] + cuda.blockDim.x - 1) // cuda.blockDim.x, out.shape[2])
+        i = chunk * cuda.blockDim.x + cuda.threadIdx.x
         if i >= out.shape[1]:
             return
         acc = ZERO
@@ -145,9 +144,8 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
                    seed_lo, seed_hi):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        k0 = cuda.blockIdx.x * BLOCK_K
-        hk = cuda.blockIdx.y
-        b = cuda.blockIdx.z
+        kt, hk, b = tile_head_batch((seqlen_k + BLOCK_K - 1) // BLOCK_K, k.shape[2])
+        k0 = kt * BLOCK_K
         tid = cuda.threadIdx.x
         ty = tid // THREADS_C
         tx = tid - ty * THREADS_C
@@ -287,9 +285,8 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
                  seed_lo, seed_hi):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        q0 = cuda.blockIdx.x * BLOCK_Q
-        h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
+        qt, h, b = tile_head_batch((seqlen_q + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
+        q0 = qt * BLOCK_Q
         hk = h // group
         tid = cuda.threadIdx.x
         ty = tid // THREADS_C
@@ -364,10 +361,9 @@ def make_cast(ACC_NAME):
 
     @kernel
     def cast(src, dst):
-        b = cuda.blockIdx.z
-        i = cuda.blockIdx.y
-        t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         nh, nd = src.shape[2], src.shape[3]
+        chunk, i, b = tile_head_batch((nh * nd + cuda.blockDim.x - 1) // cuda.blockDim.x, src.shape[1])
+        t = chunk * cuda.blockDim.x + cuda.threadIdx.x
         if t < nh * nd:
             h = t // nd
             dst[b, i, h, t - h * nd] = src[b, i, h, t - h * nd]

@@ -27,7 +27,7 @@ from numba import cuda
 from ._jit import device_function, kernel
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import (U, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, padded,
-                     scratch_size)
+                     scratch_size, tile_head_batch)
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453    # ln(2): log(l) = log2(l) * ln(2)
@@ -144,9 +144,8 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
                       drop_threshold, drop_scale, seed_lo, seed_hi):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        q0 = cuda.blockIdx.x * BLOCK_Q
-        h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
+        qt, h, b = tile_head_batch((seqlen_q + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
+        q0 = qt * BLOCK_Q
         hk = h // group                                   # grouped-query attention: shared K/V head
         tid = cuda.threadIdx.x
         ty = tid // THREADS_K
