@@ -37,6 +37,9 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 settings.register_profile("ci", derandomize=True, max_examples=25, print_blob=True, **_common)
 settings.register_profile("dev", max_examples=40, **_common)
 settings.register_profile("thorough", max_examples=1000, **_common)
+# the recorded GPU runs: every drawn specialisation (tiles, head dim, dtype, options)
+# compiles its kernels (~5-10 s), so a GPU session draws fewer examples, derandomised
+settings.register_profile("gpu", derandomize=True, max_examples=8, print_blob=True, **_common)
 _profile = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
 settings.load_profile(_profile)
 
