@@ -54,7 +54,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 
 import flashnb
 import reference
@@ -90,6 +90,14 @@ else:
     MAX_BATCH, MAX_NHEADS = 2, 4
     SIM_TILE_STEPS = None
     LONG_KEYS = 8192
+
+
+def examples(sim, gpu=25):
+    """Examples for one test, given as its count under the ``ci`` profile (25 per test) in the simulator
+    (``sim``) or on a GPU (``gpu``), scaled with the active profile (``dev`` 40, ``thorough`` 1000,
+    ``gpu`` 8), so an explicit per-test count never overrides a smaller or larger profile."""
+    n = sim if SIMULATOR else gpu
+    return max(1, round(n * settings().max_examples / 25))
 
 
 def _max_seqlen(block_q, block_k, dtype_cap):
@@ -131,12 +139,39 @@ def kernel_problems(draw, *, dtypes=(np.float64,), options=S.ALL_OPTIONS, requir
 def atomic_tiles():
     """Tiles for which the default (non-deterministic) backward adds dQ with atomics.
 
-    flashnb.api uses atomics iff ``block_q >= tile_threads(block_k) = min(16, block_k)``.
+    flashnb.api takes the atomic path iff ``block_q >= min(16, block_k)`` (the dQ
+    partial product's rows must cover the query tile); ``DqPath`` checks that it did.
     """
-    from flashnb.kernels.forward import tile_threads
     blocks = [b for b in BLOCKS if b is not None]
-    return st.tuples(st.sampled_from(blocks), st.sampled_from(blocks)).filter(
-        lambda t: t[0] >= tile_threads(t[1]))
+    return st.tuples(st.sampled_from(blocks), st.sampled_from(blocks)).filter(lambda t: t[0] >= min(16, t[1]))
+
+
+class DqPath:
+    """``with DqPath() as path: <backward>``; then ``path.used`` is {"atomic"}, {"two-pass"} or empty.
+
+    Records which dQ strategy flashnb.api launched by wrapping its kernel factories
+    (``make_cast`` finishes the atomic accumulation, ``make_dq`` is the second pass).
+    """
+
+    def __enter__(self):
+        from flashnb import api
+        self.api, self.used = api, set()
+        self.saved = api.make_cast, api.make_dq
+
+        def cast(*args, _f=api.make_cast):
+            self.used.add("atomic")
+            return _f(*args)
+
+        def dq(*args, _f=api.make_dq):
+            self.used.add("two-pass")
+            return _f(*args)
+
+        api.make_cast, api.make_dq = cast, dq
+        return self
+
+    def __exit__(self, *exc):
+        self.api.make_cast, self.api.make_dq = self.saved
+        return False
 
 
 # --------------------------------------------------------------------------------------
@@ -182,12 +217,24 @@ class Untouched:
 # --------------------------------------------------------------------------------------
 # Kernel calls
 # --------------------------------------------------------------------------------------
+def _launch(fn, p, args, kw):
+    """Call the API; on a GPU, explicit tiles the API rejects for shared memory are a rejected example."""
+    try:
+        return fn(*args, **kw)
+    except ValueError as e:
+        explicit = kw.get("block_q") is not None or kw.get("block_k") is not None
+        if not SIMULATOR and explicit and "shared memory" in str(e):
+            from hypothesis import reject
+            reject()      # a documented limit of that tile choice (flashnb.api._check_shared), not a failure
+        raise
+
+
 def kernel_forward(p: S.Problem, **extra):
     """``flashnb.flash_attention`` on the problem (``return_lse=True`` unless overridden); checks no input was written."""
     kw = dict(p.opts, block_q=p.block_q, block_k=p.block_k, return_lse=True)
     kw.update(extra)
     with Untouched(p.q, p.k, p.v, kw):
-        return flashnb.flash_attention(p.q, p.k, p.v, **kw)
+        return _launch(flashnb.flash_attention, p, (p.q, p.k, p.v), kw)
 
 
 def kernel_backward(p: S.Problem, out, lse, **extra):
@@ -195,7 +242,7 @@ def kernel_backward(p: S.Problem, out, lse, **extra):
     kw = dict(p.opts, block_q=p.block_q, block_k=p.block_k)
     kw.update(extra)
     with Untouched(p.dout, p.q, p.k, p.v, out, lse, kw):
-        return flashnb.flash_attention_backward(p.dout, p.q, p.k, p.v, out, lse, **kw)
+        return _launch(flashnb.flash_attention_backward, p, (p.dout, p.q, p.k, p.v, out, lse), kw)
 
 
 # --------------------------------------------------------------------------------------

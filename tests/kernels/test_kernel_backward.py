@@ -15,33 +15,43 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import strategies as S
-from kernel_harness import (SIMULATOR, assert_bitwise_equal, atomic_tiles, check_backward, check_forward,
-                            expected, kernel_backward, kernel_forward, kernel_problems,
+from kernel_harness import (DqPath, examples, assert_bitwise_equal, atomic_tiles, check_backward,
+                            check_forward, expected, kernel_backward, kernel_forward, kernel_problems,
                             poison_outputs)  # noqa: F401 (autouse fixture)
 
-PER_OPTION_EXAMPLES = 3 if SIMULATOR else 15
+# The simulator spends 2-6 s per forward + backward at these sizes: the main
+# suites draw 15 examples each (not the profile's 25) to fit the CI budget;
+# the parametrised per-option tests fewer (every option is still exercised).
+MAIN_EXAMPLES = examples(15)
+PER_OPTION_EXAMPLES = examples(3, 15)
 
 
 def _backward_matches_oracle(p, deterministic):
     exp = expected(p)
     out, lse = kernel_forward(p)
     check_forward(exp, out, lse)
-    grads = kernel_backward(p, out, lse, deterministic=deterministic)
-    check_backward(exp, grads, what=f"deterministic={deterministic}: ")
+    with DqPath() as path:
+        grads = kernel_backward(p, out, lse, deterministic=deterministic)
+    if deterministic and p.seqlen_q > 0:
+        assert path.used == {"two-pass"}, f"deterministic=True must not use atomics (used {path.used})"
+    check_backward(exp, grads, what=f"deterministic={deterministic}, dQ path {sorted(path.used)}: ")
 
 
+@settings(max_examples=MAIN_EXAMPLES)
 @given(p=kernel_problems(dtypes=(np.float64,)), deterministic=st.booleans())
 def test_backward_float64_matches_oracle(p, deterministic):
     """dq, dk, dv within 1e-10 (+ score rounding) of their scales."""
     _backward_matches_oracle(p, deterministic)
 
 
+@settings(max_examples=MAIN_EXAMPLES)
 @given(p=kernel_problems(dtypes=(np.float32,)), deterministic=st.booleans())
 def test_backward_float32_matches_oracle(p, deterministic):
     """dq, dk, dv within 1e-4 (+ score rounding) of their scales, float32 arithmetic."""
     _backward_matches_oracle(p, deterministic)
 
 
+@settings(max_examples=MAIN_EXAMPLES)
 @given(p=kernel_problems(dtypes=(np.float16,)), deterministic=st.booleans())
 def test_backward_float16_within_twice_float16_oracle_error(p, deterministic):
     """max |kernel - oracle64| <= 2 max |oracle16 - oracle64| + floor, for dq, dk, dv (flash-attn's rule)."""
@@ -65,17 +75,21 @@ def test_backward_every_option_at_once(p, deterministic):
     _backward_matches_oracle(p, deterministic)
 
 
-@settings(max_examples=8 if SIMULATOR else 25)
+@settings(max_examples=examples(8, 25))
 @given(p=kernel_problems(dtypes=(np.float64, np.float32, np.float16), tiles=atomic_tiles()))
 def test_backward_atomic_dq_and_deterministic_dq_both_match_oracle(p):
     """Tiles where the default takes the atomic dQ path: it and the two-pass dQ both agree with the oracle."""
     exp = expected(p)
     out, lse = kernel_forward(p)
-    check_backward(exp, kernel_backward(p, out, lse), what="atomic dQ: ")
+    with DqPath() as path:
+        grads = kernel_backward(p, out, lse)
+    assert path.used == {"atomic"}, (f"the default backward took the {sorted(path.used)} dQ path for tiles "
+                                     f"{p.block_q}x{p.block_k}: update kernel_harness.atomic_tiles")
+    check_backward(exp, grads, what="atomic dQ: ")
     check_backward(exp, kernel_backward(p, out, lse, deterministic=True), what="deterministic dQ: ")
 
 
-@settings(max_examples=6 if SIMULATOR else 20)
+@settings(max_examples=examples(5, 20))
 @given(p=kernel_problems(dtypes=(np.float64, np.float32, np.float16)))
 def test_backward_deterministic_bit_identical_over_two_runs(p):
     """deterministic=True: the same dq, dk, dv bits on every run (dK/dV never use atomics)."""
@@ -87,7 +101,7 @@ def test_backward_deterministic_bit_identical_over_two_runs(p):
     check_backward(expected(p), first)
 
 
-@settings(max_examples=5 if SIMULATOR else 20)
+@settings(max_examples=examples(5, 20))
 @given(p=kernel_problems(dtypes=(np.float64, np.float32), tiles=st.just((None, None))),
        deterministic=st.booleans())
 def test_backward_default_tiles(p, deterministic):
@@ -95,7 +109,7 @@ def test_backward_default_tiles(p, deterministic):
     _backward_matches_oracle(p, deterministic)
 
 
-@settings(max_examples=5 if SIMULATOR else 20)
+@settings(max_examples=examples(5, 20))
 @given(p=kernel_problems(dtypes=(np.float64,)), deterministic=st.booleans())
 def test_backward_with_oracle_out_and_lse(p, deterministic):
     """The backward needs only the forward's out and lse: the oracle's give the same gradients."""

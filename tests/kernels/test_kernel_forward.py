@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import strategies as S
-from kernel_harness import (SIMULATOR, check_forward, expected, kernel_forward, kernel_problems,
+from kernel_harness import (check_forward, examples, expected, kernel_forward, kernel_problems,
                             assert_bitwise_equal, poison_outputs)  # noqa: F401 (autouse fixture)
 
 # The simulator spends ~1 s per forward at these sizes: the parametrised
 # per-option tests draw fewer examples each (every option is still exercised).
-PER_OPTION_EXAMPLES = 4 if SIMULATOR else 15
+PER_OPTION_EXAMPLES = examples(4, 15)
 
 
 def _forward_matches_oracle(p):
@@ -62,7 +62,7 @@ def test_forward_every_option_at_once(p):
     _forward_matches_oracle(p)
 
 
-@settings(max_examples=8 if SIMULATOR else 20)
+@settings(max_examples=examples(6, 20))
 @given(p=kernel_problems(dtypes=(np.float64, np.float32, np.float16)))
 def test_forward_bit_identical_over_two_runs_and_with_or_without_lse(p):
     """The forward has no atomics: two runs give the same bits; return_lse=False gives the same out."""
@@ -76,14 +76,14 @@ def test_forward_bit_identical_over_two_runs_and_with_or_without_lse(p):
     check_forward(expected(p, backward=False), out1, lse1)
 
 
-@settings(max_examples=6 if SIMULATOR else 25)
+@settings(max_examples=examples(6, 25))
 @given(p=kernel_problems(dtypes=(np.float64, np.float32, np.float16), tiles=st.just((None, None))))
 def test_forward_default_tiles(p):
     """block_q = block_k = None: the API's default tiles for the head dim and dtype."""
     _forward_matches_oracle(p)
 
 
-@settings(max_examples=6 if SIMULATOR else 25)
+@settings(max_examples=examples(6, 25))
 @given(p=kernel_problems(dtypes=(np.float64, np.float32), scale=1.0), softmax_scale=st.floats(-2.0, 2.0))
 def test_forward_any_finite_softmax_scale(p, softmax_scale):
     """softmax_scale may be 0 (uniform attention) or negative: it only multiplies q . k."""

@@ -20,7 +20,7 @@ from kernel_harness import (assert_bitwise_equal, check_backward, check_forward,
                             poison_outputs)  # noqa: F401 (autouse fixture)
 
 OPTS = dict(causal=True, softcap=4.0, dropout_p=0.25, seed=11)
-TILES = dict(block_q=4, block_k=4)
+TILES = dict(block_q=8, block_k=4)
 
 
 def data(dtype=np.float64, batch=2, seqlen_q=5, seqlen_k=6, nheads=2, nheads_k=1, headdim=3, seed=0):
@@ -75,8 +75,8 @@ def _strided_views(q, k, v, dout):
     # q: every other row of a sequence twice as long
     q_big = np.zeros((b, 2 * sq, h, d), q.dtype)
     q_big[:, ::2] = q
-    # k: a (batch, heads, seqlen, d) array transposed to (batch, seqlen, heads, d)
-    k_t = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    # k: a (batch, d, seqlen, heads) array transposed to (batch, seqlen, heads, d)
+    k_t = np.ascontiguousarray(k.transpose(0, 3, 1, 2)).transpose(0, 2, 3, 1)
     # v: the first d of a wider head dim, and the sequence reversed twice (negative strides)
     v_wide = np.zeros(v.shape[:3] + (d + 3,), v.dtype)
     v_wide[..., :d] = v[:, ::-1]
@@ -111,7 +111,7 @@ def _is_device_array(x):
     return hasattr(x, "copy_to_host") and not isinstance(x, np.ndarray)
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
 def test_numba_device_arrays_in_device_arrays_out(dtype):
     q, k, v, dout = data(dtype)
     want = numpy_path(q, k, v, dout, **OPTS, **TILES)

@@ -374,7 +374,7 @@ BACKWARD_MUTATIONS = [
 MESSAGE_NAME = {"q": r"\bq\b|head dim|nheads", "k": r"\bk\b|head dim|nheads", "v": r"\bv\b|head dim|nheads"}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=max(60, settings().max_examples), deadline=None)   # no launches: cheap
 @given(data=st.data(), backward=st.booleans())
 def test_one_malformed_argument_gives_value_or_type_error_naming_it(data, backward):
     """A valid call with one argument replaced by a bad value raises ValueError/TypeError naming the argument."""
