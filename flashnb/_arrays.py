@@ -65,7 +65,8 @@ def to_device(x, stream):
     if isinstance(x, np.ndarray):
         if x.dtype == np.bool_:
             x = x.view(np.uint8)
-        return cuda.to_device(np.ascontiguousarray(x) if x.strides and min(x.strides) < 0 else x, stream=stream)
+        # the copy to the device needs one contiguous buffer: a strided NumPy view is packed first
+        return cuda.to_device(np.ascontiguousarray(x), stream=stream)
     if torch is not None and isinstance(x, torch.Tensor):
         if x.dtype == torch.bool:
             x = x.view(torch.uint8)

@@ -205,7 +205,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, de
     lse2 = cuda.device_array((batch, nheads, seqlen_q), acc, stream=stream)
     if seqlen_q > 0:
         pre = make_preprocess(acc.__name__)
-        pre[-(-seqlen_q // 128) * nheads * batch, 128, stream](dout, out, lse, delta, lse2)
+        launch(pre, -(-seqlen_q // 128) * nheads * batch, 128, stream, 0, (dout, out, lse, delta, lse2))
     # atomics need the dQ partial product's rows to cover the query tile (BLOCK_Q >= threads per key side)
     atomic = not deterministic and bq >= tile_threads(bk, "rows") and seqlen_q > 0
     if atomic:
@@ -223,7 +223,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, de
     if atomic:
         cast = make_cast(acc.__name__)
         n = nheads * headdim
-        cast[-(-n // 128) * seqlen_q * batch, 128, stream](dq_accum, dq)
+        launch(cast, -(-n // 128) * seqlen_q * batch, 128, stream, 0, (dq_accum, dq))
     else:
         kern, shared, threads = make_dq(bq, bk, headdim, acc.__name__, *flags)
         _check_shared(shared, f"the dQ kernel with block_q={bq}, block_k={bk}, head dim {headdim}")

@@ -242,12 +242,14 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
             i = q0 + ty * TQ + r
             if i < seqlen_q:
                 l = l_i[r]
-                inv_l = ACC(1) / l if l > ZERO else ZERO       # a fully masked row: out = 0
+                # l == 0: a row that saw no key gives out = 0, lse = -inf.  A NaN score makes l
+                # NaN (the GPU's max ignores NaN, exp2 does not): out and lse NaN, as in the oracle.
+                inv_l = ZERO if l == ZERO else ACC(1) / l
                 for c in range(TD):
                     d = tx + c * THREADS_K
                     if EVEN_D or d < HEAD_DIM:
                         out[U(b), U(i), U(h), U(d)] = acc[r, c] * inv_l
                 if tx == 0:
-                    lse[b, h, i] = (m_i[r] + math.log2(l)) * LN2_T if l > ZERO else NEG_INF
+                    lse[b, h, i] = NEG_INF if l == ZERO else (m_i[r] + math.log2(l)) * LN2_T
 
     return flash_forward, SHARED_BYTES, NTHREADS
