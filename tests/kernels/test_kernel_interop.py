@@ -138,8 +138,9 @@ def test_strided_numba_device_arrays_equal_contiguous():
     v_wide[..., :3] = v
     do_big = np.zeros((2, 5, 2, 3, 2))
     do_big[..., 1] = dout
+    # explicit slices: Numba's device arrays do not take an Ellipsis
     d_q, d_k, d_v, d_do = (cuda.to_device(q_big)[:, ::2], cuda.to_device(k_big)[:, :, ::2],
-                           cuda.to_device(v_wide)[..., :3], cuda.to_device(do_big)[..., 1])
+                           cuda.to_device(v_wide)[:, :, :, :3], cuda.to_device(do_big)[:, :, :, :, 1])
     out, lse = flashnb.flash_attention(d_q, d_k, d_v, return_lse=True, **OPTS, **TILES)
     grads = flashnb.flash_attention_backward(d_do, d_q, d_k, d_v, out, lse, deterministic=True, **OPTS, **TILES)
     host = [x.copy_to_host() for x in (out, lse) + tuple(grads)]
@@ -171,9 +172,18 @@ def _to_torch(torch, arrays, dtype):
 
 
 def _torch_numpy_reference(torch, tensors, **opts):
-    """The NumPy path on the tensors' values (bfloat16: as float32, the kernels' compute type)."""
-    host = [t.float().cpu().numpy() if t.dtype == torch.bfloat16 else t.cpu().numpy() for t in tensors]
-    return numpy_path(*host, **opts)
+    """The NumPy path on the tensors' values (bfloat16: as float32, the kernels' compute type).
+
+    bfloat16: the API hands the backward the forward's ``out`` *rounded to bfloat16*
+    (it is a bfloat16 tensor), so the NumPy backward gets that rounded ``out`` too.
+    """
+    if tensors[0].dtype != torch.bfloat16:
+        return numpy_path(*(t.cpu().numpy() for t in tensors), **opts)
+    q, k, v, dout = (t.float().cpu().numpy() for t in tensors)
+    out, lse, *_ = numpy_path(q, k, v, dout, **opts)           # forward and backward checked against the oracle
+    out_bf16 = torch.as_tensor(out).to(torch.bfloat16).float().numpy()
+    grads = flashnb.flash_attention_backward(dout, q, k, v, out_bf16, lse, deterministic=True, **opts)
+    return (out, lse) + tuple(grads)
 
 
 def _assert_torch_equal(torch, got, want, what):
