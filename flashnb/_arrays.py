@@ -44,8 +44,10 @@ def kind_of(x, name):
         return Kind("torch", str(x.dtype).replace("torch.", ""))
     if cupy is not None and isinstance(x, cupy.ndarray):
         return Kind("cupy", x.dtype.name)
-    if cuda.is_cuda_array(x):
-        return Kind("numba", np.dtype(cuda.as_cuda_array(x).dtype).name)
+    if _is_numba_device_array(x):
+        return Kind("numba", np.dtype(x.dtype).name)
+    if hasattr(x, "__cuda_array_interface__"):      # any other CUDA array: viewed as a Numba array
+        return Kind("numba", np.dtype(x.__cuda_array_interface__["typestr"]).name)
     raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch CUDA or Numba device array, got {type(x).__name__}")
 
 
@@ -73,7 +75,14 @@ def to_device(x, stream):
         return cuda.as_cuda_array(x.detach())
     if cupy is not None and isinstance(x, cupy.ndarray) and x.dtype == np.bool_:
         x = x.view(np.uint8)
+    if _is_numba_device_array(x):
+        return x
     return cuda.as_cuda_array(x)
+
+
+def _is_numba_device_array(x):
+    """A Numba device array (or the simulator's stand-in): both carry ``__cuda_ndarray__ = True``."""
+    return getattr(x, "__cuda_ndarray__", False) is True
 
 
 def empty_like_kind(kind, shape, dtype, like, stream):
@@ -112,7 +121,7 @@ def resolve_stream(stream, kind):
             return cuda.external_stream(stream.cuda_stream)
         if cupy is not None and isinstance(stream, cupy.cuda.Stream):
             return cuda.external_stream(stream.ptr)
-        if hasattr(stream, "handle") and hasattr(stream, "synchronize"):  # a Numba stream
+        if isinstance(stream, type(cuda.default_stream())):  # a Numba stream (the simulator's too)
             return stream
         raise TypeError(f"stream must be a Numba, CuPy or PyTorch stream or a raw CUstream int, got {type(stream).__name__}")
     if kind.lib == "torch":

@@ -124,6 +124,7 @@ def make_mm_acc(TR, TD, THREADS_C, KDIM, HEAD_DIM, P_STRIDE, V_STRIDE, ACC, TRAN
     ``HEAD_DIM`` (when ``THREADS_C`` does not divide it) are skipped.
     """
     EVEN = HEAD_DIM % THREADS_C == 0
+    ZERO = ACC(0)
 
     @device_function
     def step(p, v, acc, ty, tx, k, p_reg, v_reg):
@@ -136,6 +137,8 @@ def make_mm_acc(TR, TD, THREADS_C, KDIM, HEAD_DIM, P_STRIDE, V_STRIDE, ACC, TRAN
             d = tx + c * THREADS_C
             if EVEN or d < HEAD_DIM:
                 v_reg[c] = v[U(k * V_STRIDE + d)]
+            else:
+                v_reg[c] = ZERO                              # a dim past HEAD_DIM: never stored
         for r in range(TR):
             for c in range(TD):
                 acc[r, c] += p_reg[r] * v_reg[c]

@@ -71,10 +71,11 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
              right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
              seed_lo, seed_hi):
         x = score(qk, i, j, b, h, off, scale, softcap, attn_bias, alibi)
-        p = math.exp2(x * LOG2E_T - lse2_i)                 # P = exp(S - lse)
-        if need_mask:
-            if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
-                p = ZERO
+        if need_mask and not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask,
+                                     bm_q, bm_k):
+            p = ZERO                                         # masked: no exp of a score that may be huge
+        else:
+            p = math.exp2(x * LOG2E_T - lse2_i)             # P = exp(S - lse)
         if HAS_DROPOUT:
             keep = drop_scale if philox_keep(seed_lo, seed_hi, b, h, i, j, drop_threshold) else ZERO
             p_drop = p * keep
