@@ -47,11 +47,17 @@ def _check_shared(nbytes, what):
                          "choose smaller block_q / block_k")
 
 
-def _compute_dtype(kind):
-    """(dtype the kernels read and write, accumulation dtype name)."""
-    if kind.dtype == "bfloat16":
-        return "float32", "float32"  # SIMT kernels: bfloat16 goes through float32 copies
-    return kind.dtype, np_acc(kind.dtype).__name__
+def _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q, block_k, **options):
+    """What a forward or backward launch needs: (accumulation type, stream, LaunchOptions, tiles).
+
+    bfloat16 goes through float32 copies in the SIMT kernels, so it accumulates in float32.
+    """
+    acc = np.float32 if kind.dtype == "bfloat16" else np_acc(kind.dtype)
+    nb_stream = _arrays.resolve_stream(stream, kind)
+    opts = _options.normalise(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, headdim=headdim,
+                              acc=acc, stream=nb_stream, **options)
+    bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
+    return acc, nb_stream, opts, bq, bk
 
 
 def _prepare(arrays, names, kind, stream):
@@ -101,19 +107,15 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     del deterministic  # the forward is deterministic by construction (no atomics)
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     _check_backend(backend)
-    io_dtype, acc_name = _compute_dtype(kind)
-    acc = np.dtype(acc_name).type
-    nb_stream = _arrays.resolve_stream(stream, kind)
-    opts = _options.normalise(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
-                              headdim=headdim, acc=acc, stream=nb_stream, softmax_scale=softmax_scale,
-                              causal=causal, window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
-                              alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                              block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
-    bq, bk = _tiles(block_q, block_k, headdim, acc_name)
+    acc, nb_stream, opts, bq, bk = _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
+                                          block_k, softmax_scale=softmax_scale, causal=causal,
+                                          window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
+                                          alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                                          block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
     qd, kd, vd = _prepare((q, k, v), ("q", "k", "v"), kind, nb_stream)
     out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, nb_stream)
     out_k = out_d if kind.dtype != "bfloat16" else cuda.device_array(out_d.shape, np.float32, stream=nb_stream)
-    lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), acc_name, q, nb_stream)
+    lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), acc.__name__, q, nb_stream)
     _forward(qd, kd, vd, out_k, lse_d, opts, bq, bk, acc, nb_stream)
     if kind.dtype == "bfloat16":
         out_ret.copy_(_torch_from(out_k))
@@ -164,15 +166,11 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
             raise TypeError(f"lse must be float32 or float64, got {kd.dtype}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    io_dtype, acc_name = _compute_dtype(kind)
-    acc = np.dtype(acc_name).type
-    nb_stream = _arrays.resolve_stream(stream, kind)
-    opts = _options.normalise(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
-                              headdim=headdim, acc=acc, stream=nb_stream, softmax_scale=softmax_scale,
-                              causal=causal, window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
-                              alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                              block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
-    bq, bk = _tiles(block_q, block_k, headdim, acc_name)
+    acc, nb_stream, opts, bq, bk = _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
+                                          block_k, softmax_scale=softmax_scale, causal=causal,
+                                          window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
+                                          alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                                          block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
     dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), kind, nb_stream)
     lsed = _arrays.to_device(lse, nb_stream)
     grads = []

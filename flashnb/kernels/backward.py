@@ -125,7 +125,7 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
     dq_tile = make_mm_acc(TRQ, TD, THREADS_C, BLOCK_K, HEAD_DIM, DS_STRIDE, STRIDE, ACC, TRANSPOSE_P=True)
     grad = make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
-    _, inside_window, block_mask_cover = make_window_helpers(BLOCK_Q, BLOCK_K)
+    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
     @device_function
     def query_tile_range(k_first, k_last, off, left, right, seqlen_q):
@@ -179,14 +179,10 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
             for qt in range(qt_lo, qt_hi):
                 q0 = qt * BLOCK_Q
                 q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
-                need_mask = k0 + BLOCK_K > seqlen_k or HAS_ATTN_MASK
-                if HAS_WINDOW:
-                    need_mask = need_mask or not inside_window(q0, q_last, k0, k0 + BLOCK_K - 1, off, left, right)
-                if HAS_BLOCK_MASK:
-                    any_on, all_on = block_mask_cover(b, h, q0, q_last, k0, k_last, block_mask, bm_q, bm_k)
-                    if not any_on:
-                        continue
-                    need_mask = need_mask or not all_on
+                visible, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right,
+                                                block_mask, bm_q, bm_k)
+                if not visible:
+                    continue                             # a skipped block: never loaded
 
                 cuda.syncthreads()                       # the previous tile's readers are done
                 load_q(q, b, q0, h, seqlen_q - q0, q_smem)
@@ -278,7 +274,7 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
     dq_tile = make_mm_acc(TR, TD, THREADS_C, BLOCK_K, HEAD_DIM, DS_STRIDE, STRIDE, ACC)
     grad = make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
-    key_tile_range, inside_window, block_mask_cover = make_window_helpers(BLOCK_Q, BLOCK_K)
+    key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
     @kernel
     def flash_dq(q, k, v, dout, lse2, delta, dq, group, off, scale, softcap, left, right,
@@ -318,15 +314,10 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
         for kt in range(kt_lo, kt_hi):
             k0 = kt * BLOCK_K
-            k_last = min(k0 + BLOCK_K, seqlen_k) - 1
-            need_mask = k0 + BLOCK_K > seqlen_k or HAS_ATTN_MASK
-            if HAS_WINDOW:
-                need_mask = need_mask or not inside_window(q0, q_last, k0, k0 + BLOCK_K - 1, off, left, right)
-            if HAS_BLOCK_MASK:
-                any_on, all_on = block_mask_cover(b, h, q0, q_last, k0, k_last, block_mask, bm_q, bm_k)
-                if not any_on:
-                    continue
-                need_mask = need_mask or not all_on
+            visible, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right,
+                                            block_mask, bm_q, bm_k)
+            if not visible:
+                continue                                 # a skipped block: never loaded
 
             cuda.syncthreads()
             load_k(k, b, k0, hk, seqlen_k - k0, k_smem)

@@ -46,8 +46,8 @@ def tile_threads(block, axis):
 
 
 @lru_cache(maxsize=None)
-def make_window_helpers(BLOCK_Q, BLOCK_K):
-    """Tile-level window arithmetic, shared by the forward and the dQ kernel."""
+def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK):
+    """Tile-level mask arithmetic, shared by the forward and backward kernels."""
 
     @device_function
     def key_tile_range(q_first, q_last, off, left, right, seqlen_k):
@@ -84,7 +84,27 @@ def make_window_helpers(BLOCK_Q, BLOCK_K):
                 all_on = all_on and on
         return any_on, all_on
 
-    return key_tile_range, inside_window, block_mask_cover
+    @device_function
+    def tile_state(b, h, q_first, q_last, k_first, seqlen_k, off, left, right, block_mask, bm_q, bm_k):
+        """(visible, need_mask) for queries ``[q_first, q_last]`` x keys ``[k_first, k_first + BLOCK_K)``.
+
+        visible: the block mask leaves some of the tile (otherwise it is skipped, never
+        loaded: section 3.3); need_mask: the element-wise mask must run, because the tile
+        crosses the end of the keys, a window edge or a block-mask edge, or an
+        ``attn_mask`` is given.  Tiles inside everything pay one uniform branch.
+        """
+        need_mask = k_first + BLOCK_K > seqlen_k or HAS_ATTN_MASK
+        if HAS_WINDOW:
+            need_mask = need_mask or not inside_window(q_first, q_last, k_first, k_first + BLOCK_K - 1,
+                                                       off, left, right)
+        visible = True
+        if HAS_BLOCK_MASK:
+            visible, all_on = block_mask_cover(b, h, q_first, q_last, k_first,
+                                               min(k_first + BLOCK_K, seqlen_k) - 1, block_mask, bm_q, bm_k)
+            need_mask = need_mask or not all_on
+        return visible, need_mask
+
+    return key_tile_range, tile_state
 
 
 @lru_cache(maxsize=None)
@@ -122,18 +142,17 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
     row_sum = make_row_allreduce(TQ, THREADS_K, NTHREADS, ACC, is_max=False)
     score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
-    key_tile_range, inside_window, block_mask_cover = make_window_helpers(BLOCK_Q, BLOCK_K)
+    key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
     @device_function
-    def next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, block_mask, bm_q, bm_k):
+    def next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k):
         """The first key tile after ``kt`` that the block mask does not skip (``kt + 1`` without one)."""
         kt += 1
         if HAS_BLOCK_MASK:
             while kt < kt_hi:
-                k0 = kt * BLOCK_K
-                any_on, _ = block_mask_cover(b, h, q_first, q_last, k0, min(k0 + BLOCK_K, seqlen_k) - 1,
-                                             block_mask, bm_q, bm_k)
-                if any_on:
+                visible, _ = tile_state(b, h, q_first, q_last, kt * BLOCK_K, seqlen_k, off, left, right,
+                                        block_mask, bm_q, bm_k)
+                if visible:
                     break
                 kt += 1                                   # a skipped block: never loaded (section 3.3)
         return kt
@@ -173,21 +192,15 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
 
         load_q(q, b, q0, h, seqlen_q - q0, q_smem)
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
-        kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, block_mask, bm_q, bm_k)
+        kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
         if kt < kt_hi:
             load_k(k, b, kt * BLOCK_K, hk, seqlen_k - kt * BLOCK_K, k_smem)
             load_v(v, b, kt * BLOCK_K, hk, seqlen_k - kt * BLOCK_K, v_smem)
         cuda.syncthreads()
         while kt < kt_hi:
             k0 = kt * BLOCK_K
-            kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, block_mask, bm_q, bm_k)
-            need_mask = k0 + BLOCK_K > seqlen_k or HAS_ATTN_MASK
-            if HAS_WINDOW:
-                need_mask = need_mask or not inside_window(q0, q_last, k0, k0 + BLOCK_K - 1, off, left, right)
-            if HAS_BLOCK_MASK:
-                _, all_on = block_mask_cover(b, h, q0, q_last, k0, min(k0 + BLOCK_K, seqlen_k) - 1,
-                                             block_mask, bm_q, bm_k)
-                need_mask = need_mask or not all_on
+            kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
+            _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
 
             qk_tile(q_smem, k_smem, s_reg, ty, tx)       # S = Q K_j^T
             for r in range(TQ):
