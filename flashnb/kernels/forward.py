@@ -110,7 +110,7 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
 @lru_cache(maxsize=None)
 def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
-    """Build (once per specialisation) the forward kernel and its shared-memory size in bytes."""
+    """Build (once per specialisation) the forward kernel: (kernel, dynamic shared bytes, threads per block)."""
     ACC = np.dtype(ACC_NAME).type
     THREADS_Q, THREADS_K = tile_threads(BLOCK_Q, "rows"), tile_threads(BLOCK_K, "cols")
     NTHREADS = THREADS_Q * THREADS_K
@@ -134,8 +134,7 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
     ZERO, NEG_INF, LOG2E_T, LN2_T = ACC(0), ACC(-np.inf), ACC(LOG2E), ACC(LN2)
 
     load_q = make_tile_load(BLOCK_Q, HEAD_DIM, QK_STRIDE, NTHREADS, ACC)
-    load_k = make_tile_load(BLOCK_K, HEAD_DIM, QK_STRIDE, NTHREADS, ACC)
-    load_v = make_tile_load(BLOCK_K, HEAD_DIM, V_STRIDE, NTHREADS, ACC)
+    load_kv = make_tile_load(BLOCK_K, HEAD_DIM, QK_STRIDE, NTHREADS, ACC)   # K and V share a layout
     qk_tile = make_mm_abt(TQ, TK, THREADS_K, HEAD_DIM, QK_STRIDE, QK_STRIDE, ACC)
     pv_tile = make_mm_acc(TQ, TD, THREADS_K, BLOCK_K, HEAD_DIM, P_STRIDE, V_STRIDE, ACC)
     row_max = make_row_allreduce(TQ, THREADS_K, NTHREADS, ACC, is_max=True)
@@ -194,8 +193,8 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
         if kt < kt_hi:
-            load_k(k, b, kt * BLOCK_K, hk, seqlen_k - kt * BLOCK_K, k_smem)
-            load_v(v, b, kt * BLOCK_K, hk, seqlen_k - kt * BLOCK_K, v_smem)
+            load_kv(k, b, kt * BLOCK_K, hk, seqlen_k - kt * BLOCK_K, k_smem)
+            load_kv(v, b, kt * BLOCK_K, hk, seqlen_k - kt * BLOCK_K, v_smem)
         cuda.syncthreads()
         while kt < kt_hi:
             k0 = kt * BLOCK_K
@@ -245,8 +244,8 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
             pv_tile(p_smem, v_smem, acc, ty, tx)         # acc += P V_j
             cuda.syncthreads()                           # every reader of K_j, V_j, P is done
             if kn < kt_hi:
-                load_k(k, b, kn * BLOCK_K, hk, seqlen_k - kn * BLOCK_K, k_smem)
-                load_v(v, b, kn * BLOCK_K, hk, seqlen_k - kn * BLOCK_K, v_smem)
+                load_kv(k, b, kn * BLOCK_K, hk, seqlen_k - kn * BLOCK_K, k_smem)
+                load_kv(v, b, kn * BLOCK_K, hk, seqlen_k - kn * BLOCK_K, v_smem)
                 cuda.syncthreads()
             kt = kn
 
