@@ -60,7 +60,7 @@ def _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q, bl
     return acc, nb_stream, opts, bq, bk
 
 
-def _prepare(arrays, names, kind, stream):
+def _prepare(arrays, kind, stream):
     """Numba device views of the caller's arrays (bfloat16 tensors: float32 copies)."""
     out = []
     for x in arrays:
@@ -112,7 +112,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                                           window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
                                           alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
                                           block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
-    qd, kd, vd = _prepare((q, k, v), ("q", "k", "v"), kind, nb_stream)
+    qd, kd, vd = _prepare((q, k, v), kind, nb_stream)
     out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, nb_stream)
     out_k = out_d if kind.dtype != "bfloat16" else cuda.device_array(out_d.shape, np.float32, stream=nb_stream)
     lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), acc.__name__, q, nb_stream)
@@ -171,7 +171,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
                                           window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
                                           alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
                                           block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
-    dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), kind, nb_stream)
+    dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), kind, nb_stream)
     lsed = _arrays.to_device(lse, nb_stream)
     grads = []
     for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
