@@ -9,7 +9,7 @@ float32 copies for the SIMT kernels (see ``api``).
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
 try:  # optional: accept and return PyTorch tensors
     import torch
@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - cupy is an optional extra
 POISON_OUTPUTS = False
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+SIMULATOR = bool(config.ENABLE_CUDASIM)
 
 
 @dataclass(frozen=True)
@@ -80,18 +81,55 @@ def to_device(x, stream):
     return cuda.as_cuda_array(x)
 
 
+def to_device_bits(x, stream):
+    """Like ``to_device``, but 16-bit float arrays as ``int16`` bit patterns (bfloat16 has no other route)."""
+    if torch is not None and isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16):
+        return cuda.as_cuda_array(x.detach().view(torch.int16))
+    return to_device(x, stream)
+
+
+def word_view(d):
+    """A ``uint32`` view of a 16-bit device array, two neighbours of the last axis per word; no copy.
+
+    None where the layout does not allow it: an odd last axis, a last axis that
+    is not contiguous, a stride or base address that is not a multiple of 4 bytes.
+    """
+    shape, strides = tuple(d.shape), tuple(d.strides)
+    if shape[-1] % 2 or strides[-1] != 2:
+        return None
+    words = shape[:-1] + (shape[-1] // 2,)
+    # a size-1 dimension's stride is never used: any multiple of 4 will do
+    wstrides = tuple(4 if n == 1 else s for n, s in zip(shape[:-1], strides[:-1])) + (4,)
+    if any(s % 4 for s in wstrides):
+        return None
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        ary = d._ary
+        return FakeCUDAArray(ary.view(np.uint32)) if ary.ctypes.data % 4 == 0 else None
+    if 0 in shape:
+        return cuda.device_array(words, np.uint32)        # nothing is read from it
+    ptr = d.__cuda_array_interface__["data"][0]
+    if ptr % 4:
+        return None
+    desc = dict(shape=words, strides=wstrides, typestr="<u4", data=(ptr, False), version=3)
+    return cuda.from_cuda_array_interface(desc, owner=d, sync=False)
+
+
 def _is_numba_device_array(x):
     """A Numba device array (or the simulator's stand-in): both carry ``__cuda_ndarray__ = True``."""
     return getattr(x, "__cuda_ndarray__", False) is True
 
 
-def empty_like_kind(kind, shape, dtype, like, stream):
-    """(array returned to the caller, its Numba device view) of ``shape`` and ``dtype`` in ``kind.lib``."""
+def empty_like_kind(kind, shape, dtype, like, stream, bits=False):
+    """(array returned to the caller, its Numba device view) of ``shape`` and ``dtype`` in ``kind.lib``.
+
+    ``bits``: a 16-bit float tensor's view is of its bit patterns (``to_device_bits``).
+    """
     if kind.lib == "torch":
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
         if POISON_OUTPUTS:
             t.fill_(float("nan"))
-        return t, to_device(t, stream)
+        return t, (to_device_bits if bits else to_device)(t, stream)
     if kind.lib == "cupy":
         with cupy.cuda.Device(like.device.id):
             c = cupy.full(shape, np.nan, dtype=dtype) if POISON_OUTPUTS else cupy.empty(shape, dtype=dtype)

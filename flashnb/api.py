@@ -13,8 +13,9 @@ from .kernels._jit import SIMULATOR, launch
 from .kernels._tiles import np_acc
 from .kernels.backward import make_cast, make_dkdv, make_dq, make_preprocess
 from .kernels.forward import make_forward, tile_threads
+from .kernels.forward_tc import make_forward_tc
 
-BACKENDS = ("simt",)
+BACKENDS = ("simt", "tensorcore")
 
 # Default tiles (BLOCK_Q, BLOCK_K) by accumulation type and head dim: the largest
 # tiles whose shared memory (q, k, v, p in the accumulation type) leaves room
@@ -24,6 +25,9 @@ _GPU_TILES = {
     "float64": ((64, (64, 32)), (128, (32, 32)), (256, (32, 16))),
 }
 _SIM_TILES = (8, 8)  # the simulator runs one Python thread per CUDA thread: keep blocks small
+# Tensor-core tiles: BLOCK_Q = 16 x warps (one m16n8k16 row block per warp), BLOCK_K a multiple of 16.
+_TC_TILES = ((64, (64, 64)), (128, (64, 64)), (256, (64, 32)))
+_TC_SIM_TILES = (16, 16)
 MAX_SHARED_BYTES = 227 * 1024  # per block, opted in, on compute capability 9.0 (8.0: 163 KB)
 
 
@@ -34,6 +38,12 @@ def default_tiles(headdim, acc_name):
         if headdim <= max_d:
             return tiles
     raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
+
+
+def default_tc_tiles(headdim):
+    if SIMULATOR:
+        return _TC_SIM_TILES
+    return next(tiles for max_d, tiles in _TC_TILES if headdim <= max_d)
 
 
 def _tiles(block_q, block_k, headdim, acc_name):
@@ -48,16 +58,50 @@ def _check_shared(nbytes, what):
 
 
 def _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q, block_k, **options):
-    """What a forward or backward launch needs: (accumulation type, stream, LaunchOptions, tiles).
+    """What a forward or backward launch needs: (accumulation type, stream, LaunchOptions).
 
-    bfloat16 goes through float32 copies in the SIMT kernels, so it accumulates in float32.
+    16-bit inputs accumulate in float32 (bfloat16 through float32 copies in the SIMT kernels).
     """
     acc = np.float32 if kind.dtype == "bfloat16" else np_acc(kind.dtype)
+    _options.check_tile(block_q, "block_q")
+    _options.check_tile(block_k, "block_k")
     nb_stream = _arrays.resolve_stream(stream, kind)
     opts = _options.normalise(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, headdim=headdim,
                               acc=acc, stream=nb_stream, **options)
-    bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
-    return acc, nb_stream, opts, bq, bk
+    return acc, nb_stream, opts
+
+
+def _tensorcore_refusal(kind, headdim, block_q, block_k):
+    """Why the tensor-core kernels cannot serve a call (None if they can), before any array is touched."""
+    if kind.dtype not in ("float16", "bfloat16"):
+        return f"it computes float16 and bfloat16 inputs only, got {kind.dtype}"
+    if headdim % 2:
+        return f"it needs an even head dim (pairs of values per 32-bit word), got {headdim}"
+    for value, name in ((block_q, "block_q"), (block_k, "block_k")):
+        if value is not None and value < 16:
+            return f"{name} must be a multiple of 16 (the mma tile), got {value}"
+    if not SIMULATOR and cuda.get_current_device().compute_capability < (8, 0):
+        return "mma.sync on float16/bfloat16 needs compute capability 8.0 or newer"
+    return None
+
+
+def _word_views(arrays, names, kind, stream):
+    """uint32 views (two 16-bit values per word) of the arrays for the tensor-core kernels, or a refusal."""
+    views = []
+    for x, name in zip(arrays, names):
+        w = _arrays.word_view(_arrays.to_device_bits(x, stream))
+        if w is None:
+            return None, (f"{name}'s head dimension must be contiguous (stride 1) with other strides even "
+                          "and a 4-byte-aligned start")
+        views.append(w)
+    return views, None
+
+
+def _pick_backend(backend, refusal):
+    """True for the tensor-core kernels: forced, or "auto" with nothing against them."""
+    if backend == "tensorcore" and refusal is not None:
+        raise ValueError(f"backend='tensorcore' cannot serve this call: {refusal}")
+    return refusal is None and backend in ("auto", "tensorcore")
 
 
 def _prepare(arrays, kind, stream):
@@ -107,11 +151,25 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     del deterministic  # the forward is deterministic by construction (no atomics)
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     _check_backend(backend)
-    acc, nb_stream, opts, bq, bk = _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
-                                          block_k, softmax_scale=softmax_scale, causal=causal,
-                                          window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
-                                          alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                                          block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+    acc, nb_stream, opts = _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
+                                  block_k, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
+                                  alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                                  block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+    refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
+    words = None
+    if refusal is None and backend != "simt":
+        words, refusal = _word_views((q, k, v), ("q", "k", "v"), kind, nb_stream)
+    if _pick_backend(backend, refusal):
+        out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, nb_stream,
+                                                 bits=True)
+        lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), "float32", q, nb_stream)
+        bq, bk = default_tc_tiles(headdim)
+        _forward_tc(*words, _arrays.word_view(out_d), lse_d, opts, block_q or bq, block_k or bk, kind.dtype,
+                    nb_stream)
+        out = _arrays.finish(kind, out_ret, out_d, nb_stream)
+        return (out, _arrays.finish(kind, lse_ret, lse_d, nb_stream)) if return_lse else out
+    bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
     qd, kd, vd = _prepare((q, k, v), kind, nb_stream)
     out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, nb_stream)
     out_k = out_d if kind.dtype != "bfloat16" else cuda.device_array(out_d.shape, np.float32, stream=nb_stream)
@@ -137,6 +195,21 @@ def _forward(q, k, v, out, lse, opts, bq, bk, acc, stream):
     grid = -(-seqlen_q // bq) * nheads * batch           # 1-D: (query tile, head, batch), tile fastest
     launch(kern, grid, threads, stream, shared,
            (q, k, v, out, lse, nheads // nheads_k, seqlen_k - seqlen_q) + opts.kernel_args(acc))
+
+
+def _forward_tc(q, k, v, out, lse, opts, bq, bk, dtype_name, stream):
+    """The tensor-core forward on uint32 word views of q, k, v, out (``forward_tc``)."""
+    batch, seqlen_q, nheads, words = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        return
+    f = opts.flags
+    kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, f.has_window, f.has_attn_mask,
+                                            f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi, f.has_dropout)
+    _check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {2 * words}")
+    grid = -(-seqlen_q // bq) * nheads * batch
+    launch(kern, grid, threads, stream, shared,
+           (q, k, v, out, lse, nheads // nheads_k, seqlen_k - seqlen_q) + opts.kernel_args(np.float32))
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -166,11 +239,15 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
             raise TypeError(f"lse must be float32 or float64, got {kd.dtype}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    acc, nb_stream, opts, bq, bk = _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
-                                          block_k, softmax_scale=softmax_scale, causal=causal,
-                                          window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
-                                          alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                                          block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+    acc, nb_stream, opts = _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
+                                  block_k, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
+                                  alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                                  block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+    if backend == "tensorcore":
+        raise ValueError("backend='tensorcore' cannot serve this call: the tensor-core backward is not built yet; "
+                         "use backend='auto' or 'simt' (the SIMT backward takes the tensor-core forward's out and lse)")
+    bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
     dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), kind, nb_stream)
     lsed = _arrays.to_device(lse, nb_stream)
     grads = []

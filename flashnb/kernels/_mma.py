@@ -1,0 +1,150 @@
+"""Warp-level tensor-core primitives: ``mma.sync.m16n8k16`` and float32 -> 16-bit packing.
+
+numba-cuda has no tensor-core API.  On the GPU each primitive is a Numba
+``@intrinsic`` that emits one inline-PTX instruction (no foreign code, no
+linking; under LLVM it inlines to a single ``HMMA.16816.F32`` or ``F2FP``).  In
+the simulator the same names are Python device functions that do the warp's
+work through a shared-memory scratch and two barriers, so CI runs the *same*
+tensor-core kernels on the CPU.  Everything else (tiles, softmax, masks, loops)
+stays in the kernels, in Python.
+
+Fragment layout of ``d = a @ b + c`` for one warp (PTX ISA, "Matrix Fragments
+for mma.m16n8k16"), lane ``= 4 * g + t`` (``g = lane >> 2``, ``t = lane & 3``).
+A 16-bit pair is one 32-bit register, low half first:
+
+    a (16 x 16, row-major) a[0] = A[g,   2t:2t+2]   a[1] = A[g+8, 2t:2t+2]
+                           a[2] = A[g, 2t+8:2t+10]  a[3] = A[g+8, 2t+8:2t+10]
+    b (16 x 8, "col")      b[0] = B[2t:2t+2, g]     b[1] = B[2t+8:2t+10, g]
+    c, d (16 x 8, float32) c[0], c[1] = C[g, 2t], C[g, 2t+1]
+                           c[2], c[3] = C[g+8, 2t], C[g+8, 2t+1]
+
+So ``a`` fragments are 32-bit words of a row-major tile, ``b`` fragments are
+32-bit words of a tile stored key-major (``B^T`` row-major), and an output
+fragment of one ``mma`` (two n-tiles side by side) is, packed in pairs, exactly
+the ``a`` fragment of the next: FlashAttention-2 keeps ``P`` in registers.
+
+Every thread of the block must call a simulated ``mma`` together (it contains
+barriers); the kernels call them in uniform control flow, as the hardware
+requires of ``mma.sync`` within a warp anyway.
+"""
+import numpy as np
+from numba import cuda
+
+from ._jit import SIMULATOR, device_function
+
+FORMATS = {"float16": "f16", "bfloat16": "bf16"}   # PTX type of the 16-bit operands
+
+
+def _gpu_primitives(fmt):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    mma_ptx = (f"mma.sync.aligned.m16n8k16.row.col.f32.{fmt}.{fmt}.f32 "
+               "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+    RET = types.UniTuple(types.float32, 4)
+
+    @intrinsic
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """(d0, d1, d2, d3) = a @ b + c on one warp's fragments (uint32 a, b; float32 c)."""
+        sig = RET(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, signature, args):
+            tys = signature.args
+            ins = [context.cast(builder, x, t, types.uint32) for x, t in zip(args[:6], tys[:6])]
+            ins += [context.cast(builder, x, t, types.float32) for x, t in zip(args[6:], tys[6:])]
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(fnty, mma_ptx, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            res = builder.call(asm, ins)
+            return context.make_tuple(builder, RET, [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    @intrinsic
+    def pack2(typingctx, lo, hi):
+        """uint32 holding ``lo`` (low half) and ``hi`` rounded to the 16-bit format, to nearest even."""
+        sig = types.uint32(lo, hi)
+
+        def codegen(context, builder, signature, args):
+            lo_v, hi_v = (context.cast(builder, x, t, types.float32) for x, t in zip(args, signature.args))
+            asm = ir.InlineAsm(ir.FunctionType(i32, [f32, f32]), f"cvt.rn.{fmt}x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, [hi_v, lo_v])      # cvt puts its first source in the upper half
+
+        return sig, codegen
+
+    return mma, pack2
+
+
+# --------------------------------------------------------------------------------------
+# Simulator twins.  Index maps from (row, col) of A (16 x 16), B (16 x 8), C (16 x 8) to
+# (lane, register, half) of the layout above.
+# --------------------------------------------------------------------------------------
+_R16, _K16 = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+A_LANE, A_REG, A_HALF = (_R16 % 8) * 4 + (_K16 % 8) // 2, _R16 // 8 + 2 * (_K16 // 8), _K16 % 2
+_K, _N = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
+B_LANE, B_REG, B_HALF = _N * 4 + (_K % 8) // 2, _K // 8, _K % 2
+_R, _C = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
+C_LANE, C_REG = (_R % 8) * 4 + _C // 2, (_R // 8) * 2 + _C % 2
+MAX_WARPS = 32
+U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
+
+
+def halves_to_float(words, half, fmt):
+    """float64 values of the 16-bit halves ``half`` (0 low, 1 high) of uint32 ``words``."""
+    bits = ((np.asarray(words, dtype=np.uint32) >> (16 * np.asarray(half, dtype=np.uint32))) & 0xFFFF)
+    if fmt == "f16":
+        return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def float_to_bits(x, fmt):
+    """16-bit patterns (uint32) of float32 ``x`` rounded to nearest even: float16 or bfloat16."""
+    x = np.asarray(x, dtype=np.float32)
+    if fmt == "f16":
+        return x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+    return np.where(np.isnan(x), np.uint32(0x7FC0), rounded & 0xFFFF).astype(np.uint32)
+
+
+def _sim_primitives(fmt):
+
+    @device_function
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        # the warp's fragments meet in shared memory; lane 0 multiplies; each lane takes its part
+        frag_a = cuda.shared.array((MAX_WARPS, 32, 4), U32_DT)
+        frag_b = cuda.shared.array((MAX_WARPS, 32, 2), U32_DT)
+        frag_c = cuda.shared.array((MAX_WARPS, 32, 4), F32_DT)
+        tid = cuda.threadIdx.x
+        w, lane = tid // 32, tid % 32
+        frag_a[w, lane, 0], frag_a[w, lane, 1], frag_a[w, lane, 2], frag_a[w, lane, 3] = a0, a1, a2, a3
+        frag_b[w, lane, 0], frag_b[w, lane, 1] = b0, b1
+        frag_c[w, lane, 0], frag_c[w, lane, 1], frag_c[w, lane, 2], frag_c[w, lane, 3] = c0, c1, c2, c3
+        cuda.syncthreads()
+        if lane == 0:
+            a = halves_to_float(frag_a[w][A_LANE, A_REG], A_HALF, fmt)            # 16 x 16
+            b = halves_to_float(frag_b[w][B_LANE, B_REG], B_HALF, fmt)            # 16 x 8
+            d = (a @ b + frag_c[w][C_LANE, C_REG]).astype(np.float32)            # 16-bit products are exact
+            frag_c[w][C_LANE, C_REG] = d
+        cuda.syncthreads()
+        d0, d1, d2, d3 = frag_c[w, lane, 0], frag_c[w, lane, 1], frag_c[w, lane, 2], frag_c[w, lane, 3]
+        cuda.syncthreads()                                   # read before the next call overwrites
+        return d0, d1, d2, d3
+
+    @device_function
+    def pack2(lo, hi):
+        return np.uint32(float_to_bits(lo, fmt) | (float_to_bits(hi, fmt) << np.uint32(16)))
+
+    return mma, pack2
+
+
+_cache = {}
+
+
+def primitives(dtype_name):
+    """``(mma, pack2)`` for ``"float16"`` or ``"bfloat16"`` operands (GPU intrinsics, or their simulator twins)."""
+    if dtype_name not in _cache:
+        fmt = FORMATS[dtype_name]
+        _cache[dtype_name] = _sim_primitives(fmt) if SIMULATOR else _gpu_primitives(fmt)
+    return _cache[dtype_name]

@@ -1,0 +1,241 @@
+"""FlashAttention-2 forward on tensor cores (float16 / bfloat16 inputs, float32 accumulation).
+
+The same algorithm as ``forward.py`` (FA2 Algorithm 1; oracle ``reference.flash_forward``)
+with the work split as in FA2 section 3.3: ``NWARPS`` warps split the query
+tile, 16 rows each (one ``m16n8k16`` row block), and share the K and V tiles in
+shared memory.  Per key tile, each warp computes
+
+    S   = Q K_j^T          mma over HEAD_DIM / 16 k-steps x BLOCK_K / 8 n-tiles, Q fragments in registers
+    S  <- modifiers, masks, log2 units; m_i, l_i, acc rescaled (online softmax in registers,
+                                                                row max across the 4 lanes of a quad)
+    acc += P V_j           P packed from S's accumulators straight into A fragments (never stored)
+
+and at the end ``out = acc / l_i`` (rounded to the input format), ``lse = m_i + log(l_i)``.
+
+Data are handled as 32-bit words of two 16-bit values (the operand format of
+``mma``): q, k, v, out arrive as ``uint32`` views of the caller's arrays (head
+dim even, pairs contiguous; ``api`` checks).  Shared memory holds K row-major
+and V transposed (``vt_smem[d, key pair]``), so both are ``b`` fragments read
+as single words; row strides are padded to 4 (mod 8) words, which puts the 8
+rows x 4 words of a fragment read in 32 different banks.  A head dim that is not
+a multiple of 16 is padded with zeros in shared memory and registers.
+"""
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from ._jit import SIMULATOR, device_function, kernel
+from ._mma import primitives
+from ._scores import make_allowed_fn, make_score_fn, philox_keep
+from ._tiles import U, make_row_allreduce, tile_head_batch
+from .forward import LN2, LOG2E, make_window_helpers
+
+LOW16 = np.uint32(0xFFFF)
+HIGH16 = np.uint32(0xFFFF0000)
+SHIFT16 = np.uint32(16)
+
+
+def tc_padded_words(n_words):
+    """Row stride (in 32-bit words) of a shared tile: 4 (mod 8), conflict-free for 8-row x 4-word fragment reads."""
+    return n_words + (4 - n_words % 8) % 8
+
+
+@lru_cache(maxsize=None)
+def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
+    """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block)."""
+    assert BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
+    NWARPS = BLOCK_Q // 16
+    NTHREADS = 32 * NWARPS
+    D_PAD = -(-HEAD_DIM // 16) * 16          # head dim padded to the mma's k
+    HEAD_WORDS = HEAD_DIM // 2               # words of one row in global memory
+    D_WORDS = D_PAD // 2                     # words of one row in shared memory
+    KSTEPS_D = D_PAD // 16                   # k-steps of Q K^T
+    NT_K = BLOCK_K // 8                      # n-tiles of S (8 keys each)
+    KSTEPS_K = BLOCK_K // 16                 # k-steps of P V
+    NT_D = D_PAD // 8                        # n-tiles of the output (8 dims each)
+    K_STRIDE = tc_padded_words(D_WORDS)      # k_smem[key, word]
+    VT_STRIDE = tc_padded_words(BLOCK_K // 2)  # vt_smem[dim, key pair]
+    K_OFF, VT_OFF = 0, BLOCK_K * K_STRIDE
+    SMEM_WORDS = VT_OFF + D_PAD * VT_STRIDE
+    SHARED_BYTES = SMEM_WORDS * 4
+    SCRATCH = NTHREADS * 2 if SIMULATOR else 1  # the quad reduction's scratch (simulator only)
+    HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI
+    F32 = np.float32
+    ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
+    W0 = np.uint32(0)
+    U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
+
+    mma, pack2 = primitives(DTYPE_NAME)
+    # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
+    quad_max = make_row_allreduce(2, 4, NTHREADS, F32, is_max=True)
+    quad_sum = make_row_allreduce(2, 4, NTHREADS, F32, is_max=False)
+    score = make_score_fn(F32, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+
+    @device_function
+    def load_q_frags(q, b, h, row0, seqlen_q, t, q_reg):
+        """Q's A fragments for rows ``row0``, ``row0 + 8`` straight from global memory (read once)."""
+        for ks in range(KSTEPS_D):
+            for half in range(2):
+                c = ks * 8 + t + 4 * half
+                for r in range(2):
+                    i = row0 + 8 * r
+                    q_reg[ks, 2 * half + r] = q[U(b), U(i), U(h), U(c)] if (i < seqlen_q and c < HEAD_WORDS) else W0
+
+    @device_function
+    def load_kv(k, v, b, k0, hk, seqlen_k, k_smem, vt_smem):
+        """K_j -> k_smem (row-major words), V_j -> vt_smem (transposed: two keys' values of a dim per word)."""
+        nrows = seqlen_k - k0
+        for idx in range(cuda.threadIdx.x, BLOCK_K * D_WORDS, NTHREADS):
+            r = idx // D_WORDS
+            c = idx - r * D_WORDS
+            k_smem[U(r * K_STRIDE + c)] = k[U(b), U(k0 + r), U(hk), U(c)] if (r < nrows and c < HEAD_WORDS) else W0
+        for idx in range(cuda.threadIdx.x, (BLOCK_K // 2) * D_WORDS, NTHREADS):
+            r2 = idx // D_WORDS
+            c = idx - r2 * D_WORDS
+            ok = c < HEAD_WORDS
+            w0 = v[U(b), U(k0 + 2 * r2), U(hk), U(c)] if (ok and 2 * r2 < nrows) else W0
+            w1 = v[U(b), U(k0 + 2 * r2 + 1), U(hk), U(c)] if (ok and 2 * r2 + 1 < nrows) else W0
+            vt_smem[U(2 * c * VT_STRIDE + r2)] = (w0 & LOW16) | (w1 << SHIFT16)           # dim 2c: keys 2r2, 2r2+1
+            vt_smem[U((2 * c + 1) * VT_STRIDE + r2)] = (w0 >> SHIFT16) | (w1 & HIGH16)    # dim 2c + 1
+
+    @device_function
+    def next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k):
+        kt += 1
+        if HAS_BLOCK_MASK:
+            while kt < kt_hi:
+                visible, _ = tile_state(b, h, q_first, q_last, kt * BLOCK_K, seqlen_k, off, left, right,
+                                        block_mask, bm_q, bm_k)
+                if visible:
+                    break
+                kt += 1
+        return kt
+
+    @kernel
+    def flash_forward_tc(q, k, v, out, lse, group, off, scale, softcap, left, right,
+                         attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
+                         drop_threshold, drop_scale, seed_lo, seed_hi):
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        qt, h, b = tile_head_batch((seqlen_q + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
+        q0 = qt * BLOCK_Q
+        hk = h // group
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid - 32 * warp
+        g = lane // 4                        # fragment row (and row + 8)
+        t = lane - 4 * g                     # fragment column pair
+        row0 = q0 + 16 * warp + g            # this thread's two query rows: row0, row0 + 8
+        q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
+        scale_log2 = F32(scale) * LOG2E_T
+
+        smem = cuda.shared.array(0, U32_DT)
+        k_smem = smem[K_OFF:VT_OFF]          # BLOCK_K x D_WORDS words, stride K_STRIDE
+        vt_smem = smem[VT_OFF:SMEM_WORDS]    # D_PAD x BLOCK_K / 2 words, stride VT_STRIDE
+        scratch = cuda.shared.array(SCRATCH, F32_DT)
+
+        q_reg = cuda.local.array((KSTEPS_D, 4), np.uint32)
+        s_reg = cuda.local.array((NT_K, 4), F32)
+        acc = cuda.local.array((NT_D, 4), F32)
+        m_i = cuda.local.array(2, F32)
+        l_i = cuda.local.array(2, F32)      # per-thread partial row sums, reduced over the quad at the end
+        row = cuda.local.array(2, F32)
+        for r in range(2):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
+        for n in range(NT_D):
+            for e in range(4):
+                acc[n, e] = ZERO
+        load_q_frags(q, b, h, row0, seqlen_q, t, q_reg)
+
+        kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
+        kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
+        while kt < kt_hi:
+            k0 = kt * BLOCK_K
+            kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
+            _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
+            load_kv(k, v, b, k0, hk, seqlen_k, k_smem, vt_smem)
+            cuda.syncthreads()
+
+            # S = Q K_j^T: b fragment of n-tile n = words of keys 8n + g
+            for n in range(NT_K):
+                c0, c1, c2, c3 = ZERO, ZERO, ZERO, ZERO
+                kb = (8 * n + g) * K_STRIDE + t
+                for ks in range(KSTEPS_D):
+                    c0, c1, c2, c3 = mma(q_reg[ks, 0], q_reg[ks, 1], q_reg[ks, 2], q_reg[ks, 3],
+                                         k_smem[U(kb + 8 * ks)], k_smem[U(kb + 8 * ks + 4)], c0, c1, c2, c3)
+                s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3] = c0, c1, c2, c3
+
+            # modifiers and masks, base-2 units; element e of n-tile n is (row0 + 8 (e >> 1), k0 + 8n + 2t + (e & 1))
+            for n in range(NT_K):
+                for e in range(4):
+                    i = row0 + 8 * (e // 2)
+                    j = k0 + 8 * n + 2 * t + (e % 2)
+                    if HAS_MODS:
+                        x = score(s_reg[n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
+                    else:
+                        x = s_reg[n, e] * scale_log2
+                    if need_mask:
+                        if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
+                                       attn_mask, block_mask, bm_q, bm_k):
+                            x = NEG_INF
+                    s_reg[n, e] = x
+
+            # online softmax: m_new = max(m_i, rowmax S), rescale l_i and acc by exp2(m_i - m_new)
+            for r in range(2):
+                x = NEG_INF
+                for n in range(NT_K):
+                    x = max(x, max(s_reg[n, 2 * r], s_reg[n, 2 * r + 1]))
+                row[r] = x
+            quad_max(row, scratch, tid // 4, t)
+            for r in range(2):
+                m_new = max(m_i[r], row[r])
+                m_use = m_new if m_new != NEG_INF else ZERO   # nothing seen yet: exp2(-inf) = 0, not NaN
+                alpha = math.exp2(m_i[r] - m_use)
+                m_i[r] = m_new
+                l_tile = ZERO
+                for n in range(NT_K):
+                    for e in range(2 * r, 2 * r + 2):
+                        p = math.exp2(s_reg[n, e] - m_use)
+                        l_tile += p                            # l_i uses P before dropout
+                        if HAS_DROPOUT:
+                            i = row0 + 8 * r
+                            j = k0 + 8 * n + 2 * t + (e % 2)
+                            p = p * drop_scale if philox_keep(seed_lo, seed_hi, b, h, i, j, drop_threshold) else ZERO
+                        s_reg[n, e] = p
+                l_i[r] = l_i[r] * alpha + l_tile
+                for n in range(NT_D):
+                    acc[n, 2 * r] *= alpha
+                    acc[n, 2 * r + 1] *= alpha
+
+            # acc += P V_j: P's a fragments are S's accumulators of n-tiles 2kk, 2kk + 1, packed
+            for kk in range(KSTEPS_K):
+                a0 = pack2(s_reg[2 * kk, 0], s_reg[2 * kk, 1])
+                a1 = pack2(s_reg[2 * kk, 2], s_reg[2 * kk, 3])
+                a2 = pack2(s_reg[2 * kk + 1, 0], s_reg[2 * kk + 1, 1])
+                a3 = pack2(s_reg[2 * kk + 1, 2], s_reg[2 * kk + 1, 3])
+                for n in range(NT_D):
+                    vb = (8 * n + g) * VT_STRIDE + 8 * kk + t
+                    acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3] = mma(
+                        a0, a1, a2, a3, vt_smem[U(vb)], vt_smem[U(vb + 4)], acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
+            cuda.syncthreads()                                # every warp is done with K_j, V_j
+            kt = kn
+
+        quad_sum(l_i, scratch, tid // 4, t)
+        for r in range(2):
+            i = row0 + 8 * r
+            if i < seqlen_q:
+                l = l_i[r]
+                inv_l = ZERO if l == ZERO else F32(1) / l     # l == 0: saw no key -> out = 0, lse = -inf
+                for n in range(NT_D):
+                    c = 4 * n + t
+                    if c < HEAD_WORDS:
+                        out[U(b), U(i), U(h), U(c)] = pack2(acc[n, 2 * r] * inv_l, acc[n, 2 * r + 1] * inv_l)
+                if t == 0:
+                    lse[b, h, i] = NEG_INF if l == ZERO else (m_i[r] + math.log2(l)) * LN2_T
+
+    return flash_forward_tc, SHARED_BYTES, NTHREADS
