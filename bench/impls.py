@@ -13,7 +13,8 @@ the harness times:
 Implementations:
 
 ``flashnb-<backend>``   ``flashnb.flash_attention`` / ``flash_attention_backward``, one per
-                        entry of ``flashnb.BACKENDS`` (just ``simt`` if it has none);
+                        entry of ``flashnb.BACKENDS`` (just ``simt`` if it has none), and
+                        ``flashnb-auto`` (``backend="auto"``: what a caller gets by default);
 ``torch-materialised``  softmax(Q K^T * scale + mask) V in PyTorch, autograd backward
                         (flash-attn's ``attention_pytorch`` benchmark baseline);
 ``cupy-materialised``   the same in CuPy, with the closed-form backward (FA paper, Algorithm 3);
@@ -347,6 +348,8 @@ def all_impls(libs: Libraries) -> list[Impl]:
     fnb = libs.flashnb
     if fnb is not None and hasattr(fnb, "flash_attention") and hasattr(fnb, "flash_attention_backward"):
         backends = tuple(getattr(fnb, "BACKENDS", ("simt",)))
+        if accepts(fnb.flash_attention, "backend"):
+            backends = ("auto",) + backends          # "auto": what a caller gets without choosing
         impls += [flashnb_impl(fnb, b) for b in backends]
     else:
         why = libs.why_not.get("flashnb") or "flashnb has no flash_attention / flash_attention_backward yet"

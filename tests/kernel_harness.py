@@ -418,3 +418,50 @@ def assert_bitwise_equal(a, b, what):
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
     assert a.tobytes() == b.tobytes(), (f"{what}: not bit-identical; max |diff| "
                                         f"{float(np.nanmax(np.abs(a.astype(np.float64) - b), initial=0)):.3g}")
+
+
+# --------------------------------------------------------------------------------------
+# bfloat16 (the tensor-core backend).  NumPy has no bfloat16: values are carried as
+# float32 numbers that bfloat16 represents exactly, rounded with ``round_bf16``.
+# The flash-attn rule needs "the oracle computed in bfloat16": ``bf16_oracle_out``
+# rounds what a bfloat16 attention rounds (the probabilities before P V, and the
+# output), the rest in float64.  Bound: 2x its error plus a floor of half a
+# bfloat16 ulp of the scale plus the float32 bound.
+# --------------------------------------------------------------------------------------
+HALF_ULP_BF16 = 2.0 ** -8
+
+
+def round_bf16(x):
+    """``x`` rounded to bfloat16 (to nearest even), as float32."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)
+    out = r.view(np.float32)
+    return np.where(np.isnan(x), np.float32(np.nan), out)
+
+
+def bf16_oracle_out(p: S.Problem):
+    """The output of attention with the probabilities and the result rounded to bfloat16."""
+    opts = dict(p.opts)
+    probs = reference.attention_probs(p.q, p.k, p.v, **opts)                 # (b, h, sq, sk), float64
+    pd = opts.get("dropout_p", 0.0)
+    if pd > 0:
+        keep = reference.dropout_keep_mask(opts.get("seed", 0), p.batch, p.nheads, p.seqlen_q, p.seqlen_k, pd)
+        probs = probs * keep / (1.0 - pd)
+    v = np.repeat(_bhsd(p.v), p.nheads // p.nheads_k, axis=1)
+    out = round_bf16(round_bf16(probs).astype(np.float64) @ v).astype(np.float64)
+    return out.transpose(0, 2, 1, 3)
+
+
+def check_forward_bf16(p: S.Problem, out, lse):
+    """bfloat16 ``out`` (given as float32 values) and float32 ``lse`` against the float64 oracle."""
+    exp = expected(p, backward=False)                                      # p's arrays are float32
+    out = np.asarray(out, dtype=np.float64)
+    assert out.shape == exp.out.shape, f"out: shape {out.shape}, oracle {exp.out.shape}"
+    fin = ~np.isnan(exp.out)
+    bad = np.isnan(out) & fin
+    assert not bad.any(), f"out: {int(bad.sum())} NaN where the oracle has none (first at {_first_bad(bad)})"
+    err = _max_err(out, exp.out, fin)
+    err_bf16 = _max_err(bf16_oracle_out(p), exp.out, fin)
+    bound = 2 * err_bf16 + (HALF_ULP_BF16 + exp.rel) * exp.mags["out"]
+    assert err <= bound, f"out: max |kernel - oracle| = {err:.3g} > {bound:.3g} (2 * bfloat16-oracle error {err_bf16:.3g} + floor)"
+    assert_lse_matches(lse, exp)

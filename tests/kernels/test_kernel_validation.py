@@ -357,7 +357,7 @@ def _mutations():
         ("block_q", st.one_of(st.integers(129, 10**6), st.integers(max_value=0),
                               st.integers(3, 127).filter(lambda n: n & (n - 1)), st.just(2.0)), {}),
         ("block_k", st.one_of(st.integers(129, 10**6), st.integers(3, 127).filter(lambda n: n & (n - 1))), {}),
-        ("backend", st.text(max_size=8).filter(lambda s: s not in ("auto", "simt")), {}),
+        ("backend", st.text(max_size=10).filter(lambda s: s not in ("auto", "simt", "tensorcore")), {}),
     ]
 
 

@@ -1,0 +1,184 @@
+"""The tensor-core forward (``backend="tensorcore"``, kernels/forward_tc.py) against the float64 oracle.
+
+The same properties as test_kernel_forward, on the shapes the tensor-core
+kernels take: float16 and bfloat16, even head dims (padded to a multiple of 16
+inside the kernel), tiles that are multiples of 16 (``BLOCK_Q / 16`` warps).
+In the simulator the ``mma`` and pack primitives are their shared-memory twins
+(kernels/_mma.py), so the kernel code under test is the GPU's.  float16 uses
+flash-attn's rule (kernel_harness); bfloat16 the same rule against an oracle
+that rounds what bfloat16 attention rounds (``bf16_oracle_out``).  NumPy has no
+bfloat16: in the simulator the bfloat16 kernel is called on 32-bit words of
+bfloat16 bit patterns through ``api._forward_tc``; on a GPU through PyTorch
+bfloat16 tensors and the public API.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import flashnb
+import strategies as S
+from flashnb import _options, api
+from flashnb.kernels._jit import SIMULATOR
+from kernel_harness import (assert_bitwise_equal, check_forward, check_forward_bf16, examples, expected,
+                            kernel_forward, kernel_problems, poison_outputs, round_bf16)  # noqa: F401
+
+if SIMULATOR:
+    TC_TILES = st.sampled_from([(16, 16), (16, 32), (32, 16), (None, None)])
+    TC_HEADDIMS = (2, 4, 6, 8, 10, 16, 24, 32)
+    TC_MAX_SEQLEN = 40
+else:
+    TC_TILES = st.tuples(st.sampled_from([None, 16, 32, 64, 128]), st.sampled_from([None, 16, 32, 64, 128]))
+    TC_HEADDIMS = (2, 8, 32, 40, 64, 80, 96, 128, 160, 192, 256)
+    TC_MAX_SEQLEN = None
+
+PER_OPTION_EXAMPLES = examples(3, 12)
+
+
+def tc_problems(dtype=np.float16, **kw):
+    return kernel_problems(dtypes=(dtype,), tiles=TC_TILES, headdims=TC_HEADDIMS, max_seqlen=TC_MAX_SEQLEN, **kw)
+
+
+def _tc_forward_matches_oracle(p):
+    out, lse = kernel_forward(p, backend="tensorcore")
+    check_forward(expected(p, backward=False), out, lse)
+
+
+@settings(max_examples=examples(10, 25))
+@given(p=tc_problems())
+def test_tc_float16_within_twice_float16_oracle_error(p):
+    """max |kernel - oracle64| <= 2 max |oracle16 - oracle64| + floor, any options."""
+    _tc_forward_matches_oracle(p)
+
+
+@pytest.mark.parametrize("option", sorted(S.ALL_OPTIONS))
+@settings(max_examples=PER_OPTION_EXAMPLES)
+@given(data=st.data())
+def test_tc_each_option_alone(option, data):
+    """Each option group on its own through the tensor-core kernel."""
+    p = data.draw(tc_problems(options={option}, required={option}), label="problem")
+    _tc_forward_matches_oracle(p)
+
+
+@settings(max_examples=examples(3, 12))
+@given(p=tc_problems(required=S.ALL_OPTIONS))
+def test_tc_every_option_at_once(p):
+    _tc_forward_matches_oracle(p)
+
+
+# ------------------------------------------------------------------------------------ bfloat16
+def _bf16_problem(p):
+    """p with q, k, v as float32 values that bfloat16 represents exactly."""
+    return S.Problem(q=round_bf16(p.q), k=round_bf16(p.k), v=round_bf16(p.v), dout=p.dout, opts=p.opts,
+                     block_q=p.block_q, block_k=p.block_k, data_seed=p.data_seed)
+
+
+def _words(x):
+    """uint32 words of bfloat16 bit patterns: pairs along the last axis, low half first."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> 16
+    return (bits[..., 0::2] | (bits[..., 1::2] << 16)).astype(np.uint32)
+
+
+def _from_words(w):
+    lo = (w & 0xFFFF) << 16
+    hi = w & 0xFFFF0000
+    return np.stack([lo, hi], axis=-1).reshape(w.shape[:-1] + (2 * w.shape[-1],)).astype(np.uint32).view(np.float32)
+
+
+def _bf16_forward(p):
+    """(out, lse) of the bfloat16 tensor-core forward, out as float32 values."""
+    if not SIMULATOR:
+        torch = pytest.importorskip("torch")
+        q, k, v = (torch.as_tensor(x, device="cuda").to(torch.bfloat16) for x in (p.q, p.k, p.v))
+        opts = {n: (torch.as_tensor(x, device="cuda") if isinstance(x, np.ndarray) else x) for n, x in p.opts.items()}
+        out, lse = flashnb.flash_attention(q, k, v, return_lse=True, backend="tensorcore", block_q=p.block_q,
+                                           block_k=p.block_k, **opts)
+        assert out.dtype == torch.bfloat16
+        return out.float().cpu().numpy(), lse.cpu().numpy()
+    from numba import cuda
+    opts = _options.normalise(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, nheads=p.nheads,
+                              headdim=p.headdim, acc=np.float32, stream=cuda.default_stream(), **dict(p.opts))
+    out = cuda.to_device(np.full(p.q.shape[:-1] + (p.headdim // 2,), 0x7FC07FC0, np.uint32))   # NaN poison
+    lse = cuda.to_device(np.full((p.batch, p.nheads, p.seqlen_q), np.nan, np.float32))
+    bq, bk = api.default_tc_tiles(p.headdim)
+    api._forward_tc(*(cuda.to_device(_words(x)) for x in (p.q, p.k, p.v)), out, lse, opts, p.block_q or bq,
+                    p.block_k or bk, "bfloat16", cuda.default_stream())
+    return _from_words(out.copy_to_host()), lse.copy_to_host()
+
+
+@settings(max_examples=examples(8, 25))
+@given(p=tc_problems(dtype=np.float32, scale=10.0))
+def test_tc_bfloat16_within_twice_bfloat16_oracle_error(p):
+    """bfloat16 inputs, any options: 2x the error of a bfloat16-rounding oracle plus a floor."""
+    p = _bf16_problem(p)
+    out, lse = _bf16_forward(p)
+    check_forward_bf16(p, out, lse)
+
+
+# ------------------------------------------------------------------------------------ behaviour
+@settings(max_examples=examples(4, 10))
+@given(p=tc_problems())
+def test_tc_forward_bit_identical_over_two_runs(p):
+    out1, lse1 = kernel_forward(p, backend="tensorcore")
+    out2, lse2 = kernel_forward(p, backend="tensorcore")
+    assert_bitwise_equal(out1, out2, "out, run 1 vs run 2")
+    assert_bitwise_equal(lse1, lse2, "lse, run 1 vs run 2")
+
+
+def _data(dtype, headdim, seqlen=20):
+    rng = np.random.default_rng(3)
+    return [rng.standard_normal((1, seqlen, 2, headdim)).astype(dtype) for _ in range(3)]
+
+
+def test_auto_picks_tensor_cores_for_float16_and_simt_otherwise(monkeypatch):
+    """backend="auto": float16 with an even head dim and default tiles -> tensor cores; else SIMT."""
+    calls = []
+    real = api._forward_tc
+    monkeypatch.setattr(api, "_forward_tc", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    flashnb.flash_attention(*_data(np.float16, 8))
+    assert calls == [1], "float16, head dim 8: the tensor-core kernel was not used"
+    for dtype, headdim, tiles in ((np.float32, 8, {}), (np.float16, 7, {}), (np.float16, 8, dict(block_k=8))):
+        flashnb.flash_attention(*_data(dtype, headdim), **tiles)
+        assert calls == [1], f"{np.dtype(dtype).name}, head dim {headdim}, {tiles}: expected the SIMT kernel"
+
+
+@pytest.mark.parametrize("dtype, headdim, extra, why", [
+    (np.float32, 8, {}, "float16 and bfloat16"),
+    (np.float64, 8, {}, "float16 and bfloat16"),
+    (np.float16, 7, {}, "even head dim"),
+    (np.float16, 8, dict(block_q=8), "block_q"),
+    (np.float16, 8, dict(block_k=4), "block_k"),
+])
+def test_forced_tensorcore_refuses_what_it_cannot_serve(dtype, headdim, extra, why):
+    with pytest.raises(ValueError, match=f"backend='tensorcore'.*{why}"):
+        flashnb.flash_attention(*_data(dtype, headdim), backend="tensorcore", **extra)
+
+
+def test_tensorcore_backward_is_refused_with_the_way_out():
+    q, k, v = _data(np.float16, 8)
+    out, lse = flashnb.flash_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="backend='tensorcore'.*'auto' or 'simt'"):
+        flashnb.flash_attention_backward(q, q, k, v, out, lse, backend="tensorcore")
+
+
+@pytest.mark.gpu
+def test_tc_strided_torch_inputs_without_copies_equal_contiguous():
+    """q, k, v as strided views (heads split from a packed qkv): the word views read them in place."""
+    torch = pytest.importorskip("torch")
+    qkv = torch.randn((2, 300, 3, 4, 64), device="cuda", dtype=torch.float16)
+    q, k, v = qkv.unbind(2)
+    out = flashnb.flash_attention(q, k, v, causal=True, backend="tensorcore")
+    want = flashnb.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True, backend="tensorcore")
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+def test_tc_refuses_a_strided_head_dim_and_auto_falls_back():
+    torch = pytest.importorskip("torch")
+    x = torch.randn((1, 64, 2, 128), device="cuda", dtype=torch.float16)[..., ::2]
+    with pytest.raises(ValueError, match="backend='tensorcore'.*contiguous"):
+        flashnb.flash_attention(x, x, x, backend="tensorcore")
+    out = flashnb.flash_attention(x, x, x)
+    want = flashnb.flash_attention(x.contiguous(), x.contiguous(), x.contiguous(), backend="simt")
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
