@@ -115,6 +115,17 @@ def word_view(d):
     return cuda.from_cuda_array_interface(desc, owner=d, sync=False)
 
 
+def rows_aligned16(w):
+    """True iff every row (last axis) of the device array ``w`` starts on a 16-byte boundary and fills 16-byte chunks."""
+    shape, strides = tuple(w.shape), tuple(w.strides)
+    if w.dtype.itemsize * shape[-1] % 16:
+        return False
+    if any(s % 16 for n, s in zip(shape[:-1], strides[:-1]) if n > 1):
+        return False
+    ptr = w._ary.ctypes.data if SIMULATOR else w.__cuda_array_interface__["data"][0]
+    return ptr % 16 == 0
+
+
 def _is_numba_device_array(x):
     """A Numba device array (or the simulator's stand-in): both carry ``__cuda_ndarray__ = True``."""
     return getattr(x, "__cuda_ndarray__", False) is True

@@ -204,7 +204,8 @@ def _forward_tc(q, k, v, out, lse, opts, bq, bk, dtype_name, stream):
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
     f = opts.flags
-    kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, f.has_window, f.has_attn_mask,
+    vec16 = _arrays.rows_aligned16(k) and _arrays.rows_aligned16(v)     # 16-byte cp.async, else 4-byte
+    kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, vec16, f.has_window, f.has_attn_mask,
                                             f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi, f.has_dropout)
     _check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {2 * words}")
     grid = -(-seqlen_q // bq) * nheads * batch

@@ -76,6 +76,89 @@ def _gpu_primitives(fmt):
     return mma, pack2
 
 
+def _gpu_memory_primitives():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+
+    def item_address(context, builder, aryty, aryval, idx_types, idx_vals):
+        """Generic address (i64) of ``ary[idx...]``."""
+        ary = context.make_array(aryty)(context, builder, aryval)
+        inds = [context.cast(builder, v, t, types.intp) for v, t in zip(idx_vals, idx_types)]
+        return builder.ptrtoint(cgutils.get_item_pointer(context, builder, aryty, ary, inds), i64)
+
+    def make_cp_async(nbytes):
+        cache = "cg" if nbytes == 16 else "ca"            # 16 bytes: bypass L1 (FA2 does the same)
+        ptx = ("{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
+               f"cp.async.{cache}.shared.global [sa], [ga], {nbytes}, $2; }}")
+
+        @intrinsic
+        def cp_async(typingctx, dst, dst_i, src, i0, i1, i2, i3, src_bytes):
+            """Start copying ``nbytes`` from ``src[i0, i1, i2, i3]`` to shared ``dst[dst_i]`` (``src_bytes`` < nbytes: zero fill)."""
+            sig = types.void(dst, dst_i, src, i0, i1, i2, i3, src_bytes)
+
+            def codegen(context, builder, signature, args):
+                tys = signature.args
+                d = item_address(context, builder, tys[0], args[0], tys[1:2], args[1:2])
+                g = item_address(context, builder, tys[2], args[2], tys[3:7], args[3:7])
+                n = context.cast(builder, args[7], tys[7], types.uint32)
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64, i32]), ptx, "l,l,r",
+                                          side_effect=True), [d, g, n])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return cp_async
+
+    @intrinsic
+    def cp_async_commit(typingctx):
+        """Close the group of copies this thread started since the last commit."""
+        def codegen(context, builder, signature, args):
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;", "",
+                                      side_effect=True), [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    def make_wait(n):
+        @intrinsic
+        def cp_async_wait(typingctx):
+            """Wait until at most ``n`` of this thread's committed groups are still in flight."""
+            def codegen(context, builder, signature, args):
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {n};", "",
+                                          side_effect=True), [])
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return cp_async_wait
+
+    def make_ldmatrix(trans):
+        ptx = ("{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; "
+               f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [sa]; }}")
+        RET = types.UniTuple(types.uint32, 4)
+
+        @intrinsic
+        def ldmatrix_x4(typingctx, ary, i):
+            """Four 8 x 8 16-bit matrices; lane ``l`` names row ``l % 8`` of matrix ``l // 8`` (at ``ary[i]``)."""
+            sig = RET(ary, i)
+
+            def codegen(context, builder, signature, args):
+                a = item_address(context, builder, signature.args[0], args[0], signature.args[1:], args[1:])
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64]), ptx,
+                                   "=r,=r,=r,=r,l", side_effect=True)
+                res = builder.call(asm, [a])
+                return context.make_tuple(builder, RET, [builder.extract_value(res, j) for j in range(4)])
+
+            return sig, codegen
+
+        return ldmatrix_x4
+
+    return dict(cp_async16=make_cp_async(16), cp_async4=make_cp_async(4), cp_async_commit=cp_async_commit,
+                cp_async_wait_all=make_wait(0), cp_async_wait_prev=make_wait(1),
+                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True))
+
+
 # --------------------------------------------------------------------------------------
 # Simulator twins.  Index maps from (row, col) of A (16 x 16), B (16 x 8), C (16 x 8) to
 # (lane, register, half) of the layout above.
@@ -87,7 +170,7 @@ B_LANE, B_REG, B_HALF = _N * 4 + (_K % 8) // 2, _K // 8, _K % 2
 _R, _C = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
 C_LANE, C_REG = (_R % 8) * 4 + _C // 2, (_R // 8) * 2 + _C % 2
 MAX_WARPS = 32
-U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
+U32_DT, F32_DT, I64_DT = np.dtype(np.uint32), np.dtype(np.float32), np.dtype(np.int64)
 
 
 def halves_to_float(words, half, fmt):
@@ -139,7 +222,59 @@ def _sim_primitives(fmt):
     return mma, pack2
 
 
+def _sim_memory_primitives():
+    """Copies happen at once (commit/wait have nothing to do); ldmatrix exchanges row addresses in shared memory."""
+
+    def make_cp_async(words):
+        @device_function
+        def cp_async(dst, dst_i, src, i0, i1, i2, i3, src_bytes):
+            for w in range(words):
+                dst[dst_i + w] = src[i0, i1, i2, i3 + w] if src_bytes > 0 else 0
+        return cp_async
+
+    @device_function
+    def nothing():
+        pass
+
+    def make_ldmatrix(trans):
+        @device_function
+        def ldmatrix_x4(ary, i):
+            rows = cuda.shared.array((MAX_WARPS, 32), I64_DT)
+            tid = cuda.threadIdx.x
+            w, lane = tid // 32, tid % 32
+            rows[w, lane] = i                            # this lane's row: 8 halves = 4 words from ary[i]
+            cuda.syncthreads()
+            g, t = lane // 4, lane % 4
+            regs = [np.uint32(0)] * 4
+            for m in range(4):
+                if trans:   # halves (row 2t, col g) and (row 2t + 1, col g) of matrix m
+                    lo = (int(ary[rows[w, 8 * m + 2 * t] + g // 2]) >> (16 * (g % 2))) & 0xFFFF
+                    hi = (int(ary[rows[w, 8 * m + 2 * t + 1] + g // 2]) >> (16 * (g % 2))) & 0xFFFF
+                    regs[m] = np.uint32(lo | (hi << 16))
+                else:       # halves (row g, cols 2t, 2t + 1): word t of row g
+                    regs[m] = np.uint32(ary[rows[w, 8 * m + g] + t])
+            cuda.syncthreads()
+            return regs[0], regs[1], regs[2], regs[3]
+        return ldmatrix_x4
+
+    return dict(cp_async16=make_cp_async(4), cp_async4=make_cp_async(1), cp_async_commit=nothing,
+                cp_async_wait_all=nothing, cp_async_wait_prev=nothing,
+                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True))
+
+
+# alignment of the dynamic shared-memory array: cp.async (16 bytes) and ldmatrix rows need 16;
+# the simulator takes no alignment argument
+SMEM_ALIGN = None if SIMULATOR else 16
+
+
 _cache = {}
+
+
+def memory_primitives():
+    """``cp.async`` (16 or 4 bytes, commit, wait), ``ldmatrix.x4`` (plain and ``.trans``), as a dict."""
+    if "memory" not in _cache:
+        _cache["memory"] = _sim_memory_primitives() if SIMULATOR else _gpu_memory_primitives()
+    return _cache["memory"]
 
 
 def primitives(dtype_name):

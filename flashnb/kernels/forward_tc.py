@@ -14,11 +14,14 @@ and at the end ``out = acc / l_i`` (rounded to the input format), ``lse = m_i + 
 
 Data are handled as 32-bit words of two 16-bit values (the operand format of
 ``mma``): q, k, v, out arrive as ``uint32`` views of the caller's arrays (head
-dim even, pairs contiguous; ``api`` checks).  Shared memory holds K row-major
-and V transposed (``vt_smem[d, key pair]``), so both are ``b`` fragments read
-as single words; row strides are padded to 4 (mod 8) words, which puts the 8
-rows x 4 words of a fragment read in 32 different banks.  A head dim that is not
-a multiple of 16 is padded with zeros in shared memory and registers.
+dim even, pairs contiguous; ``api`` checks).  K_j and V_j are copied into shared
+memory with ``cp.async`` (16-byte chunks where the layout is 16-byte aligned,
+``VEC16``; else 4-byte words), double-buffered: tile j + 1 is in flight while
+tile j is computed.  Both stay row-major; ``ldmatrix.x4`` reads K's ``b``
+fragments and ``ldmatrix.x4.trans`` V's (keys become the k dimension).  Row
+strides are padded to 4 (mod 8) words: the 8 rows of 16 bytes that one
+``ldmatrix`` phase reads fall in 32 different banks.  A head dim that is not a
+multiple of 16 is padded with zeros (cp.async's zero fill) in shared memory.
 """
 import math
 from functools import lru_cache
@@ -27,15 +30,10 @@ import numpy as np
 from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel
-from ._mma import primitives
+from ._mma import SMEM_ALIGN, memory_primitives, primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, tile_head_batch
 from .forward import LN2, LOG2E, make_window_helpers
-
-LOW16 = np.uint32(0xFFFF)
-HIGH16 = np.uint32(0xFFFF0000)
-SHIFT16 = np.uint32(16)
-
 
 def tc_padded_words(n_words):
     """Row stride (in 32-bit words) of a shared tile: 4 (mod 8), conflict-free for 8-row x 4-word fragment reads."""
@@ -43,7 +41,7 @@ def tc_padded_words(n_words):
 
 
 @lru_cache(maxsize=None)
-def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block)."""
     assert BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
@@ -56,12 +54,14 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, HAS_WINDOW, HAS_ATTN
     NT_K = BLOCK_K // 8                      # n-tiles of S (8 keys each)
     KSTEPS_K = BLOCK_K // 16                 # k-steps of P V
     NT_D = D_PAD // 8                        # n-tiles of the output (8 dims each)
-    K_STRIDE = tc_padded_words(D_WORDS)      # k_smem[key, word]
-    VT_STRIDE = tc_padded_words(BLOCK_K // 2)  # vt_smem[dim, key pair]
-    K_OFF, VT_OFF = 0, BLOCK_K * K_STRIDE
-    SMEM_WORDS = VT_OFF + D_PAD * VT_STRIDE
-    SHARED_BYTES = SMEM_WORDS * 4
-    SCRATCH = NTHREADS * 2 if SIMULATOR else 1  # the quad reduction's scratch (simulator only)
+    STRIDE = tc_padded_words(D_WORDS)        # words per key row of a K or V tile in shared memory
+    TILE = BLOCK_K * STRIDE                  # words of one K (or V) tile
+    V_OFF = TILE                             # buffer s: K at s * 2 TILE, V at s * 2 TILE + V_OFF
+    SMEM_WORDS = 4 * TILE                    # two buffers of (K_j, V_j)
+    SCRATCH = NTHREADS * 2 if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
+    SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
+    CW = 4 if VEC16 else 1                   # words per cp.async
+    CHUNKS = D_WORDS // CW                   # cp.async copies per key row
     HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI
     F32 = np.float32
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
@@ -69,6 +69,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, HAS_WINDOW, HAS_ATTN
     U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
 
     mma, pack2 = primitives(DTYPE_NAME)
+    mem = memory_primitives()
+    cp_async = mem["cp_async16"] if VEC16 else mem["cp_async4"]
+    cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
+    ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
     # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
     quad_max = make_row_allreduce(2, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2, 4, NTHREADS, F32, is_max=False)
@@ -87,21 +91,19 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, HAS_WINDOW, HAS_ATTN
                     q_reg[ks, 2 * half + r] = q[U(b), U(i), U(h), U(c)] if (i < seqlen_q and c < HEAD_WORDS) else W0
 
     @device_function
-    def load_kv(k, v, b, k0, hk, seqlen_k, k_smem, vt_smem):
-        """K_j -> k_smem (row-major words), V_j -> vt_smem (transposed: two keys' values of a dim per word)."""
+    def start_kv_copy(k, v, b, k0, hk, seqlen_k, smem, base):
+        """cp.async K_j, V_j into the buffer at ``base``; rows past the keys and words past the head dim get zeros."""
         nrows = seqlen_k - k0
-        for idx in range(cuda.threadIdx.x, BLOCK_K * D_WORDS, NTHREADS):
-            r = idx // D_WORDS
-            c = idx - r * D_WORDS
-            k_smem[U(r * K_STRIDE + c)] = k[U(b), U(k0 + r), U(hk), U(c)] if (r < nrows and c < HEAD_WORDS) else W0
-        for idx in range(cuda.threadIdx.x, (BLOCK_K // 2) * D_WORDS, NTHREADS):
-            r2 = idx // D_WORDS
-            c = idx - r2 * D_WORDS
-            ok = c < HEAD_WORDS
-            w0 = v[U(b), U(k0 + 2 * r2), U(hk), U(c)] if (ok and 2 * r2 < nrows) else W0
-            w1 = v[U(b), U(k0 + 2 * r2 + 1), U(hk), U(c)] if (ok and 2 * r2 + 1 < nrows) else W0
-            vt_smem[U(2 * c * VT_STRIDE + r2)] = (w0 & LOW16) | (w1 << SHIFT16)           # dim 2c: keys 2r2, 2r2+1
-            vt_smem[U((2 * c + 1) * VT_STRIDE + r2)] = (w0 >> SHIFT16) | (w1 & HIGH16)    # dim 2c + 1
+        for idx in range(cuda.threadIdx.x, BLOCK_K * CHUNKS, NTHREADS):
+            r = idx // CHUNKS
+            c = (idx - r * CHUNKS) * CW
+            ok = r < nrows and c < HEAD_WORDS
+            row = k0 + r if ok else k0          # a zero fill still names a valid source address
+            col = c if ok else 0
+            nbytes = 4 * CW if ok else 0
+            cp_async(smem, U(base + r * STRIDE + c), k, U(b), U(row), U(hk), U(col), nbytes)
+            cp_async(smem, U(base + V_OFF + r * STRIDE + c), v, U(b), U(row), U(hk), U(col), nbytes)
+        cp_async_commit()
 
     @device_function
     def next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k):
@@ -133,10 +135,14 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, HAS_WINDOW, HAS_ATTN
         q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
         scale_log2 = F32(scale) * LOG2E_T
 
-        smem = cuda.shared.array(0, U32_DT)
-        k_smem = smem[K_OFF:VT_OFF]          # BLOCK_K x D_WORDS words, stride K_STRIDE
-        vt_smem = smem[VT_OFF:SMEM_WORDS]    # D_PAD x BLOCK_K / 2 words, stride VT_STRIDE
-        scratch = cuda.shared.array(SCRATCH, F32_DT)
+        smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)   # [buffer][K_j | V_j][key][word], rows STRIDE words apart
+        scratch = cuda.shared.array(0, F32_DT)[SMEM_WORDS:SMEM_WORDS + SCRATCH]
+        # ldmatrix row addresses of this lane (lane l names row l % 8 of matrix l // 8):
+        # K: matrices (keys +0 | +8) x (words +0 | +4) -> b0, b1 of n-tiles n, n + 1
+        # V: matrices (dims  +0 | +4 words) x (keys +0 | +8), transposed -> b0, b1 of n-tiles n, n + 1
+        mi = lane // 8
+        k_lane = (8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
+        v_lane = V_OFF + (8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
 
         q_reg = cuda.local.array((KSTEPS_D, 4), np.uint32)
         s_reg = cuda.local.array((NT_K, 4), F32)
@@ -154,21 +160,34 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, HAS_WINDOW, HAS_ATTN
 
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
+        if kt < kt_hi:
+            start_kv_copy(k, v, b, kt * BLOCK_K, hk, seqlen_k, smem, 0)
+        buf = 0
         while kt < kt_hi:
             k0 = kt * BLOCK_K
             kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-            load_kv(k, v, b, k0, hk, seqlen_k, k_smem, vt_smem)
-            cuda.syncthreads()
+            if kn < kt_hi:                                   # K_{j+1}, V_{j+1} fly while tile j computes
+                start_kv_copy(k, v, b, kn * BLOCK_K, hk, seqlen_k, smem, (1 - buf) * 2 * TILE)
+                wait_prev()
+            else:
+                wait_all()
+            cuda.syncthreads()                               # everyone's copies of K_j, V_j have landed
+            base = buf * 2 * TILE
 
-            # S = Q K_j^T: b fragment of n-tile n = words of keys 8n + g
-            for n in range(NT_K):
-                c0, c1, c2, c3 = ZERO, ZERO, ZERO, ZERO
-                kb = (8 * n + g) * K_STRIDE + t
+            # S = Q K_j^T, two n-tiles (16 keys) per ldmatrix per k-step
+            for n in range(0, NT_K, 2):
+                for e in range(4):
+                    s_reg[n, e] = ZERO
+                    s_reg[n + 1, e] = ZERO
                 for ks in range(KSTEPS_D):
-                    c0, c1, c2, c3 = mma(q_reg[ks, 0], q_reg[ks, 1], q_reg[ks, 2], q_reg[ks, 3],
-                                         k_smem[U(kb + 8 * ks)], k_smem[U(kb + 8 * ks + 4)], c0, c1, c2, c3)
-                s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3] = c0, c1, c2, c3
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, U(base + 8 * n * STRIDE + 8 * ks + k_lane))
+                    s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3] = mma(
+                        q_reg[ks, 0], q_reg[ks, 1], q_reg[ks, 2], q_reg[ks, 3], b0, b1,
+                        s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3])
+                    s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3] = mma(
+                        q_reg[ks, 0], q_reg[ks, 1], q_reg[ks, 2], q_reg[ks, 3], b2, b3,
+                        s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3])
 
             # modifiers and masks, base-2 units; element e of n-tile n is (row0 + 8 (e >> 1), k0 + 8n + 2t + (e & 1))
             for n in range(NT_K):
@@ -218,11 +237,14 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, HAS_WINDOW, HAS_ATTN
                 a1 = pack2(s_reg[2 * kk, 2], s_reg[2 * kk, 3])
                 a2 = pack2(s_reg[2 * kk + 1, 0], s_reg[2 * kk + 1, 1])
                 a3 = pack2(s_reg[2 * kk + 1, 2], s_reg[2 * kk + 1, 3])
-                for n in range(NT_D):
-                    vb = (8 * n + g) * VT_STRIDE + 8 * kk + t
+                for n in range(0, NT_D, 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(base + 16 * kk * STRIDE + 4 * n + v_lane))
                     acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3] = mma(
-                        a0, a1, a2, a3, vt_smem[U(vb)], vt_smem[U(vb + 4)], acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
-            cuda.syncthreads()                                # every warp is done with K_j, V_j
+                        a0, a1, a2, a3, b0, b1, acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
+                    acc[n + 1, 0], acc[n + 1, 1], acc[n + 1, 2], acc[n + 1, 3] = mma(
+                        a0, a1, a2, a3, b2, b3, acc[n + 1, 0], acc[n + 1, 1], acc[n + 1, 2], acc[n + 1, 3])
+            cuda.syncthreads()                               # every warp is done with buffer buf
+            buf = 1 - buf
             kt = kn
 
         quad_sum(l_i, scratch, tid // 4, t)
