@@ -27,6 +27,8 @@ Every thread of the block must call a simulated ``mma`` together (it contains
 barriers); the kernels call them in uniform control flow, as the hardware
 requires of ``mma.sync`` within a warp anyway.
 """
+import math
+
 import numpy as np
 from numba import cuda
 
@@ -96,15 +98,19 @@ def _gpu_memory_primitives():
                f"cp.async.{cache}.shared.global [sa], [ga], {nbytes}, $2; }}")
 
         @intrinsic
-        def cp_async(typingctx, dst, dst_i, src, i0, i1, i2, i3, src_bytes):
-            """Start copying ``nbytes`` from ``src[i0, i1, i2, i3]`` to shared ``dst[dst_i]`` (``src_bytes`` < nbytes: zero fill)."""
-            sig = types.void(dst, dst_i, src, i0, i1, i2, i3, src_bytes)
+        def cp_async(typingctx, dst, dst_i, src, src_off, src_bytes):
+            """Start copying ``nbytes`` from element ``src_off`` (counted from ``src``'s first element, in
+            elements) to shared ``dst[dst_i]``; ``src_bytes`` < nbytes: the rest is zero-filled."""
+            sig = types.void(dst, dst_i, src, src_off, src_bytes)
 
             def codegen(context, builder, signature, args):
                 tys = signature.args
                 d = item_address(context, builder, tys[0], args[0], tys[1:2], args[1:2])
-                g = item_address(context, builder, tys[2], args[2], tys[3:7], args[3:7])
-                n = context.cast(builder, args[7], tys[7], types.uint32)
+                ary = context.make_array(tys[2])(context, builder, args[2])
+                off = builder.mul(context.cast(builder, args[3], tys[3], types.int64),
+                                  ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(tys[2].dtype))))
+                g = builder.add(builder.ptrtoint(ary.data, i64), off)
+                n = context.cast(builder, args[4], tys[4], types.uint32)
                 builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64, i32]), ptx, "l,l,r",
                                           side_effect=True), [d, g, n])
                 return context.get_dummy_value()
@@ -154,7 +160,24 @@ def _gpu_memory_primitives():
 
         return ldmatrix_x4
 
-    return dict(cp_async16=make_cp_async(16), cp_async4=make_cp_async(4), cp_async_commit=cp_async_commit,
+    @intrinsic
+    def exp2_ftz(typingctx, x):
+        """2**x as one MUFU.EX2 (ex2.approx.ftz: ~2 ulp; results below 2**-126 flush to 0).
+
+        ``math.exp2`` lowers to ex2.approx without ftz, which the compiler wraps in a
+        denormal range check and two rescaling multiplies: 4 extra instructions per score.
+        """
+        sig = types.float32(x)
+
+        def codegen(context, builder, signature, args):
+            xv = context.cast(builder, args[0], signature.args[0], types.float32)
+            f32 = ir.FloatType()
+            return builder.call(ir.InlineAsm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f"),
+                                [xv])
+
+        return sig, codegen
+
+    return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(16), cp_async4=make_cp_async(4), cp_async_commit=cp_async_commit,
                 cp_async_wait_all=make_wait(0), cp_async_wait_prev=make_wait(1),
                 ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True))
 
@@ -227,9 +250,12 @@ def _sim_memory_primitives():
 
     def make_cp_async(words):
         @device_function
-        def cp_async(dst, dst_i, src, i0, i1, i2, i3, src_bytes):
+        def cp_async(dst, dst_i, src, src_off, src_bytes):
+            a = getattr(src, "_ary", src)                # the simulator's array wraps a NumPy array
+            span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.strides)) // a.itemsize
+            flat = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,))
             for w in range(words):
-                dst[dst_i + w] = src[i0, i1, i2, i3 + w] if src_bytes > 0 else 0
+                dst[dst_i + w] = flat[src_off + w] if src_bytes > 0 else 0
         return cp_async
 
     @device_function
@@ -257,7 +283,11 @@ def _sim_memory_primitives():
             return regs[0], regs[1], regs[2], regs[3]
         return ldmatrix_x4
 
-    return dict(cp_async16=make_cp_async(4), cp_async4=make_cp_async(1), cp_async_commit=nothing,
+    @device_function
+    def exp2_ftz(x):
+        return np.float32(math.exp2(x)) if x > -126.0 or x != x else np.float32(0.0)
+
+    return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(4), cp_async4=make_cp_async(1), cp_async_commit=nothing,
                 cp_async_wait_all=nothing, cp_async_wait_prev=nothing,
                 ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True))
 

@@ -73,6 +73,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, H
     cp_async = mem["cp_async16"] if VEC16 else mem["cp_async4"]
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
+    exp2 = mem["exp2_ftz"]
     # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
     quad_max = make_row_allreduce(2, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2, 4, NTHREADS, F32, is_max=False)
@@ -90,19 +91,42 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, H
                     i = row0 + 8 * r
                     q_reg[ks, 2 * half + r] = q[U(b), U(i), U(h), U(c)] if (i < seqlen_q and c < HEAD_WORDS) else W0
 
+    # cp.async work split: thread tid copies chunk column (tid % CHUNKS) of rows tid // CHUNKS + i ROW_STEP,
+    # a compile-time trip count (no remainder loop) when the chunks divide evenly among the threads
+    EVEN_COPY = NTHREADS % CHUNKS == 0 and BLOCK_K % (NTHREADS // CHUNKS) == 0
+    ROW_STEP = NTHREADS // CHUNKS if EVEN_COPY else 0
+    ITERS = BLOCK_K // ROW_STEP if EVEN_COPY else 0
+
     @device_function
-    def start_kv_copy(k, v, b, k0, hk, seqlen_k, smem, base):
-        """cp.async K_j, V_j into the buffer at ``base``; rows past the keys and words past the head dim get zeros."""
+    def start_kv_copy(k, v, k_base, v_base, k_row, v_row, k0, seqlen_k, smem, base):
+        """cp.async K_j, V_j into the buffer at ``base``; rows past the keys and words past the head dim get zeros.
+
+        ``k_base``, ``k_row``: word offset of k[b, 0, hk, 0] and words per key row (likewise v):
+        one multiply-add per copy instead of Numba's four-index arithmetic.
+        """
         nrows = seqlen_k - k0
-        for idx in range(cuda.threadIdx.x, BLOCK_K * CHUNKS, NTHREADS):
-            r = idx // CHUNKS
-            c = (idx - r * CHUNKS) * CW
-            ok = r < nrows and c < HEAD_WORDS
-            row = k0 + r if ok else k0          # a zero fill still names a valid source address
-            col = c if ok else 0
-            nbytes = 4 * CW if ok else 0
-            cp_async(smem, U(base + r * STRIDE + c), k, U(b), U(row), U(hk), U(col), nbytes)
-            cp_async(smem, U(base + V_OFF + r * STRIDE + c), v, U(b), U(row), U(hk), U(col), nbytes)
+        if EVEN_COPY:
+            r0 = cuda.threadIdx.x // CHUNKS
+            c = (cuda.threadIdx.x - r0 * CHUNKS) * CW
+            col_ok = c < HEAD_WORDS
+            for it in range(ITERS):
+                r = r0 + it * ROW_STEP
+                ok = col_ok and r < nrows
+                row = k0 + r if ok else k0          # a zero fill still names a valid source address
+                col = c if ok else 0
+                nbytes = 4 * CW if ok else 0
+                cp_async(smem, U(base + r * STRIDE + c), k, k_base + row * k_row + col, nbytes)
+                cp_async(smem, U(base + V_OFF + r * STRIDE + c), v, v_base + row * v_row + col, nbytes)
+        else:
+            for idx in range(cuda.threadIdx.x, BLOCK_K * CHUNKS, NTHREADS):
+                r = idx // CHUNKS
+                c = (idx - r * CHUNKS) * CW
+                ok = r < nrows and c < HEAD_WORDS
+                row = k0 + r if ok else k0
+                col = c if ok else 0
+                nbytes = 4 * CW if ok else 0
+                cp_async(smem, U(base + r * STRIDE + c), k, k_base + row * k_row + col, nbytes)
+                cp_async(smem, U(base + V_OFF + r * STRIDE + c), v, v_base + row * v_row + col, nbytes)
         cp_async_commit()
 
     @device_function
@@ -157,18 +181,21 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, H
             for e in range(4):
                 acc[n, e] = ZERO
         load_q_frags(q, b, h, row0, seqlen_q, t, q_reg)
+        k_base = (b * k.strides[0] + hk * k.strides[2]) // 4      # strides are in bytes, 4 per word
+        v_base = (b * v.strides[0] + hk * v.strides[2]) // 4
+        k_row, v_row = k.strides[1] // 4, v.strides[1] // 4
 
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
         if kt < kt_hi:
-            start_kv_copy(k, v, b, kt * BLOCK_K, hk, seqlen_k, smem, 0)
+            start_kv_copy(k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, smem, 0)
         buf = 0
         while kt < kt_hi:
             k0 = kt * BLOCK_K
             kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             if kn < kt_hi:                                   # K_{j+1}, V_{j+1} fly while tile j computes
-                start_kv_copy(k, v, b, kn * BLOCK_K, hk, seqlen_k, smem, (1 - buf) * 2 * TILE)
+                start_kv_copy(k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, smem, (1 - buf) * 2 * TILE)
                 wait_prev()
             else:
                 wait_all()
@@ -190,19 +217,24 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, H
                         s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3])
 
             # modifiers and masks, base-2 units; element e of n-tile n is (row0 + 8 (e >> 1), k0 + 8n + 2t + (e & 1))
-            for n in range(NT_K):
-                for e in range(4):
-                    i = row0 + 8 * (e // 2)
-                    j = k0 + 8 * n + 2 * t + (e % 2)
-                    if HAS_MODS:
-                        x = score(s_reg[n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
-                    else:
-                        x = s_reg[n, e] * scale_log2
-                    if need_mask:
-                        if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
-                                       attn_mask, block_mask, bm_q, bm_k):
-                            x = NEG_INF
-                    s_reg[n, e] = x
+            if HAS_MODS or need_mask:
+                for n in range(NT_K):
+                    for e in range(4):
+                        i = row0 + 8 * (e // 2)
+                        j = k0 + 8 * n + 2 * t + (e % 2)
+                        if HAS_MODS:
+                            x = score(s_reg[n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
+                        else:
+                            x = s_reg[n, e] * scale_log2
+                        if need_mask:
+                            if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
+                                           attn_mask, block_mask, bm_q, bm_k):
+                                x = NEG_INF
+                        s_reg[n, e] = x
+            else:                                            # a tile inside every mask: scale only
+                for n in range(NT_K):
+                    for e in range(4):
+                        s_reg[n, e] *= scale_log2
 
             # online softmax: m_new = max(m_i, rowmax S), rescale l_i and acc by exp2(m_i - m_new)
             for r in range(2):
@@ -214,12 +246,12 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, H
             for r in range(2):
                 m_new = max(m_i[r], row[r])
                 m_use = m_new if m_new != NEG_INF else ZERO   # nothing seen yet: exp2(-inf) = 0, not NaN
-                alpha = math.exp2(m_i[r] - m_use)
+                alpha = exp2(m_i[r] - m_use)
                 m_i[r] = m_new
                 l_tile = ZERO
                 for n in range(NT_K):
                     for e in range(2 * r, 2 * r + 2):
-                        p = math.exp2(s_reg[n, e] - m_use)
+                        p = exp2(s_reg[n, e] - m_use)
                         l_tile += p                            # l_i uses P before dropout
                         if HAS_DROPOUT:
                             i = row0 + 8 * r
