@@ -32,7 +32,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--seqlens", default="4096")
-    ap.add_argument("--configs", default="64=64:64;128=64:64", help="bq:bk pairs per head dim")
+    ap.add_argument("--configs", default="64=64:64;128=64:64",
+                    help="bq:bk[:mt] per head dim (mt: m16 row blocks per warp; default api.tc_m_tiles)")
     args = ap.parse_args(argv)
 
     import torch
@@ -41,11 +42,15 @@ def main(argv=None):
     import flashnb
 
     dtype = getattr(torch, args.dtype)
+    default_mt = flashnb.api.tc_m_tiles
     rows = []
     for part in filter(None, args.configs.split(";")):
         d, pairs = part.split("=")
         d = int(d)
-        for bq, bk in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
+        for cfg in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
+            bq, bk = cfg[:2]
+            mt = cfg[2] if len(cfg) > 2 else default_mt(bq)
+            flashnb.api.tc_m_tiles = lambda block_q, mt=mt: mt          # the variant under test
             for causal in (False, True):
                 err = _check(dtype, d, bq, bk, causal)
                 for n in map(int, args.seqlens.split(",")):
@@ -64,7 +69,7 @@ def main(argv=None):
 
                     f = _fwd_flops(b, h, n, d, causal)
                     t_f, t_s = _time(fwd, sets), _time(sdpa, sets)
-                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", causal=causal, N=n, rel_err=f"{err:.1e}",
+                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", mt=mt, causal=causal, N=n, rel_err=f"{err:.1e}",
                                      fwd_ms=round(t_f, 3), tflops=round(f / t_f / 1e9, 1),
                                      fa2_tflops=round(f / t_s / 1e9, 1), ratio=round(t_s / t_f, 3)))
                     print(rows[-1], file=sys.stderr, flush=True)

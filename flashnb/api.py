@@ -25,7 +25,7 @@ _GPU_TILES = {
     "float64": ((64, (64, 32)), (128, (32, 32)), (256, (32, 16))),
 }
 _SIM_TILES = (8, 8)  # the simulator runs one Python thread per CUDA thread: keep blocks small
-# Tensor-core tiles: BLOCK_Q = 16 x warps (one m16n8k16 row block per warp), BLOCK_K a multiple of 16.
+# Tensor-core tiles: BLOCK_Q = 16 x m-tiles per warp (tc_m_tiles) x warps, BLOCK_K a multiple of 16.
 _TC_TILES = ((64, (64, 64)), (128, (64, 64)), (256, (64, 32)))
 _TC_SIM_TILES = (16, 16)
 MAX_SHARED_BYTES = 227 * 1024  # per block, opted in, on compute capability 9.0 (8.0: 163 KB)
@@ -38,6 +38,11 @@ def default_tiles(headdim, acc_name):
         if headdim <= max_d:
             return tiles
     raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
+
+
+def tc_m_tiles(block_q):
+    """m16 row blocks per warp: 2 from BLOCK_Q = 32 (each K/V fragment read from shared memory feeds two mma)."""
+    return 2 if block_q >= 32 else 1
 
 
 def default_tc_tiles(headdim):
@@ -205,7 +210,8 @@ def _forward_tc(q, k, v, out, lse, opts, bq, bk, dtype_name, stream):
         return
     f = opts.flags
     vec16 = _arrays.rows_aligned16(k) and _arrays.rows_aligned16(v)     # 16-byte cp.async, else 4-byte
-    kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, vec16, f.has_window, f.has_attn_mask,
+    kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, vec16, tc_m_tiles(bq),
+                                            f.has_window, f.has_attn_mask,
                                             f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi, f.has_dropout)
     _check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {2 * words}")
     grid = -(-seqlen_q // bq) * nheads * batch

@@ -41,12 +41,13 @@ def tc_padded_words(n_words):
 
 
 @lru_cache(maxsize=None)
-def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block)."""
-    assert BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
-    NWARPS = BLOCK_Q // 16
+    assert BLOCK_Q % (16 * MT) == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
+    NWARPS = BLOCK_Q // (16 * MT)            # each warp owns MT m-tiles of 16 query rows
     NTHREADS = 32 * NWARPS
+    ROWS = 2 * MT                            # query rows per thread: (m-tile, fragment half)
     D_PAD = -(-HEAD_DIM // 16) * 16          # head dim padded to the mma's k
     HEAD_WORDS = HEAD_DIM // 2               # words of one row in global memory
     D_WORDS = D_PAD // 2                     # words of one row in shared memory
@@ -58,7 +59,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, H
     TILE = BLOCK_K * STRIDE                  # words of one K (or V) tile
     V_OFF = TILE                             # buffer s: K at s * 2 TILE, V at s * 2 TILE + V_OFF
     SMEM_WORDS = 4 * TILE                    # two buffers of (K_j, V_j)
-    SCRATCH = NTHREADS * 2 if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
+    SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
     CW = 4 if VEC16 else 1                   # words per cp.async
     CHUNKS = D_WORDS // CW                   # cp.async copies per key row
@@ -75,21 +76,21 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, H
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
     exp2 = mem["exp2_ftz"]
     # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
-    quad_max = make_row_allreduce(2, 4, NTHREADS, F32, is_max=True)
-    quad_sum = make_row_allreduce(2, 4, NTHREADS, F32, is_max=False)
+    quad_max = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=True)
+    quad_sum = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=False)
     score = make_score_fn(F32, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
     @device_function
-    def load_q_frags(q, b, h, row0, seqlen_q, t, q_reg):
-        """Q's A fragments for rows ``row0``, ``row0 + 8`` straight from global memory (read once)."""
+    def load_q_frags(q, b, h, row0, seqlen_q, t, q_reg, m):
+        """Q's a fragments of m-tile ``m`` (rows ``row0``, ``row0 + 8``) straight from global memory (read once)."""
         for ks in range(KSTEPS_D):
             for half in range(2):
                 c = ks * 8 + t + 4 * half
                 for r in range(2):
                     i = row0 + 8 * r
-                    q_reg[ks, 2 * half + r] = q[U(b), U(i), U(h), U(c)] if (i < seqlen_q and c < HEAD_WORDS) else W0
+                    q_reg[m, ks, 2 * half + r] = q[U(b), U(i), U(h), U(c)] if (i < seqlen_q and c < HEAD_WORDS) else W0
 
     # cp.async work split: thread tid copies chunk column (tid % CHUNKS) of rows tid // CHUNKS + i ROW_STEP,
     # a compile-time trip count (no remainder loop) when the chunks divide evenly among the threads
@@ -155,11 +156,11 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, H
         lane = tid - 32 * warp
         g = lane // 4                        # fragment row (and row + 8)
         t = lane - 4 * g                     # fragment column pair
-        row0 = q0 + 16 * warp + g            # this thread's two query rows: row0, row0 + 8
+        row0 = q0 + 16 * MT * warp + g       # query row of (m-tile m, half r): row0 + 16 m + 8 r
         q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
         scale_log2 = F32(scale) * LOG2E_T
 
-        smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)   # [buffer][K_j | V_j][key][word], rows STRIDE words apart
+        smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)   # [buffer][K_j | V_j][key][word]
         scratch = cuda.shared.array(0, F32_DT)[SMEM_WORDS:SMEM_WORDS + SCRATCH]
         # ldmatrix row addresses of this lane (lane l names row l % 8 of matrix l // 8):
         # K: matrices (keys +0 | +8) x (words +0 | +4) -> b0, b1 of n-tiles n, n + 1
@@ -168,19 +169,21 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, H
         k_lane = (8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
         v_lane = V_OFF + (8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
 
-        q_reg = cuda.local.array((KSTEPS_D, 4), np.uint32)
-        s_reg = cuda.local.array((NT_K, 4), F32)
-        acc = cuda.local.array((NT_D, 4), F32)
-        m_i = cuda.local.array(2, F32)
-        l_i = cuda.local.array(2, F32)      # per-thread partial row sums, reduced over the quad at the end
-        row = cuda.local.array(2, F32)
-        for r in range(2):
+        q_reg = cuda.local.array((MT, KSTEPS_D, 4), np.uint32)   # Q's a fragments, loaded once
+        s_reg = cuda.local.array((MT, NT_K, 4), F32)             # S, then P, of the key tile
+        acc = cuda.local.array((MT, NT_D, 4), F32)
+        p_reg = cuda.local.array((MT, 4), np.uint32)             # P's a fragments of one k-step
+        m_i = cuda.local.array(ROWS, F32)  # row 2 m + r: running max (base-2 units)
+        l_i = cuda.local.array(ROWS, F32)  # per-thread partial row sums, reduced over the quad at the end
+        row = cuda.local.array(ROWS, F32)
+        for r in range(ROWS):
             m_i[r] = NEG_INF
             l_i[r] = ZERO
-        for n in range(NT_D):
-            for e in range(4):
-                acc[n, e] = ZERO
-        load_q_frags(q, b, h, row0, seqlen_q, t, q_reg)
+        for m in range(MT):
+            for n in range(NT_D):
+                for e in range(4):
+                    acc[m, n, e] = ZERO
+            load_q_frags(q, b, h, row0 + 16 * m, seqlen_q, t, q_reg, m)
         k_base = (b * k.strides[0] + hk * k.strides[2]) // 4      # strides are in bytes, 4 per word
         v_base = (b * v.strides[0] + hk * v.strides[2]) // 4
         k_row, v_row = k.strides[1] // 4, v.strides[1] // 4
@@ -195,101 +198,114 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, H
             kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             if kn < kt_hi:                                   # K_{j+1}, V_{j+1} fly while tile j computes
-                start_kv_copy(k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, smem, (1 - buf) * 2 * TILE)
+                start_kv_copy(k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, smem,
+                              (1 - buf) * 2 * TILE)
                 wait_prev()
             else:
                 wait_all()
             cuda.syncthreads()                               # everyone's copies of K_j, V_j have landed
             base = buf * 2 * TILE
 
-            # S = Q K_j^T, two n-tiles (16 keys) per ldmatrix per k-step
+            # S = Q K_j^T: per k-step one ldmatrix gives two n-tiles (16 keys), used by every m-tile
+            for m in range(MT):
+                for n in range(NT_K):
+                    for e in range(4):
+                        s_reg[m, n, e] = ZERO
             for n in range(0, NT_K, 2):
-                for e in range(4):
-                    s_reg[n, e] = ZERO
-                    s_reg[n + 1, e] = ZERO
                 for ks in range(KSTEPS_D):
                     b0, b1, b2, b3 = ldmatrix_x4(smem, U(base + 8 * n * STRIDE + 8 * ks + k_lane))
-                    s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3] = mma(
-                        q_reg[ks, 0], q_reg[ks, 1], q_reg[ks, 2], q_reg[ks, 3], b0, b1,
-                        s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3])
-                    s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3] = mma(
-                        q_reg[ks, 0], q_reg[ks, 1], q_reg[ks, 2], q_reg[ks, 3], b2, b3,
-                        s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3])
+                    for m in range(MT):
+                        s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3] = mma(
+                            q_reg[m, ks, 0], q_reg[m, ks, 1], q_reg[m, ks, 2], q_reg[m, ks, 3], b0, b1,
+                            s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3])
+                        s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3] = mma(
+                            q_reg[m, ks, 0], q_reg[m, ks, 1], q_reg[m, ks, 2], q_reg[m, ks, 3], b2, b3,
+                            s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3])
 
-            # modifiers and masks, base-2 units; element e of n-tile n is (row0 + 8 (e >> 1), k0 + 8n + 2t + (e & 1))
+            # modifiers and masks, base-2 units; element e of (m, n) is (row0 + 16 m + 8 (e >> 1), k0 + 8n + 2t + (e & 1))
             if HAS_MODS or need_mask:
-                for n in range(NT_K):
-                    for e in range(4):
-                        i = row0 + 8 * (e // 2)
-                        j = k0 + 8 * n + 2 * t + (e % 2)
-                        if HAS_MODS:
-                            x = score(s_reg[n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
-                        else:
-                            x = s_reg[n, e] * scale_log2
-                        if need_mask:
-                            if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
-                                           attn_mask, block_mask, bm_q, bm_k):
-                                x = NEG_INF
-                        s_reg[n, e] = x
+                for m in range(MT):
+                    for n in range(NT_K):
+                        for e in range(4):
+                            i = row0 + 16 * m + 8 * (e // 2)
+                            j = k0 + 8 * n + 2 * t + (e % 2)
+                            if HAS_MODS:
+                                x = score(s_reg[m, n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
+                            else:
+                                x = s_reg[m, n, e] * scale_log2
+                            if need_mask:
+                                if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
+                                               attn_mask, block_mask, bm_q, bm_k):
+                                    x = NEG_INF
+                            s_reg[m, n, e] = x
             else:                                            # a tile inside every mask: scale only
-                for n in range(NT_K):
-                    for e in range(4):
-                        s_reg[n, e] *= scale_log2
+                for m in range(MT):
+                    for n in range(NT_K):
+                        for e in range(4):
+                            s_reg[m, n, e] *= scale_log2
 
             # online softmax: m_new = max(m_i, rowmax S), rescale l_i and acc by exp2(m_i - m_new)
-            for r in range(2):
-                x = NEG_INF
-                for n in range(NT_K):
-                    x = max(x, max(s_reg[n, 2 * r], s_reg[n, 2 * r + 1]))
-                row[r] = x
+            for m in range(MT):
+                for r in range(2):
+                    x = NEG_INF
+                    for n in range(NT_K):
+                        x = max(x, max(s_reg[m, n, 2 * r], s_reg[m, n, 2 * r + 1]))
+                    row[2 * m + r] = x
             quad_max(row, scratch, tid // 4, t)
-            for r in range(2):
-                m_new = max(m_i[r], row[r])
-                m_use = m_new if m_new != NEG_INF else ZERO   # nothing seen yet: exp2(-inf) = 0, not NaN
-                alpha = exp2(m_i[r] - m_use)
-                m_i[r] = m_new
-                l_tile = ZERO
-                for n in range(NT_K):
-                    for e in range(2 * r, 2 * r + 2):
-                        p = exp2(s_reg[n, e] - m_use)
-                        l_tile += p                            # l_i uses P before dropout
-                        if HAS_DROPOUT:
-                            i = row0 + 8 * r
-                            j = k0 + 8 * n + 2 * t + (e % 2)
-                            p = p * drop_scale if philox_keep(seed_lo, seed_hi, b, h, i, j, drop_threshold) else ZERO
-                        s_reg[n, e] = p
-                l_i[r] = l_i[r] * alpha + l_tile
-                for n in range(NT_D):
-                    acc[n, 2 * r] *= alpha
-                    acc[n, 2 * r + 1] *= alpha
+            for m in range(MT):
+                for r in range(2):
+                    m_new = max(m_i[2 * m + r], row[2 * m + r])
+                    m_use = m_new if m_new != NEG_INF else ZERO   # nothing seen yet: exp2(-inf) = 0, not NaN
+                    alpha = exp2(m_i[2 * m + r] - m_use)
+                    m_i[2 * m + r] = m_new
+                    l_tile = ZERO
+                    for n in range(NT_K):
+                        for e in range(2 * r, 2 * r + 2):
+                            p = exp2(s_reg[m, n, e] - m_use)
+                            l_tile += p                            # l_i uses P before dropout
+                            if HAS_DROPOUT:
+                                i = row0 + 16 * m + 8 * r
+                                j = k0 + 8 * n + 2 * t + (e % 2)
+                                p = p * drop_scale if philox_keep(seed_lo, seed_hi, b, h, i, j, drop_threshold) else ZERO
+                            s_reg[m, n, e] = p
+                    l_i[2 * m + r] = l_i[2 * m + r] * alpha + l_tile
+                    for n in range(NT_D):
+                        acc[m, n, 2 * r] *= alpha
+                        acc[m, n, 2 * r + 1] *= alpha
 
-            # acc += P V_j: P's a fragments are S's accumulators of n-tiles 2kk, 2kk + 1, packed
+            # acc += P V_j: P's a fragments are S's accumulators of n-tiles 2kk, 2kk + 1, packed;
+            # one ldmatrix.trans gives V's b fragments of two output n-tiles, used by every m-tile
             for kk in range(KSTEPS_K):
-                a0 = pack2(s_reg[2 * kk, 0], s_reg[2 * kk, 1])
-                a1 = pack2(s_reg[2 * kk, 2], s_reg[2 * kk, 3])
-                a2 = pack2(s_reg[2 * kk + 1, 0], s_reg[2 * kk + 1, 1])
-                a3 = pack2(s_reg[2 * kk + 1, 2], s_reg[2 * kk + 1, 3])
+                for m in range(MT):
+                    p_reg[m, 0] = pack2(s_reg[m, 2 * kk, 0], s_reg[m, 2 * kk, 1])
+                    p_reg[m, 1] = pack2(s_reg[m, 2 * kk, 2], s_reg[m, 2 * kk, 3])
+                    p_reg[m, 2] = pack2(s_reg[m, 2 * kk + 1, 0], s_reg[m, 2 * kk + 1, 1])
+                    p_reg[m, 3] = pack2(s_reg[m, 2 * kk + 1, 2], s_reg[m, 2 * kk + 1, 3])
                 for n in range(0, NT_D, 2):
                     b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(base + 16 * kk * STRIDE + 4 * n + v_lane))
-                    acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3] = mma(
-                        a0, a1, a2, a3, b0, b1, acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
-                    acc[n + 1, 0], acc[n + 1, 1], acc[n + 1, 2], acc[n + 1, 3] = mma(
-                        a0, a1, a2, a3, b2, b3, acc[n + 1, 0], acc[n + 1, 1], acc[n + 1, 2], acc[n + 1, 3])
+                    for m in range(MT):
+                        acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3] = mma(
+                            p_reg[m, 0], p_reg[m, 1], p_reg[m, 2], p_reg[m, 3], b0, b1,
+                            acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
+                        acc[m, n + 1, 0], acc[m, n + 1, 1], acc[m, n + 1, 2], acc[m, n + 1, 3] = mma(
+                            p_reg[m, 0], p_reg[m, 1], p_reg[m, 2], p_reg[m, 3], b2, b3,
+                            acc[m, n + 1, 0], acc[m, n + 1, 1], acc[m, n + 1, 2], acc[m, n + 1, 3])
             cuda.syncthreads()                               # every warp is done with buffer buf
             buf = 1 - buf
             kt = kn
 
         quad_sum(l_i, scratch, tid // 4, t)
-        for r in range(2):
-            i = row0 + 8 * r
-            if i < seqlen_q:
-                l = l_i[r]
-                inv_l = ZERO if l == ZERO else F32(1) / l     # l == 0: saw no key -> out = 0, lse = -inf
-                for n in range(NT_D):
-                    c = 4 * n + t
-                    if c < HEAD_WORDS:
-                        out[U(b), U(i), U(h), U(c)] = pack2(acc[n, 2 * r] * inv_l, acc[n, 2 * r + 1] * inv_l)
-                if t == 0:
-                    lse[b, h, i] = NEG_INF if l == ZERO else (m_i[r] + math.log2(l)) * LN2_T
+        for m in range(MT):
+            for r in range(2):
+                i = row0 + 16 * m + 8 * r
+                if i < seqlen_q:
+                    l = l_i[2 * m + r]
+                    inv_l = ZERO if l == ZERO else F32(1) / l     # l == 0: saw no key -> out = 0, lse = -inf
+                    for n in range(NT_D):
+                        c = 4 * n + t
+                        if c < HEAD_WORDS:
+                            out[U(b), U(i), U(h), U(c)] = pack2(acc[m, n, 2 * r] * inv_l, acc[m, n, 2 * r + 1] * inv_l)
+                    if t == 0:
+                        lse[b, h, i] = NEG_INF if l == ZERO else (m_i[2 * m + r] + math.log2(l)) * LN2_T
 
     return flash_forward_tc, SHARED_BYTES, NTHREADS
