@@ -49,8 +49,8 @@ def main(argv=None):
         d = int(d)
         for cfg in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
             bq, bk = cfg[:2]
-            mt = cfg[2] if len(cfg) > 2 else default_mt(bq)
-            flashnb.api.tc_m_tiles = lambda block_q, mt=mt: mt          # the variant under test
+            mt = cfg[2] if len(cfg) > 2 else default_mt(bq, d)
+            flashnb.api.tc_m_tiles = lambda block_q, headdim, mt=mt: mt          # the variant under test
             for causal in (False, True):
                 err = _check(dtype, d, bq, bk, causal)
                 for n in map(int, args.seqlens.split(",")):

@@ -26,7 +26,7 @@ _GPU_TILES = {
 }
 _SIM_TILES = (8, 8)  # the simulator runs one Python thread per CUDA thread: keep blocks small
 # Tensor-core tiles: BLOCK_Q = 16 x m-tiles per warp (tc_m_tiles) x warps, BLOCK_K a multiple of 16.
-_TC_TILES = ((64, (64, 64)), (128, (64, 64)), (256, (64, 32)))
+_TC_TILES = ((64, (128, 64)), (128, (64, 64)), (256, (128, 32)))   # measured: docs/tensorcore.md
 _TC_SIM_TILES = (16, 16)
 MAX_SHARED_BYTES = 227 * 1024  # per block, opted in, on compute capability 9.0 (8.0: 163 KB)
 
@@ -40,9 +40,10 @@ def default_tiles(headdim, acc_name):
     raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
 
 
-def tc_m_tiles(block_q):
-    """m16 row blocks per warp: 2 from BLOCK_Q = 32 (each K/V fragment read from shared memory feeds two mma)."""
-    return 2 if block_q >= 32 else 1
+def tc_m_tiles(block_q, headdim):
+    """m16 row blocks per warp: 2 (each K/V fragment read from shared memory feeds two mma) where the
+    registers allow, head dims up to 64; larger head dims spill with 2 (docs/tensorcore.md)."""
+    return 2 if block_q >= 32 and headdim <= 64 else 1
 
 
 def default_tc_tiles(headdim):
@@ -210,7 +211,7 @@ def _forward_tc(q, k, v, out, lse, opts, bq, bk, dtype_name, stream):
         return
     f = opts.flags
     vec16 = _arrays.rows_aligned16(k) and _arrays.rows_aligned16(v)     # 16-byte cp.async, else 4-byte
-    kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, vec16, tc_m_tiles(bq),
+    kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, vec16, tc_m_tiles(bq, 2 * words),
                                             f.has_window, f.has_attn_mask,
                                             f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi, f.has_dropout)
     _check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {2 * words}")
