@@ -33,7 +33,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--seqlens", default="4096")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
-                    help="bq:bk[:mt] per head dim (mt: m16 row blocks per warp; default api.tc_m_tiles)")
+                    help="bq:bk[:mt[:qs]] per head dim (mt: m16 row blocks per warp, default api.tc_m_tiles; "
+                         "qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem)")
     args = ap.parse_args(argv)
 
     import torch
@@ -42,7 +43,7 @@ def main(argv=None):
     import flashnb
 
     dtype = getattr(torch, args.dtype)
-    default_mt = flashnb.api.tc_m_tiles
+    default_mt, default_qs = flashnb.api.tc_m_tiles, flashnb.api.tc_q_in_smem
     rows = []
     for part in filter(None, args.configs.split(";")):
         d, pairs = part.split("=")
@@ -50,7 +51,9 @@ def main(argv=None):
         for cfg in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
             bq, bk = cfg[:2]
             mt = cfg[2] if len(cfg) > 2 else default_mt(bq, d)
+            qs = bool(cfg[3]) if len(cfg) > 3 else default_qs(mt, d)
             flashnb.api.tc_m_tiles = lambda block_q, headdim, mt=mt: mt          # the variant under test
+            flashnb.api.tc_q_in_smem = lambda m_tiles, headdim, qs=qs: qs
             for causal in (False, True):
                 err = _check(dtype, d, bq, bk, causal)
                 for n in map(int, args.seqlens.split(",")):
@@ -69,7 +72,7 @@ def main(argv=None):
 
                     f = _fwd_flops(b, h, n, d, causal)
                     t_f, t_s = _time(fwd, sets), _time(sdpa, sets)
-                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", mt=mt, causal=causal, N=n, rel_err=f"{err:.1e}",
+                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", mt=mt, q_smem=int(qs), causal=causal, N=n, rel_err=f"{err:.1e}",
                                      fwd_ms=round(t_f, 3), tflops=round(f / t_f / 1e9, 1),
                                      fa2_tflops=round(f / t_s / 1e9, 1), ratio=round(t_s / t_f, 3)))
                     print(rows[-1], file=sys.stderr, flush=True)

@@ -46,6 +46,11 @@ def tc_m_tiles(block_q, headdim):
     return 2 if block_q >= 32 and headdim <= 64 else 1
 
 
+def tc_q_in_smem(m_tiles, headdim):
+    """Q's fragments from shared memory (ldmatrix per k-step) rather than registers: measured, docs/tensorcore.md."""
+    return False
+
+
 def default_tc_tiles(headdim):
     if SIMULATOR:
         return _TC_SIM_TILES
@@ -210,8 +215,9 @@ def _forward_tc(q, k, v, out, lse, opts, bq, bk, dtype_name, stream):
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
     f = opts.flags
-    vec16 = _arrays.rows_aligned16(k) and _arrays.rows_aligned16(v)     # 16-byte cp.async, else 4-byte
-    kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, vec16, tc_m_tiles(bq, 2 * words),
+    vec16 = all(_arrays.rows_aligned16(x) for x in (q, k, v))          # 16-byte cp.async, else 4-byte
+    mt = tc_m_tiles(bq, 2 * words)
+    kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, vec16, mt, tc_q_in_smem(mt, 2 * words),
                                             f.has_window, f.has_attn_mask,
                                             f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi, f.has_dropout)
     _check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {2 * words}")

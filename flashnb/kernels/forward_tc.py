@@ -41,9 +41,14 @@ def tc_padded_words(n_words):
 
 
 @lru_cache(maxsize=None)
-def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
-    """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block)."""
+    """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
+
+    ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
+    ldmatrix its fragments at each k-step (frees ``MT * HEAD_DIM / 4`` registers per thread),
+    instead of holding them in registers for the whole kernel.
+    """
     assert BLOCK_Q % (16 * MT) == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
     NWARPS = BLOCK_Q // (16 * MT)            # each warp owns MT m-tiles of 16 query rows
     NTHREADS = 32 * NWARPS
@@ -58,7 +63,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, HAS_WINDO
     STRIDE = tc_padded_words(D_WORDS)        # words per key row of a K or V tile in shared memory
     TILE = BLOCK_K * STRIDE                  # words of one K (or V) tile
     V_OFF = TILE                             # buffer s: K at s * 2 TILE, V at s * 2 TILE + V_OFF
-    SMEM_WORDS = 4 * TILE                    # two buffers of (K_j, V_j)
+    Q_OFF = 4 * TILE                         # two buffers of (K_j, V_j), then the Q tile if Q_SMEM
+    SMEM_WORDS = Q_OFF + (BLOCK_Q * STRIDE if Q_SMEM else 0)
     SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
     CW = 4 if VEC16 else 1                   # words per cp.async
@@ -131,6 +137,18 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, HAS_WINDO
         cp_async_commit()
 
     @device_function
+    def start_q_copy(q, q_base, q_row, q0, seqlen_q, smem):
+        """cp.async the Q tile to ``Q_OFF`` (committed with the next K/V group); zeros past the queries."""
+        nrows = seqlen_q - q0
+        for idx in range(cuda.threadIdx.x, BLOCK_Q * CHUNKS, NTHREADS):
+            r = idx // CHUNKS
+            c = (idx - r * CHUNKS) * CW
+            ok = r < nrows and c < HEAD_WORDS
+            row = q0 + r if ok else q0
+            col = c if ok else 0
+            cp_async(smem, U(Q_OFF + r * STRIDE + c), q, q_base + row * q_row + col, 4 * CW if ok else 0)
+
+    @device_function
     def next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k):
         kt += 1
         if HAS_BLOCK_MASK:
@@ -169,7 +187,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, HAS_WINDO
         k_lane = (8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
         v_lane = V_OFF + (8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
 
-        q_reg = cuda.local.array((MT, KSTEPS_D, 4), np.uint32)   # Q's a fragments, loaded once
+        q_reg = cuda.local.array((MT if not Q_SMEM else 1, KSTEPS_D, 4), np.uint32)   # Q's a fragments (registers)
+        q_frag = cuda.local.array((MT, 4), np.uint32)           # Q's a fragments of one k-step
         s_reg = cuda.local.array((MT, NT_K, 4), F32)             # S, then P, of the key tile
         acc = cuda.local.array((MT, NT_D, 4), F32)
         p_reg = cuda.local.array((MT, 4), np.uint32)             # P's a fragments of one k-step
@@ -183,7 +202,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, HAS_WINDO
             for n in range(NT_D):
                 for e in range(4):
                     acc[m, n, e] = ZERO
-            load_q_frags(q, b, h, row0 + 16 * m, seqlen_q, t, q_reg, m)
+            if not Q_SMEM:
+                load_q_frags(q, b, h, row0 + 16 * m, seqlen_q, t, q_reg, m)
+        # this lane's ldmatrix row of Q's a fragments (m-tile 0): matrices (rows +0 | +8) x (words +0 | +4)
+        q_lane = Q_OFF + (16 * MT * warp + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         k_base = (b * k.strides[0] + hk * k.strides[2]) // 4      # strides are in bytes, 4 per word
         v_base = (b * v.strides[0] + hk * v.strides[2]) // 4
         k_row, v_row = k.strides[1] // 4, v.strides[1] // 4
@@ -191,6 +213,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, HAS_WINDO
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
         if kt < kt_hi:
+            if Q_SMEM:
+                start_q_copy(q, (b * q.strides[0] + h * q.strides[2]) // 4, q.strides[1] // 4, q0, seqlen_q, smem)
             start_kv_copy(k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, smem, 0)
         buf = 0
         while kt < kt_hi:
@@ -206,20 +230,28 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, HAS_WINDO
             cuda.syncthreads()                               # everyone's copies of K_j, V_j have landed
             base = buf * 2 * TILE
 
-            # S = Q K_j^T: per k-step one ldmatrix gives two n-tiles (16 keys), used by every m-tile
+            # S = Q K_j^T: per k-step, Q's a fragments of every m-tile, then per ldmatrix of K two
+            # n-tiles (16 keys) fed to every m-tile
             for m in range(MT):
                 for n in range(NT_K):
                     for e in range(4):
                         s_reg[m, n, e] = ZERO
-            for n in range(0, NT_K, 2):
-                for ks in range(KSTEPS_D):
+            for ks in range(KSTEPS_D):
+                for m in range(MT):
+                    if Q_SMEM:
+                        q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3] = ldmatrix_x4(
+                            smem, U(q_lane + 16 * m * STRIDE + 8 * ks))
+                    else:
+                        for e in range(4):
+                            q_frag[m, e] = q_reg[m, ks, e]
+                for n in range(0, NT_K, 2):
                     b0, b1, b2, b3 = ldmatrix_x4(smem, U(base + 8 * n * STRIDE + 8 * ks + k_lane))
                     for m in range(MT):
                         s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3] = mma(
-                            q_reg[m, ks, 0], q_reg[m, ks, 1], q_reg[m, ks, 2], q_reg[m, ks, 3], b0, b1,
+                            q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3], b0, b1,
                             s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3])
                         s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3] = mma(
-                            q_reg[m, ks, 0], q_reg[m, ks, 1], q_reg[m, ks, 2], q_reg[m, ks, 3], b2, b3,
+                            q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3], b2, b3,
                             s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3])
 
             # modifiers and masks, base-2 units; element e of (m, n) is (row0 + 16 m + 8 (e >> 1), k0 + 8n + 2t + (e & 1))
