@@ -152,11 +152,14 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
             inputs, else float32); a row that sees no key gives ``out = 0``, ``lse = -inf``.
         block_q, block_k: tile sizes (powers of two up to 128); default per head dim.
         stream: a Numba, CuPy or PyTorch stream (default: the caller's library's current stream).
-        backend: "auto" or "simt" (CUDA-core kernels; the only backend so far).
+        backend: "auto" (tensor cores where they can serve the call, else SIMT), "simt" (CUDA-core
+            kernels, every dtype) or "tensorcore" (float16/bfloat16, even head dim, contiguous head
+            dimension, compute capability >= 8.0, tiles >= 16; anything else raises ValueError saying why).
 
     Returns ``out`` (like ``q``), or ``(out, lse)``, as the same kind of array as ``q``.
-    Copies: NumPy inputs are copied to the device and the results back; bfloat16
-    inputs are converted to float32 copies (the SIMT kernels compute in float32).
+    Copies: NumPy inputs are copied to the device and the results back; the tensor-core
+    kernels read float16/bfloat16 arrays in place (32-bit word views); the SIMT kernels
+    take bfloat16 inputs as float32 copies.
     Inputs are never written.
     """
     del deterministic  # the forward is deterministic by construction (no atomics)
