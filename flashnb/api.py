@@ -13,6 +13,7 @@ from .kernels._jit import SIMULATOR, launch
 from .kernels._tiles import np_acc
 from .kernels.backward import make_cast, make_dkdv, make_dq, make_preprocess
 from .kernels.forward import make_forward, tile_threads
+from .kernels.backward_tc import make_cast_tc, make_dkdv_tc, make_preprocess_tc
 from .kernels.forward_tc import make_forward_tc
 
 BACKENDS = ("simt", "tensorcore")
@@ -38,6 +39,17 @@ def default_tiles(headdim, acc_name):
         if headdim <= max_d:
             return tiles
     raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
+
+
+TC_BWD_MAX_HEAD_DIM = 128  # dK and dV accumulators of 256 dims do not fit in registers with S^T and dP^T
+# (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / 16 warps: the largest without spills (ptxas, sm_90)
+_TC_BWD_TILES = ((64, (32, 64)), (128, (16, 64)))
+
+
+def default_tc_bwd_tiles(headdim):
+    if SIMULATOR:
+        return _TC_SIM_TILES
+    return next(tiles for max_d, tiles in _TC_BWD_TILES if headdim <= max_d)
 
 
 def tc_m_tiles(block_q, headdim):
@@ -261,9 +273,23 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
                                   window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
                                   alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
                                   block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
-    if backend == "tensorcore":
-        raise ValueError("backend='tensorcore' cannot serve this call: the tensor-core backward is not built yet; "
-                         "use backend='auto' or 'simt' (the SIMT backward takes the tensor-core forward's out and lse)")
+    refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
+    if refusal is None and headdim > TC_BWD_MAX_HEAD_DIM:
+        refusal = f"the tensor-core backward takes head dims up to {TC_BWD_MAX_HEAD_DIM}, got {headdim}"
+    if refusal is None and deterministic:
+        refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
+    words = None
+    if refusal is None and backend != "simt":
+        words, refusal = _word_views((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), kind, nb_stream)
+    if _pick_backend(backend, refusal):
+        lse_d = _arrays.to_device(lse, nb_stream)
+        grads = [_arrays.empty_like_kind(kind, shape, kind.dtype, q, nb_stream, bits=True)
+                 for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
+                               (batch, seqlen_k, nheads_k, headdim))]
+        bq, bk = default_tc_bwd_tiles(headdim)
+        _backward_tc(*words, lse_d, *(_arrays.word_view(view) for _, view in grads), opts, block_q or bq,
+                     block_k or bk, kind.dtype, nb_stream)
+        return tuple(_arrays.finish(kind, ret, view, nb_stream) for ret, view in grads)
     bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
     dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), kind, nb_stream)
     lsed = _arrays.to_device(lse, nb_stream)
@@ -321,6 +347,35 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, de
         _check_shared(shared, f"the dQ kernel with block_q={bq}, block_k={bk}, head dim {headdim}")
         launch(kern, -(-seqlen_q // bq) * nheads * batch, threads, stream, shared,
                (q, k, v, dout, lse2, delta, dq, group, off) + args)
+
+
+def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, stream):
+    """The tensor-core backward on uint32 word views (``backward_tc``); dQ through a float32 accumulator."""
+    batch, seqlen_q, nheads, words = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if batch == 0 or nheads == 0:
+        return
+    f = opts.flags
+    delta = cuda.device_array((batch, nheads, seqlen_q), np.float32, stream=stream)
+    lse2 = cuda.device_array((batch, nheads, seqlen_q), np.float32, stream=stream)
+    if seqlen_q > 0:
+        launch(make_preprocess_tc(dtype_name), -(-seqlen_q // 128) * nheads * batch, 128, stream, 0,
+               (dout, out, lse, delta, lse2))
+    dq_accum = cuda.device_array((batch, seqlen_q, nheads, 2 * words), np.float32, stream=stream)
+    if seqlen_q > 0:
+        _zero(dq_accum, stream)
+    if seqlen_k > 0:
+        vec16 = all(_arrays.rows_aligned16(x) for x in (dout, q, k, v))
+        kern, shared, threads = make_dkdv_tc(bq, bk, 2 * words, dtype_name, vec16, f.has_window, f.has_attn_mask,
+                                             f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi,
+                                             f.has_dropout)
+        _check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {2 * words}")
+        launch(kern, -(-seqlen_k // bk) * nheads_k * batch, threads, stream, shared,
+               (q, k, v, dout, lse2, delta, dk, dv, dq_accum, nheads // nheads_k, seqlen_k - seqlen_q)
+               + opts.kernel_args(np.float32))
+    if seqlen_q > 0:
+        launch(make_cast_tc(dtype_name), -(-(nheads * words) // 128) * seqlen_q * batch, 128, stream, 0,
+               (dq_accum, dq))
 
 
 def _zero(arr, stream):

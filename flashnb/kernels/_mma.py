@@ -75,7 +75,26 @@ def _gpu_primitives(fmt):
 
         return sig, codegen
 
-    return mma, pack2
+    if fmt == "f16":
+        unpack_ptx = "{ .reg .f16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }"
+    else:
+        unpack_ptx = "{ .reg .b32 l, h; shl.b32 l, $2, 16; and.b32 h, $2, 0xffff0000; mov.b32 $0, l; mov.b32 $1, h; }"
+    RET2 = types.UniTuple(types.float32, 2)
+
+    @intrinsic
+    def unpack2(typingctx, word):
+        """(lo, hi): the two 16-bit values of a uint32 word as float32 (exact)."""
+        sig = RET2(word)
+
+        def codegen(context, builder, signature, args):
+            w = context.cast(builder, args[0], signature.args[0], types.uint32)
+            res = builder.call(ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32, f32]), [i32]), unpack_ptx,
+                                            "=f,=f,r"), [w])
+            return context.make_tuple(builder, RET2, [builder.extract_value(res, 0), builder.extract_value(res, 1)])
+
+        return sig, codegen
+
+    return mma, pack2, unpack2
 
 
 def _gpu_memory_primitives():
@@ -242,7 +261,11 @@ def _sim_primitives(fmt):
     def pack2(lo, hi):
         return np.uint32(float_to_bits(lo, fmt) | (float_to_bits(hi, fmt) << np.uint32(16)))
 
-    return mma, pack2
+    @device_function
+    def unpack2(word):
+        return np.float32(halves_to_float(word, 0, fmt)), np.float32(halves_to_float(word, 1, fmt))
+
+    return mma, pack2, unpack2
 
 
 def _sim_memory_primitives():
@@ -308,7 +331,7 @@ def memory_primitives():
 
 
 def primitives(dtype_name):
-    """``(mma, pack2)`` for ``"float16"`` or ``"bfloat16"`` operands (GPU intrinsics, or their simulator twins)."""
+    """``(mma, pack2, unpack2)`` for ``"float16"`` or ``"bfloat16"`` operands (GPU intrinsics, or simulator twins)."""
     if dtype_name not in _cache:
         fmt = FORMATS[dtype_name]
         _cache[dtype_name] = _sim_primitives(fmt) if SIMULATOR else _gpu_primitives(fmt)

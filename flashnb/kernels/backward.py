@@ -92,6 +92,25 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
 
 
 @lru_cache(maxsize=None)
+def make_query_tile_range(BLOCK_Q):
+    """``query_tile_range(k_first, k_last, off, left, right, seqlen_q)``, for the dK/dV kernels."""
+
+    @device_function
+    def query_tile_range(k_first, k_last, off, left, right, seqlen_q):
+        """Query tiles ``[lo, hi)`` holding a query that may see some key in ``[k_first, k_last]``."""
+        lo = 0
+        hi = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
+        if right >= 0:
+            lo = max(k_first - off - right, 0) // BLOCK_Q   # j <= i + off + right
+        if left >= 0:
+            i_max = k_last - off + left                        # j >= i + off - left
+            hi = min(hi, i_max // BLOCK_Q + 1) if i_max >= 0 else 0
+        return lo, hi
+
+    return query_tile_range
+
+
+@lru_cache(maxsize=None)
 def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
               HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
     """Build the dK/dV kernel (rows = keys, columns = queries); returns (kernel, shared bytes, threads)."""
@@ -127,17 +146,7 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
-    @device_function
-    def query_tile_range(k_first, k_last, off, left, right, seqlen_q):
-        """Query tiles ``[lo, hi)`` holding a query that may see some key in ``[k_first, k_last]``."""
-        lo = 0
-        hi = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
-        if right >= 0:
-            lo = max(k_first - off - right, 0) // BLOCK_Q   # j <= i + off + right
-        if left >= 0:
-            i_max = k_last - off + left                        # j >= i + off - left
-            hi = min(hi, i_max // BLOCK_Q + 1) if i_max >= 0 else 0
-        return lo, hi
+    query_tile_range = make_query_tile_range(BLOCK_Q)
 
     @kernel
     def flash_dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,

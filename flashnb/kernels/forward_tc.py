@@ -75,7 +75,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     W0 = np.uint32(0)
     U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
 
-    mma, pack2 = primitives(DTYPE_NAME)
+    mma, pack2, _ = primitives(DTYPE_NAME)
     mem = memory_primitives()
     cp_async = mem["cp_async16"] if VEC16 else mem["cp_async4"]
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]

@@ -19,8 +19,9 @@ import flashnb
 import strategies as S
 from flashnb import _options, api
 from flashnb.kernels._jit import SIMULATOR
-from kernel_harness import (assert_bitwise_equal, check_forward, check_forward_bf16, examples, expected,
-                            kernel_forward, kernel_problems, poison_outputs, round_bf16)  # noqa: F401
+from kernel_harness import (HALF_ULP_BF16, assert_bitwise_equal, check_backward, check_forward, check_forward_bf16,
+                            examples, expected, kernel_backward, kernel_forward, kernel_problems, poison_outputs,
+                            round_bf16)  # noqa: F401
 
 if SIMULATOR:
     TC_TILES = st.sampled_from([(16, 16), (16, 32), (32, 16), (None, None)])
@@ -34,8 +35,8 @@ else:
 PER_OPTION_EXAMPLES = examples(3, 12)
 
 
-def tc_problems(dtype=np.float16, **kw):
-    return kernel_problems(dtypes=(dtype,), tiles=TC_TILES, headdims=TC_HEADDIMS, max_seqlen=TC_MAX_SEQLEN, **kw)
+def tc_problems(dtype=np.float16, headdims=TC_HEADDIMS, **kw):
+    return kernel_problems(dtypes=(dtype,), tiles=TC_TILES, headdims=headdims, max_seqlen=TC_MAX_SEQLEN, **kw)
 
 
 def _tc_forward_matches_oracle(p):
@@ -153,11 +154,80 @@ def test_forced_tensorcore_refuses_what_it_cannot_serve(dtype, headdim, extra, w
         flashnb.flash_attention(*_data(dtype, headdim), backend="tensorcore", **extra)
 
 
-def test_tensorcore_backward_is_refused_with_the_way_out():
+@pytest.mark.parametrize("extra, why", [
+    (dict(deterministic=True), "deterministic=True"),
+])
+def test_tensorcore_backward_refuses_what_it_cannot_serve(extra, why):
     q, k, v = _data(np.float16, 8)
     out, lse = flashnb.flash_attention(q, k, v, return_lse=True)
-    with pytest.raises(ValueError, match="backend='tensorcore'.*'auto' or 'simt'"):
+    with pytest.raises(ValueError, match=f"backend='tensorcore'.*{why}"):
+        flashnb.flash_attention_backward(q, q, k, v, out, lse, backend="tensorcore", **extra)
+
+
+@pytest.mark.gpu
+def test_tensorcore_backward_refuses_head_dims_over_128():
+    q, k, v = _data(np.float16, 160)
+    out, lse = flashnb.flash_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="backend='tensorcore'.*head dims up to 128"):
         flashnb.flash_attention_backward(q, q, k, v, out, lse, backend="tensorcore")
+
+
+# ------------------------------------------------------------------------------------ backward
+def _tc_backward_matches_oracle(p):
+    out, lse = kernel_forward(p, backend="tensorcore")
+    grads = kernel_backward(p, out, lse, backend="tensorcore")
+    exp = expected(p)
+    check_forward(exp, out, lse)
+    check_backward(exp, grads)
+
+
+TC_BWD_HEADDIMS = tuple(d for d in TC_HEADDIMS if d <= 128)
+
+
+@settings(max_examples=examples(6, 20))
+@given(p=tc_problems(headdims=TC_BWD_HEADDIMS))
+def test_tc_backward_float16_within_twice_float16_oracle_error(p):
+    """dq, dk, dv of the tensor-core backward (atomic dQ) against the float64 oracle, flash-attn's rule."""
+    _tc_backward_matches_oracle(p)
+
+
+@pytest.mark.parametrize("option", sorted(S.ALL_OPTIONS))
+@settings(max_examples=examples(2, 8))
+@given(data=st.data())
+def test_tc_backward_each_option_alone(option, data):
+    p = data.draw(tc_problems(options={option}, required={option}, headdims=TC_BWD_HEADDIMS), label="problem")
+    _tc_backward_matches_oracle(p)
+
+
+@pytest.mark.gpu
+@settings(max_examples=examples(1, 10))
+@given(p=tc_problems(dtype=np.float32, scale=10.0, headdims=TC_BWD_HEADDIMS))
+def test_tc_backward_bfloat16_close_to_the_float32_kernel(p):
+    """bfloat16 backward through PyTorch tensors against the float64 oracle on the same (bfloat16) inputs.
+
+    Bound: ``(8 * 2**-8 + float32 bound) * scale`` per gradient.  The kernel rounds P, dS and the result
+    to bfloat16 (2**-9 relative each) and dS carries P's and dP's errors: about four roundings of the
+    terms that make up the scale, 2**-7 at worst; the bound leaves 4x over that, and a wrong mask, scale
+    or term is O(1) times the scale.  (No bfloat16 oracle exists to apply flash-attn's 2x rule.)"""
+    import torch
+    p = _bf16_problem(p)
+    t = {n: torch.as_tensor(x, device="cuda").to(torch.bfloat16) for n, x in
+         (("q", p.q), ("k", p.k), ("v", p.v), ("dout", p.dout))}
+    opts = {n: (torch.as_tensor(x, device="cuda") if isinstance(x, np.ndarray) else x) for n, x in p.opts.items()}
+    tiles = dict(block_q=p.block_q, block_k=p.block_k)
+    out, lse = flashnb.flash_attention(t["q"], t["k"], t["v"], return_lse=True, backend="tensorcore", **tiles, **opts)
+    grads = flashnb.flash_attention_backward(t["dout"], t["q"], t["k"], t["v"], out, lse, backend="tensorcore",
+                                             **tiles, **opts)
+    p32 = S.Problem(q=p.q, k=p.k, v=p.v, dout=round_bf16(p.dout), opts=p.opts, block_q=p.block_q,
+                    block_k=p.block_k, data_seed=p.data_seed)
+    exp = expected(p32)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        got = g.float().cpu().numpy().astype(np.float64)
+        ref = exp.grads[name]
+        fin = ~np.isnan(ref)
+        err = float(np.max(np.abs(got - ref)[fin], initial=0.0))
+        bound = (HALF_ULP_BF16 * 8 + exp.rel) * exp.mags[name]
+        assert err <= bound, f"{name}: max |kernel - oracle| = {err:.3g} > {bound:.3g}"
 
 
 @pytest.mark.gpu

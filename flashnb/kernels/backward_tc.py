@@ -1,0 +1,305 @@
+"""FlashAttention-2 backward on tensor cores (float16 / bfloat16 inputs, float32 accumulation).
+
+The same three steps as ``backward.py`` (FA2 Algorithm 2; oracle ``reference.flash_backward``),
+with the products on ``mma.sync.m16n8k16`` (primitives: ``_mma``):
+
+1. ``preprocess_tc``: ``delta_i = rowsum(dO_i * O_i)`` and ``lse`` in base 2, from 32-bit words.
+2. ``dkdv_tc``: one block per (key tile, key/value head, batch); ``NWARPS = BLOCK_K / 16`` warps
+   each own 16 keys.  K_j, V_j stay in shared memory; for every query tile of every query
+   head of the group (Q_i, dO_i copied in with ``cp.async``)::
+
+       S^T  = K_j Q_i^T,  dP^T = V_j dO_i^T          a: ldmatrix of K/V rows; b: ldmatrix of Q/dO rows
+       P^T, dS^T element-wise (backward.make_element_grad: masks, softcap, dropout)
+       dV_j += P_drop^T dO_i,  dK_j += dS^T Q_i      a: P^T, dS^T packed from the accumulators;
+                                                     b: ldmatrix.trans of dO/Q rows
+       dQ_i += dS K_j                                dS^T through shared memory (ldmatrix.trans gives
+                                                     dS's a fragments), float32 atomics
+
+   dK, dV of the grouped query heads are summed in registers.
+3. ``cast_tc``: the float32 dQ accumulator to 16-bit words.
+
+The deterministic (atomic-free) dQ pass exists only on the SIMT backend.
+"""
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from ._jit import device_function, kernel
+from ._mma import SMEM_ALIGN, memory_primitives, primitives
+from ._tiles import U, tile_head_batch
+from .backward import make_element_grad, make_query_tile_range
+from .forward import LOG2E, make_window_helpers
+from .forward_tc import tc_padded_words
+
+F32 = np.float32
+U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
+
+
+@lru_cache(maxsize=None)
+def make_preprocess_tc(DTYPE_NAME):
+    """``delta[b, h, i] = sum_d dout * out`` (from words), ``lse2 = lse * log2(e)`` (+inf for empty rows)."""
+    _, _, unpack2 = primitives(DTYPE_NAME)
+    ZERO, LOG2E_T, POS_INF, NEG_INF = F32(0), F32(LOG2E), F32(np.inf), F32(-np.inf)
+
+    @kernel
+    def preprocess_tc(dout, out, lse, delta, lse2):
+        chunk, h, b = tile_head_batch((out.shape[1] + cuda.blockDim.x - 1) // cuda.blockDim.x, out.shape[2])
+        i = chunk * cuda.blockDim.x + cuda.threadIdx.x
+        if i >= out.shape[1]:
+            return
+        acc = ZERO
+        for c in range(out.shape[3]):
+            d0, d1 = unpack2(dout[b, i, h, c])
+            o0, o1 = unpack2(out[b, i, h, c])
+            acc += d0 * o0 + d1 * o1
+        delta[b, h, i] = acc
+        x = F32(lse[b, h, i])
+        lse2[b, h, i] = x * LOG2E_T if x != NEG_INF else POS_INF
+
+    return preprocess_tc
+
+
+@lru_cache(maxsize=None)
+def make_cast_tc(DTYPE_NAME):
+    """``dst`` words = ``src`` float32 pairs rounded to the 16-bit format (the dQ accumulator)."""
+    _, pack2, _ = primitives(DTYPE_NAME)
+
+    @kernel
+    def cast_tc(src, dst):
+        nh, nw = dst.shape[2], dst.shape[3]
+        chunk, i, b = tile_head_batch((nh * nw + cuda.blockDim.x - 1) // cuda.blockDim.x, dst.shape[1])
+        t = chunk * cuda.blockDim.x + cuda.threadIdx.x
+        if t < nh * nw:
+            h = t // nw
+            c = t - h * nw
+            dst[b, i, h, c] = pack2(src[b, i, h, 2 * c], src[b, i, h, 2 * c + 1])
+
+    return cast_tc
+
+
+@lru_cache(maxsize=None)
+def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
+    """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block)."""
+    assert BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
+    NWARPS = BLOCK_K // 16                   # each warp owns 16 keys
+    NTHREADS = 32 * NWARPS
+    D_PAD = -(-HEAD_DIM // 16) * 16
+    HEAD_WORDS = HEAD_DIM // 2
+    D_WORDS = D_PAD // 2
+    KSTEPS_D = D_PAD // 16                   # k-steps of K Q^T and V dO^T
+    NT_D = D_PAD // 8                        # n-tiles of dK, dV, dQ (8 dims each)
+    NT_Q = BLOCK_Q // 8                      # n-tiles of S^T, dP^T (8 queries each)
+    KSTEPS_Q = BLOCK_Q // 16                 # k-steps of P^T dO and dS^T Q
+    KSTEPS_K = BLOCK_K // 16                 # k-steps of dS K
+    MQ = BLOCK_Q // 16                       # query m-tiles of dQ, spread over the warps
+    STRIDE = tc_padded_words(D_WORDS)
+    DS_STRIDE = tc_padded_words(BLOCK_Q // 2)
+    K_OFF = 0
+    V_OFF = K_OFF + BLOCK_K * STRIDE
+    Q_OFF = V_OFF + BLOCK_K * STRIDE
+    DO_OFF = Q_OFF + BLOCK_Q * STRIDE
+    DS_OFF = DO_OFF + BLOCK_Q * STRIDE       # dS^T as words: [key][query pair]
+    L_OFF = DS_OFF + BLOCK_K * DS_STRIDE     # lse_i * log2(e) (float32)
+    DL_OFF = L_OFF + BLOCK_Q                 # delta_i (float32)
+    SMEM_WORDS = DL_OFF + BLOCK_Q
+    SHARED_BYTES = SMEM_WORDS * 4
+    CW = 4 if VEC16 else 1
+    CHUNKS = D_WORDS // CW
+    ZERO, POS_INF = F32(0), F32(np.inf)
+    W0 = np.uint32(0)
+
+    mma, pack2, _ = primitives(DTYPE_NAME)
+    mem = memory_primitives()
+    cp_async = mem["cp_async16"] if VEC16 else mem["cp_async4"]
+    cp_async_commit, wait_all = mem["cp_async_commit"], mem["cp_async_wait_all"]
+    ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
+    grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
+                             HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    query_tile_range = make_query_tile_range(BLOCK_Q)
+
+    def make_copy(NROWS):
+        @device_function
+        def copy(src, src_base, src_row, row0, nrows, smem, dst):
+            """cp.async rows ``row0 ..`` of ``src`` (word offsets) to ``smem[dst:]``; zeros past ``nrows``."""
+            for idx in range(cuda.threadIdx.x, NROWS * CHUNKS, NTHREADS):
+                r = idx // CHUNKS
+                c = (idx - r * CHUNKS) * CW
+                ok = r < nrows and c < HEAD_WORDS
+                row = row0 + r if ok else row0
+                col = c if ok else 0
+                cp_async(smem, U(dst + r * STRIDE + c), src, src_base + row * src_row + col, 4 * CW if ok else 0)
+        return copy
+
+    copy_kv, copy_q = make_copy(BLOCK_K), make_copy(BLOCK_Q)
+
+    @kernel
+    def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
+                      attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
+                      seed_lo, seed_hi):
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        kt, hk, b = tile_head_batch((seqlen_k + BLOCK_K - 1) // BLOCK_K, k.shape[2])
+        k0 = kt * BLOCK_K
+        k_last = min(k0 + BLOCK_K, seqlen_k) - 1
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid - 32 * warp
+        g = lane // 4
+        t = lane - 4 * g
+        mi = lane // 8
+        scale32 = F32(scale)
+
+        smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)
+        fsmem = cuda.shared.array(0, F32_DT)
+        # ldmatrix rows of this lane: a fragments of this warp's 16 K/V rows; b fragments of Q/dO rows
+        # (plain: two n-tiles of 8 queries; .trans: k = 16 queries, two n-tiles of 8 dims); dS^T as a.trans
+        a_lane = (16 * warp + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
+        b_lane = (8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
+        t_lane = (8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
+        ds_lane = (8 * (mi // 2) + lane % 8) * DS_STRIDE + 4 * (mi % 2)
+
+        s_reg = cuda.local.array((NT_Q, 4), F32)       # S^T, then P_drop^T
+        dp_reg = cuda.local.array((NT_Q, 4), F32)      # dP^T, then dS^T
+        dk_acc = cuda.local.array((NT_D, 4), F32)
+        dv_acc = cuda.local.array((NT_D, 4), F32)
+        dq_reg = cuda.local.array((2, 4), F32)
+        for n in range(NT_D):
+            for e in range(4):
+                dk_acc[n, e] = ZERO
+                dv_acc[n, e] = ZERO
+
+        kv_base = (b * k.strides[0] + hk * k.strides[2]) // 4
+        copy_kv(k, kv_base, k.strides[1] // 4, k0, seqlen_k - k0, smem, K_OFF)
+        copy_kv(v, (b * v.strides[0] + hk * v.strides[2]) // 4, v.strides[1] // 4, k0, seqlen_k - k0, smem, V_OFF)
+        cp_async_commit()
+        qt_lo, qt_hi = query_tile_range(k0, k_last, off, left, right, seqlen_q)
+        for gi in range(group):
+            h = hk * group + gi
+            for qt in range(qt_lo, qt_hi):
+                q0 = qt * BLOCK_Q
+                q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
+                visible, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right,
+                                                block_mask, bm_q, bm_k)
+                if not visible:
+                    continue                             # a skipped block: never loaded
+
+                cuda.syncthreads()                       # the previous tile's readers are done
+                copy_q(q, (b * q.strides[0] + h * q.strides[2]) // 4, q.strides[1] // 4, q0, seqlen_q - q0,
+                       smem, Q_OFF)
+                copy_q(dout, (b * dout.strides[0] + h * dout.strides[2]) // 4, dout.strides[1] // 4, q0,
+                       seqlen_q - q0, smem, DO_OFF)
+                cp_async_commit()
+                for r in range(tid, BLOCK_Q, NTHREADS):
+                    i = q0 + r
+                    # rows past the end: lse2 = +inf makes their P exactly 0
+                    fsmem[L_OFF + r] = lse2[b, h, i] if i < seqlen_q else POS_INF
+                    fsmem[DL_OFF + r] = delta[b, h, i] if i < seqlen_q else ZERO
+                wait_all()
+                cuda.syncthreads()
+
+                # S^T = K_j Q_i^T and dP^T = V_j dO_i^T (rows: this warp's keys; columns: queries)
+                for n in range(NT_Q):
+                    for e in range(4):
+                        s_reg[n, e] = ZERO
+                        dp_reg[n, e] = ZERO
+                for ks in range(KSTEPS_D):
+                    k0_, k1_, k2_, k3_ = ldmatrix_x4(smem, U(K_OFF + a_lane + 8 * ks))
+                    v0_, v1_, v2_, v3_ = ldmatrix_x4(smem, U(V_OFF + a_lane + 8 * ks))
+                    for n in range(0, NT_Q, 2):
+                        b0, b1, b2, b3 = ldmatrix_x4(smem, U(Q_OFF + 8 * n * STRIDE + 8 * ks + b_lane))
+                        s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3] = mma(
+                            k0_, k1_, k2_, k3_, b0, b1, s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3])
+                        s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3] = mma(
+                            k0_, k1_, k2_, k3_, b2, b3,
+                            s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3])
+                        b0, b1, b2, b3 = ldmatrix_x4(smem, U(DO_OFF + 8 * n * STRIDE + 8 * ks + b_lane))
+                        dp_reg[n, 0], dp_reg[n, 1], dp_reg[n, 2], dp_reg[n, 3] = mma(
+                            v0_, v1_, v2_, v3_, b0, b1, dp_reg[n, 0], dp_reg[n, 1], dp_reg[n, 2], dp_reg[n, 3])
+                        dp_reg[n + 1, 0], dp_reg[n + 1, 1], dp_reg[n + 1, 2], dp_reg[n + 1, 3] = mma(
+                            v0_, v1_, v2_, v3_, b2, b3,
+                            dp_reg[n + 1, 0], dp_reg[n + 1, 1], dp_reg[n + 1, 2], dp_reg[n + 1, 3])
+
+                # P_drop^T and dS^T element-wise: element e of n-tile n is key k0 + 16 warp + g + 8 (e >> 1),
+                # query q0 + 8n + 2t + (e & 1)
+                for n in range(NT_Q):
+                    for e in range(4):
+                        j = k0 + 16 * warp + g + 8 * (e // 2)
+                        il = 8 * n + 2 * t + (e % 2)
+                        p_drop, ds = grad(s_reg[n, e], dp_reg[n, e], q0 + il, j, b, h, fsmem[L_OFF + il],
+                                          fsmem[DL_OFF + il], need_mask, seqlen_q, seqlen_k, off, scale32,
+                                          softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q,
+                                          bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
+                        s_reg[n, e] = p_drop
+                        dp_reg[n, e] = ds
+
+                # dV += P_drop^T dO_i, dK += dS^T Q_i (scale at the end): a from the accumulators,
+                # b = ldmatrix.trans of dO / Q rows (k = 16 queries, two n-tiles of dims)
+                for kq in range(KSTEPS_Q):
+                    p0 = pack2(s_reg[2 * kq, 0], s_reg[2 * kq, 1])
+                    p1 = pack2(s_reg[2 * kq, 2], s_reg[2 * kq, 3])
+                    p2 = pack2(s_reg[2 * kq + 1, 0], s_reg[2 * kq + 1, 1])
+                    p3 = pack2(s_reg[2 * kq + 1, 2], s_reg[2 * kq + 1, 3])
+                    d0 = pack2(dp_reg[2 * kq, 0], dp_reg[2 * kq, 1])
+                    d1 = pack2(dp_reg[2 * kq, 2], dp_reg[2 * kq, 3])
+                    d2 = pack2(dp_reg[2 * kq + 1, 0], dp_reg[2 * kq + 1, 1])
+                    d3 = pack2(dp_reg[2 * kq + 1, 2], dp_reg[2 * kq + 1, 3])
+                    for n in range(0, NT_D, 2):
+                        b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(DO_OFF + 16 * kq * STRIDE + 4 * n + t_lane))
+                        dv_acc[n, 0], dv_acc[n, 1], dv_acc[n, 2], dv_acc[n, 3] = mma(
+                            p0, p1, p2, p3, b0, b1, dv_acc[n, 0], dv_acc[n, 1], dv_acc[n, 2], dv_acc[n, 3])
+                        dv_acc[n + 1, 0], dv_acc[n + 1, 1], dv_acc[n + 1, 2], dv_acc[n + 1, 3] = mma(
+                            p0, p1, p2, p3, b2, b3,
+                            dv_acc[n + 1, 0], dv_acc[n + 1, 1], dv_acc[n + 1, 2], dv_acc[n + 1, 3])
+                        b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(Q_OFF + 16 * kq * STRIDE + 4 * n + t_lane))
+                        dk_acc[n, 0], dk_acc[n, 1], dk_acc[n, 2], dk_acc[n, 3] = mma(
+                            d0, d1, d2, d3, b0, b1, dk_acc[n, 0], dk_acc[n, 1], dk_acc[n, 2], dk_acc[n, 3])
+                        dk_acc[n + 1, 0], dk_acc[n + 1, 1], dk_acc[n + 1, 2], dk_acc[n + 1, 3] = mma(
+                            d0, d1, d2, d3, b2, b3,
+                            dk_acc[n + 1, 0], dk_acc[n + 1, 1], dk_acc[n + 1, 2], dk_acc[n + 1, 3])
+
+                # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
+                # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans
+                for n in range(NT_Q):
+                    smem[U(DS_OFF + (16 * warp + g) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 0], dp_reg[n, 1])
+                    smem[U(DS_OFF + (16 * warp + g + 8) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 2],
+                                                                                        dp_reg[n, 3])
+                cuda.syncthreads()
+                # every warp runs the same number of rounds (the simulator's mma is block-collective);
+                # a warp past the last query m-tile recomputes m-tile 0 and adds nothing
+                for mq0 in range(0, MQ, NWARPS):
+                    mq = mq0 + warp
+                    active = mq < MQ
+                    if not active:
+                        mq = 0
+                    for n in range(0, NT_D, 2):
+                        for e in range(4):
+                            dq_reg[0, e] = ZERO
+                            dq_reg[1, e] = ZERO
+                        for kk in range(KSTEPS_K):
+                            a0, a1, a2, a3 = ldmatrix_x4_trans(smem, U(DS_OFF + 16 * kk * DS_STRIDE + 8 * mq + ds_lane))
+                            b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(K_OFF + 16 * kk * STRIDE + 4 * n + t_lane))
+                            dq_reg[0, 0], dq_reg[0, 1], dq_reg[0, 2], dq_reg[0, 3] = mma(
+                                a0, a1, a2, a3, b0, b1, dq_reg[0, 0], dq_reg[0, 1], dq_reg[0, 2], dq_reg[0, 3])
+                            dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3] = mma(
+                                a0, a1, a2, a3, b2, b3, dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3])
+                        for half in range(2):
+                            for e in range(4):
+                                i = q0 + 16 * mq + g + 8 * (e // 2)
+                                d = 8 * (n + half) + 2 * t + (e % 2)
+                                if active and i < seqlen_q and d < HEAD_DIM:
+                                    cuda.atomic.add(dq_accum, (b, i, h, d), dq_reg[half, e] * scale32)
+
+        wait_all()                                       # no copy may outlive the block
+        for r in range(2):
+            j = k0 + 16 * warp + g + 8 * r
+            if j < seqlen_k:
+                for n in range(NT_D):
+                    c = 4 * n + t
+                    if c < HEAD_WORDS:
+                        dk[U(b), U(j), U(hk), U(c)] = pack2(dk_acc[n, 2 * r] * scale32, dk_acc[n, 2 * r + 1] * scale32)
+                        dv[U(b), U(j), U(hk), U(c)] = pack2(dv_acc[n, 2 * r], dv_acc[n, 2 * r + 1])
+
+    return flash_dkdv_tc, SHARED_BYTES, NTHREADS
