@@ -8,8 +8,9 @@
 
 "Shipped" = the default tiles (api.default_tiles / default_tc_tiles) of every
 head-dim class, for every input dtype and backend, with and without the masks
-and options (each flag combination is its own specialisation), forward and both
-backward variants (atomic dQ, deterministic dQ).  Sequence lengths are not
+and options (each flag combination is its own specialisation), forward and
+backward of each backend (SIMT: atomic and deterministic dQ; tensor cores: atomic
+dQ, head dims up to 128).  Sequence lengths are not
 multiples of the tiles, so the partial-tile paths run too.  Each result is
 compared with the oracle loosely (the property suites hold the tight bounds):
 this run is about memory and synchronisation errors.
@@ -55,10 +56,15 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES)):
                     ref, _ = reference.attention(*(_host(x) for x in arrays[:3]), **opts)
                     err = float(np.max(np.abs(_host(out) - ref)))
                     assert err < 0.05, f"{dtype} d={d} {name} {backend}: forward error {err}"
-                    if dtype != "bfloat16":     # the bfloat16 backward is the float32 SIMT one, run above
+                    # the backward of the same backend: tensor cores (atomic dQ, head dims <= 128), or
+                    # SIMT with atomic and deterministic dQ
+                    if backend == "simt":
                         for deterministic in (False, True):
                             flashnb.flash_attention_backward(*arrays[3:], *arrays[:3], out, lse, backend="simt",
                                                              deterministic=deterministic, **opts)
+                    elif d <= 128:
+                        flashnb.flash_attention_backward(*arrays[3:], *arrays[:3], out, lse, backend="tensorcore",
+                                                         **opts)
                     checked += 1
                     print(f"ok {np.dtype(dtype).name if dtype != 'bfloat16' else dtype} d={d} {name} {backend}",
                           flush=True)
