@@ -167,6 +167,8 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         backend: "auto" (tensor cores where they can serve the call, else SIMT), "simt" (CUDA-core
             kernels, every dtype) or "tensorcore" (float16/bfloat16, even head dim, contiguous head
             dimension, compute capability >= 8.0, tiles >= 16; anything else raises ValueError saying why).
+            The backward's "auto" is the SIMT backward for now; backend="tensorcore" selects the
+            tensor-core one (head dims <= 128, atomic dQ only).
 
     Returns ``out`` (like ``q``), or ``(out, lse)``, as the same kind of array as ``q``.
     Copies: NumPy inputs are copied to the device and the results back; the tensor-core
@@ -251,7 +253,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     the query heads that share a key/value head. ``deterministic=True`` computes dQ in a second pass
     over key tiles (bit-identical run to run); the default adds each key tile's share of dQ with
     float atomics (faster; the summation order may vary run to run). Returns arrays of ``q``'s kind;
-    the same copies as ``flash_attention``.
+    the same copies as ``flash_attention``. ``backend``: "auto" and "simt" run the SIMT backward;
+    "tensorcore" the tensor-core one (float16/bfloat16, head dims <= 128, atomic dQ), refusing with a
+    ValueError what it cannot serve.
     """
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     _check_backend(backend)
@@ -279,9 +283,11 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     if refusal is None and deterministic:
         refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
     words = None
-    if refusal is None and backend != "simt":
+    if refusal is None and backend == "tensorcore":
         words, refusal = _word_views((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), kind, nb_stream)
-    if _pick_backend(backend, refusal):
+    # "auto" keeps the SIMT backward until the tensor-core backward's GPU record is clean
+    # (bench/results/h100-pytest-2026-11-22.md: one failure in its suite not yet identified)
+    if backend == "tensorcore" and _pick_backend(backend, refusal):
         lse_d = _arrays.to_device(lse, nb_stream)
         grads = [_arrays.empty_like_kind(kind, shape, kind.dtype, q, nb_stream, bits=True)
                  for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
