@@ -30,7 +30,7 @@ from ._mma import SMEM_ALIGN, memory_primitives, primitives
 from ._tiles import U, tile_head_batch
 from .backward import make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
-from .forward_tc import tc_padded_words
+from .forward_tc import make_async_tile_copy, tc_padded_words
 
 F32 = np.float32
 U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
@@ -106,13 +106,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     SMEM_WORDS = DL_OFF + BLOCK_Q
     SHARED_BYTES = SMEM_WORDS * 4
     CW = 4 if VEC16 else 1
-    CHUNKS = D_WORDS // CW
     ZERO, POS_INF = F32(0), F32(np.inf)
     W0 = np.uint32(0)
 
     mma, pack2, _ = primitives(DTYPE_NAME)
     mem = memory_primitives()
-    cp_async = mem["cp_async16"] if VEC16 else mem["cp_async4"]
     cp_async_commit, wait_all = mem["cp_async_commit"], mem["cp_async_wait_all"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
@@ -120,20 +118,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     query_tile_range = make_query_tile_range(BLOCK_Q)
 
-    def make_copy(NROWS):
-        @device_function
-        def copy(src, src_base, src_row, row0, nrows, smem, dst):
-            """cp.async rows ``row0 ..`` of ``src`` (word offsets) to ``smem[dst:]``; zeros past ``nrows``."""
-            for idx in range(cuda.threadIdx.x, NROWS * CHUNKS, NTHREADS):
-                r = idx // CHUNKS
-                c = (idx - r * CHUNKS) * CW
-                ok = r < nrows and c < HEAD_WORDS
-                row = row0 + r if ok else row0
-                col = c if ok else 0
-                cp_async(smem, U(dst + r * STRIDE + c), src, src_base + row * src_row + col, 4 * CW if ok else 0)
-        return copy
-
-    copy_kv, copy_q = make_copy(BLOCK_K), make_copy(BLOCK_Q)
+    copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
+    copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
 
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,

@@ -108,6 +108,27 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
 
 
 @lru_cache(maxsize=None)
+def make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK):
+    """``next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)``."""
+    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+
+    @device_function
+    def next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k):
+        """The first key tile after ``kt`` that the block mask does not skip (``kt + 1`` without one)."""
+        kt += 1
+        if HAS_BLOCK_MASK:
+            while kt < kt_hi:
+                visible, _ = tile_state(b, h, q_first, q_last, kt * BLOCK_K, seqlen_k, off, left, right,
+                                        block_mask, bm_q, bm_k)
+                if visible:
+                    break
+                kt += 1                                   # a skipped block: never loaded (section 3.3)
+        return kt
+
+    return next_tile
+
+
+@lru_cache(maxsize=None)
 def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
     """Build (once per specialisation) the forward kernel: (kernel, dynamic shared bytes, threads per block)."""
@@ -143,18 +164,7 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
-    @device_function
-    def next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k):
-        """The first key tile after ``kt`` that the block mask does not skip (``kt + 1`` without one)."""
-        kt += 1
-        if HAS_BLOCK_MASK:
-            while kt < kt_hi:
-                visible, _ = tile_state(b, h, q_first, q_last, kt * BLOCK_K, seqlen_k, off, left, right,
-                                        block_mask, bm_q, bm_k)
-                if visible:
-                    break
-                kt += 1                                   # a skipped block: never loaded (section 3.3)
-        return kt
+    next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
     @kernel
     def flash_forward(q, k, v, out, lse, group, off, scale, softcap, left, right,

@@ -33,11 +33,37 @@ from ._jit import SIMULATOR, device_function, kernel
 from ._mma import SMEM_ALIGN, memory_primitives, primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, tile_head_batch
-from .forward import LN2, LOG2E, make_window_helpers
+from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
 
 def tc_padded_words(n_words):
     """Row stride (in 32-bit words) of a shared tile: 4 (mod 8), conflict-free for 8-row x 4-word fragment reads."""
     return n_words + (4 - n_words % 8) % 8
+
+
+@lru_cache(maxsize=None)
+def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
+    """``copy(src, src_base, src_row, row0, nrows, smem, dst)``: cp.async ``NROWS`` rows into ``smem[dst:]``.
+
+    Rows ``row0 ..`` of ``src`` (a word view; ``src_base`` the word offset of its row 0 in this
+    (batch, head), ``src_row`` words per row), ``CW`` words per copy, ``ROW_WORDS`` words per row
+    (the head dim padded to 16), rows ``STRIDE`` words apart in shared memory.  Rows at or past
+    ``nrows`` and words past ``HEAD_WORDS`` are zero-filled: the padding must be 0, not stale
+    shared memory (0 x NaN is NaN in an mma).  The caller commits.
+    """
+    CHUNKS = ROW_WORDS // CW
+    cp_async = memory_primitives()["cp_async16" if CW == 4 else "cp_async4"]
+
+    @device_function
+    def copy(src, src_base, src_row, row0, nrows, smem, dst):
+        for idx in range(cuda.threadIdx.x, NROWS * CHUNKS, NTHREADS):
+            r = idx // CHUNKS
+            c = (idx - r * CHUNKS) * CW
+            ok = r < nrows and c < HEAD_WORDS
+            row = row0 + r if ok else row0             # a zero fill still names a valid source address
+            col = c if ok else 0
+            cp_async(smem, U(dst + r * STRIDE + c), src, src_base + row * src_row + col, 4 * CW if ok else 0)
+
+    return copy
 
 
 @lru_cache(maxsize=None)
@@ -136,29 +162,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 cp_async(smem, U(base + V_OFF + r * STRIDE + c), v, v_base + row * v_row + col, nbytes)
         cp_async_commit()
 
-    @device_function
-    def start_q_copy(q, q_base, q_row, q0, seqlen_q, smem):
-        """cp.async the Q tile to ``Q_OFF`` (committed with the next K/V group); zeros past the queries."""
-        nrows = seqlen_q - q0
-        for idx in range(cuda.threadIdx.x, BLOCK_Q * CHUNKS, NTHREADS):
-            r = idx // CHUNKS
-            c = (idx - r * CHUNKS) * CW
-            ok = r < nrows and c < HEAD_WORDS
-            row = q0 + r if ok else q0
-            col = c if ok else 0
-            cp_async(smem, U(Q_OFF + r * STRIDE + c), q, q_base + row * q_row + col, 4 * CW if ok else 0)
+    copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
 
-    @device_function
-    def next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k):
-        kt += 1
-        if HAS_BLOCK_MASK:
-            while kt < kt_hi:
-                visible, _ = tile_state(b, h, q_first, q_last, kt * BLOCK_K, seqlen_k, off, left, right,
-                                        block_mask, bm_q, bm_k)
-                if visible:
-                    break
-                kt += 1
-        return kt
+    next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
     @kernel
     def flash_forward_tc(q, k, v, out, lse, group, off, scale, softcap, left, right,
@@ -214,7 +220,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
         if kt < kt_hi:
             if Q_SMEM:
-                start_q_copy(q, (b * q.strides[0] + h * q.strides[2]) // 4, q.strides[1] // 4, q0, seqlen_q, smem)
+                # the Q tile, committed with the K/V group below
+                copy_q(q, (b * q.strides[0] + h * q.strides[2]) // 4, q.strides[1] // 4, q0, seqlen_q - q0,
+                       smem, Q_OFF)
             start_kv_copy(k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, smem, 0)
         buf = 0
         while kt < kt_hi:
