@@ -25,7 +25,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from ._jit import device_function, kernel
+from ._jit import kernel
 from ._mma import SMEM_ALIGN, memory_primitives, primitives
 from ._tiles import U, tile_head_batch
 from .backward import make_element_grad, make_query_tile_range
@@ -107,7 +107,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     SHARED_BYTES = SMEM_WORDS * 4
     CW = 4 if VEC16 else 1
     ZERO, POS_INF = F32(0), F32(np.inf)
-    W0 = np.uint32(0)
 
     mma, pack2, _ = primitives(DTYPE_NAME)
     mem = memory_primitives()

@@ -2,10 +2,11 @@
 
 The same algorithm as ``forward.py`` (FA2 Algorithm 1; oracle ``reference.flash_forward``)
 with the work split as in FA2 section 3.3: ``NWARPS`` warps split the query
-tile, 16 rows each (one ``m16n8k16`` row block), and share the K and V tiles in
-shared memory.  Per key tile, each warp computes
+tile, ``MT`` row blocks of 16 rows each (``m16n8k16``'s M), and share the K and
+V tiles in shared memory.  Per key tile, each warp computes
 
-    S   = Q K_j^T          mma over HEAD_DIM / 16 k-steps x BLOCK_K / 8 n-tiles, Q fragments in registers
+    S   = Q K_j^T          mma over HEAD_DIM / 16 k-steps x BLOCK_K / 8 n-tiles; Q's fragments held
+                           in registers (or, ``Q_SMEM``, read from a shared Q tile at each k-step)
     S  <- modifiers, masks, log2 units; m_i, l_i, acc rescaled (online softmax in registers,
                                                                 row max across the 4 lanes of a quad)
     acc += P V_j           P packed from S's accumulators straight into A fragments (never stored)
@@ -34,6 +35,7 @@ from ._mma import SMEM_ALIGN, memory_primitives, primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, tile_head_batch
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
+
 
 def tc_padded_words(n_words):
     """Row stride (in 32-bit words) of a shared tile: 4 (mod 8), conflict-free for 8-row x 4-word fragment reads."""
