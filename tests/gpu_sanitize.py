@@ -11,9 +11,10 @@ head-dim class, for every input dtype and backend, with and without the masks
 and options (each flag combination is its own specialisation), forward and
 backward of each backend (SIMT: atomic and deterministic dQ; tensor cores: atomic
 dQ, head dims up to 128).  Sequence lengths are not
-multiples of the tiles, so the partial-tile paths run too.  Each result is
-compared with the oracle loosely (the property suites hold the tight bounds):
-this run is about memory and synchronisation errors.
+multiples of the tiles, so the partial-tile paths run too.  Each forward result
+is compared with the oracle loosely; the backward results are only computed
+(the property suites hold both to tight bounds): this run is about memory and
+synchronisation errors.
 """
 import sys
 
