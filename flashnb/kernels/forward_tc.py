@@ -132,6 +132,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     ROW_STEP = NTHREADS // CHUNKS if EVEN_COPY else 0
     ITERS = BLOCK_K // ROW_STEP if EVEN_COPY else 0
 
+    copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
+
     @device_function
     def start_kv_copy(k, v, k_base, v_base, k_row, v_row, k0, seqlen_k, smem, base):
         """cp.async K_j, V_j into the buffer at ``base``; rows past the keys and words past the head dim get zeros.
@@ -152,16 +154,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 nbytes = 4 * CW if ok else 0
                 cp_async(smem, U(base + r * STRIDE + c), k, k_base + row * k_row + col, nbytes)
                 cp_async(smem, U(base + V_OFF + r * STRIDE + c), v, v_base + row * v_row + col, nbytes)
-        else:
-            for idx in range(cuda.threadIdx.x, BLOCK_K * CHUNKS, NTHREADS):
-                r = idx // CHUNKS
-                c = (idx - r * CHUNKS) * CW
-                ok = r < nrows and c < HEAD_WORDS
-                row = k0 + r if ok else k0
-                col = c if ok else 0
-                nbytes = 4 * CW if ok else 0
-                cp_async(smem, U(base + r * STRIDE + c), k, k_base + row * k_row + col, nbytes)
-                cp_async(smem, U(base + V_OFF + r * STRIDE + c), v, v_base + row * v_row + col, nbytes)
+        else:                                       # the generic copier's runtime-trip-count loop
+            copy_kv(k, k_base, k_row, k0, nrows, smem, base)
+            copy_kv(v, v_base, v_row, k0, nrows, smem, base + V_OFF)
         cp_async_commit()
 
     copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)

@@ -67,6 +67,21 @@ def test_tc_every_option_at_once(p):
     _tc_forward_matches_oracle(p)
 
 
+@pytest.mark.parametrize("q_in_smem", [False, True])
+@settings(max_examples=examples(2, 6))
+@given(p=tc_problems(headdims=(46,) if SIMULATOR else (46, 128)))
+def test_tc_kernel_variants(q_in_smem, p):
+    """The compile-time variants the defaults do not reach in the simulator: Q's fragments from a shared
+    tile (``Q_SMEM``, measured in docs/tensorcore.md), and head dim 46 (4-byte copies, 24 per row:
+    the copier's uneven trip count, and zero padding to 48)."""
+    real = api.tc_q_in_smem
+    api.tc_q_in_smem = lambda m_tiles, headdim: q_in_smem
+    try:
+        _tc_forward_matches_oracle(p)
+    finally:
+        api.tc_q_in_smem = real
+
+
 # ------------------------------------------------------------------------------------ bfloat16
 def _bf16_problem(p):
     """p with q, k, v as float32 values that bfloat16 represents exactly."""
