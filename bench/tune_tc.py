@@ -1,6 +1,11 @@
-"""Tile sweep for the tensor-core forward on a GPU: check against float64, then time, one table.
+"""Tile sweep for the tensor-core forward or backward on a GPU: check against float64, then time, one table.
 
     python -m bench.tune_tc [--dtype float16] [--seqlens 4096] [--configs 64=64:64,128:64;128=64:64]
+    python -m bench.tune_tc --pass bwd [--configs 64=32:64,64:64;128=16:64]
+
+``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K); the forward runs at
+its default tiles; the table has the backward's time alone and forward+backward against
+SDPA's FlashAttention-2 forward+backward.
 
 For each head dim and (BLOCK_Q, BLOCK_K): the forward's error against a float64
 PyTorch computation on a small problem, then its time (median of CUDA-event
@@ -11,8 +16,10 @@ PyTorch SDPA's FlashAttention-2 backend measured in the same run.  Resources
 end.  Results feed docs/tensorcore.md.
 """
 import argparse
+import functools
 import sys
 
+from bench.tune_simt import _check as _check_grads
 from bench.tune_simt import _fwd_flops, _resources, _time
 
 
@@ -32,6 +39,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--seqlens", default="4096")
+    ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
+    ap.add_argument("--ablate", default="", help="with --pass bwd: comma list of backward_tc.make_dkdv_tc "
+                    "ABLATE variants to time besides the real kernel (dq, atomics, grad); their results are wrong")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
                     help="bq:bk[:mt[:qs]] per head dim (mt: m16 row blocks per warp, default api.tc_m_tiles; "
                          "qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem)")
@@ -43,6 +53,13 @@ def main(argv=None):
     import flashnb
 
     dtype = getattr(torch, args.dtype)
+    if args.which == "bwd":
+        rows = _sweep_bwd(args, dtype)
+        print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; fb_ratio = SDPA FlashAttention-2 forward+backward "
+              "time / flashnb forward+backward time (>1: flashnb faster); bwd_tflops counts 2.5x the forward's flops")
+        print(tabulate(rows, headers="keys"))
+        _resources()
+        return
     default_mt, default_qs = flashnb.api.tc_m_tiles, flashnb.api.tc_q_in_smem
     rows = []
     for part in filter(None, args.configs.split(";")):
@@ -80,6 +97,53 @@ def main(argv=None):
           "flashnb time (>1: flashnb faster)")
     print(tabulate(rows, headers="keys"))
     _resources()
+
+
+def _sweep_bwd(args, dtype):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import flashnb
+    from flashnb.kernels.backward_tc import make_dkdv_tc
+    rows = []
+    for part in filter(None, args.configs.split(";")):
+        d, pairs = part.split("=")
+        d = int(d)
+        for bq, bk in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
+            for causal, ablate in ((c, a) for a in [""] + list(filter(None, args.ablate.split(","))) for c in (False, True)):
+                flashnb.api.make_dkdv_tc = functools.partial(make_dkdv_tc, ABLATE=ablate)
+                err = _check_grads(dtype, d, bq, bk, causal, backend="tensorcore", fwd_tiles=False)
+                for n in map(int, args.seqlens.split(",")):
+                    b, h = max(1, 16384 // n), 2048 // d
+                    sets = [tuple(torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
+                            for _ in range(4)]
+                    saved = [flashnb.flash_attention(*s[:3], causal=causal, return_lse=True) for s in sets]
+
+                    def bwd(q, k, v, do):
+                        out, lse = next(o for s, o in zip(sets, saved) if s[0] is q)
+                        return flashnb.flash_attention_backward(do, q, k, v, out, lse, causal=causal, block_q=bq,
+                                                                block_k=bk, backend="tensorcore")
+
+                    def fwdbwd(q, k, v, do):
+                        out, lse = flashnb.flash_attention(q, k, v, causal=causal, return_lse=True)
+                        return flashnb.flash_attention_backward(do, q, k, v, out, lse, causal=causal, block_q=bq,
+                                                                block_k=bk, backend="tensorcore")
+
+                    def sdpa(q, k, v, do):
+                        qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(
+                                do.transpose(1, 2))
+
+                    f = _fwd_flops(b, h, n, d, causal)
+                    t_b, t_fb, t_s = _time(bwd, sets, reps=10), _time(fwdbwd, sets, reps=10), _time(sdpa, sets, reps=10)
+                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", ablate=ablate or "-", causal=causal, N=n,
+                                     rel_err=f"{err:.1e}",
+                                     bwd_ms=round(t_b, 3), bwd_tflops=round(2.5 * f / t_b / 1e9, 1),
+                                     fb_ms=round(t_fb, 3), fb_tflops=round(3.5 * f / t_fb / 1e9, 1),
+                                     fa2_fb_tflops=round(3.5 * f / t_s / 1e9, 1), fb_ratio=round(t_s / t_fb, 3)))
+                    print(rows[-1], file=sys.stderr, flush=True)
+    flashnb.api.make_dkdv_tc = make_dkdv_tc
+    return rows
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def default_tiles(headdim, acc_name):
 
 TC_BWD_MAX_HEAD_DIM = 128  # dK and dV accumulators of 256 dims do not fit in registers with S^T and dP^T
 # (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / 16 warps: the largest without spills (ptxas, sm_90)
-_TC_BWD_TILES = ((64, (32, 64)), (128, (16, 64)))
+_TC_BWD_TILES = ((64, (64, 128)), (128, (32, 64)))   # measured: docs/tensorcore.md
 
 
 def default_tc_bwd_tiles(headdim):
@@ -253,9 +253,10 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     the query heads that share a key/value head. ``deterministic=True`` computes dQ in a second pass
     over key tiles (bit-identical run to run); the default adds each key tile's share of dQ with
     float atomics (faster; the summation order may vary run to run). Returns arrays of ``q``'s kind;
-    the same copies as ``flash_attention``. ``backend``: "auto" and "simt" run the SIMT backward;
-    "tensorcore" the tensor-core one (float16/bfloat16, head dims <= 128, atomic dQ), refusing with a
-    ValueError what it cannot serve.
+    the same copies as ``flash_attention``. ``backend``: "tensorcore" runs the tensor-core backward
+    (float16/bfloat16, even head dims <= 128, tiles >= 16, atomic dQ), refusing with a ValueError
+    what it cannot serve; "simt" the SIMT one; "auto" the tensor-core backward where it can serve
+    the call, else the SIMT one (``deterministic=True`` always runs on SIMT).
     """
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     _check_backend(backend)
@@ -283,11 +284,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     if refusal is None and deterministic:
         refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
     words = None
-    if refusal is None and backend == "tensorcore":
+    if refusal is None and backend in ("auto", "tensorcore"):
         words, refusal = _word_views((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), kind, nb_stream)
-    # "auto" keeps the SIMT backward until the tensor-core backward's GPU record is clean
-    # (bench/results/h100-pytest-2026-11-22.md: one failure in its suite not yet identified)
-    if backend == "tensorcore" and _pick_backend(backend, refusal):
+    if _pick_backend(backend, refusal):
         lse_d = _arrays.to_device(lse, nb_stream)
         grads = [_arrays.empty_like_kind(kind, shape, kind.dtype, q, nb_stream, bits=True)
                  for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),

@@ -6,14 +6,16 @@ with the products on ``mma.sync.m16n8k16`` (primitives: ``_mma``):
 1. ``preprocess_tc``: ``delta_i = rowsum(dO_i * O_i)`` and ``lse`` in base 2, from 32-bit words.
 2. ``dkdv_tc``: one block per (key tile, key/value head, batch); ``NWARPS = BLOCK_K / 16`` warps
    each own 16 keys.  K_j, V_j stay in shared memory; for every query tile of every query
-   head of the group (Q_i, dO_i copied in with ``cp.async``)::
+   head of the group (Q_i, dO_i copied in with ``cp.async``, double-buffered: the next tile's
+   Q, dO and its lse, delta rows are in flight while this one computes)::
 
        S^T  = K_j Q_i^T,  dP^T = V_j dO_i^T          a: ldmatrix of K/V rows; b: ldmatrix of Q/dO rows
        P^T, dS^T element-wise (backward.make_element_grad: masks, softcap, dropout)
        dV_j += P_drop^T dO_i,  dK_j += dS^T Q_i      a: P^T, dS^T packed from the accumulators;
                                                      b: ldmatrix.trans of dO/Q rows
        dQ_i += dS K_j                                dS^T through shared memory (ldmatrix.trans gives
-                                                     dS's a fragments), float32 atomics
+                                                     dS's a fragments), float32 atomics; 16 x 16 units
+                                                     of dQ dealt to all the warps
 
    dK, dV of the grouped query heads are summed in registers.
 3. ``cast_tc``: the float32 dQ accumulator to 16-bit words.
@@ -25,7 +27,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from ._jit import kernel
+from ._jit import device_function, kernel
 from ._mma import SMEM_ALIGN, memory_primitives, primitives
 from ._tiles import U, tile_head_batch
 from .backward import make_element_grad, make_query_tile_range
@@ -80,8 +82,14 @@ def make_cast_tc(DTYPE_NAME):
 
 @lru_cache(maxsize=None)
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
-    """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block)."""
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, ABLATE=""):
+    """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
+
+    ``ABLATE`` (timing experiments only, ``bench.tune_tc --ablate``; the results are wrong):
+    "dq" leaves out the dQ phase (dS^T store and dS K), "atomics" computes dQ but never adds it,
+    "grad" replaces the element-wise P, dS with P = S, dS = dP (no exp, masks or options).
+    """
+    assert ABLATE in ("", "dq", "atomics", "grad")
     assert BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
     NWARPS = BLOCK_K // 16                   # each warp owns 16 keys
     NTHREADS = 32 * NWARPS
@@ -96,22 +104,27 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     MQ = BLOCK_Q // 16                       # query m-tiles of dQ, spread over the warps
     STRIDE = tc_padded_words(D_WORDS)
     DS_STRIDE = tc_padded_words(BLOCK_Q // 2)
+    QTILE = BLOCK_Q * STRIDE                 # words of one Q (or dO) tile
     K_OFF = 0
     V_OFF = K_OFF + BLOCK_K * STRIDE
-    Q_OFF = V_OFF + BLOCK_K * STRIDE
-    DO_OFF = Q_OFF + BLOCK_Q * STRIDE
-    DS_OFF = DO_OFF + BLOCK_Q * STRIDE       # dS^T as words: [key][query pair]
-    L_OFF = DS_OFF + BLOCK_K * DS_STRIDE     # lse_i * log2(e) (float32)
-    DL_OFF = L_OFF + BLOCK_Q                 # delta_i (float32)
-    SMEM_WORDS = DL_OFF + BLOCK_Q
+    Q_OFF = V_OFF + BLOCK_K * STRIDE         # buffer s: Q_i at Q_OFF + 2 s QTILE, dO_i QTILE after it
+    DS_OFF = Q_OFF + 4 * QTILE               # dS^T as words: [key][query pair]
+    L_OFF = DS_OFF + BLOCK_K * DS_STRIDE     # buffer s: lse_i * log2(e) at L_OFF + 2 s BLOCK_Q, delta_i after it
+    SMEM_WORDS = L_OFF + 4 * BLOCK_Q
     SHARED_BYTES = SMEM_WORDS * 4
+    LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
+    NP_D = NT_D // 2                         # dQ's n-tile pairs (16 dims each)
+    DQ_UNITS = MQ * NP_D                     # dQ = dS K_j in 16 x 16 units (m-tile, n-tile pair) over the warps
+    DQ_ROUNDS = -(-DQ_UNITS // NWARPS)
     CW = 4 if VEC16 else 1
-    ZERO, POS_INF = F32(0), F32(np.inf)
+    PLAIN = not (HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_DROPOUT)   # P, dS need no per-element option
+    ZERO, POS_INF, LOG2E_T = F32(0), F32(np.inf), F32(LOG2E)
 
     mma, pack2, _ = primitives(DTYPE_NAME)
     mem = memory_primitives()
-    cp_async_commit, wait_all = mem["cp_async_commit"], mem["cp_async_wait_all"]
+    cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
+    exp2 = mem["exp2_ftz"]
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
@@ -119,6 +132,48 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
     copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
     copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
+
+    @device_function
+    def next_work(w, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right, block_mask,
+                  bm_q, bm_k):
+        """The first work item after ``w`` (item = query head of the group x query tile) the block mask keeps."""
+        w += 1
+        if HAS_BLOCK_MASK:
+            while w < n_work:
+                gi = w // nqt
+                q0 = (qt_lo + w - gi * nqt) * BLOCK_Q
+                visible, _ = tile_state(b, hk * group + gi, q0, min(q0 + BLOCK_Q, seqlen_q) - 1, k0, seqlen_k,
+                                        off, left, right, block_mask, bm_q, bm_k)
+                if visible:
+                    break
+                w += 1                                    # a skipped block: never loaded
+        return w
+
+    @device_function
+    def start_q_copy(q, dout, b, h, q0, seqlen_q, smem, base):
+        """cp.async Q_i, dO_i into the buffer at ``base`` (rows past the queries zero-filled), one commit group."""
+        copy_q(q, (b * q.strides[0] + h * q.strides[2]) // 4, q.strides[1] // 4, q0, seqlen_q - q0, smem, base)
+        copy_q(dout, (b * dout.strides[0] + h * dout.strides[2]) // 4, dout.strides[1] // 4, q0, seqlen_q - q0,
+               smem, base + QTILE)
+        cp_async_commit()
+
+    @device_function
+    def load_rows(lse2, delta, b, h, q0, seqlen_q, l_row, d_row):
+        """This thread's rows of lse2 and delta for the tile at ``q0`` into registers (+inf: P = 0 past the end)."""
+        for s in range(LROWS):
+            r = cuda.threadIdx.x + s * NTHREADS
+            i = q0 + r
+            ok = r < BLOCK_Q and i < seqlen_q
+            l_row[s] = lse2[b, h, i] if ok else POS_INF
+            d_row[s] = delta[b, h, i] if ok else ZERO
+
+    @device_function
+    def store_rows(fsmem, base, l_row, d_row):
+        for s in range(LROWS):
+            r = cuda.threadIdx.x + s * NTHREADS
+            if r < BLOCK_Q:
+                fsmem[base + r] = l_row[s]
+                fsmem[base + BLOCK_Q + r] = d_row[s]
 
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
@@ -136,6 +191,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         t = lane - 4 * g
         mi = lane // 8
         scale32 = F32(scale)
+        scale_log2 = scale32 * LOG2E_T
 
         smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)
         fsmem = cuda.shared.array(0, F32_DT)
@@ -151,131 +207,159 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         dk_acc = cuda.local.array((NT_D, 4), F32)
         dv_acc = cuda.local.array((NT_D, 4), F32)
         dq_reg = cuda.local.array((2, 4), F32)
+        l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
+        d_row = cuda.local.array(LROWS, F32)
         for n in range(NT_D):
             for e in range(4):
                 dk_acc[n, e] = ZERO
                 dv_acc[n, e] = ZERO
 
-        kv_base = (b * k.strides[0] + hk * k.strides[2]) // 4
-        copy_kv(k, kv_base, k.strides[1] // 4, k0, seqlen_k - k0, smem, K_OFF)
+        copy_kv(k, (b * k.strides[0] + hk * k.strides[2]) // 4, k.strides[1] // 4, k0, seqlen_k - k0, smem, K_OFF)
         copy_kv(v, (b * v.strides[0] + hk * v.strides[2]) // 4, v.strides[1] // 4, k0, seqlen_k - k0, smem, V_OFF)
         cp_async_commit()
+        # work items w = (query head gi of the group, query tile qt_lo + w % nqt), in order; double-buffered:
+        # item w + 1's Q, dO (cp.async) and lse2, delta (registers) are in flight while item w computes
         qt_lo, qt_hi = query_tile_range(k0, k_last, off, left, right, seqlen_q)
-        for gi in range(group):
+        nqt = max(qt_hi - qt_lo, 1)
+        n_work = group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
+        w = next_work(-1, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right, block_mask,
+                      bm_q, bm_k)
+        if w < n_work:
+            gi = w // nqt
+            q0 = (qt_lo + w - gi * nqt) * BLOCK_Q
+            start_q_copy(q, dout, b, hk * group + gi, q0, seqlen_q, smem, Q_OFF)
+            load_rows(lse2, delta, b, hk * group + gi, q0, seqlen_q, l_row, d_row)
+            store_rows(fsmem, L_OFF, l_row, d_row)
+        buf = 0
+        while w < n_work:
+            gi = w // nqt
             h = hk * group + gi
-            for qt in range(qt_lo, qt_hi):
-                q0 = qt * BLOCK_Q
-                q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
-                visible, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right,
-                                                block_mask, bm_q, bm_k)
-                if not visible:
-                    continue                             # a skipped block: never loaded
-
-                cuda.syncthreads()                       # the previous tile's readers are done
-                copy_q(q, (b * q.strides[0] + h * q.strides[2]) // 4, q.strides[1] // 4, q0, seqlen_q - q0,
-                       smem, Q_OFF)
-                copy_q(dout, (b * dout.strides[0] + h * dout.strides[2]) // 4, dout.strides[1] // 4, q0,
-                       seqlen_q - q0, smem, DO_OFF)
-                cp_async_commit()
-                for r in range(tid, BLOCK_Q, NTHREADS):
-                    i = q0 + r
-                    # rows past the end: lse2 = +inf makes their P exactly 0
-                    fsmem[L_OFF + r] = lse2[b, h, i] if i < seqlen_q else POS_INF
-                    fsmem[DL_OFF + r] = delta[b, h, i] if i < seqlen_q else ZERO
+            q0 = (qt_lo + w - gi * nqt) * BLOCK_Q
+            q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
+            wn = next_work(w, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right,
+                           block_mask, bm_q, bm_k)
+            if wn < n_work:
+                # buffer 1 - buf was last read before the previous item's dQ barrier: free
+                gn = wn // nqt
+                qn = (qt_lo + wn - gn * nqt) * BLOCK_Q
+                start_q_copy(q, dout, b, hk * group + gn, qn, seqlen_q, smem, Q_OFF + (1 - buf) * 2 * QTILE)
+                load_rows(lse2, delta, b, hk * group + gn, qn, seqlen_q, l_row, d_row)
+                wait_prev()
+            else:
                 wait_all()
-                cuda.syncthreads()
+            cuda.syncthreads()                           # item w's Q, dO, lse2, delta have landed for everyone
+            _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
+            qb = Q_OFF + buf * 2 * QTILE
+            db = qb + QTILE
+            lb = L_OFF + buf * 2 * BLOCK_Q
 
-                # S^T = K_j Q_i^T and dP^T = V_j dO_i^T (rows: this warp's keys; columns: queries)
-                for n in range(NT_Q):
-                    for e in range(4):
-                        s_reg[n, e] = ZERO
-                        dp_reg[n, e] = ZERO
-                for ks in range(KSTEPS_D):
-                    k0_, k1_, k2_, k3_ = ldmatrix_x4(smem, U(K_OFF + a_lane + 8 * ks))
-                    v0_, v1_, v2_, v3_ = ldmatrix_x4(smem, U(V_OFF + a_lane + 8 * ks))
-                    for n in range(0, NT_Q, 2):
-                        b0, b1, b2, b3 = ldmatrix_x4(smem, U(Q_OFF + 8 * n * STRIDE + 8 * ks + b_lane))
-                        s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3] = mma(
-                            k0_, k1_, k2_, k3_, b0, b1, s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3])
-                        s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3] = mma(
-                            k0_, k1_, k2_, k3_, b2, b3,
-                            s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3])
-                        b0, b1, b2, b3 = ldmatrix_x4(smem, U(DO_OFF + 8 * n * STRIDE + 8 * ks + b_lane))
-                        dp_reg[n, 0], dp_reg[n, 1], dp_reg[n, 2], dp_reg[n, 3] = mma(
-                            v0_, v1_, v2_, v3_, b0, b1, dp_reg[n, 0], dp_reg[n, 1], dp_reg[n, 2], dp_reg[n, 3])
-                        dp_reg[n + 1, 0], dp_reg[n + 1, 1], dp_reg[n + 1, 2], dp_reg[n + 1, 3] = mma(
-                            v0_, v1_, v2_, v3_, b2, b3,
-                            dp_reg[n + 1, 0], dp_reg[n + 1, 1], dp_reg[n + 1, 2], dp_reg[n + 1, 3])
+            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T (rows: this warp's keys; columns: queries)
+            for n in range(NT_Q):
+                for e in range(4):
+                    s_reg[n, e] = ZERO
+                    dp_reg[n, e] = ZERO
+            for ks in range(KSTEPS_D):
+                k0_, k1_, k2_, k3_ = ldmatrix_x4(smem, U(K_OFF + a_lane + 8 * ks))
+                v0_, v1_, v2_, v3_ = ldmatrix_x4(smem, U(V_OFF + a_lane + 8 * ks))
+                for n in range(0, NT_Q, 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, U(qb + 8 * n * STRIDE + 8 * ks + b_lane))
+                    s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3] = mma(
+                        k0_, k1_, k2_, k3_, b0, b1, s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3])
+                    s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3] = mma(
+                        k0_, k1_, k2_, k3_, b2, b3,
+                        s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3])
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, U(db + 8 * n * STRIDE + 8 * ks + b_lane))
+                    dp_reg[n, 0], dp_reg[n, 1], dp_reg[n, 2], dp_reg[n, 3] = mma(
+                        v0_, v1_, v2_, v3_, b0, b1, dp_reg[n, 0], dp_reg[n, 1], dp_reg[n, 2], dp_reg[n, 3])
+                    dp_reg[n + 1, 0], dp_reg[n + 1, 1], dp_reg[n + 1, 2], dp_reg[n + 1, 3] = mma(
+                        v0_, v1_, v2_, v3_, b2, b3,
+                        dp_reg[n + 1, 0], dp_reg[n + 1, 1], dp_reg[n + 1, 2], dp_reg[n + 1, 3])
 
-                # P_drop^T and dS^T element-wise: element e of n-tile n is key k0 + 16 warp + g + 8 (e >> 1),
-                # query q0 + 8n + 2t + (e & 1)
-                for n in range(NT_Q):
-                    for e in range(4):
-                        j = k0 + 16 * warp + g + 8 * (e // 2)
-                        il = 8 * n + 2 * t + (e % 2)
-                        p_drop, ds = grad(s_reg[n, e], dp_reg[n, e], q0 + il, j, b, h, fsmem[L_OFF + il],
-                                          fsmem[DL_OFF + il], need_mask, seqlen_q, seqlen_k, off, scale32,
+            # P_drop^T and dS^T element-wise: element e of n-tile n is key k0 + 16 warp + g + 8 (e >> 1),
+            # query q0 + 8n + 2t + (e & 1)
+            for n in range(NT_Q):
+                for e in range(4):
+                    j = k0 + 16 * warp + g + 8 * (e // 2)
+                    il = 8 * n + 2 * t + (e % 2)
+                    if ABLATE == "grad":
+                        pass
+                    elif PLAIN and not need_mask:        # no options, no mask on this tile: P = 2^(S log2e - lse2)
+                        pe = exp2(s_reg[n, e] * scale_log2 - fsmem[lb + il])
+                        dp_reg[n, e] = pe * (dp_reg[n, e] - fsmem[lb + BLOCK_Q + il])
+                        s_reg[n, e] = pe
+                    else:
+                        p_drop, ds = grad(s_reg[n, e], dp_reg[n, e], q0 + il, j, b, h, fsmem[lb + il],
+                                          fsmem[lb + BLOCK_Q + il], need_mask, seqlen_q, seqlen_k, off, scale32,
                                           softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q,
                                           bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
                         s_reg[n, e] = p_drop
                         dp_reg[n, e] = ds
 
-                # dV += P_drop^T dO_i, dK += dS^T Q_i (scale at the end): a from the accumulators,
-                # b = ldmatrix.trans of dO / Q rows (k = 16 queries, two n-tiles of dims)
-                for kq in range(KSTEPS_Q):
-                    p0 = pack2(s_reg[2 * kq, 0], s_reg[2 * kq, 1])
-                    p1 = pack2(s_reg[2 * kq, 2], s_reg[2 * kq, 3])
-                    p2 = pack2(s_reg[2 * kq + 1, 0], s_reg[2 * kq + 1, 1])
-                    p3 = pack2(s_reg[2 * kq + 1, 2], s_reg[2 * kq + 1, 3])
-                    d0 = pack2(dp_reg[2 * kq, 0], dp_reg[2 * kq, 1])
-                    d1 = pack2(dp_reg[2 * kq, 2], dp_reg[2 * kq, 3])
-                    d2 = pack2(dp_reg[2 * kq + 1, 0], dp_reg[2 * kq + 1, 1])
-                    d3 = pack2(dp_reg[2 * kq + 1, 2], dp_reg[2 * kq + 1, 3])
-                    for n in range(0, NT_D, 2):
-                        b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(DO_OFF + 16 * kq * STRIDE + 4 * n + t_lane))
-                        dv_acc[n, 0], dv_acc[n, 1], dv_acc[n, 2], dv_acc[n, 3] = mma(
-                            p0, p1, p2, p3, b0, b1, dv_acc[n, 0], dv_acc[n, 1], dv_acc[n, 2], dv_acc[n, 3])
-                        dv_acc[n + 1, 0], dv_acc[n + 1, 1], dv_acc[n + 1, 2], dv_acc[n + 1, 3] = mma(
-                            p0, p1, p2, p3, b2, b3,
-                            dv_acc[n + 1, 0], dv_acc[n + 1, 1], dv_acc[n + 1, 2], dv_acc[n + 1, 3])
-                        b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(Q_OFF + 16 * kq * STRIDE + 4 * n + t_lane))
-                        dk_acc[n, 0], dk_acc[n, 1], dk_acc[n, 2], dk_acc[n, 3] = mma(
-                            d0, d1, d2, d3, b0, b1, dk_acc[n, 0], dk_acc[n, 1], dk_acc[n, 2], dk_acc[n, 3])
-                        dk_acc[n + 1, 0], dk_acc[n + 1, 1], dk_acc[n + 1, 2], dk_acc[n + 1, 3] = mma(
-                            d0, d1, d2, d3, b2, b3,
-                            dk_acc[n + 1, 0], dk_acc[n + 1, 1], dk_acc[n + 1, 2], dk_acc[n + 1, 3])
+            # dV += P_drop^T dO_i, dK += dS^T Q_i (scale at the end): a from the accumulators,
+            # b = ldmatrix.trans of dO / Q rows (k = 16 queries, two n-tiles of dims)
+            for kq in range(KSTEPS_Q):
+                p0 = pack2(s_reg[2 * kq, 0], s_reg[2 * kq, 1])
+                p1 = pack2(s_reg[2 * kq, 2], s_reg[2 * kq, 3])
+                p2 = pack2(s_reg[2 * kq + 1, 0], s_reg[2 * kq + 1, 1])
+                p3 = pack2(s_reg[2 * kq + 1, 2], s_reg[2 * kq + 1, 3])
+                d0 = pack2(dp_reg[2 * kq, 0], dp_reg[2 * kq, 1])
+                d1 = pack2(dp_reg[2 * kq, 2], dp_reg[2 * kq, 3])
+                d2 = pack2(dp_reg[2 * kq + 1, 0], dp_reg[2 * kq + 1, 1])
+                d3 = pack2(dp_reg[2 * kq + 1, 2], dp_reg[2 * kq + 1, 3])
+                for n in range(0, NT_D, 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(db + 16 * kq * STRIDE + 4 * n + t_lane))
+                    dv_acc[n, 0], dv_acc[n, 1], dv_acc[n, 2], dv_acc[n, 3] = mma(
+                        p0, p1, p2, p3, b0, b1, dv_acc[n, 0], dv_acc[n, 1], dv_acc[n, 2], dv_acc[n, 3])
+                    dv_acc[n + 1, 0], dv_acc[n + 1, 1], dv_acc[n + 1, 2], dv_acc[n + 1, 3] = mma(
+                        p0, p1, p2, p3, b2, b3,
+                        dv_acc[n + 1, 0], dv_acc[n + 1, 1], dv_acc[n + 1, 2], dv_acc[n + 1, 3])
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * n + t_lane))
+                    dk_acc[n, 0], dk_acc[n, 1], dk_acc[n, 2], dk_acc[n, 3] = mma(
+                        d0, d1, d2, d3, b0, b1, dk_acc[n, 0], dk_acc[n, 1], dk_acc[n, 2], dk_acc[n, 3])
+                    dk_acc[n + 1, 0], dk_acc[n + 1, 1], dk_acc[n + 1, 2], dk_acc[n + 1, 3] = mma(
+                        d0, d1, d2, d3, b2, b3,
+                        dk_acc[n + 1, 0], dk_acc[n + 1, 1], dk_acc[n + 1, 2], dk_acc[n + 1, 3])
 
-                # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
-                # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans
-                for n in range(NT_Q):
-                    smem[U(DS_OFF + (16 * warp + g) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 0], dp_reg[n, 1])
-                    smem[U(DS_OFF + (16 * warp + g + 8) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 2],
-                                                                                        dp_reg[n, 3])
-                cuda.syncthreads()
-                # every warp runs the same number of rounds (the simulator's mma is block-collective);
-                # a warp past the last query m-tile recomputes m-tile 0 and adds nothing
-                for mq0 in range(0, MQ, NWARPS):
-                    mq = mq0 + warp
-                    active = mq < MQ
-                    if not active:
-                        mq = 0
-                    for n in range(0, NT_D, 2):
-                        for e in range(4):
-                            dq_reg[0, e] = ZERO
-                            dq_reg[1, e] = ZERO
-                        for kk in range(KSTEPS_K):
-                            a0, a1, a2, a3 = ldmatrix_x4_trans(smem, U(DS_OFF + 16 * kk * DS_STRIDE + 8 * mq + ds_lane))
-                            b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(K_OFF + 16 * kk * STRIDE + 4 * n + t_lane))
-                            dq_reg[0, 0], dq_reg[0, 1], dq_reg[0, 2], dq_reg[0, 3] = mma(
-                                a0, a1, a2, a3, b0, b1, dq_reg[0, 0], dq_reg[0, 1], dq_reg[0, 2], dq_reg[0, 3])
-                            dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3] = mma(
-                                a0, a1, a2, a3, b2, b3, dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3])
-                        for half in range(2):
-                            for e in range(4):
-                                i = q0 + 16 * mq + g + 8 * (e // 2)
-                                d = 8 * (n + half) + 2 * t + (e % 2)
-                                if active and i < seqlen_q and d < HEAD_DIM:
-                                    cuda.atomic.add(dq_accum, (b, i, h, d), dq_reg[half, e] * scale32)
+            # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
+            # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans
+            for n in range(NT_Q if ABLATE != "dq" else 0):
+                smem[U(DS_OFF + (16 * warp + g) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 0], dp_reg[n, 1])
+                smem[U(DS_OFF + (16 * warp + g + 8) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 2], dp_reg[n, 3])
+            cuda.syncthreads()          # dS^T is complete; every warp is past its reads of buffer buf
+            # 16 x 16 units (m-tile mq, dims 16 np .. 16 np + 15) dealt to the warps in rounds; every warp runs
+            # every round (the simulator's mma is block-collective): one past the last unit recomputes unit 0
+            # and adds nothing
+            for rnd in range(DQ_ROUNDS if ABLATE != "dq" else 0):
+                u = rnd * NWARPS + warp
+                active = u < DQ_UNITS
+                if not active:
+                    u = 0
+                mq = u // NP_D
+                n = 2 * (u - mq * NP_D)
+                for e in range(4):
+                    dq_reg[0, e] = ZERO
+                    dq_reg[1, e] = ZERO
+                for kk in range(KSTEPS_K):
+                    a0, a1, a2, a3 = ldmatrix_x4_trans(smem, U(DS_OFF + 16 * kk * DS_STRIDE + 8 * mq + ds_lane))
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(K_OFF + 16 * kk * STRIDE + 4 * n + t_lane))
+                    dq_reg[0, 0], dq_reg[0, 1], dq_reg[0, 2], dq_reg[0, 3] = mma(
+                        a0, a1, a2, a3, b0, b1, dq_reg[0, 0], dq_reg[0, 1], dq_reg[0, 2], dq_reg[0, 3])
+                    dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3] = mma(
+                        a0, a1, a2, a3, b2, b3, dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3])
+                for half in range(2):
+                    for e in range(4):
+                        i = q0 + 16 * mq + g + 8 * (e // 2)
+                        d = 8 * (n + half) + 2 * t + (e % 2)
+                        if ABLATE == "atomics":
+                            active = dq_reg[half, e] == POS_INF       # keeps the products, (almost) never adds
+                        if active and i < seqlen_q and d < HEAD_DIM:
+                            cuda.atomic.add(dq_accum, (b, i, h, d), dq_reg[half, e] * scale32)
+            if wn < n_work:
+                # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
+                # the next item's first barrier publishes them
+                store_rows(fsmem, L_OFF + (1 - buf) * 2 * BLOCK_Q, l_row, d_row)
+            buf = 1 - buf
+            w = wn
 
         wait_all()                                       # no copy may outlive the block
         for r in range(2):

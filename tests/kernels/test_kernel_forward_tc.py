@@ -159,6 +159,20 @@ def test_auto_picks_tensor_cores_for_float16_and_simt_otherwise(monkeypatch):
         assert calls == [1], f"{np.dtype(dtype).name}, head dim {headdim}, {tiles}: expected the SIMT kernel"
 
 
+def test_auto_picks_the_tensor_core_backward_unless_deterministic(monkeypatch):
+    """backward, backend="auto": float16 -> tensor cores; deterministic=True, float32 or an odd head dim -> SIMT."""
+    calls = []
+    real = api._backward_tc
+    monkeypatch.setattr(api, "_backward_tc", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    for dtype, headdim, extra, want in ((np.float16, 8, {}, [1]), (np.float16, 8, dict(deterministic=True), []),
+                                        (np.float32, 8, {}, []), (np.float16, 7, {}, [])):
+        calls.clear()
+        q, k, v = _data(dtype, headdim)
+        out, lse = flashnb.flash_attention(q, k, v, return_lse=True)
+        flashnb.flash_attention_backward(q, q, k, v, out, lse, **extra)
+        assert calls == want, f"{np.dtype(dtype).name}, head dim {headdim}, {extra}: wrong backend"
+
+
 @pytest.mark.parametrize("dtype, headdim, extra, why", [
     (np.float32, 8, {}, "float16 and bfloat16"),
     (np.float64, 8, {}, "float16 and bfloat16"),
