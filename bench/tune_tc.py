@@ -40,8 +40,9 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--seqlens", default="4096")
     ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
-    ap.add_argument("--ablate", default="", help="with --pass bwd: comma list of backward_tc.make_dkdv_tc "
-                    "ABLATE variants to time besides the real kernel (dq, atomics, grad); their results are wrong")
+    ap.add_argument("--ablate", default="", help="with --pass bwd: comma list of variants to time besides the "
+                    "shipped kernel: backward_tc.make_dkdv_tc ABLATE values (dq, atomics, grad; their results are "
+                    "wrong) and scalar-red (dQ by scalar atomics instead of red.global.add.v2.f32)")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
                     help="bq:bk[:mt[:qs]] per head dim (mt: m16 row blocks per warp, default api.tc_m_tiles; "
                          "qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem)")
@@ -99,6 +100,13 @@ def main(argv=None):
     _resources()
 
 
+def _variant(make_dkdv_tc, ablate, *args):
+    """``make_dkdv_tc`` as api calls it (positional, RED2 last), with a variant of --ablate."""
+    if ablate == "scalar-red":
+        return make_dkdv_tc(*args[:-1], False)
+    return make_dkdv_tc(*args, ABLATE=ablate)
+
+
 def _sweep_bwd(args, dtype):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -110,7 +118,7 @@ def _sweep_bwd(args, dtype):
         d = int(d)
         for bq, bk in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
             for causal, ablate in ((c, a) for a in [""] + list(filter(None, args.ablate.split(","))) for c in (False, True)):
-                flashnb.api.make_dkdv_tc = functools.partial(make_dkdv_tc, ABLATE=ablate)
+                flashnb.api.make_dkdv_tc = functools.partial(_variant, make_dkdv_tc, ablate)
                 err = _check_grads(dtype, d, bq, bk, causal, backend="tensorcore", fwd_tiles=False)
                 for n in map(int, args.seqlens.split(",")):
                     b, h = max(1, 16384 // n), 2048 // d

@@ -373,7 +373,7 @@ def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, 
         vec16 = all(_arrays.rows_aligned16(x) for x in (dout, q, k, v))
         kern, shared, threads = make_dkdv_tc(bq, bk, 2 * words, dtype_name, vec16, f.has_window, f.has_attn_mask,
                                              f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi,
-                                             f.has_dropout)
+                                             f.has_dropout, _red2())
         _check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {2 * words}")
         launch(kern, -(-seqlen_k // bk) * nheads_k * batch, threads, stream, shared,
                (q, k, v, dout, lse2, delta, dk, dv, dq_accum, nheads // nheads_k, seqlen_k - seqlen_q)
@@ -381,6 +381,12 @@ def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, 
     if seqlen_q > 0:
         launch(make_cast_tc(dtype_name), -(-(nheads * words) // 128) * seqlen_q * batch, 128, stream, 0,
                (dq_accum, dq))
+
+
+def _red2():
+    """Vector float32 reductions (red.global.add.v2.f32) exist from compute capability 9.0; the simulator's twin
+    is two atomics."""
+    return SIMULATOR or cuda.get_current_device().compute_capability >= (9, 0)
 
 
 def _zero(arr, stream):

@@ -196,9 +196,27 @@ def _gpu_memory_primitives():
 
         return sig, codegen
 
+    @intrinsic
+    def red_add_f32x2(typingctx, ary, b, i, h, d, x, y):
+        """``ary[b, i, h, d] += x; ary[b, i, h, d + 1] += y`` as one vector reduction (sm_90:
+        ``red.global.add.v2.f32``; the pair must be 8-byte aligned), half the atomic instructions."""
+        sig = types.void(ary, b, i, h, d, x, y)
+
+        def codegen(context, builder, signature, args):
+            tys = signature.args
+            a = item_address(context, builder, tys[0], args[0], tys[1:5], args[1:5])
+            f32 = ir.FloatType()
+            xv, yv = (context.cast(builder, v, t, types.float32) for v, t in zip(args[5:], tys[5:]))
+            ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; red.global.add.v2.f32 [ga], {$1, $2}; }"
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, f32, f32]), ptx, "l,f,f",
+                                      side_effect=True), [a, xv, yv])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(16), cp_async4=make_cp_async(4), cp_async_commit=cp_async_commit,
                 cp_async_wait_all=make_wait(0), cp_async_wait_prev=make_wait(1),
-                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True))
+                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=red_add_f32x2)
 
 
 # --------------------------------------------------------------------------------------
@@ -310,9 +328,14 @@ def _sim_memory_primitives():
     def exp2_ftz(x):
         return np.float32(math.exp2(x)) if x > -126.0 or x != x else np.float32(0.0)
 
+    @device_function
+    def red_add_f32x2(ary, b, i, h, d, x, y):
+        cuda.atomic.add(ary, (b, i, h, d), x)
+        cuda.atomic.add(ary, (b, i, h, d + 1), y)
+
     return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(4), cp_async4=make_cp_async(1), cp_async_commit=nothing,
                 cp_async_wait_all=nothing, cp_async_wait_prev=nothing,
-                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True))
+                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=red_add_f32x2)
 
 
 # alignment of the dynamic shared-memory array: cp.async (16 bytes) and ldmatrix rows need 16;
@@ -324,7 +347,8 @@ _cache = {}
 
 
 def memory_primitives():
-    """``cp.async`` (16 or 4 bytes, commit, wait), ``ldmatrix.x4`` (plain and ``.trans``), as a dict."""
+    """``cp.async`` (16 or 4 bytes, commit, wait), ``ldmatrix.x4`` (plain and ``.trans``), ``ex2.approx.ftz``,
+    ``red.global.add.v2.f32`` (compute capability 9.0+), as a dict."""
     if "memory" not in _cache:
         _cache["memory"] = _sim_memory_primitives() if SIMULATOR else _gpu_memory_primitives()
     return _cache["memory"]

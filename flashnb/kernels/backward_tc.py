@@ -82,8 +82,11 @@ def make_cast_tc(DTYPE_NAME):
 
 @lru_cache(maxsize=None)
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, ABLATE=""):
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, RED2=False, ABLATE=""):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
+
+    ``RED2``: add dQ's pairs of adjacent dims with one ``red.global.add.v2.f32`` (compute capability
+    9.0+) instead of two scalar float32 atomics.
 
     ``ABLATE`` (timing experiments only, ``bench.tune_tc --ablate``; the results are wrong):
     "dq" leaves out the dQ phase (dS^T store and dS K), "atomics" computes dQ but never adds it,
@@ -124,7 +127,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     mem = memory_primitives()
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
-    exp2 = mem["exp2_ftz"]
+    exp2, red_add_f32x2 = mem["exp2_ftz"], mem["red_add_f32x2"]
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
@@ -347,13 +350,18 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3] = mma(
                         a0, a1, a2, a3, b2, b3, dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3])
                 for half in range(2):
-                    for e in range(4):
-                        i = q0 + 16 * mq + g + 8 * (e // 2)
-                        d = 8 * (n + half) + 2 * t + (e % 2)
+                    for r in range(2):
+                        i = q0 + 16 * mq + g + 8 * r
+                        d = 8 * (n + half) + 2 * t               # even; HEAD_DIM is even, so d + 1 < HEAD_DIM too
                         if ABLATE == "atomics":
-                            active = dq_reg[half, e] == POS_INF       # keeps the products, (almost) never adds
+                            active = dq_reg[half, 2 * r] == POS_INF   # keeps the products, (almost) never adds
                         if active and i < seqlen_q and d < HEAD_DIM:
-                            cuda.atomic.add(dq_accum, (b, i, h, d), dq_reg[half, e] * scale32)
+                            if RED2:
+                                red_add_f32x2(dq_accum, b, i, h, d, dq_reg[half, 2 * r] * scale32,
+                                              dq_reg[half, 2 * r + 1] * scale32)
+                            else:
+                                cuda.atomic.add(dq_accum, (b, i, h, d), dq_reg[half, 2 * r] * scale32)
+                                cuda.atomic.add(dq_accum, (b, i, h, d + 1), dq_reg[half, 2 * r + 1] * scale32)
             if wn < n_work:
                 # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
                 # the next item's first barrier publishes them
