@@ -78,15 +78,16 @@ def test_backward_every_option_at_once(p, deterministic):
 @settings(max_examples=examples(8, 25))
 @given(p=kernel_problems(dtypes=(np.float64, np.float32, np.float16), tiles=atomic_tiles()))
 def test_backward_atomic_dq_and_deterministic_dq_both_match_oracle(p):
-    """Tiles where the default takes the atomic dQ path: it and the two-pass dQ both agree with the oracle."""
+    """SIMT backward, tiles where the default takes the atomic dQ path: it and the two-pass dQ both agree with
+    the oracle (float16 under backend="auto" goes to the tensor-core backward: test_kernel_forward_tc)."""
     exp = expected(p)
     out, lse = kernel_forward(p)
     with DqPath() as path:
-        grads = kernel_backward(p, out, lse)
+        grads = kernel_backward(p, out, lse, backend="simt")
     assert path.used == {"atomic"}, (f"the default backward took the {sorted(path.used)} dQ path for tiles "
                                      f"{p.block_q}x{p.block_k}: update kernel_harness.atomic_tiles")
     check_backward(exp, grads, what="atomic dQ: ")
-    check_backward(exp, kernel_backward(p, out, lse, deterministic=True), what="deterministic dQ: ")
+    check_backward(exp, kernel_backward(p, out, lse, deterministic=True, backend="simt"), what="deterministic dQ: ")
 
 
 @settings(max_examples=examples(5, 20))
