@@ -6,7 +6,8 @@ Both backends run the forward and the backward on the whole tensors;
 the first and the last (batch, head) slices are then held to the float64 oracle
 with the usual rules (kernel_harness).  A 32-bit index overflow would read or
 write the wrong rows there (wrong numbers, or an illegal address).  GPU only:
-the simulator cannot hold or run this.
+the simulator cannot hold or run this.  Run it without other GPU work (e.g. ``-p no:xdist``): each
+case needs about 45 GB and checks the free memory only before it allocates.
 """
 import types
 
