@@ -111,7 +111,7 @@ def _sweep(args, configs, dtype, threads):
     for d in map(int, args.headdims.split(",")):
         acc = "float64" if args.dtype == "float64" else "float32"
         for bq, bk in configs.get(d, [default_tiles(d, acc)]):
-            err = _check(dtype, d, bq, bk, args.causal)
+            err = _check(dtype, d, bq, bk, args.causal, backend="simt")
             for n in map(int, args.seqlens.split(",")):
                 b, h = max(1, 16384 // n), 2048 // d
                 sets = [tuple(torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
@@ -120,12 +120,12 @@ def _sweep(args, configs, dtype, threads):
 
                 def fwd(q, k, v, do):
                     return flashnb.flash_attention(q, k, v, causal=args.causal, block_q=bq, block_k=bk,
-                                                   return_lse=True)
+                                                   return_lse=True, backend="simt")
 
                 def fwdbwd(q, k, v, do):
                     out, lse = fwd(q, k, v, do)
                     return flashnb.flash_attention_backward(do, q, k, v, out, lse, causal=args.causal,
-                                                            block_q=bq, block_k=bk)
+                                                            block_q=bq, block_k=bk, backend="simt")
 
                 def sdpa(q, k, v, do, grad=False):
                     from torch.nn.attention import SDPBackend, sdpa_kernel

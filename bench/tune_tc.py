@@ -108,11 +108,20 @@ def _variant(make_dkdv_tc, ablate, *args):
 
 
 def _sweep_bwd(args, dtype):
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import flashnb
     from flashnb.kernels.backward_tc import make_dkdv_tc
     rows = []
+    try:
+        _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc)
+    finally:
+        flashnb.api.make_dkdv_tc = make_dkdv_tc
+    return rows
+
+
+def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import flashnb
     for part in filter(None, args.configs.split(";")):
         d, pairs = part.split("=")
         d = int(d)
@@ -150,8 +159,6 @@ def _sweep_bwd(args, dtype):
                                      fb_ms=round(t_fb, 3), fb_tflops=round(3.5 * f / t_fb / 1e9, 1),
                                      fa2_fb_tflops=round(3.5 * f / t_s / 1e9, 1), fb_ratio=round(t_s / t_fb, 3)))
                     print(rows[-1], file=sys.stderr, flush=True)
-    flashnb.api.make_dkdv_tc = make_dkdv_tc
-    return rows
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ def default_tiles(headdim, acc_name):
 
 
 TC_BWD_MAX_HEAD_DIM = 128  # dK and dV accumulators of 256 dims do not fit in registers with S^T and dP^T
-# (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / 16 warps: the largest without spills (ptxas, sm_90)
-_TC_BWD_TILES = ((64, (64, 128)), (128, (32, 64)))   # measured: docs/tensorcore.md
+# (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / 16 warps: the fastest of the H100 sweep
+# (bench/results/h100-tune-tc-bwd-2026-11-22.md; 64 x 128 spills 64 bytes, 32 x 64 none)
+_TC_BWD_TILES = ((64, (64, 128)), (128, (32, 64)))
 
 
 def default_tc_bwd_tiles(headdim):
@@ -167,8 +168,8 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         backend: "auto" (tensor cores where they can serve the call, else SIMT), "simt" (CUDA-core
             kernels, every dtype) or "tensorcore" (float16/bfloat16, even head dim, contiguous head
             dimension, compute capability >= 8.0, tiles >= 16; anything else raises ValueError saying why).
-            The backward's "auto" is the SIMT backward for now; backend="tensorcore" selects the
-            tensor-core one (head dims <= 128, atomic dQ only).
+            The backward's "auto" takes the tensor cores under the same conditions plus head dim
+            <= 128 and deterministic=False (see flash_attention_backward).
 
     Returns ``out`` (like ``q``), or ``(out, lse)``, as the same kind of array as ``q``.
     Copies: NumPy inputs are copied to the device and the results back; the tensor-core

@@ -6,9 +6,14 @@ Both backends run the forward and the backward on the whole tensors;
 the first and the last (batch, head) slices are then held to the float64 oracle
 with the usual rules (kernel_harness).  A 32-bit index overflow would read or
 write the wrong rows there (wrong numbers, or an illegal address).  GPU only:
-the simulator cannot hold or run this.  Run it without other GPU work (e.g. ``-p no:xdist``): each
-case needs about 45 GB and checks the free memory only before it allocates.
+the simulator cannot hold or run this.  Each case needs about 45 GB: a file lock makes the cases of
+parallel pytest-xdist workers run one at a time, and each checks the free memory inside the lock
+(other GPU work running beside the suite can still take that memory).
 """
+import contextlib
+import fcntl
+import pathlib
+import tempfile
 import types
 
 import numpy as np
@@ -28,10 +33,26 @@ def _slice_problem(t, b, h):
                      block_q=None, block_k=None)
 
 
+@contextlib.contextmanager
+def _one_at_a_time():
+    """An exclusive lock shared by every process of this user on the machine (pytest-xdist workers)."""
+    with open(pathlib.Path(tempfile.gettempdir()) / "flashnb-large-test.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["tensorcore", "simt"])
 def test_more_than_2_31_elements(backend):
     torch = pytest.importorskip("torch")
+    with _one_at_a_time():
+        _check_more_than_2_31_elements(torch, backend)
+
+
+def _check_more_than_2_31_elements(torch, backend):
     free, _ = torch.cuda.mem_get_info()
     need = 9 * B * N * H * D * 2 + B * N * H * D * 4     # q k v dout out dq dk dv (+ copies), float32 dQ sums
     if free < need:
