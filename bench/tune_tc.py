@@ -1,9 +1,10 @@
 """Tile sweep for the tensor-core forward or backward on a GPU: check against float64, then time, one table.
 
     python -m bench.tune_tc [--dtype float16] [--seqlens 4096] [--configs 64=64:64,128:64;128=64:64]
-    python -m bench.tune_tc --pass bwd [--configs 64=32:64,64:64;128=16:64]
+    python -m bench.tune_tc --pass bwd [--configs 64=32:64,64:64;128=16:64;256=32:64:2]
 
-``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K); the forward runs at
+``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K[, warps per 16 keys: the
+head-dim split, default api.tc_bwd_dim_split]); the forward runs at
 its default tiles; the table has the backward's time alone and forward+backward against
 SDPA's FlashAttention-2 forward+backward.
 
@@ -45,7 +46,8 @@ def main(argv=None):
                     "wrong) and scalar-red (dQ by scalar atomics instead of red.global.add.v2.f32)")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
                     help="bq:bk[:mt[:qs]] per head dim (mt: m16 row blocks per warp, default api.tc_m_tiles; "
-                         "qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem)")
+                         "qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem); with --pass bwd "
+                         "bq:bk[:ds] (ds: warps per 16 keys, default api.tc_bwd_dim_split)")
     args = ap.parse_args(argv)
 
     import torch
@@ -110,11 +112,13 @@ def _variant(make_dkdv_tc, ablate, *args):
 def _sweep_bwd(args, dtype):
     import flashnb
     from flashnb.kernels.backward_tc import make_dkdv_tc
+    dim_split = flashnb.api.tc_bwd_dim_split
     rows = []
     try:
         _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc)
     finally:
         flashnb.api.make_dkdv_tc = make_dkdv_tc
+        flashnb.api.tc_bwd_dim_split = dim_split
     return rows
 
 
@@ -122,10 +126,14 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import flashnb
+    default_split = flashnb.api.tc_bwd_dim_split
     for part in filter(None, args.configs.split(";")):
         d, pairs = part.split("=")
         d = int(d)
-        for bq, bk in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
+        for cfg in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
+            bq, bk = cfg[:2]
+            ds = cfg[2] if len(cfg) > 2 else default_split(d)
+            flashnb.api.tc_bwd_dim_split = lambda headdim, ds=ds: ds          # the variant under test
             for causal, ablate in ((c, a) for a in [""] + list(filter(None, args.ablate.split(","))) for c in (False, True)):
                 flashnb.api.make_dkdv_tc = functools.partial(_variant, make_dkdv_tc, ablate)
                 err = _check_grads(dtype, d, bq, bk, causal, backend="tensorcore", fwd_tiles=False)
@@ -153,7 +161,7 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
 
                     f = _fwd_flops(b, h, n, d, causal)
                     t_b, t_fb, t_s = _time(bwd, sets, reps=10), _time(fwdbwd, sets, reps=10), _time(sdpa, sets, reps=10)
-                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", ablate=ablate or "-", causal=causal, N=n,
+                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", split=ds, ablate=ablate or "-", causal=causal, N=n,
                                      rel_err=f"{err:.1e}",
                                      bwd_ms=round(t_b, 3), bwd_tflops=round(2.5 * f / t_b / 1e9, 1),
                                      fb_ms=round(t_fb, 3), fb_tflops=round(3.5 * f / t_fb / 1e9, 1),

@@ -13,7 +13,7 @@ from .kernels._jit import SIMULATOR, launch
 from .kernels._tiles import np_acc
 from .kernels.backward import make_cast, make_dkdv, make_dq, make_preprocess
 from .kernels.forward import make_forward, tile_threads
-from .kernels.backward_tc import make_cast_tc, make_dkdv_tc, make_preprocess_tc
+from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
 from .kernels.forward_tc import make_forward_tc
 
 BACKENDS = ("simt", "tensorcore")
@@ -41,16 +41,21 @@ def default_tiles(headdim, acc_name):
     raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
 
 
-TC_BWD_MAX_HEAD_DIM = 128  # dK and dV accumulators of 256 dims do not fit in registers with S^T and dP^T
-# (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / 16 warps: the fastest of the H100 sweep
-# (bench/results/h100-tune-tc-bwd-2026-11-22.md; 64 x 128 spills 64 bytes, 32 x 64 none)
-_TC_BWD_TILES = ((64, (64, 128)), (128, (32, 64)))
+# (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / 16 x tc_bwd_dim_split warps: the fastest of the H100
+# sweeps (bench/results/h100-tune-tc-bwd-2026-11-22.md; 64 x 128 spills 64 bytes, the others none)
+_TC_BWD_TILES = ((64, (64, 128)), (128, (32, 64)), (256, (32, 64)))
 
 
 def default_tc_bwd_tiles(headdim):
     if SIMULATOR:
         return _TC_SIM_TILES
     return next(tiles for max_d, tiles in _TC_BWD_TILES if headdim <= max_d)
+
+
+def tc_bwd_dim_split(headdim):
+    """Warps per 16 keys in the tensor-core dK/dV kernel: 2 above head dim 128, where one warp's registers
+    cannot hold dK and dV next to S^T and dP^T (each warp of a pair holds half of the dims)."""
+    return 2 if headdim > 128 else 1
 
 
 def tc_m_tiles(block_q, headdim):
@@ -168,8 +173,8 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         backend: "auto" (tensor cores where they can serve the call, else SIMT), "simt" (CUDA-core
             kernels, every dtype) or "tensorcore" (float16/bfloat16, even head dim, contiguous head
             dimension, compute capability >= 8.0, tiles >= 16; anything else raises ValueError saying why).
-            The backward's "auto" takes the tensor cores under the same conditions plus head dim
-            <= 128 and deterministic=False (see flash_attention_backward).
+            The backward's "auto" takes the tensor cores under the same conditions plus
+            deterministic=False and, above head dim 128, block_k <= 64 (see flash_attention_backward).
 
     Returns ``out`` (like ``q``), or ``(out, lse)``, as the same kind of array as ``q``.
     Copies: NumPy inputs are copied to the device and the results back; the tensor-core
@@ -255,9 +260,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     over key tiles (bit-identical run to run); the default adds each key tile's share of dQ with
     float atomics (faster; the summation order may vary run to run). Returns arrays of ``q``'s kind;
     the same copies as ``flash_attention``. ``backend``: "tensorcore" runs the tensor-core backward
-    (float16/bfloat16, even head dims <= 128, tiles >= 16, atomic dQ), refusing with a ValueError
-    what it cannot serve; "simt" the SIMT one; "auto" the tensor-core backward where it can serve
-    the call, else the SIMT one (``deterministic=True`` always runs on SIMT).
+    (float16/bfloat16, even head dims, tiles >= 16, block_k <= 64 above head dim 128, atomic dQ),
+    refusing with a ValueError what it cannot serve; "simt" the SIMT one; "auto" the tensor-core
+    backward where it can serve the call, else the SIMT one (``deterministic=True`` always runs on SIMT).
     """
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     _check_backend(backend)
@@ -280,8 +285,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
                                   alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
                                   block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
     refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
-    if refusal is None and headdim > TC_BWD_MAX_HEAD_DIM:
-        refusal = f"the tensor-core backward takes head dims up to {TC_BWD_MAX_HEAD_DIM}, got {headdim}"
+    if refusal is None and tc_bwd_dim_split(headdim) > 1 and (block_k or 0) > 64:
+        refusal = (f"above head dim 128 it takes block_k up to 64 (two warps per 16 keys; {block_k} would need "
+                   f"{4 * block_k} threads of ~240 registers, more than an SM has)")
     if refusal is None and deterministic:
         refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
     words = None
@@ -365,7 +371,7 @@ def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, 
     delta = cuda.device_array((batch, nheads, seqlen_q), np.float32, stream=stream)
     lse2 = cuda.device_array((batch, nheads, seqlen_q), np.float32, stream=stream)
     if seqlen_q > 0:
-        launch(make_preprocess_tc(dtype_name), -(-seqlen_q // 128) * nheads * batch, 128, stream, 0,
+        launch(make_preprocess("float32", dtype_name), -(-seqlen_q // 128) * nheads * batch, 128, stream, 0,
                (dout, out, lse, delta, lse2))
     dq_accum = cuda.device_array((batch, seqlen_q, nheads, 2 * words), np.float32, stream=stream)
     if seqlen_q > 0:
@@ -374,7 +380,7 @@ def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, 
         vec16 = all(_arrays.rows_aligned16(x) for x in (dout, q, k, v))
         kern, shared, threads = make_dkdv_tc(bq, bk, 2 * words, dtype_name, vec16, f.has_window, f.has_attn_mask,
                                              f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi,
-                                             f.has_dropout, _red2())
+                                             f.has_dropout, tc_bwd_dim_split(2 * words), _red2())
         _check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {2 * words}")
         launch(kern, -(-seqlen_k // bk) * nheads_k * batch, threads, stream, shared,
                (q, k, v, dout, lse2, delta, dk, dv, dq_accum, nheads // nheads_k, seqlen_k - seqlen_q)

@@ -2,7 +2,8 @@
 
 Three kernels, as in FA2 section 3.1 / Algorithm 2:
 
-1. ``preprocess``: ``delta_i = rowsum(dO_i * O_i)``, one thread per (batch, head, query).
+1. ``preprocess``: ``delta_i = rowsum(dO_i * O_i)``, one thread per (batch, head, query)
+   (also the tensor-core backward's, on 32-bit words of 16-bit pairs).
 2. ``dkdv``: one block per (key tile, key/value head, batch); the key tile stays
    in shared memory while the block walks every query tile (of every query head
    of its group, so grouped-query ``dK, dV`` are summed in registers, without
@@ -29,16 +30,40 @@ import numpy as np
 from numba import cuda
 
 from ._jit import device_function, kernel
+from ._mma import primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, tile_head_batch, make_mm_abt, make_mm_acc, make_tile_load, padded
 from .forward import LOG2E, make_window_helpers, tile_threads
 
 
 @lru_cache(maxsize=None)
-def make_preprocess(ACC_NAME):
-    """``delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]``; lse in log2 units, +inf for empty rows."""
+def make_preprocess(ACC_NAME, WORDS_OF=None):
+    """``delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]``; lse in log2 units, +inf for empty rows.
+
+    ``WORDS_OF`` ("float16" / "bfloat16"): ``dout`` and ``out`` are 32-bit word views holding pairs of
+    that format (the tensor-core backward's arrays), unpacked with ``_mma``'s ``unpack2``.
+    """
     ACC = np.dtype(ACC_NAME).type
     ZERO, LOG2E_T, POS_INF, NEG_INF = ACC(0), ACC(LOG2E), ACC(np.inf), ACC(-np.inf)
+
+    if WORDS_OF:
+        unpack2 = primitives(WORDS_OF)[2]
+
+        @device_function
+        def row_dot(dout, out, b, i, h):
+            acc = ZERO
+            for c in range(out.shape[3]):
+                d0, d1 = unpack2(dout[b, i, h, c])
+                o0, o1 = unpack2(out[b, i, h, c])
+                acc += d0 * o0 + d1 * o1
+            return acc
+    else:
+        @device_function
+        def row_dot(dout, out, b, i, h):
+            acc = ZERO
+            for d in range(out.shape[3]):
+                acc += ACC(dout[b, i, h, d]) * ACC(out[b, i, h, d])
+            return acc
 
     @kernel
     def preprocess(dout, out, lse, delta, lse2):
@@ -46,10 +71,7 @@ def make_preprocess(ACC_NAME):
         i = chunk * cuda.blockDim.x + cuda.threadIdx.x
         if i >= out.shape[1]:
             return
-        acc = ZERO
-        for d in range(out.shape[3]):
-            acc += ACC(dout[b, i, h, d]) * ACC(out[b, i, h, d])
-        delta[b, h, i] = acc
+        delta[b, h, i] = row_dot(dout, out, b, i, h)
         x = ACC(lse[b, h, i])
         # exp2(s - lse2) must be 0 for a row that saw no key (lse = -inf): use +inf there
         lse2[b, h, i] = x * LOG2E_T if x != NEG_INF else POS_INF

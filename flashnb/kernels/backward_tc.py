@@ -3,11 +3,13 @@
 The same three steps as ``backward.py`` (FA2 Algorithm 2; oracle ``reference.flash_backward``),
 with the products on ``mma.sync.m16n8k16`` (primitives: ``_mma``):
 
-1. ``preprocess_tc``: ``delta_i = rowsum(dO_i * O_i)`` and ``lse`` in base 2, from 32-bit words.
-2. ``dkdv_tc``: one block per (key tile, key/value head, batch); ``NWARPS = BLOCK_K / 16`` warps
-   each own 16 keys.  K_j, V_j stay in shared memory; for every query tile of every query
-   head of the group (Q_i, dO_i copied in with ``cp.async``, double-buffered: the next tile's
-   Q, dO and its lse, delta rows are in flight while this one computes)::
+1. ``backward.make_preprocess(WORDS_OF=...)``: ``delta_i = rowsum(dO_i * O_i)`` and ``lse`` in base 2,
+   from 32-bit words.
+2. ``dkdv_tc``: one block per (key tile, key/value head, batch); ``BLOCK_K / 16`` warps
+   each own 16 keys (``DSPLIT = 2``, head dims above 128: two warps per 16 keys, each holding
+   half of dK's and dV's dims).  K_j, V_j stay in shared memory; for every query tile of every
+   query head of the group (Q_i, dO_i copied in with ``cp.async``, double-buffered: the next
+   tile's Q, dO and its lse, delta rows are in flight while this one computes)::
 
        S^T  = K_j Q_i^T,  dP^T = V_j dO_i^T          a: ldmatrix of K/V rows; b: ldmatrix of Q/dO rows
        P^T, dS^T element-wise (backward.make_element_grad: masks, softcap, dropout)
@@ -39,30 +41,6 @@ U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
 
 
 @lru_cache(maxsize=None)
-def make_preprocess_tc(DTYPE_NAME):
-    """``delta[b, h, i] = sum_d dout * out`` (from words), ``lse2 = lse * log2(e)`` (+inf for empty rows)."""
-    _, _, unpack2 = primitives(DTYPE_NAME)
-    ZERO, LOG2E_T, POS_INF, NEG_INF = F32(0), F32(LOG2E), F32(np.inf), F32(-np.inf)
-
-    @kernel
-    def preprocess_tc(dout, out, lse, delta, lse2):
-        chunk, h, b = tile_head_batch((out.shape[1] + cuda.blockDim.x - 1) // cuda.blockDim.x, out.shape[2])
-        i = chunk * cuda.blockDim.x + cuda.threadIdx.x
-        if i >= out.shape[1]:
-            return
-        acc = ZERO
-        for c in range(out.shape[3]):
-            d0, d1 = unpack2(dout[b, i, h, c])
-            o0, o1 = unpack2(out[b, i, h, c])
-            acc += d0 * o0 + d1 * o1
-        delta[b, h, i] = acc
-        x = F32(lse[b, h, i])
-        lse2[b, h, i] = x * LOG2E_T if x != NEG_INF else POS_INF
-
-    return preprocess_tc
-
-
-@lru_cache(maxsize=None)
 def make_cast_tc(DTYPE_NAME):
     """``dst`` words = ``src`` float32 pairs rounded to the 16-bit format (the dQ accumulator)."""
     _, pack2, _ = primitives(DTYPE_NAME)
@@ -82,8 +60,12 @@ def make_cast_tc(DTYPE_NAME):
 
 @lru_cache(maxsize=None)
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, RED2=False, ABLATE=""):
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, ABLATE=""):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
+
+    ``DSPLIT``: warps per 16 keys.  With 2, a pair of warps computes the same S^T and dP^T of its 16
+    keys and each accumulates dK, dV for half of the head dim: the accumulators of head dims above
+    128 do not fit in one warp's registers next to S^T and dP^T (the price: S^T and dP^T twice).
 
     ``RED2``: add dQ's pairs of adjacent dims with one ``red.global.add.v2.f32`` (compute capability
     9.0+) instead of two scalar float32 atomics.
@@ -93,14 +75,16 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     "grad" replaces the element-wise P, dS with P = S, dS = dP (no exp, masks or options).
     """
     assert ABLATE in ("", "dq", "atomics", "grad")
-    assert BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
-    NWARPS = BLOCK_K // 16                   # each warp owns 16 keys
+    assert BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0 and DSPLIT in (1, 2)
+    KW = BLOCK_K // 16                       # warps along the keys: 16 keys each
+    NWARPS = KW * DSPLIT                     # warp w: keys 16 (w % KW) ..; dims of dK, dV: part w // KW
     NTHREADS = 32 * NWARPS
-    D_PAD = -(-HEAD_DIM // 16) * 16
+    D_PAD = -(-HEAD_DIM // (16 * DSPLIT)) * 16 * DSPLIT   # each part of dK, dV: whole pairs of n-tiles
     HEAD_WORDS = HEAD_DIM // 2
     D_WORDS = D_PAD // 2
     KSTEPS_D = D_PAD // 16                   # k-steps of K Q^T and V dO^T
     NT_D = D_PAD // 8                        # n-tiles of dK, dV, dQ (8 dims each)
+    NT_DW = NT_D // DSPLIT                   # n-tiles of dK, dV in one warp's registers
     NT_Q = BLOCK_Q // 8                      # n-tiles of S^T, dP^T (8 queries each)
     KSTEPS_Q = BLOCK_Q // 16                 # k-steps of P^T dO and dS^T Q
     KSTEPS_K = BLOCK_K // 16                 # k-steps of dS K
@@ -190,6 +174,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid - 32 * warp
+        kw = warp % KW if DSPLIT > 1 else warp          # this warp's keys: k0 + 16 kw ..
+        nd0 = NT_DW * (warp // KW) if DSPLIT > 1 else 0  # its first n-tile of dK, dV
         g = lane // 4
         t = lane - 4 * g
         mi = lane // 8
@@ -200,19 +186,19 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         fsmem = cuda.shared.array(0, F32_DT)
         # ldmatrix rows of this lane: a fragments of this warp's 16 K/V rows; b fragments of Q/dO rows
         # (plain: two n-tiles of 8 queries; .trans: k = 16 queries, two n-tiles of 8 dims); dS^T as a.trans
-        a_lane = (16 * warp + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
+        a_lane = (16 * kw + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         b_lane = (8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
         t_lane = (8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         ds_lane = (8 * (mi // 2) + lane % 8) * DS_STRIDE + 4 * (mi % 2)
 
         s_reg = cuda.local.array((NT_Q, 4), F32)       # S^T, then P_drop^T
         dp_reg = cuda.local.array((NT_Q, 4), F32)      # dP^T, then dS^T
-        dk_acc = cuda.local.array((NT_D, 4), F32)
-        dv_acc = cuda.local.array((NT_D, 4), F32)
+        dk_acc = cuda.local.array((NT_DW, 4), F32)
+        dv_acc = cuda.local.array((NT_DW, 4), F32)
         dq_reg = cuda.local.array((2, 4), F32)
         l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
         d_row = cuda.local.array(LROWS, F32)
-        for n in range(NT_D):
+        for n in range(NT_DW):
             for e in range(4):
                 dk_acc[n, e] = ZERO
                 dv_acc[n, e] = ZERO
@@ -278,11 +264,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         v0_, v1_, v2_, v3_, b2, b3,
                         dp_reg[n + 1, 0], dp_reg[n + 1, 1], dp_reg[n + 1, 2], dp_reg[n + 1, 3])
 
-            # P_drop^T and dS^T element-wise: element e of n-tile n is key k0 + 16 warp + g + 8 (e >> 1),
+            # P_drop^T and dS^T element-wise: element e of n-tile n is key k0 + 16 kw + g + 8 (e >> 1),
             # query q0 + 8n + 2t + (e & 1)
             for n in range(NT_Q):
                 for e in range(4):
-                    j = k0 + 16 * warp + g + 8 * (e // 2)
+                    j = k0 + 16 * kw + g + 8 * (e // 2)
                     il = 8 * n + 2 * t + (e % 2)
                     if ABLATE == "grad":
                         pass
@@ -298,8 +284,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         s_reg[n, e] = p_drop
                         dp_reg[n, e] = ds
 
-            # dV += P_drop^T dO_i, dK += dS^T Q_i (scale at the end): a from the accumulators,
-            # b = ldmatrix.trans of dO / Q rows (k = 16 queries, two n-tiles of dims)
+            # dV += P_drop^T dO_i, dK += dS^T Q_i (scale at the end; this warp's dims): a from the
+            # accumulators, b = ldmatrix.trans of dO / Q rows (k = 16 queries, two n-tiles of dims)
             for kq in range(KSTEPS_Q):
                 p0 = pack2(s_reg[2 * kq, 0], s_reg[2 * kq, 1])
                 p1 = pack2(s_reg[2 * kq, 2], s_reg[2 * kq, 3])
@@ -309,14 +295,14 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 d1 = pack2(dp_reg[2 * kq, 2], dp_reg[2 * kq, 3])
                 d2 = pack2(dp_reg[2 * kq + 1, 0], dp_reg[2 * kq + 1, 1])
                 d3 = pack2(dp_reg[2 * kq + 1, 2], dp_reg[2 * kq + 1, 3])
-                for n in range(0, NT_D, 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(db + 16 * kq * STRIDE + 4 * n + t_lane))
+                for n in range(0, NT_DW, 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(db + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
                     dv_acc[n, 0], dv_acc[n, 1], dv_acc[n, 2], dv_acc[n, 3] = mma(
                         p0, p1, p2, p3, b0, b1, dv_acc[n, 0], dv_acc[n, 1], dv_acc[n, 2], dv_acc[n, 3])
                     dv_acc[n + 1, 0], dv_acc[n + 1, 1], dv_acc[n + 1, 2], dv_acc[n + 1, 3] = mma(
                         p0, p1, p2, p3, b2, b3,
                         dv_acc[n + 1, 0], dv_acc[n + 1, 1], dv_acc[n + 1, 2], dv_acc[n + 1, 3])
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * n + t_lane))
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
                     dk_acc[n, 0], dk_acc[n, 1], dk_acc[n, 2], dk_acc[n, 3] = mma(
                         d0, d1, d2, d3, b0, b1, dk_acc[n, 0], dk_acc[n, 1], dk_acc[n, 2], dk_acc[n, 3])
                     dk_acc[n + 1, 0], dk_acc[n + 1, 1], dk_acc[n + 1, 2], dk_acc[n + 1, 3] = mma(
@@ -324,10 +310,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         dk_acc[n + 1, 0], dk_acc[n + 1, 1], dk_acc[n + 1, 2], dk_acc[n + 1, 3])
 
             # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
-            # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans
-            for n in range(NT_Q if ABLATE != "dq" else 0):
-                smem[U(DS_OFF + (16 * warp + g) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 0], dp_reg[n, 1])
-                smem[U(DS_OFF + (16 * warp + g + 8) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 2], dp_reg[n, 3])
+            # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans.  With
+            # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T)
+            if ABLATE != "dq" and (DSPLIT == 1 or warp < KW):
+                for n in range(NT_Q):
+                    smem[U(DS_OFF + (16 * kw + g) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 0], dp_reg[n, 1])
+                    smem[U(DS_OFF + (16 * kw + g + 8) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 2],
+                                                                                          dp_reg[n, 3])
             cuda.syncthreads()          # dS^T is complete; every warp is past its reads of buffer buf
             # 16 x 16 units (m-tile mq, dims 16 np .. 16 np + 15) dealt to the warps in rounds; every warp runs
             # every round (the simulator's mma is block-collective): one past the last unit recomputes unit 0
@@ -371,10 +360,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
         wait_all()                                       # no copy may outlive the block
         for r in range(2):
-            j = k0 + 16 * warp + g + 8 * r
+            j = k0 + 16 * kw + g + 8 * r
             if j < seqlen_k:
-                for n in range(NT_D):
-                    c = 4 * n + t
+                for n in range(NT_DW):
+                    c = 4 * (nd0 + n) + t
                     if c < HEAD_WORDS:
                         dk[U(b), U(j), U(hk), U(c)] = pack2(dk_acc[n, 2 * r] * scale32, dk_acc[n, 2 * r + 1] * scale32)
                         dv[U(b), U(j), U(hk), U(c)] = pack2(dv_acc[n, 2 * r], dv_acc[n, 2 * r + 1])

@@ -13,7 +13,7 @@ bfloat16 tensors and the public API.
 """
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 import flashnb
 import strategies as S
@@ -196,16 +196,22 @@ def test_tensorcore_backward_refuses_what_it_cannot_serve(extra, why):
         flashnb.flash_attention_backward(q, q, k, v, out, lse, backend="tensorcore", **extra)
 
 
-@pytest.mark.gpu
-def test_tensorcore_backward_refuses_head_dims_over_128():
-    q, k, v = _data(np.float16, 160)
-    out, lse = flashnb.flash_attention(q, k, v, return_lse=True)
-    with pytest.raises(ValueError, match="backend='tensorcore'.*head dims up to 128"):
-        flashnb.flash_attention_backward(q, q, k, v, out, lse, backend="tensorcore")
+def test_tensorcore_backward_refuses_block_k_over_64_above_head_dim_128(monkeypatch):
+    """Above head dim 128 (two warps per 16 keys) block_k = 128 would need 512 threads of ~240 registers:
+    "tensorcore" refuses it, "auto" runs the SIMT backward."""
+    rng = np.random.default_rng(5)
+    q, k, v, out = (rng.standard_normal((1, 16, 1, 160)).astype(np.float16) for _ in range(4))
+    lse = rng.standard_normal((1, 1, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match="backend='tensorcore'.*block_k up to 64"):
+        flashnb.flash_attention_backward(q, q, k, v, out, lse, block_k=128, backend="tensorcore")
+    monkeypatch.setattr(api, "_backward_tc", lambda *a, **kw: pytest.fail("the tensor-core backward ran"))
+    monkeypatch.setattr(api, "_backward", lambda *a, **kw: None)        # the SIMT path, not run here
+    flashnb.flash_attention_backward(q, q, k, v, out, lse, block_k=128)
 
 
 # ------------------------------------------------------------------------------------ backward
 def _tc_backward_matches_oracle(p):
+    assume(not (api.tc_bwd_dim_split(p.headdim) > 1 and (p.block_k or 0) > 64))   # refused: the test above
     out, lse = kernel_forward(p, backend="tensorcore")
     grads = kernel_backward(p, out, lse, backend="tensorcore")
     exp = expected(p)
@@ -213,18 +219,29 @@ def _tc_backward_matches_oracle(p):
     check_backward(exp, grads)
 
 
-TC_BWD_HEADDIMS = tuple(d for d in TC_HEADDIMS if d <= 128)
-
-
 @settings(max_examples=examples(6, 20))
-@given(p=tc_problems(headdims=TC_BWD_HEADDIMS))
+@given(p=tc_problems())
 def test_tc_backward_float16_within_twice_float16_oracle_error(p):
     """dq, dk, dv of the tensor-core backward (atomic dQ) against the float64 oracle, flash-attn's rule."""
     _tc_backward_matches_oracle(p)
 
 
+@settings(max_examples=examples(3, 10))
+@given(p=tc_problems(headdims=(18, 24, 32) if SIMULATOR else (40, 64, 128, 160)))
+def test_tc_backward_with_the_head_dim_split(p):
+    """Two warps per 16 keys, each accumulating dK, dV for half of the head dim (padded to a multiple of
+    32): what head dims above 128 run, forced here at head dims whose second half holds real dims (the
+    simulator's are small), with any option."""
+    real = api.tc_bwd_dim_split
+    api.tc_bwd_dim_split = lambda headdim: 2
+    try:
+        _tc_backward_matches_oracle(p)
+    finally:
+        api.tc_bwd_dim_split = real
+
+
 @settings(max_examples=examples(2, 6))
-@given(p=tc_problems(headdims=TC_BWD_HEADDIMS))
+@given(p=tc_problems())
 def test_tc_backward_with_scalar_atomics(p):
     """The dQ path of devices below compute capability 9.0 (two float32 atomics per pair of dims, no
     ``red.global.add.v2.f32``), which neither the simulator nor the H100 takes by default."""
@@ -240,13 +257,13 @@ def test_tc_backward_with_scalar_atomics(p):
 @settings(max_examples=examples(2, 8))
 @given(data=st.data())
 def test_tc_backward_each_option_alone(option, data):
-    p = data.draw(tc_problems(options={option}, required={option}, headdims=TC_BWD_HEADDIMS), label="problem")
+    p = data.draw(tc_problems(options={option}, required={option}), label="problem")
     _tc_backward_matches_oracle(p)
 
 
 @pytest.mark.gpu
 @settings(max_examples=examples(1, 10))
-@given(p=tc_problems(dtype=np.float32, scale=10.0, headdims=TC_BWD_HEADDIMS))
+@given(p=tc_problems(dtype=np.float32, scale=10.0))
 def test_tc_backward_bfloat16_close_to_the_float32_kernel(p):
     """bfloat16 backward through PyTorch tensors against the float64 oracle on the same (bfloat16) inputs.
 
