@@ -4,7 +4,7 @@
     python -m bench.tune_tc --pass bwd [--configs 64=32:64,64:64;128=16:64;256=32:64:2]
 
 ``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K[, warps per 16 keys: the
-head-dim split, default api.tc_bwd_dim_split]); the forward runs at
+head-dim split[, m-tiles of 16 keys per warp]]); the forward runs at
 its default tiles; the table has the backward's time alone and forward+backward against
 SDPA's FlashAttention-2 forward+backward.
 
@@ -47,7 +47,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="64=64:64;128=64:64",
                     help="bq:bk[:mt[:qs]] per head dim (mt: m16 row blocks per warp, default api.tc_m_tiles; "
                          "qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem); with --pass bwd "
-                         "bq:bk[:ds] (ds: warps per 16 keys, default api.tc_bwd_dim_split)")
+                         "bq:bk[:ds[:mtk]] (ds: warps per 16 keys, default api.tc_bwd_dim_split; mtk: m-tiles of 16 "
+                         "keys per warp, default api.tc_bwd_key_tiles)")
     args = ap.parse_args(argv)
 
     import torch
@@ -102,23 +103,23 @@ def main(argv=None):
     _resources()
 
 
-def _variant(make_dkdv_tc, ablate, *args):
+def _variant(make_dkdv_tc, ablate, *args, **kw):
     """``make_dkdv_tc`` as api calls it (positional, RED2 last), with a variant of --ablate."""
     if ablate == "scalar-red":
-        return make_dkdv_tc(*args[:-1], False)
-    return make_dkdv_tc(*args, ABLATE=ablate)
+        return make_dkdv_tc(*args[:-1], False, **kw)
+    return make_dkdv_tc(*args, ABLATE=ablate, **kw)
 
 
 def _sweep_bwd(args, dtype):
     import flashnb
     from flashnb.kernels.backward_tc import make_dkdv_tc
-    dim_split = flashnb.api.tc_bwd_dim_split
+    dim_split, key_tiles = flashnb.api.tc_bwd_dim_split, flashnb.api.tc_bwd_key_tiles
     rows = []
     try:
         _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc)
     finally:
         flashnb.api.make_dkdv_tc = make_dkdv_tc
-        flashnb.api.tc_bwd_dim_split = dim_split
+        flashnb.api.tc_bwd_dim_split, flashnb.api.tc_bwd_key_tiles = dim_split, key_tiles
     return rows
 
 
@@ -126,14 +127,16 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import flashnb
-    default_split = flashnb.api.tc_bwd_dim_split
+    default_split, default_mtk = flashnb.api.tc_bwd_dim_split, flashnb.api.tc_bwd_key_tiles
     for part in filter(None, args.configs.split(";")):
         d, pairs = part.split("=")
         d = int(d)
         for cfg in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
             bq, bk = cfg[:2]
             ds = cfg[2] if len(cfg) > 2 else default_split(d)
+            mtk = cfg[3] if len(cfg) > 3 else default_mtk(bk, d)
             flashnb.api.tc_bwd_dim_split = lambda headdim, ds=ds: ds          # the variant under test
+            flashnb.api.tc_bwd_key_tiles = lambda block_k, headdim, mtk=mtk: mtk
             for causal, ablate in ((c, a) for a in [""] + list(filter(None, args.ablate.split(","))) for c in (False, True)):
                 flashnb.api.make_dkdv_tc = functools.partial(_variant, make_dkdv_tc, ablate)
                 err = _check_grads(dtype, d, bq, bk, causal, backend="tensorcore", fwd_tiles=False)
@@ -161,7 +164,7 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
 
                     f = _fwd_flops(b, h, n, d, causal)
                     t_b, t_fb, t_s = _time(bwd, sets, reps=10), _time(fwdbwd, sets, reps=10), _time(sdpa, sets, reps=10)
-                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", split=ds, ablate=ablate or "-", causal=causal, N=n,
+                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", split=ds, mtk=mtk, ablate=ablate or "-", causal=causal, N=n,
                                      rel_err=f"{err:.1e}",
                                      bwd_ms=round(t_b, 3), bwd_tflops=round(2.5 * f / t_b / 1e9, 1),
                                      fb_ms=round(t_fb, 3), fb_tflops=round(3.5 * f / t_fb / 1e9, 1),

@@ -41,15 +41,26 @@ def default_tiles(headdim, acc_name):
     raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
 
 
-# (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / 16 x tc_bwd_dim_split warps: the fastest of the H100
-# sweeps (bench/results/h100-tune-tc-bwd-2026-11-22.md; 64 x 128 spills 64 bytes, the others none)
-_TC_BWD_TILES = ((64, (64, 128)), (128, (32, 64)), (256, (32, 64)))
+# (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / (16 tc_bwd_key_tiles) x tc_bwd_dim_split warps: the
+# fastest of the H100 sweeps (bench/results/h100-tune-tc-bwd-2026-11-22.md; 32 x 128 spills 68 bytes)
+_TC_BWD_TILES = ((64, (32, 128)), (128, (32, 64)), (256, (32, 64)))
 
 
 def default_tc_bwd_tiles(headdim):
     if SIMULATOR:
         return _TC_SIM_TILES
     return next(tiles for max_d, tiles in _TC_BWD_TILES if headdim <= max_d)
+
+
+def tc_bwd_key_tiles(block_q, block_k, headdim):
+    """m-tiles of 16 keys per warp in the tensor-core dK/dV kernel: 2 (each Q / dO fragment read from shared
+    memory feeds twice the ``mma``) where the registers allow it, head dims up to 64 and block_q <= 32 (twice
+    dK's, dV's, S^T's and dP^T's registers; measured, docs/tensorcore.md); block_k a multiple of 32."""
+    return 2 if headdim <= 64 and block_q <= 32 and block_k % 32 == 0 else 1
+
+
+def tc_bwd_threads(block_q, block_k, headdim):
+    return 32 * block_k // (16 * tc_bwd_key_tiles(block_q, block_k, headdim)) * tc_bwd_dim_split(headdim)
 
 
 def tc_bwd_dim_split(headdim):
@@ -285,9 +296,12 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
                                   alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
                                   block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
     refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
-    if refusal is None and tc_bwd_dim_split(headdim) > 1 and (block_k or 0) > 64:
-        refusal = (f"above head dim 128 it takes block_k up to 64 (two warps per 16 keys; {block_k} would need "
-                   f"{4 * block_k} threads of ~240 registers, more than an SM has)")
+    if refusal is None:
+        bq, bk = default_tc_bwd_tiles(headdim)
+        threads = tc_bwd_threads(block_q or bq, block_k or bk, headdim)
+        if threads > 256:
+            refusal = (f"block_k={block_k or bk} at head dim {headdim} needs {threads} threads of ~240 registers, "
+                       "more than an SM has; above head dim 128 it takes block_k up to 64")
     if refusal is None and deterministic:
         refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
     words = None
@@ -380,7 +394,8 @@ def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, 
         vec16 = all(_arrays.rows_aligned16(x) for x in (dout, q, k, v))
         kern, shared, threads = make_dkdv_tc(bq, bk, 2 * words, dtype_name, vec16, f.has_window, f.has_attn_mask,
                                              f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi,
-                                             f.has_dropout, tc_bwd_dim_split(2 * words), _red2())
+                                             f.has_dropout, tc_bwd_dim_split(2 * words), _red2(),
+                                             MTK=tc_bwd_key_tiles(bq, bk, 2 * words))
         _check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {2 * words}")
         launch(kern, -(-seqlen_k // bk) * nheads_k * batch, threads, stream, shared,
                (q, k, v, dout, lse2, delta, dk, dv, dq_accum, nheads // nheads_k, seqlen_k - seqlen_q)

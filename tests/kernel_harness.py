@@ -129,7 +129,8 @@ def kernel_problems(draw, *, dtypes=(np.float64,), options=S.ALL_OPTIONS, requir
     bq = 8 if block_q is None else block_q      # the simulator's default tiles are 8 x 8
     bk = 8 if block_k is None else block_k
     kw = dict(max_batch=MAX_BATCH, max_nheads=MAX_NHEADS, headdims=HEADDIMS,
-              max_seqlen=_max_seqlen(bq, bk, cap), dtypes=(dtype,), options=options, required=required,
+              max_seqlen=max(_max_seqlen(bq, bk, cap), overrides.get("min_seqlen", 1)),   # an asked-for floor wins
+              dtypes=(dtype,), options=options, required=required,
               block_sizes=(1,), scale=(10.0 if dtype == F16 else 1e3) if scale is None else scale)
     kw.update(overrides)
     p = draw(S.problems(**kw))

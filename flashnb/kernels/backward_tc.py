@@ -60,12 +60,15 @@ def make_cast_tc(DTYPE_NAME):
 
 @lru_cache(maxsize=None)
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, ABLATE=""):
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, ABLATE="", MTK=1):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 keys.  With 2, a pair of warps computes the same S^T and dP^T of its 16
     keys and each accumulates dK, dV for half of the head dim: the accumulators of head dims above
     128 do not fit in one warp's registers next to S^T and dP^T (the price: S^T and dP^T twice).
+
+    ``MTK``: m-tiles of 16 keys per warp.  With 2, each Q / dO fragment read from shared memory feeds
+    twice the ``mma`` (twice dK's and dV's registers).
 
     ``RED2``: add dQ's pairs of adjacent dims with one ``red.global.add.v2.f32`` (compute capability
     9.0+) instead of two scalar float32 atomics.
@@ -75,9 +78,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     "grad" replaces the element-wise P, dS with P = S, dS = dP (no exp, masks or options).
     """
     assert ABLATE in ("", "dq", "atomics", "grad")
-    assert BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0 and DSPLIT in (1, 2)
-    KW = BLOCK_K // 16                       # warps along the keys: 16 keys each
-    NWARPS = KW * DSPLIT                     # warp w: keys 16 (w % KW) ..; dims of dK, dV: part w // KW
+    assert BLOCK_Q % 16 == 0 and BLOCK_K % (16 * MTK) == 0 and HEAD_DIM % 2 == 0 and DSPLIT in (1, 2)
+    KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
+    NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
     NTHREADS = 32 * NWARPS
     D_PAD = -(-HEAD_DIM // (16 * DSPLIT)) * 16 * DSPLIT   # each part of dK, dV: whole pairs of n-tiles
     HEAD_WORDS = HEAD_DIM // 2
@@ -174,7 +177,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid - 32 * warp
-        kw = warp % KW if DSPLIT > 1 else warp          # this warp's keys: k0 + 16 kw ..
+        kw = warp % KW if DSPLIT > 1 else warp          # this warp's keys: k0 + 16 MTK kw ..
         nd0 = NT_DW * (warp // KW) if DSPLIT > 1 else 0  # its first n-tile of dK, dV
         g = lane // 4
         t = lane - 4 * g
@@ -186,22 +189,25 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         fsmem = cuda.shared.array(0, F32_DT)
         # ldmatrix rows of this lane: a fragments of this warp's 16 K/V rows; b fragments of Q/dO rows
         # (plain: two n-tiles of 8 queries; .trans: k = 16 queries, two n-tiles of 8 dims); dS^T as a.trans
-        a_lane = (16 * kw + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
+        a_lane = (16 * MTK * kw + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         b_lane = (8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
         t_lane = (8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         ds_lane = (8 * (mi // 2) + lane % 8) * DS_STRIDE + 4 * (mi % 2)
 
-        s_reg = cuda.local.array((NT_Q, 4), F32)       # S^T, then P_drop^T
-        dp_reg = cuda.local.array((NT_Q, 4), F32)      # dP^T, then dS^T
-        dk_acc = cuda.local.array((NT_DW, 4), F32)
-        dv_acc = cuda.local.array((NT_DW, 4), F32)
+        s_reg = cuda.local.array((MTK, NT_Q, 4), F32)      # S^T, then P_drop^T (m-tile of keys, n-tile of queries)
+        dp_reg = cuda.local.array((MTK, NT_Q, 4), F32)     # dP^T, then dS^T
+        dk_acc = cuda.local.array((MTK, NT_DW, 4), F32)
+        dv_acc = cuda.local.array((MTK, NT_DW, 4), F32)
+        fa = cuda.local.array((MTK, 4), U32_DT)            # a fragments of the m-tiles (K, P^T)
+        fb = cuda.local.array((MTK, 4), U32_DT)            # (V, dS^T)
         dq_reg = cuda.local.array((2, 4), F32)
         l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
         d_row = cuda.local.array(LROWS, F32)
-        for n in range(NT_DW):
-            for e in range(4):
-                dk_acc[n, e] = ZERO
-                dv_acc[n, e] = ZERO
+        for m in range(MTK):
+            for n in range(NT_DW):
+                for e in range(4):
+                    dk_acc[m, n, e] = ZERO
+                    dv_acc[m, n, e] = ZERO
 
         copy_kv(k, (b * k.strides[0] + hk * k.strides[2]) // 4, k.strides[1] // 4, k0, seqlen_k - k0, smem, K_OFF)
         copy_kv(v, (b * v.strides[0] + hk * v.strides[2]) // 4, v.strides[1] // 4, k0, seqlen_k - k0, smem, V_OFF)
@@ -243,80 +249,95 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             lb = L_OFF + buf * 2 * BLOCK_Q
 
             # S^T = K_j Q_i^T and dP^T = V_j dO_i^T (rows: this warp's keys; columns: queries)
-            for n in range(NT_Q):
-                for e in range(4):
-                    s_reg[n, e] = ZERO
-                    dp_reg[n, e] = ZERO
+            for m in range(MTK):
+                for n in range(NT_Q):
+                    for e in range(4):
+                        s_reg[m, n, e] = ZERO
+                        dp_reg[m, n, e] = ZERO
             for ks in range(KSTEPS_D):
-                k0_, k1_, k2_, k3_ = ldmatrix_x4(smem, U(K_OFF + a_lane + 8 * ks))
-                v0_, v1_, v2_, v3_ = ldmatrix_x4(smem, U(V_OFF + a_lane + 8 * ks))
+                for m in range(MTK):
+                    fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3] = ldmatrix_x4(
+                        smem, U(K_OFF + a_lane + 16 * m * STRIDE + 8 * ks))
+                    fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3] = ldmatrix_x4(
+                        smem, U(V_OFF + a_lane + 16 * m * STRIDE + 8 * ks))
                 for n in range(0, NT_Q, 2):
                     b0, b1, b2, b3 = ldmatrix_x4(smem, U(qb + 8 * n * STRIDE + 8 * ks + b_lane))
-                    s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3] = mma(
-                        k0_, k1_, k2_, k3_, b0, b1, s_reg[n, 0], s_reg[n, 1], s_reg[n, 2], s_reg[n, 3])
-                    s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3] = mma(
-                        k0_, k1_, k2_, k3_, b2, b3,
-                        s_reg[n + 1, 0], s_reg[n + 1, 1], s_reg[n + 1, 2], s_reg[n + 1, 3])
+                    for m in range(MTK):
+                        s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3] = mma(
+                            fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b0, b1,
+                            s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3])
+                        s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3] = mma(
+                            fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b2, b3,
+                            s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3])
                     b0, b1, b2, b3 = ldmatrix_x4(smem, U(db + 8 * n * STRIDE + 8 * ks + b_lane))
-                    dp_reg[n, 0], dp_reg[n, 1], dp_reg[n, 2], dp_reg[n, 3] = mma(
-                        v0_, v1_, v2_, v3_, b0, b1, dp_reg[n, 0], dp_reg[n, 1], dp_reg[n, 2], dp_reg[n, 3])
-                    dp_reg[n + 1, 0], dp_reg[n + 1, 1], dp_reg[n + 1, 2], dp_reg[n + 1, 3] = mma(
-                        v0_, v1_, v2_, v3_, b2, b3,
-                        dp_reg[n + 1, 0], dp_reg[n + 1, 1], dp_reg[n + 1, 2], dp_reg[n + 1, 3])
+                    for m in range(MTK):
+                        dp_reg[m, n, 0], dp_reg[m, n, 1], dp_reg[m, n, 2], dp_reg[m, n, 3] = mma(
+                            fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b0, b1,
+                            dp_reg[m, n, 0], dp_reg[m, n, 1], dp_reg[m, n, 2], dp_reg[m, n, 3])
+                        dp_reg[m, n + 1, 0], dp_reg[m, n + 1, 1], dp_reg[m, n + 1, 2], dp_reg[m, n + 1, 3] = mma(
+                            fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b2, b3,
+                            dp_reg[m, n + 1, 0], dp_reg[m, n + 1, 1], dp_reg[m, n + 1, 2], dp_reg[m, n + 1, 3])
 
-            # P_drop^T and dS^T element-wise: element e of n-tile n is key k0 + 16 kw + g + 8 (e >> 1),
+            # P_drop^T and dS^T element-wise: element e of (m, n) is key k0 + 16 (MTK kw + m) + g + 8 (e >> 1),
             # query q0 + 8n + 2t + (e & 1)
-            for n in range(NT_Q):
-                for e in range(4):
-                    j = k0 + 16 * kw + g + 8 * (e // 2)
-                    il = 8 * n + 2 * t + (e % 2)
-                    if ABLATE == "grad":
-                        pass
-                    elif PLAIN and not need_mask:        # no options, no mask on this tile: P = 2^(S log2e - lse2)
-                        pe = exp2(s_reg[n, e] * scale_log2 - fsmem[lb + il])
-                        dp_reg[n, e] = pe * (dp_reg[n, e] - fsmem[lb + BLOCK_Q + il])
-                        s_reg[n, e] = pe
-                    else:
-                        p_drop, ds = grad(s_reg[n, e], dp_reg[n, e], q0 + il, j, b, h, fsmem[lb + il],
-                                          fsmem[lb + BLOCK_Q + il], need_mask, seqlen_q, seqlen_k, off, scale32,
-                                          softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q,
-                                          bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
-                        s_reg[n, e] = p_drop
-                        dp_reg[n, e] = ds
+            for m in range(MTK):
+                for n in range(NT_Q):
+                    for e in range(4):
+                        j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
+                        il = 8 * n + 2 * t + (e % 2)
+                        if ABLATE == "grad":
+                            pass
+                        elif PLAIN and not need_mask:    # no options, no mask on this tile: P = 2^(S log2e - lse2)
+                            pe = exp2(s_reg[m, n, e] * scale_log2 - fsmem[lb + il])
+                            dp_reg[m, n, e] = pe * (dp_reg[m, n, e] - fsmem[lb + BLOCK_Q + il])
+                            s_reg[m, n, e] = pe
+                        else:
+                            p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[lb + il],
+                                              fsmem[lb + BLOCK_Q + il], need_mask, seqlen_q, seqlen_k, off, scale32,
+                                              softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q,
+                                              bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
+                            s_reg[m, n, e] = p_drop
+                            dp_reg[m, n, e] = ds
 
             # dV += P_drop^T dO_i, dK += dS^T Q_i (scale at the end; this warp's dims): a from the
             # accumulators, b = ldmatrix.trans of dO / Q rows (k = 16 queries, two n-tiles of dims)
             for kq in range(KSTEPS_Q):
-                p0 = pack2(s_reg[2 * kq, 0], s_reg[2 * kq, 1])
-                p1 = pack2(s_reg[2 * kq, 2], s_reg[2 * kq, 3])
-                p2 = pack2(s_reg[2 * kq + 1, 0], s_reg[2 * kq + 1, 1])
-                p3 = pack2(s_reg[2 * kq + 1, 2], s_reg[2 * kq + 1, 3])
-                d0 = pack2(dp_reg[2 * kq, 0], dp_reg[2 * kq, 1])
-                d1 = pack2(dp_reg[2 * kq, 2], dp_reg[2 * kq, 3])
-                d2 = pack2(dp_reg[2 * kq + 1, 0], dp_reg[2 * kq + 1, 1])
-                d3 = pack2(dp_reg[2 * kq + 1, 2], dp_reg[2 * kq + 1, 3])
+                for m in range(MTK):
+                    fa[m, 0] = pack2(s_reg[m, 2 * kq, 0], s_reg[m, 2 * kq, 1])
+                    fa[m, 1] = pack2(s_reg[m, 2 * kq, 2], s_reg[m, 2 * kq, 3])
+                    fa[m, 2] = pack2(s_reg[m, 2 * kq + 1, 0], s_reg[m, 2 * kq + 1, 1])
+                    fa[m, 3] = pack2(s_reg[m, 2 * kq + 1, 2], s_reg[m, 2 * kq + 1, 3])
+                    fb[m, 0] = pack2(dp_reg[m, 2 * kq, 0], dp_reg[m, 2 * kq, 1])
+                    fb[m, 1] = pack2(dp_reg[m, 2 * kq, 2], dp_reg[m, 2 * kq, 3])
+                    fb[m, 2] = pack2(dp_reg[m, 2 * kq + 1, 0], dp_reg[m, 2 * kq + 1, 1])
+                    fb[m, 3] = pack2(dp_reg[m, 2 * kq + 1, 2], dp_reg[m, 2 * kq + 1, 3])
                 for n in range(0, NT_DW, 2):
                     b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(db + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
-                    dv_acc[n, 0], dv_acc[n, 1], dv_acc[n, 2], dv_acc[n, 3] = mma(
-                        p0, p1, p2, p3, b0, b1, dv_acc[n, 0], dv_acc[n, 1], dv_acc[n, 2], dv_acc[n, 3])
-                    dv_acc[n + 1, 0], dv_acc[n + 1, 1], dv_acc[n + 1, 2], dv_acc[n + 1, 3] = mma(
-                        p0, p1, p2, p3, b2, b3,
-                        dv_acc[n + 1, 0], dv_acc[n + 1, 1], dv_acc[n + 1, 2], dv_acc[n + 1, 3])
+                    for m in range(MTK):
+                        dv_acc[m, n, 0], dv_acc[m, n, 1], dv_acc[m, n, 2], dv_acc[m, n, 3] = mma(
+                            fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b0, b1,
+                            dv_acc[m, n, 0], dv_acc[m, n, 1], dv_acc[m, n, 2], dv_acc[m, n, 3])
+                        dv_acc[m, n + 1, 0], dv_acc[m, n + 1, 1], dv_acc[m, n + 1, 2], dv_acc[m, n + 1, 3] = mma(
+                            fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b2, b3,
+                            dv_acc[m, n + 1, 0], dv_acc[m, n + 1, 1], dv_acc[m, n + 1, 2], dv_acc[m, n + 1, 3])
                     b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
-                    dk_acc[n, 0], dk_acc[n, 1], dk_acc[n, 2], dk_acc[n, 3] = mma(
-                        d0, d1, d2, d3, b0, b1, dk_acc[n, 0], dk_acc[n, 1], dk_acc[n, 2], dk_acc[n, 3])
-                    dk_acc[n + 1, 0], dk_acc[n + 1, 1], dk_acc[n + 1, 2], dk_acc[n + 1, 3] = mma(
-                        d0, d1, d2, d3, b2, b3,
-                        dk_acc[n + 1, 0], dk_acc[n + 1, 1], dk_acc[n + 1, 2], dk_acc[n + 1, 3])
+                    for m in range(MTK):
+                        dk_acc[m, n, 0], dk_acc[m, n, 1], dk_acc[m, n, 2], dk_acc[m, n, 3] = mma(
+                            fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b0, b1,
+                            dk_acc[m, n, 0], dk_acc[m, n, 1], dk_acc[m, n, 2], dk_acc[m, n, 3])
+                        dk_acc[m, n + 1, 0], dk_acc[m, n + 1, 1], dk_acc[m, n + 1, 2], dk_acc[m, n + 1, 3] = mma(
+                            fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b2, b3,
+                            dk_acc[m, n + 1, 0], dk_acc[m, n + 1, 1], dk_acc[m, n + 1, 2], dk_acc[m, n + 1, 3])
 
             # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
             # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans.  With
             # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T)
             if ABLATE != "dq" and (DSPLIT == 1 or warp < KW):
-                for n in range(NT_Q):
-                    smem[U(DS_OFF + (16 * kw + g) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 0], dp_reg[n, 1])
-                    smem[U(DS_OFF + (16 * kw + g + 8) * DS_STRIDE + 4 * n + t)] = pack2(dp_reg[n, 2],
-                                                                                          dp_reg[n, 3])
+                for m in range(MTK):
+                    row = DS_OFF + (16 * (MTK * kw + m) + g) * DS_STRIDE + t
+                    for n in range(NT_Q):
+                        smem[U(row + 4 * n)] = pack2(dp_reg[m, n, 0], dp_reg[m, n, 1])
+                        smem[U(row + 8 * DS_STRIDE + 4 * n)] = pack2(dp_reg[m, n, 2], dp_reg[m, n, 3])
             cuda.syncthreads()          # dS^T is complete; every warp is past its reads of buffer buf
             # 16 x 16 units (m-tile mq, dims 16 np .. 16 np + 15) dealt to the warps in rounds; every warp runs
             # every round (the simulator's mma is block-collective): one past the last unit recomputes unit 0
@@ -359,13 +380,15 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             w = wn
 
         wait_all()                                       # no copy may outlive the block
-        for r in range(2):
-            j = k0 + 16 * kw + g + 8 * r
-            if j < seqlen_k:
-                for n in range(NT_DW):
-                    c = 4 * (nd0 + n) + t
-                    if c < HEAD_WORDS:
-                        dk[U(b), U(j), U(hk), U(c)] = pack2(dk_acc[n, 2 * r] * scale32, dk_acc[n, 2 * r + 1] * scale32)
-                        dv[U(b), U(j), U(hk), U(c)] = pack2(dv_acc[n, 2 * r], dv_acc[n, 2 * r + 1])
+        for m in range(MTK):
+            for r in range(2):
+                j = k0 + 16 * (MTK * kw + m) + g + 8 * r
+                if j < seqlen_k:
+                    for n in range(NT_DW):
+                        c = 4 * (nd0 + n) + t
+                        if c < HEAD_WORDS:
+                            dk[U(b), U(j), U(hk), U(c)] = pack2(dk_acc[m, n, 2 * r] * scale32,
+                                                                dk_acc[m, n, 2 * r + 1] * scale32)
+                            dv[U(b), U(j), U(hk), U(c)] = pack2(dv_acc[m, n, 2 * r], dv_acc[m, n, 2 * r + 1])
 
     return flash_dkdv_tc, SHARED_BYTES, NTHREADS
