@@ -134,9 +134,9 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
         for cfg in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
             bq, bk = cfg[:2]
             ds = cfg[2] if len(cfg) > 2 else default_split(d)
-            mtk = cfg[3] if len(cfg) > 3 else default_mtk(bk, d)
+            mtk = cfg[3] if len(cfg) > 3 else default_mtk(bq, bk, d)
             flashnb.api.tc_bwd_dim_split = lambda headdim, ds=ds: ds          # the variant under test
-            flashnb.api.tc_bwd_key_tiles = lambda block_k, headdim, mtk=mtk: mtk
+            flashnb.api.tc_bwd_key_tiles = lambda block_q, block_k, headdim, mtk=mtk: mtk
             for causal, ablate in ((c, a) for a in [""] + list(filter(None, args.ablate.split(","))) for c in (False, True)):
                 flashnb.api.make_dkdv_tc = functools.partial(_variant, make_dkdv_tc, ablate)
                 err = _check_grads(dtype, d, bq, bk, causal, backend="tensorcore", fwd_tiles=False)

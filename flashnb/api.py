@@ -59,14 +59,15 @@ def tc_bwd_key_tiles(block_q, block_k, headdim):
     return 2 if headdim <= 64 and block_q <= 32 and block_k % 32 == 0 else 1
 
 
-def tc_bwd_threads(block_q, block_k, headdim):
-    return 32 * block_k // (16 * tc_bwd_key_tiles(block_q, block_k, headdim)) * tc_bwd_dim_split(headdim)
-
-
 def tc_bwd_dim_split(headdim):
     """Warps per 16 keys in the tensor-core dK/dV kernel: 2 above head dim 128, where one warp's registers
     cannot hold dK and dV next to S^T and dP^T (each warp of a pair holds half of the dims)."""
     return 2 if headdim > 128 else 1
+
+
+def tc_bwd_threads(block_q, block_k, headdim):
+    """Threads per block of the tensor-core dK/dV kernel: 32 per (16 x key m-tiles) keys per dim part."""
+    return 32 * block_k // (16 * tc_bwd_key_tiles(block_q, block_k, headdim)) * tc_bwd_dim_split(headdim)
 
 
 def tc_m_tiles(block_q, headdim):

@@ -228,28 +228,30 @@ def test_tc_backward_float16_within_twice_float16_oracle_error(p):
 
 
 @settings(max_examples=examples(3, 4))
-@given(p=tc_problems(headdims=(18, 24, 32) if SIMULATOR else (40, 128, 160)))
+@given(p=tc_problems(headdims=(18, 24, 32) if SIMULATOR else (40, 128, 160), min_seqlen=17))
 def test_tc_backward_with_the_head_dim_split(p):
     """Two warps per 16 keys, each accumulating dK, dV for half of the head dim (padded to a multiple of
     32): what head dims above 128 run, forced here at head dims whose second half holds real dims (the
-    simulator's are small), with any option."""
-    real = api.tc_bwd_dim_split
+    simulator's are small), one m-tile of keys per warp (as above 128), more than 16 keys (block_k = 32:
+    two pairs of warps along the keys), with any option."""
+    real = api.tc_bwd_dim_split, api.tc_bwd_key_tiles
     api.tc_bwd_dim_split = lambda headdim: 2
+    api.tc_bwd_key_tiles = lambda block_q, block_k, headdim: 1
     try:
         _tc_backward_matches_oracle(p)
     finally:
-        api.tc_bwd_dim_split = real
+        api.tc_bwd_dim_split, api.tc_bwd_key_tiles = real
 
 
 @settings(max_examples=examples(3, 6))
 @given(p=kernel_problems(dtypes=(np.float16,), max_seqlen=TC_MAX_SEQLEN,
-                         tiles=st.sampled_from([(32, 32), (16, 64), (32, 64)] if SIMULATOR else
+                         tiles=st.sampled_from([(32, 32), (16, 64)] if SIMULATOR else
                                                [(32, 64), (32, 128), (16, 128)]),
-                         headdims=(8, 18, 32) if SIMULATOR else (32, 40, 64), min_seqlen=17))
+                         headdims=(8, 18, 32) if SIMULATOR else (32, 40, 64), min_seqlen=33))
 def test_tc_backward_with_two_key_tiles_per_warp(p):
     """Two m-tiles of 16 keys per warp (each Q / dO fragment feeds twice the mma): the default at head
-    dims up to 64, here on every tile shape that takes it, with any option; more than 16 keys, so a
-    warp's second m-tile holds keys."""
+    dims up to 64, here on tile shapes that take it, with any option; more than 32 keys, so a warp's
+    second m-tile and the second warp along the keys (block_k = 64) hold keys."""
     assert api.tc_bwd_key_tiles(p.block_q, p.block_k, p.headdim) == 2
     _tc_backward_matches_oracle(p)
 
