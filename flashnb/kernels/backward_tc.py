@@ -5,9 +5,9 @@ with the products on ``mma.sync.m16n8k16`` (primitives: ``_mma``):
 
 1. ``backward.make_preprocess(WORDS_OF=...)``: ``delta_i = rowsum(dO_i * O_i)`` and ``lse`` in base 2,
    from 32-bit words.
-2. ``dkdv_tc``: one block per (key tile, key/value head, batch); ``BLOCK_K / 16`` warps
-   each own 16 keys (``DSPLIT = 2``, head dims above 128: two warps per 16 keys, each holding
-   half of dK's and dV's dims).  K_j, V_j stay in shared memory; for every query tile of every
+2. ``dkdv_tc``: one block per (key tile, key/value head, batch); ``BLOCK_K / (16 MTK)`` warps
+   each own ``16 MTK`` keys (``MTK = 2`` at head dims up to 64; ``DSPLIT = 2``, head dims above
+   128: two warps per 16 keys, each holding half of dK's and dV's dims).  K_j, V_j stay in shared memory; for every query tile of every
    query head of the group (Q_i, dO_i copied in with ``cp.async``, double-buffered: the next
    tile's Q, dO and its lse, delta rows are in flight while this one computes)::
 
