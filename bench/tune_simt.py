@@ -4,8 +4,8 @@
 
 For each head dim and tile configuration: correctness of forward and backward
 against a float64 PyTorch computation on a small problem, then the forward and
-forward+backward time (median of CUDA-event timings, inputs rotated over four
-sets) at the FlashAttention-2 benchmark shapes (batch * seqlen = 16k tokens,
+forward+backward time (calls queued between CUDA events, inputs rotated over
+four sets: ``_time``) at the FlashAttention-2 benchmark shapes (batch * seqlen = 16k tokens,
 nheads * headdim = 2048), next to PyTorch SDPA's memory-efficient backend
 measured in the same run.  Resource usage (registers, shared memory, local
 memory) comes from the compiled kernels.  Results feed docs/performance.md.
@@ -22,20 +22,24 @@ def _fwd_flops(b, h, n, d, causal):
     return 4 * b * h * n * n * d / (2 if causal else 1)
 
 
-def _time(fn, sets, reps=20):
+def _time(fn, sets, reps=20, rounds=3):
+    """ms per call: ``reps`` calls queued between two CUDA events, inputs rotated over ``sets``; the
+    median of ``rounds`` such rounds.  Queued, a call's host-side work overlaps the GPU work of the
+    calls before it (as in a training loop), so where the GPU time per call exceeds the host's this is
+    the GPU's time (``python -m bench.profile --host`` measures the host's)."""
     import torch
     for s in sets[:2]:
         fn(*s)
     torch.cuda.synchronize()
     times = []
-    for r in range(reps):
-        s = sets[r % len(sets)]
+    for _ in range(rounds):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn(*s)
+        for r in range(reps):
+            fn(*sets[r % len(sets)])
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / reps)
     return statistics.median(times)
 
 

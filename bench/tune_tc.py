@@ -9,8 +9,8 @@ its default tiles; the table has the backward's time alone and forward+backward 
 SDPA's FlashAttention-2 forward+backward.
 
 For each head dim and (BLOCK_Q, BLOCK_K): the forward's error against a float64
-PyTorch computation on a small problem, then its time (median of CUDA-event
-timings, inputs rotated over four sets) at the FlashAttention-2 benchmark shapes
+PyTorch computation on a small problem, then its time (calls queued between
+CUDA events, inputs rotated over four sets: ``tune_simt._time``) at the FlashAttention-2 benchmark shapes
 (batch * seqlen = 16k tokens, nheads * headdim = 2048), causal and not, next to
 PyTorch SDPA's FlashAttention-2 backend measured in the same run.  Resources
 (registers, shared and local memory) of every kernel launched are listed at the
@@ -45,15 +45,16 @@ def main(argv=None):
                     "shipped kernel: backward_tc.make_dkdv_tc ABLATE values (dq, atomics, grad; their results are "
                     "wrong) and scalar-red (dQ by scalar atomics instead of red.global.add.v2.f32)")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
-                    help="bq:bk[:mt[:qs]] per head dim (mt: m16 row blocks per warp, default api.tc_m_tiles; "
-                         "qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem); with --pass bwd "
+                    help="bq:bk[:mt[:qs[:fold]]] per head dim (mt: m16 row blocks per warp, default "
+                         "api.tc_m_tiles; qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem; fold: "
+                         "0 = scale applied before the row max, default 1 = folded into exp2 where "
+                         "api.tc_positive_scale allows); with --pass bwd "
                          "bq:bk[:ds[:mtk]] (ds: warps per 16 keys, default api.tc_bwd_dim_split; mtk: m-tiles of 16 "
                          "keys per warp, default api.tc_bwd_key_tiles)")
     args = ap.parse_args(argv)
 
     import torch
     from tabulate import tabulate
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import flashnb
 
     dtype = getattr(torch, args.dtype)
@@ -64,7 +65,22 @@ def main(argv=None):
         print(tabulate(rows, headers="keys"))
         _resources()
         return
-    default_mt, default_qs = flashnb.api.tc_m_tiles, flashnb.api.tc_q_in_smem
+    api = flashnb.api
+    saved = api.tc_m_tiles, api.tc_q_in_smem, api.tc_positive_scale
+    try:
+        rows = _sweep_fwd(args, dtype, *saved)
+    finally:
+        api.tc_m_tiles, api.tc_q_in_smem, api.tc_positive_scale = saved
+    print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; ratio = SDPA FlashAttention-2 time / "
+          "flashnb time (>1: flashnb faster)")
+    print(tabulate(rows, headers="keys"))
+    _resources()
+
+
+def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import flashnb
     rows = []
     for part in filter(None, args.configs.split(";")):
         d, pairs = part.split("=")
@@ -73,8 +89,10 @@ def main(argv=None):
             bq, bk = cfg[:2]
             mt = cfg[2] if len(cfg) > 2 else default_mt(bq, d)
             qs = bool(cfg[3]) if len(cfg) > 3 else default_qs(mt, d)
+            fold = bool(cfg[4]) if len(cfg) > 4 else True
             flashnb.api.tc_m_tiles = lambda block_q, headdim, mt=mt: mt          # the variant under test
             flashnb.api.tc_q_in_smem = lambda m_tiles, headdim, qs=qs: qs
+            flashnb.api.tc_positive_scale = lambda scale, fold=fold: fold and positive_scale(scale)
             for causal in (False, True):
                 err = _check(dtype, d, bq, bk, causal)
                 for n in map(int, args.seqlens.split(",")):
@@ -93,14 +111,12 @@ def main(argv=None):
 
                     f = _fwd_flops(b, h, n, d, causal)
                     t_f, t_s = _time(fwd, sets), _time(sdpa, sets)
-                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", mt=mt, q_smem=int(qs), causal=causal, N=n, rel_err=f"{err:.1e}",
+                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", mt=mt, q_smem=int(qs), fold=int(fold),
+                                     causal=causal, N=n, rel_err=f"{err:.1e}",
                                      fwd_ms=round(t_f, 3), tflops=round(f / t_f / 1e9, 1),
                                      fa2_tflops=round(f / t_s / 1e9, 1), ratio=round(t_s / t_f, 3)))
                     print(rows[-1], file=sys.stderr, flush=True)
-    print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; ratio = SDPA FlashAttention-2 time / "
-          "flashnb time (>1: flashnb faster)")
-    print(tabulate(rows, headers="keys"))
-    _resources()
+    return rows
 
 
 def _variant(make_dkdv_tc, ablate, *args, **kw):

@@ -12,7 +12,7 @@ from . import _arrays, _options
 from .kernels._jit import SIMULATOR, launch
 from .kernels._tiles import np_acc
 from .kernels.backward import make_cast, make_dkdv, make_dq, make_preprocess
-from .kernels.forward import make_forward, tile_threads
+from .kernels.forward import LOG2E, make_forward, tile_threads
 from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
 from .kernels.forward_tc import make_forward_tc
 
@@ -79,6 +79,12 @@ def tc_m_tiles(block_q, headdim):
 def tc_q_in_smem(m_tiles, headdim):
     """Q's fragments from shared memory (ldmatrix per k-step) rather than registers: measured, docs/tensorcore.md."""
     return False
+
+
+def tc_positive_scale(scale):
+    """Whether the forward may fold the scale into exp2: 0 < float32(scale) * log2(e) < inf."""
+    x = np.float32(np.float32(scale) * np.float32(LOG2E))
+    return bool(0 < x < np.inf)
 
 
 def default_tc_tiles(headdim):
@@ -253,8 +259,8 @@ def _forward_tc(q, k, v, out, lse, opts, bq, bk, dtype_name, stream):
     vec16 = all(_arrays.rows_aligned16(x) for x in (q, k, v))          # 16-byte cp.async, else 4-byte
     mt = tc_m_tiles(bq, 2 * words)
     kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, vec16, mt, tc_q_in_smem(mt, 2 * words),
-                                            f.has_window, f.has_attn_mask,
-                                            f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi, f.has_dropout)
+                                            f.has_window, f.has_attn_mask, f.has_block_mask, f.has_softcap,
+                                            f.has_bias, f.has_alibi, f.has_dropout, tc_positive_scale(opts.scale))
     _check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {2 * words}")
     grid = -(-seqlen_q // bq) * nheads * batch
     launch(kern, grid, threads, stream, shared,

@@ -111,10 +111,22 @@ def _gpu_memory_primitives():
         inds = [context.cast(builder, v, t, types.intp) for v, t in zip(idx_vals, idx_types)]
         return builder.ptrtoint(cgutils.get_item_pointer(context, builder, aryty, ary, inds), i64)
 
+    def shared_address(context, builder, aryty, aryval, idx_type, idx_val):
+        """32-bit shared-window address of ``ary[i]`` (a 1-D C-contiguous shared array): the array's
+        base cast to the shared address space once, plus ``4 i`` in 32-bit arithmetic.  Visible to
+        ptxas as ``add.s32`` (folded into the instruction's immediate offset), where a 64-bit generic
+        address would cost a 64-bit add and a move per access."""
+        assert aryty.ndim == 1 and aryty.layout == "C", aryty
+        ary = context.make_array(aryty)(context, builder, aryval)
+        base = builder.ptrtoint(builder.addrspacecast(ary.data, ir.PointerType(ary.data.type.pointee, 3)), i32)
+        i = builder.trunc(context.cast(builder, idx_val, idx_type, types.uint64), i32)
+        size = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
+        return builder.add(base, builder.mul(i, ir.Constant(i32, size)))
+
     def make_cp_async(nbytes):
         cache = "cg" if nbytes == 16 else "ca"            # 16 bytes: bypass L1 (FA2 does the same)
-        ptx = ("{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
-               f"cp.async.{cache}.shared.global [sa], [ga], {nbytes}, $2; }}")
+        ptx = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
+               f"cp.async.{cache}.shared.global [$0], [ga], {nbytes}, $2; }}")
 
         @intrinsic
         def cp_async(typingctx, dst, dst_i, src, src_off, src_bytes):
@@ -124,13 +136,13 @@ def _gpu_memory_primitives():
 
             def codegen(context, builder, signature, args):
                 tys = signature.args
-                d = item_address(context, builder, tys[0], args[0], tys[1:2], args[1:2])
+                d = shared_address(context, builder, tys[0], args[0], tys[1], args[1])
                 ary = context.make_array(tys[2])(context, builder, args[2])
                 off = builder.mul(context.cast(builder, args[3], tys[3], types.int64),
                                   ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(tys[2].dtype))))
                 g = builder.add(builder.ptrtoint(ary.data, i64), off)
                 n = context.cast(builder, args[4], tys[4], types.uint32)
-                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64, i32]), ptx, "l,l,r",
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64, i32]), ptx, "r,l,r",
                                           side_effect=True), [d, g, n])
                 return context.get_dummy_value()
 
@@ -159,8 +171,7 @@ def _gpu_memory_primitives():
         return cp_async_wait
 
     def make_ldmatrix(trans):
-        ptx = ("{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; "
-               f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [sa]; }}")
+        ptx = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
         RET = types.UniTuple(types.uint32, 4)
 
         @intrinsic
@@ -169,9 +180,9 @@ def _gpu_memory_primitives():
             sig = RET(ary, i)
 
             def codegen(context, builder, signature, args):
-                a = item_address(context, builder, signature.args[0], args[0], signature.args[1:], args[1:])
-                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64]), ptx,
-                                   "=r,=r,=r,=r,l", side_effect=True)
+                a = shared_address(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32]), ptx,
+                                   "=r,=r,=r,=r,r", side_effect=True)
                 res = builder.call(asm, [a])
                 return context.make_tuple(builder, RET, [builder.extract_value(res, j) for j in range(4)])
 
@@ -197,16 +208,20 @@ def _gpu_memory_primitives():
         return sig, codegen
 
     @intrinsic
-    def red_add_f32x2(typingctx, ary, b, i, h, d, x, y):
-        """``ary[b, i, h, d] += x; ary[b, i, h, d + 1] += y`` as one vector reduction (sm_90:
-        ``red.global.add.v2.f32``; the pair must be 8-byte aligned), half the atomic instructions."""
-        sig = types.void(ary, b, i, h, d, x, y)
+    def red_add_f32x2(typingctx, ary, off, x, y):
+        """``ary.flat[off] += x; ary.flat[off + 1] += y`` (``ary`` C-contiguous float32) as one vector
+        reduction (sm_90: ``red.global.add.v2.f32``; the pair must be 8-byte aligned), half the atomic
+        instructions.  The flat offset lets the caller step it instead of recomputing four indices."""
+        sig = types.void(ary, off, x, y)
 
         def codegen(context, builder, signature, args):
             tys = signature.args
-            a = item_address(context, builder, tys[0], args[0], tys[1:5], args[1:5])
+            assert tys[0].layout == "C", tys[0]
+            arr = context.make_array(tys[0])(context, builder, args[0])
+            o = builder.mul(context.cast(builder, args[1], tys[1], types.int64), ir.Constant(i64, 4))
+            a = builder.add(builder.ptrtoint(arr.data, i64), o)
             f32 = ir.FloatType()
-            xv, yv = (context.cast(builder, v, t, types.float32) for v, t in zip(args[5:], tys[5:]))
+            xv, yv = (context.cast(builder, v, t, types.float32) for v, t in zip(args[2:], tys[2:]))
             ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; red.global.add.v2.f32 [ga], {$1, $2}; }"
             builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, f32, f32]), ptx, "l,f,f",
                                       side_effect=True), [a, xv, yv])
@@ -329,9 +344,10 @@ def _sim_memory_primitives():
         return np.float32(math.exp2(x)) if x > -126.0 or x != x else np.float32(0.0)
 
     @device_function
-    def red_add_f32x2(ary, b, i, h, d, x, y):
-        cuda.atomic.add(ary, (b, i, h, d), x)
-        cuda.atomic.add(ary, (b, i, h, d + 1), y)
+    def red_add_f32x2(ary, off, x, y):
+        flat = getattr(ary, "_ary", ary).reshape(-1)     # C-contiguous: a view
+        cuda.atomic.add(flat, off, x)
+        cuda.atomic.add(flat, off + 1, y)
 
     return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(4), cp_async4=make_cp_async(1), cp_async_commit=nothing,
                 cp_async_wait_all=nothing, cp_async_wait_prev=nothing,

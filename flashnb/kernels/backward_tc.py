@@ -171,6 +171,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                       seed_lo, seed_hi):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
+        nheads = q.shape[2]
+        dq_rs = nheads * HEAD_DIM                       # elements per query row of dq_accum
         kt, hk, b = tile_head_batch((seqlen_k + BLOCK_K - 1) // BLOCK_K, k.shape[2])
         k0 = kt * BLOCK_K
         k_last = min(k0 + BLOCK_K, seqlen_k) - 1
@@ -342,13 +344,18 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             # 16 x 16 units (m-tile mq, dims 16 np .. 16 np + 15) dealt to the warps in rounds; every warp runs
             # every round (the simulator's mma is block-collective): one past the last unit recomputes unit 0
             # and adds nothing
+            # flat offsets into dq_accum (C-contiguous): this thread's row q0 + g, dims 2t, 2t + 1;
+            # a whole query tile and an unpadded head dim need no bounds
+            dq_row = ((b * seqlen_q + q0 + g) * nheads + h) * HEAD_DIM + 2 * t
+            q_full = q0 + BLOCK_Q <= seqlen_q
             for rnd in range(DQ_ROUNDS if ABLATE != "dq" else 0):
                 u = rnd * NWARPS + warp
-                active = u < DQ_UNITS
+                active = True if DQ_UNITS % NWARPS == 0 else u < DQ_UNITS
                 if not active:
                     u = 0
                 mq = u // NP_D
                 n = 2 * (u - mq * NP_D)
+                dq_off = dq_row + 16 * mq * dq_rs + 8 * n
                 for e in range(4):
                     dq_reg[0, e] = ZERO
                     dq_reg[1, e] = ZERO
@@ -359,16 +366,22 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         a0, a1, a2, a3, b0, b1, dq_reg[0, 0], dq_reg[0, 1], dq_reg[0, 2], dq_reg[0, 3])
                     dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3] = mma(
                         a0, a1, a2, a3, b2, b3, dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3])
+                if RED2 and ABLATE == "" and active and q_full and D_PAD == HEAD_DIM:   # no bounds, no branches
+                    for r in range(2):
+                        o = dq_off + 8 * r * dq_rs
+                        red_add_f32x2(dq_accum, o, dq_reg[0, 2 * r] * scale32, dq_reg[0, 2 * r + 1] * scale32)
+                        red_add_f32x2(dq_accum, o + 8, dq_reg[1, 2 * r] * scale32, dq_reg[1, 2 * r + 1] * scale32)
+                    continue
                 for half in range(2):
                     for r in range(2):
                         i = q0 + 16 * mq + g + 8 * r
                         d = 8 * (n + half) + 2 * t               # even; HEAD_DIM is even, so d + 1 < HEAD_DIM too
                         if ABLATE == "atomics":
                             active = dq_reg[half, 2 * r] == POS_INF   # keeps the products, (almost) never adds
-                        if active and i < seqlen_q and d < HEAD_DIM:
+                        if active and (q_full or i < seqlen_q) and (D_PAD == HEAD_DIM or d < HEAD_DIM):
                             if RED2:
-                                red_add_f32x2(dq_accum, b, i, h, d, dq_reg[half, 2 * r] * scale32,
-                                              dq_reg[half, 2 * r + 1] * scale32)
+                                red_add_f32x2(dq_accum, dq_off + 8 * r * dq_rs + 8 * half,
+                                              dq_reg[half, 2 * r] * scale32, dq_reg[half, 2 * r + 1] * scale32)
                             else:
                                 cuda.atomic.add(dq_accum, (b, i, h, d), dq_reg[half, 2 * r] * scale32)
                                 cuda.atomic.add(dq_accum, (b, i, h, d + 1), dq_reg[half, 2 * r + 1] * scale32)

@@ -8,7 +8,9 @@ V tiles in shared memory.  Per key tile, each warp computes
     S   = Q K_j^T          mma over HEAD_DIM / 16 k-steps x BLOCK_K / 8 n-tiles; Q's fragments held
                            in registers (or, ``Q_SMEM``, read from a shared Q tile at each k-step)
     S  <- modifiers, masks, log2 units; m_i, l_i, acc rescaled (online softmax in registers,
-                                                                row max across the 4 lanes of a quad)
+                                                                row max across the 4 lanes of a quad;
+                                                                with no modifier and a positive scale,
+                                                                S stays raw and the scale goes into exp2)
     acc += P V_j           P packed from S's accumulators straight into A fragments (never stored)
 
 and at the end ``out = acc / l_i`` (rounded to the input format), ``lse = m_i + log(l_i)``.
@@ -54,9 +56,23 @@ def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
     """
     CHUNKS = ROW_WORDS // CW
     cp_async = memory_primitives()["cp_async16" if CW == 4 else "cp_async4"]
+    # a whole tile of unpadded rows whose chunks divide evenly among the threads: a compile-time trip
+    # count, no bounds, the source offset stepped by one add per copy
+    EVEN = ROW_WORDS == HEAD_WORDS and NTHREADS % CHUNKS == 0 and NROWS % (NTHREADS // CHUNKS) == 0
+    ROW_STEP = NTHREADS // CHUNKS if EVEN else 0
+    ITERS = NROWS // ROW_STEP if EVEN else 0
 
     @device_function
     def copy(src, src_base, src_row, row0, nrows, smem, dst):
+        if EVEN and nrows >= NROWS:
+            r0 = cuda.threadIdx.x // CHUNKS
+            c = (cuda.threadIdx.x - r0 * CHUNKS) * CW
+            d = U(dst + r0 * STRIDE + c)
+            s = src_base + (row0 + r0) * src_row + c
+            for it in range(ITERS):
+                cp_async(smem, d + U(it * ROW_STEP * STRIDE), src, s, 4 * CW)
+                s += ROW_STEP * src_row
+            return
         for idx in range(cuda.threadIdx.x, NROWS * CHUNKS, NTHREADS):
             r = idx // CHUNKS
             c = (idx - r * CHUNKS) * CW
@@ -70,12 +86,15 @@ def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
 
 @lru_cache(maxsize=None)
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
+                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
     ldmatrix its fragments at each k-step (frees ``MT * HEAD_DIM / 4`` registers per thread),
-    instead of holding them in registers for the whole kernel.
+    instead of holding them in registers for the whole kernel.  ``POS_SCALE``: the launch
+    promises ``scale > 0``; with no score option the scale then moves into ``exp2``'s argument
+    (the row max taken on the raw scores, ``p = exp2(s * scale_log2 - m_i)``: one FFMA per score
+    instead of a multiply and a subtract).
     """
     assert BLOCK_Q % (16 * MT) == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
     NWARPS = BLOCK_Q // (16 * MT)            # each warp owns MT m-tiles of 16 query rows
@@ -98,6 +117,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     CW = 4 if VEC16 else 1                   # words per cp.async
     CHUNKS = D_WORDS // CW                   # cp.async copies per key row
     HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI
+    FOLD = POS_SCALE and not HAS_MODS        # S stays raw until exp2 (scale_log2 > 0 keeps the row max's place)
     F32 = np.float32
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
     W0 = np.uint32(0)
@@ -131,6 +151,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     EVEN_COPY = NTHREADS % CHUNKS == 0 and BLOCK_K % (NTHREADS // CHUNKS) == 0
     ROW_STEP = NTHREADS // CHUNKS if EVEN_COPY else 0
     ITERS = BLOCK_K // ROW_STEP if EVEN_COPY else 0
+    FULL_ROWS = D_WORDS == HEAD_WORDS        # no padding words: every chunk of a key row is in the source
 
     copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
 
@@ -139,10 +160,22 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         """cp.async K_j, V_j into the buffer at ``base``; rows past the keys and words past the head dim get zeros.
 
         ``k_base``, ``k_row``: word offset of k[b, 0, hk, 0] and words per key row (likewise v):
-        one multiply-add per copy instead of Numba's four-index arithmetic.
+        one multiply-add per copy instead of Numba's four-index arithmetic; for a whole tile of
+        unpadded rows (every tile but the last), no bounds at all and one add per copy.
         """
         nrows = seqlen_k - k0
-        if EVEN_COPY:
+        if EVEN_COPY and FULL_ROWS and nrows >= BLOCK_K:   # a whole tile: no bounds, offsets stepped
+            r0 = cuda.threadIdx.x // CHUNKS
+            c = (cuda.threadIdx.x - r0 * CHUNKS) * CW
+            dst = U(base + r0 * STRIDE + c)
+            ks = k_base + (k0 + r0) * k_row + c
+            vs = v_base + (k0 + r0) * v_row + c
+            for it in range(ITERS):
+                cp_async(smem, dst + U(it * ROW_STEP * STRIDE), k, ks, 4 * CW)
+                cp_async(smem, dst + U(V_OFF + it * ROW_STEP * STRIDE), v, vs, 4 * CW)
+                ks += ROW_STEP * k_row
+                vs += ROW_STEP * v_row
+        elif EVEN_COPY:
             r0 = cuda.threadIdx.x // CHUNKS
             c = (cuda.threadIdx.x - r0 * CHUNKS) * CW
             col_ok = c < HEAD_WORDS
@@ -259,7 +292,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                             q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3], b2, b3,
                             s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3])
 
-            # modifiers and masks, base-2 units; element e of (m, n) is (row0 + 16 m + 8 (e >> 1), k0 + 8n + 2t + (e & 1))
+            # modifiers and masks, base-2 units (raw units under FOLD); element e of (m, n) is
+            # (row0 + 16 m + 8 (e >> 1), k0 + 8n + 2t + (e & 1))
             if HAS_MODS or need_mask:
                 for m in range(MT):
                     for n in range(NT_K):
@@ -268,6 +302,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                             j = k0 + 8 * n + 2 * t + (e % 2)
                             if HAS_MODS:
                                 x = score(s_reg[m, n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
+                            elif FOLD:
+                                x = s_reg[m, n, e]
                             else:
                                 x = s_reg[m, n, e] * scale_log2
                             if need_mask:
@@ -275,7 +311,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                                                attn_mask, block_mask, bm_q, bm_k):
                                     x = NEG_INF
                             s_reg[m, n, e] = x
-            else:                                            # a tile inside every mask: scale only
+            elif not FOLD:                                   # a tile inside every mask: scale only
                 for m in range(MT):
                     for n in range(NT_K):
                         for e in range(4):
@@ -287,7 +323,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     x = NEG_INF
                     for n in range(NT_K):
                         x = max(x, max(s_reg[m, n, 2 * r], s_reg[m, n, 2 * r + 1]))
-                    row[2 * m + r] = x
+                    row[2 * m + r] = x * scale_log2 if FOLD else x
             quad_max(row, scratch, tid // 4, t)
             for m in range(MT):
                 for r in range(2):
@@ -298,7 +334,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     l_tile = ZERO
                     for n in range(NT_K):
                         for e in range(2 * r, 2 * r + 2):
-                            p = exp2(s_reg[m, n, e] - m_use)
+                            p = exp2((s_reg[m, n, e] * scale_log2 if FOLD else s_reg[m, n, e]) - m_use)
                             l_tile += p                            # l_i uses P before dropout
                             if HAS_DROPOUT:
                                 i = row0 + 16 * m + 8 * r

@@ -68,19 +68,29 @@ def test_tc_every_option_at_once(p):
     _tc_forward_matches_oracle(p)
 
 
-@pytest.mark.parametrize("q_in_smem", [False, True])
+TC_VARIANTS = {            # api's choice -> the variant's
+    "shipped": {},
+    "q_in_smem": {"tc_q_in_smem": lambda m_tiles, headdim: True},
+    "scale_not_folded": {"tc_positive_scale": lambda scale: False},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(TC_VARIANTS))
 @settings(max_examples=examples(2, 6))
 @given(p=tc_problems(headdims=(46,) if SIMULATOR else (46, 128)))
-def test_tc_kernel_variants(q_in_smem, p):
-    """The compile-time variants the defaults do not reach in the simulator: Q's fragments from a shared
-    tile (``Q_SMEM``, measured in docs/tensorcore.md), and head dim 46 (4-byte copies, 24 per row:
-    the copier's uneven trip count, and zero padding to 48)."""
-    real = api.tc_q_in_smem
-    api.tc_q_in_smem = lambda m_tiles, headdim: q_in_smem
+def test_tc_kernel_variants(variant, p):
+    """The compile-time variants the defaults do not reach (docs/tensorcore.md measures each): Q's
+    fragments from a shared tile (``Q_SMEM``), the scale applied before the row max at a positive
+    scale (``POS_SCALE`` off); and head dim 46 (4-byte copies, 24 per row: the copier's uneven trip
+    count, and zero padding to 48)."""
+    real = {name: getattr(api, name) for name in TC_VARIANTS[variant]}
     try:
+        for name, choice in TC_VARIANTS[variant].items():
+            setattr(api, name, choice)
         _tc_forward_matches_oracle(p)
     finally:
-        api.tc_q_in_smem = real
+        for name, fn in real.items():
+            setattr(api, name, fn)
 
 
 # ------------------------------------------------------------------------------------ bfloat16

@@ -1,0 +1,102 @@
+"""One forward and one backward at the FlashAttention-2 benchmark shape, twice: a target for Nsight Compute.
+
+    python -m bench.profile [HEADDIM] [--dtype float32|float16|bfloat16] [--impl flashnb|sdpa-flash] [--causal]
+
+For example, flashnb's kernels (SIMT at float32, tensor cores at 16 bits) and then FA2's:
+
+    ncu --clock-control none --kernel-name regex:"flash_forward|flash_dkdv|flash_fwd|flash_bwd" \\
+        --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \\
+        python -m bench.profile 64 --dtype float16
+    ncu ... python -m bench.profile 64 --dtype float16 --impl sdpa-flash
+
+(the first call of each kernel compiles it; the profiled launches are the second ones; ``--launch-skip``
+counts launches of matching kernels only).  batch * seqlen = 16k tokens, nheads * headdim = 2048, seqlen 4096.
+The profiles in docs/performance.md and docs/tensorcore.md were taken this way.
+
+    python -m bench.profile 64 --dtype float16 --host
+
+times the host side of a call instead: a problem so small (one head, 128 queries) that the GPU
+waits for the host, the wall time per call of the forward and of the backward (no synchronisation
+inside the loop), then Python's profile of those calls (the functions with the most own time).
+"""
+import argparse
+import cProfile
+import pstats
+import time
+
+
+def host_cost(args):
+    """Wall time per call with the GPU waiting for the host, then where it goes (cProfile)."""
+    import torch
+    import flashnb
+    gen = (torch.randn(1, 128, 1, args.headdim, device="cuda", dtype=getattr(torch, args.dtype)) for _ in range(4))
+    q, k, v, dout = gen
+    impl = args.impl
+
+    def fwd():
+        if impl == "flashnb":
+            return flashnb.flash_attention(q, k, v, causal=args.causal, return_lse=True)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=args.causal), None
+
+    out, lse = fwd()
+
+    def bwd():
+        flashnb.flash_attention_backward(dout, q, k, v, out, lse, causal=args.causal)
+
+    calls = [("forward", fwd)] + ([("backward", bwd)] if impl == "flashnb" else [])
+    for name, fn in calls:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        print(f"{impl} {name}: {1e3 * (t1 - t0) / n:.3f} ms of host time per call "
+              f"({1e3 * (time.perf_counter() - t0) / n:.3f} ms with the final synchronisation)")
+    for name, fn in calls:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"--- {name}, 100 calls: cProfile by own time")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("headdim", nargs="?", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--impl", choices=("flashnb", "sdpa-flash"), default="flashnb")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--host", action="store_true", help="time the host side of a call (see above)")
+    args = ap.parse_args(argv)
+    if args.host:
+        return host_cost(args)
+
+    import torch
+    import flashnb
+    d, n = args.headdim, args.seqlen
+    batch, nheads = max(1, 16384 // n), 2048 // d
+    dtype = getattr(torch, args.dtype)
+    q, k, v, dout = (torch.randn(batch, n, nheads, d, device="cuda", dtype=dtype) for _ in range(4))
+    for _ in range(2):
+        if args.impl == "flashnb":
+            out, lse = flashnb.flash_attention(q, k, v, causal=args.causal, return_lse=True)
+            flashnb.flash_attention_backward(dout, q, k, v, out, lse, causal=args.causal)
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
+            out.backward(dout.transpose(1, 2))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
