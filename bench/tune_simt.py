@@ -26,7 +26,7 @@ def _time(fn, sets, reps=20, rounds=3):
     """ms per call: ``reps`` calls queued between two CUDA events, inputs rotated over ``sets``; the
     median of ``rounds`` such rounds.  Queued, a call's host-side work overlaps the GPU work of the
     calls before it (as in a training loop), so where the GPU time per call exceeds the host's this is
-    the GPU's time (``python -m bench.profile --host`` measures the host's)."""
+    the GPU's time (``python -m bench.profile_target --host`` measures the host's)."""
     import torch
     for s in sets[:2]:
         fn(*s)

@@ -83,7 +83,8 @@ def tc_q_in_smem(m_tiles, headdim):
 
 def tc_positive_scale(scale):
     """Whether the forward may fold the scale into exp2: 0 < float32(scale) * log2(e) < inf."""
-    x = np.float32(np.float32(scale) * np.float32(LOG2E))
+    with np.errstate(over="ignore"):
+        x = np.float32(np.float32(scale) * np.float32(LOG2E))
     return bool(0 < x < np.inf)
 
 

@@ -345,7 +345,9 @@ def _sim_memory_primitives():
 
     @device_function
     def red_add_f32x2(ary, off, x, y):
-        flat = getattr(ary, "_ary", ary).reshape(-1)     # C-contiguous: a view
+        a = getattr(ary, "_ary", ary)
+        assert a.flags.c_contiguous                      # so that reshape is a view, as the GPU's offsets assume
+        flat = a.reshape(-1)
         cuda.atomic.add(flat, off, x)
         cuda.atomic.add(flat, off + 1, y)
 

@@ -366,7 +366,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         a0, a1, a2, a3, b0, b1, dq_reg[0, 0], dq_reg[0, 1], dq_reg[0, 2], dq_reg[0, 3])
                     dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3] = mma(
                         a0, a1, a2, a3, b2, b3, dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3])
-                if RED2 and ABLATE == "" and active and q_full and D_PAD == HEAD_DIM:   # no bounds, no branches
+                if RED2 and ABLATE in ("", "grad") and active and q_full and D_PAD == HEAD_DIM:   # no bounds, no branches
                     for r in range(2):
                         o = dq_off + 8 * r * dq_rs
                         red_add_f32x2(dq_accum, o, dq_reg[0, 2 * r] * scale32, dq_reg[0, 2 * r + 1] * scale32)

@@ -79,10 +79,10 @@ TC_VARIANTS = {            # api's choice -> the variant's
 @settings(max_examples=examples(2, 6))
 @given(p=tc_problems(headdims=(46,) if SIMULATOR else (46, 128)))
 def test_tc_kernel_variants(variant, p):
-    """The compile-time variants the defaults do not reach (docs/tensorcore.md measures each): Q's
-    fragments from a shared tile (``Q_SMEM``), the scale applied before the row max at a positive
-    scale (``POS_SCALE`` off); and head dim 46 (4-byte copies, 24 per row: the copier's uneven trip
-    count, and zero padding to 48)."""
+    """The shipped kernel and the compile-time variants the defaults do not reach (docs/tensorcore.md
+    measures each): Q's fragments from a shared tile (``Q_SMEM``), the scale applied before the row
+    max at a positive scale (``POS_SCALE`` off); at head dim 46 (4-byte copies, 24 per row: the
+    copier's uneven trip count, and zero padding to 48), and 128 on a GPU."""
     real = {name: getattr(api, name) for name in TC_VARIANTS[variant]}
     try:
         for name, choice in TC_VARIANTS[variant].items():
@@ -263,6 +263,18 @@ def test_tc_backward_with_two_key_tiles_per_warp(p):
     dims up to 64, here on tile shapes that take it, with any option; more than 32 keys, so a warp's
     second m-tile and the second warp along the keys (block_k = 64) hold keys."""
     assert api.tc_bwd_key_tiles(p.block_q, p.block_k, p.headdim) == 2
+    _tc_backward_matches_oracle(p)
+
+
+@settings(max_examples=examples(3, 6))
+@given(p=kernel_problems(dtypes=(np.float16,), max_seqlen=TC_MAX_SEQLEN,
+                         tiles=st.sampled_from([(16, 16), (32, 16)] if SIMULATOR else [(None, None), (64, 64)]),
+                         headdims=(32,) if SIMULATOR else (32, 64, 128), min_seqlen=33))
+def test_tc_whole_tile_copies(p):
+    """The copies of whole tiles (no bounds, the source offset stepped by one add per copy, forward and
+    backward): an unpadded head dim whose tile takes the threads several rounds (head dim 32 on 32
+    threads in the simulator: two), more than two key and query tiles, so whole tiles and a last
+    partial one; with any option."""
     _tc_backward_matches_oracle(p)
 
 

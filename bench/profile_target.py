@@ -1,21 +1,21 @@
 """One forward and one backward at the FlashAttention-2 benchmark shape, twice: a target for Nsight Compute.
 
-    python -m bench.profile [HEADDIM] [--dtype float32|float16|bfloat16] [--impl flashnb|sdpa-flash] [--causal]
+    python -m bench.profile_target [HEADDIM] [--dtype float32|float16|bfloat16] [--impl flashnb|sdpa-flash] [--causal]
 
 For example, flashnb's kernels (SIMT at float32, tensor cores at 16 bits) and then FA2's:
 
     ncu --clock-control none --kernel-name regex:"flash_forward|flash_dkdv|flash_fwd|flash_bwd" \\
         --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        python -m bench.profile 64 --dtype float16
-    ncu ... python -m bench.profile 64 --dtype float16 --impl sdpa-flash
+        python -m bench.profile_target 64 --dtype float16
+    ncu ... python -m bench.profile_target 64 --dtype float16 --impl sdpa-flash
 
 (the first call of each kernel compiles it; the profiled launches are the second ones; ``--launch-skip``
 counts launches of matching kernels only).  batch * seqlen = 16k tokens, nheads * headdim = 2048, seqlen 4096.
 The profiles in docs/performance.md and docs/tensorcore.md were taken this way.
 
-    python -m bench.profile 64 --dtype float16 --host
+    python -m bench.profile_target 64 --dtype float16 --host
 
-times the host side of a call instead: a problem so small (one head, 128 queries) that the GPU
+times the host side of a call instead: a problem so small (256 heads of 128 queries) that the GPU
 waits for the host, the wall time per call of the forward and of the backward (no synchronisation
 inside the loop), then Python's profile of those calls (the functions with the most own time).
 """
@@ -29,14 +29,18 @@ def host_cost(args):
     """Wall time per call with the GPU waiting for the host, then where it goes (cProfile)."""
     import torch
     import flashnb
-    gen = (torch.randn(1, 128, 1, args.headdim, device="cuda", dtype=getattr(torch, args.dtype)) for _ in range(4))
+    # 128 queries of 256 heads: a grid of 256 blocks (no under-utilisation warning), microseconds of GPU work
+    gen = (torch.randn(1, 128, 256, args.headdim, device="cuda", dtype=getattr(torch, args.dtype)) for _ in range(4))
     q, k, v, dout = gen
     impl = args.impl
 
     def fwd():
         if impl == "flashnb":
             return flashnb.flash_attention(q, k, v, causal=args.causal, return_lse=True)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=args.causal), None
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):     # (batch, heads, seqlen, headdim)
+            return torch.nn.functional.scaled_dot_product_attention(
+                *(x.transpose(1, 2) for x in (q, k, v)), is_causal=args.causal), None
 
     out, lse = fwd()
 
