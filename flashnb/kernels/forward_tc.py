@@ -164,17 +164,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         unpadded rows (every tile but the last), no bounds at all and one add per copy.
         """
         nrows = seqlen_k - k0
-        if EVEN_COPY and FULL_ROWS and nrows >= BLOCK_K:   # a whole tile: no bounds, offsets stepped
-            r0 = cuda.threadIdx.x // CHUNKS
-            c = (cuda.threadIdx.x - r0 * CHUNKS) * CW
-            dst = U(base + r0 * STRIDE + c)
-            ks = k_base + (k0 + r0) * k_row + c
-            vs = v_base + (k0 + r0) * v_row + c
-            for it in range(ITERS):
-                cp_async(smem, dst + U(it * ROW_STEP * STRIDE), k, ks, 4 * CW)
-                cp_async(smem, dst + U(V_OFF + it * ROW_STEP * STRIDE), v, vs, 4 * CW)
-                ks += ROW_STEP * k_row
-                vs += ROW_STEP * v_row
+        if EVEN_COPY and FULL_ROWS and nrows >= BLOCK_K:   # a whole tile: the copier's bound-free path
+            copy_kv(k, k_base, k_row, k0, nrows, smem, base)
+            copy_kv(v, v_base, v_row, k0, nrows, smem, base + V_OFF)
         elif EVEN_COPY:
             r0 = cuda.threadIdx.x // CHUNKS
             c = (cuda.threadIdx.x - r0 * CHUNKS) * CW
