@@ -15,9 +15,10 @@ The profiles in docs/performance.md and docs/tensorcore.md were taken this way.
 
     python -m bench.profile_target 64 --dtype float16 --host
 
-times the host side of a call instead: a problem so small (256 heads of 128 queries) that the GPU
-waits for the host, the wall time per call of the forward and of the backward (no synchronisation
-inside the loop), then Python's profile of those calls (the functions with the most own time).
+times the host side of a call instead, on a problem so small (256 heads of 128 queries) that the GPU
+waits for the host: the median time of one call with the GPU idle before it (synchronised), the
+time per call of a loop of calls with no synchronisation inside it, then Python's profile of those
+calls (the functions with the most own time).
 """
 import argparse
 import cProfile
@@ -51,6 +52,13 @@ def host_cost(args):
     for name, fn in calls:
         for _ in range(20):
             fn()
+        # the call alone, the GPU idle and its queue empty before each (no launch waits for a slot)
+        alone = []
+        for _ in range(200):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            alone.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         n = 200
         t0 = time.perf_counter()
@@ -58,8 +66,9 @@ def host_cost(args):
             fn()
         t1 = time.perf_counter()
         torch.cuda.synchronize()
-        print(f"{impl} {name}: {1e3 * (t1 - t0) / n:.3f} ms of host time per call "
-              f"({1e3 * (time.perf_counter() - t0) / n:.3f} ms with the final synchronisation)")
+        print(f"{impl} {name}: {1e6 * sorted(alone)[len(alone) // 2]:.1f} us of host time per call (median of "
+              f"200 calls, each after a synchronisation); back to back {1e6 * (t1 - t0) / n:.1f} us per call "
+              f"({1e6 * (time.perf_counter() - t0) / n:.1f} us with the final synchronisation)")
     for name, fn in calls:
         prof = cProfile.Profile()
         prof.enable()

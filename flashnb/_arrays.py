@@ -1,15 +1,22 @@
 """Arrays in, arrays of the same kind out: NumPy, CuPy, PyTorch and Numba device arrays.
 
-Every input is viewed as a Numba device array without a copy where the
-library allows it (the CUDA array interface; strided views stay strided).
-NumPy arrays are copied to the device and results copied back.  bfloat16 has
-no CUDA-array-interface type code: the API converts bfloat16 tensors to
-float32 copies for the SIMT kernels (see ``api``).
+On a GPU every input is described to the kernels as a ``View`` -- its device
+address, shape, byte strides and element type -- read straight from the
+caller's array with no copy and no Numba object (strided views stay strided);
+``kernels._jit.launch`` turns views into kernel parameters.  NumPy arrays are
+copied to the device (a Numba device array behind the view) and results copied
+back.  In Numba's CUDA simulator the kernels are Python functions over array
+objects, so there the same functions return the simulator's device arrays
+instead of views.  bfloat16 has no CUDA-array-interface type code: the
+tensor-core path views bfloat16 tensors as ``int16`` bit patterns, the SIMT
+kernels take float32 copies (see ``api``).
 """
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numba import config, cuda
+
+from .kernels._jit import View, c_strides
 
 try:  # optional: accept and return PyTorch tensors
     import torch
@@ -28,8 +35,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 
 
-@dataclass(frozen=True)
-class Kind:
+class Kind(NamedTuple):
     """Which library an argument came from, and its element type (``"bfloat16"`` included)."""
     lib: str      # "numpy", "cupy", "torch", "numba"
     dtype: str
@@ -42,7 +48,7 @@ def kind_of(x, name):
     if torch is not None and isinstance(x, torch.Tensor):
         if not x.is_cuda:
             raise TypeError(f"{name} is a CPU torch tensor; move it to a CUDA device (or pass a NumPy array)")
-        return Kind("torch", str(x.dtype).replace("torch.", ""))
+        return Kind("torch", _torch_dtype_name(x.dtype))
     if cupy is not None and isinstance(x, cupy.ndarray):
         return Kind("cupy", x.dtype.name)
     if _is_numba_device_array(x):
@@ -50,6 +56,16 @@ def kind_of(x, name):
     if hasattr(x, "__cuda_array_interface__"):      # any other CUDA array: viewed as a Numba array
         return Kind("numba", np.dtype(x.__cuda_array_interface__["typestr"]).name)
     raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch CUDA or Numba device array, got {type(x).__name__}")
+
+
+_TORCH_NAMES = {}  # torch dtype -> its name ("float16", "bfloat16", ...)
+
+
+def _torch_dtype_name(torch_dtype):
+    name = _TORCH_NAMES.get(torch_dtype)
+    if name is None:
+        name = _TORCH_NAMES[torch_dtype] = str(torch_dtype).replace("torch.", "")
+    return name
 
 
 def device_of(x):
@@ -63,29 +79,67 @@ def device_of(x):
     return None
 
 
+def check_device(x, name):
+    """ValueError unless ``x`` (a CuPy or PyTorch array) is on the device whose context is current: the
+    kernels run there (PyTorch and CuPy make their current device's context current)."""
+    dev = device_of(x)
+    if dev is None or SIMULATOR:
+        return
+    from cuda.bindings import driver
+    err, current = driver.cuCtxGetDevice()
+    if err == 0 and int(current) != dev:
+        raise ValueError(f"{name} is on CUDA device {dev} but the current device is {int(current)}; "
+                         f"call under torch.cuda.device({dev}) / cupy.cuda.Device({dev})")
+
+
 def to_device(x, stream):
-    """A Numba device array viewing ``x`` (NumPy: a copy to the device; booleans as uint8)."""
+    """The kernels' view of ``x`` (GPU: a ``View``; simulator: a device array); NumPy arrays are copied to the
+    device, booleans are viewed as uint8."""
     if isinstance(x, np.ndarray):
         if x.dtype == np.bool_:
             x = x.view(np.uint8)
         # the copy to the device needs one contiguous buffer: a strided NumPy view is packed first
-        return cuda.to_device(np.ascontiguousarray(x), stream=stream)
+        d = cuda.to_device(np.ascontiguousarray(x), stream=stream.numba)
+        return d if SIMULATOR else View.of(d)
     if torch is not None and isinstance(x, torch.Tensor):
         if x.dtype == torch.bool:
             x = x.view(torch.uint8)
-        return cuda.as_cuda_array(x.detach())
+        return _torch_view(x, x.dtype)
     if cupy is not None and isinstance(x, cupy.ndarray) and x.dtype == np.bool_:
         x = x.view(np.uint8)
-    if _is_numba_device_array(x):
-        return x
-    return cuda.as_cuda_array(x)
+    if SIMULATOR:
+        return x if _is_numba_device_array(x) else cuda.as_cuda_array(x)
+    return View.of(x)
 
 
 def to_device_bits(x, stream):
-    """Like ``to_device``, but 16-bit float arrays as ``int16`` bit patterns (bfloat16 has no other route)."""
+    """Like ``to_device``, but 16-bit float tensors as ``int16`` bit patterns (bfloat16 has no other route)."""
     if torch is not None and isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16):
-        return cuda.as_cuda_array(x.detach().view(torch.int16))
+        return _torch_view(x, torch.int16)
     return to_device(x, stream)
+
+
+def _torch_view(t, dtype):
+    """A PyTorch CUDA tensor's view with element type ``dtype`` (a torch dtype of the tensor's element size)."""
+    if SIMULATOR:                                          # pragma: no cover - no CUDA tensors in the simulator
+        return cuda.as_cuda_array(t.detach().view(dtype))
+    item = t.element_size()
+    return View(t.data_ptr(), tuple(t.shape), tuple(s * item for s in t.stride()), _np_dtype(dtype), t)
+
+
+_NP_DTYPES = {}   # torch dtype -> NumPy dtype
+
+
+def _np_dtype(torch_dtype):
+    dtype = _NP_DTYPES.get(torch_dtype)
+    if dtype is None:
+        if torch_dtype == torch.bfloat16:
+            raise TypeError("bfloat16 tensors reach the kernels as int16 bit patterns or float32 copies")
+        dtype = _NP_DTYPES[torch_dtype] = np.dtype(str(torch_dtype).replace("torch.", ""))
+    return dtype
+
+
+_U32 = np.dtype(np.uint32)
 
 
 def word_view(d):
@@ -107,12 +161,10 @@ def word_view(d):
         ary = d._ary
         return FakeCUDAArray(ary.view(np.uint32)) if ary.ctypes.data % 4 == 0 else None
     if 0 in shape:
-        return cuda.device_array(words, np.uint32)        # nothing is read from it
-    ptr = d.__cuda_array_interface__["data"][0]
-    if ptr % 4:
+        return View(0, words, c_strides(words, 4), _U32, None)          # nothing is read from it
+    if d.ptr % 4:
         return None
-    desc = dict(shape=words, strides=wstrides, typestr="<u4", data=(ptr, False), version=3)
-    return cuda.from_cuda_array_interface(desc, owner=d, sync=False)
+    return View(d.ptr, words, wstrides, _U32, d.owner)
 
 
 def rows_aligned16(w):
@@ -122,7 +174,7 @@ def rows_aligned16(w):
         return False
     if any(s % 16 for n, s in zip(shape[:-1], strides[:-1]) if n > 1):
         return False
-    ptr = w._ary.ctypes.data if SIMULATOR else w.__cuda_array_interface__["data"][0]
+    ptr = w._ary.ctypes.data if SIMULATOR else w.ptr
     return ptr % 16 == 0
 
 
@@ -132,7 +184,7 @@ def _is_numba_device_array(x):
 
 
 def empty_like_kind(kind, shape, dtype, like, stream, bits=False):
-    """(array returned to the caller, its Numba device view) of ``shape`` and ``dtype`` in ``kind.lib``.
+    """(array returned to the caller, the kernels' view of it) of ``shape`` and ``dtype`` in ``kind.lib``.
 
     ``bits``: a 16-bit float tensor's view is of its bit patterns (``to_device_bits``).
     """
@@ -140,42 +192,83 @@ def empty_like_kind(kind, shape, dtype, like, stream, bits=False):
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
         if POISON_OUTPUTS:
             t.fill_(float("nan"))
-        return t, (to_device_bits if bits else to_device)(t, stream)
+        # bfloat16 has no NumPy type: its view is of bit patterns (the SIMT kernels write a float32 copy instead)
+        return t, (to_device_bits if bits or dtype == "bfloat16" else to_device)(t, stream)
     if kind.lib == "cupy":
         with cupy.cuda.Device(like.device.id):
             c = cupy.full(shape, np.nan, dtype=dtype) if POISON_OUTPUTS else cupy.empty(shape, dtype=dtype)
-        return c, cuda.as_cuda_array(c)
+        return c, to_device(c, stream)
     if dtype == "bfloat16":
         raise TypeError("bfloat16 is only available through PyTorch tensors")
     if POISON_OUTPUTS:
-        d = cuda.to_device(np.full(shape, np.nan, dtype=dtype), stream=stream)
+        d = cuda.to_device(np.full(shape, np.nan, dtype=dtype), stream=stream.numba)
     else:
-        d = cuda.device_array(shape, dtype=dtype, stream=stream)
-    return d, d
+        d = cuda.device_array(shape, dtype=dtype, stream=stream.numba)
+    return d, (d if SIMULATOR else View.of(d))
+
+
+def scratch(shape, dtype, kind, like, stream):
+    """A temporary device array of one call (contents undefined): from the caller's library's stream-ordered
+    allocator (no cudaMalloc) where the call runs on that library's current stream, else from Numba's."""
+    if not SIMULATOR and stream.current and kind.lib == "torch":
+        return to_device(torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=like.device), stream)
+    if not SIMULATOR and stream.current and kind.lib == "cupy":
+        with cupy.cuda.Device(like.device.id):
+            return to_device(cupy.empty(shape, dtype=dtype), stream)
+    d = cuda.device_array(shape, dtype=dtype, stream=stream.numba)
+    return d if SIMULATOR else View.of(d)
 
 
 def finish(kind, returned, device_view, stream):
     """The value handed back: NumPy results are copied to the host, others returned as they are."""
     if kind.lib == "numpy":
-        return device_view.copy_to_host(stream=stream)
+        return returned.copy_to_host(stream=stream.numba)
     return returned
 
 
+class Stream:
+    """The stream a call runs on: ``handle`` (the raw ``CUstream``: launches, memsets), ``numba`` (a Numba
+    stream for Numba's copies and allocations, made on first use) and ``current`` (it is the caller's
+    library's current stream, whose allocator ``scratch`` may use)."""
+    __slots__ = ("handle", "current", "_numba")
+
+    def __init__(self, handle, current=False, numba=None):
+        self.handle, self.current, self._numba = handle, current, numba
+
+    @property
+    def numba(self):
+        if self._numba is None:
+            self._numba = cuda.default_stream() if self.handle == 0 else cuda.external_stream(self.handle)
+        return self._numba
+
+
 def resolve_stream(stream, kind):
-    """A Numba stream for the launch: the one given, else the caller's library's current stream."""
-    if stream is not None:
-        if isinstance(stream, int):
-            return cuda.external_stream(stream)
-        if hasattr(stream, "cuda_stream"):                 # torch.cuda.Stream
-            return cuda.external_stream(stream.cuda_stream)
-        if cupy is not None and isinstance(stream, cupy.cuda.Stream):
-            return cuda.external_stream(stream.ptr)
-        if isinstance(stream, type(cuda.default_stream())):  # a Numba stream (the simulator's too)
-            return stream
+    """The ``Stream`` of a call: the one given (Numba, CuPy or PyTorch stream, or a raw ``CUstream`` int),
+    else the caller's library's current stream (Numba's default stream for NumPy and Numba arrays)."""
+    if stream is None:
+        return Stream(_library_stream(kind), current=True, numba=cuda.default_stream() if SIMULATOR else None)
+    if isinstance(stream, type(cuda.default_stream())):    # a Numba stream (the simulator's too)
+        return Stream(0 if SIMULATOR else int(stream.handle), numba=stream)
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        handle = stream
+    elif hasattr(stream, "cuda_stream"):                   # torch.cuda.Stream
+        handle = stream.cuda_stream
+    elif cupy is not None and isinstance(stream, cupy.cuda.Stream):
+        handle = stream.ptr
+    else:
         raise TypeError(f"stream must be a Numba, CuPy or PyTorch stream or a raw CUstream int, got {type(stream).__name__}")
+    if SIMULATOR:
+        return Stream(0, numba=cuda.external_stream(handle))
+    return Stream(handle, current=handle == _library_stream(kind))
+
+
+def _library_stream(kind):
+    """The raw handle of the current stream of ``kind``'s library (0: the default stream)."""
     if kind.lib == "torch":
-        return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        try:                 # the raw handle, as Triton's launcher reads it: ~0.3 us, a Stream object ~8 us
+            return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        except AttributeError:                            # pragma: no cover - a PyTorch without them
+            return torch.cuda.current_stream().cuda_stream
     if kind.lib == "cupy":
-        ptr = cupy.cuda.get_current_stream().ptr
-        return cuda.external_stream(ptr) if ptr else cuda.default_stream()
-    return cuda.default_stream()
+        return cupy.cuda.get_current_stream().ptr
+    return 0

@@ -115,9 +115,10 @@ _dummies = {}
 
 def _dummy(ndim, dtype):
     """A one-element device array standing in for an absent optional input (its code is compiled out)."""
-    key = (ndim, np.dtype(dtype).name)
+    key = (ndim, dtype)
     if key not in _dummies:
-        _dummies[key] = cuda.to_device(np.zeros((1,) * ndim, dtype=dtype))
+        d = cuda.to_device(np.zeros((1,) * ndim, dtype=dtype))
+        _dummies[key] = d if _arrays.SIMULATOR else _arrays.View.of(d)
     return _dummies[key]
 
 

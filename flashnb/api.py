@@ -5,11 +5,12 @@ Layering as in flash-attn: ``flash_attention`` / ``flash_attention_backward``
 device arrays out) -> the kernel factories in ``flashnb.kernels`` (one compiled
 kernel per specialisation key, cached).
 """
+from functools import lru_cache
+
 import numpy as np
-from numba import cuda
 
 from . import _arrays, _options
-from .kernels._jit import SIMULATOR, launch
+from .kernels._jit import SIMULATOR, compute_capability, launch, memset_zero
 from .kernels._tiles import np_acc
 from .kernels.backward import make_cast, make_dkdv, make_dq, make_preprocess
 from .kernels.forward import LOG2E, make_forward, tile_threads
@@ -81,6 +82,7 @@ def tc_q_in_smem(m_tiles, headdim):
     return False
 
 
+@lru_cache(maxsize=256)
 def tc_positive_scale(scale):
     """Whether the forward may fold the scale into exp2: 0 < float32(scale) * log2(e) < inf."""
     with np.errstate(over="ignore"):
@@ -105,18 +107,19 @@ def _check_shared(nbytes, what):
                          "choose smaller block_q / block_k")
 
 
-def _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q, block_k, **options):
-    """What a forward or backward launch needs: (accumulation type, stream, LaunchOptions).
+def _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q, block_k, **options):
+    """What a forward or backward launch needs: (accumulation type, ``_arrays.Stream``, LaunchOptions).
 
     16-bit inputs accumulate in float32 (bfloat16 through float32 copies in the SIMT kernels).
     """
     acc = np.float32 if kind.dtype == "bfloat16" else np_acc(kind.dtype)
     _options.check_tile(block_q, "block_q")
     _options.check_tile(block_k, "block_k")
-    nb_stream = _arrays.resolve_stream(stream, kind)
+    _arrays.check_device(q, "q")
+    launch_stream = _arrays.resolve_stream(stream, kind)
     opts = _options.normalise(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, headdim=headdim,
-                              acc=acc, stream=nb_stream, **options)
-    return acc, nb_stream, opts
+                              acc=acc, stream=launch_stream, **options)
+    return acc, launch_stream, opts
 
 
 def _tensorcore_refusal(kind, headdim, block_q, block_k):
@@ -128,7 +131,7 @@ def _tensorcore_refusal(kind, headdim, block_q, block_k):
     for value, name in ((block_q, "block_q"), (block_k, "block_k")):
         if value is not None and value < 16:
             return f"{name} must be a multiple of 16 (the mma tile), got {value}"
-    if not SIMULATOR and cuda.get_current_device().compute_capability < (8, 0):
+    if not SIMULATOR and compute_capability() < (8, 0):
         return "mma.sync on float16/bfloat16 needs compute capability 8.0 or newer"
     return None
 
@@ -204,7 +207,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     del deterministic  # the forward is deterministic by construction (no atomics)
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     _check_backend(backend)
-    acc, nb_stream, opts = _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
+    acc, launch_stream, opts = _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
                                   block_k, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
                                   alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
@@ -212,27 +215,27 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
     words = None
     if refusal is None and backend != "simt":
-        words, refusal = _word_views((q, k, v), ("q", "k", "v"), kind, nb_stream)
+        words, refusal = _word_views((q, k, v), ("q", "k", "v"), kind, launch_stream)
     if _pick_backend(backend, refusal):
-        out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, nb_stream,
+        out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, launch_stream,
                                                  bits=True)
-        lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), "float32", q, nb_stream)
+        lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), "float32", q, launch_stream)
         bq, bk = default_tc_tiles(headdim)
         _forward_tc(*words, _arrays.word_view(out_d), lse_d, opts, block_q or bq, block_k or bk, kind.dtype,
-                    nb_stream)
-        out = _arrays.finish(kind, out_ret, out_d, nb_stream)
-        return (out, _arrays.finish(kind, lse_ret, lse_d, nb_stream)) if return_lse else out
+                    launch_stream)
+        out = _arrays.finish(kind, out_ret, out_d, launch_stream)
+        return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_lse else out
     bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
-    qd, kd, vd = _prepare((q, k, v), kind, nb_stream)
-    out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, nb_stream)
-    out_k = out_d if kind.dtype != "bfloat16" else cuda.device_array(out_d.shape, np.float32, stream=nb_stream)
-    lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), acc.__name__, q, nb_stream)
-    _forward(qd, kd, vd, out_k, lse_d, opts, bq, bk, acc, nb_stream)
+    qd, kd, vd = _prepare((q, k, v), kind, launch_stream)
+    out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, launch_stream)
+    out_k = out_d if kind.dtype != "bfloat16" else _arrays.scratch(out_d.shape, np.float32, kind, q, launch_stream)
+    lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), acc.__name__, q, launch_stream)
+    _forward(qd, kd, vd, out_k, lse_d, opts, bq, bk, acc, launch_stream)
     if kind.dtype == "bfloat16":
         out_ret.copy_(_torch_from(out_k))
-    out = _arrays.finish(kind, out_ret, out_d, nb_stream)
+    out = _arrays.finish(kind, out_ret, out_d, launch_stream)
     if return_lse:
-        return out, _arrays.finish(kind, lse_ret, lse_d, nb_stream)
+        return out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)
     return out
 
 
@@ -298,7 +301,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
             raise TypeError(f"lse must be float32 or float64, got {kd.dtype}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    acc, nb_stream, opts = _setup(kind, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
+    acc, launch_stream, opts = _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
                                   block_k, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
                                   alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
@@ -314,36 +317,36 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
         refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
     words = None
     if refusal is None and backend in ("auto", "tensorcore"):
-        words, refusal = _word_views((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), kind, nb_stream)
+        words, refusal = _word_views((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), kind, launch_stream)
     if _pick_backend(backend, refusal):
-        lse_d = _arrays.to_device(lse, nb_stream)
-        grads = [_arrays.empty_like_kind(kind, shape, kind.dtype, q, nb_stream, bits=True)
+        lse_d = _arrays.to_device(lse, launch_stream)
+        grads = [_arrays.empty_like_kind(kind, shape, kind.dtype, q, launch_stream, bits=True)
                  for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
                                (batch, seqlen_k, nheads_k, headdim))]
         bq, bk = default_tc_bwd_tiles(headdim)
         _backward_tc(*words, lse_d, *(_arrays.word_view(view) for _, view in grads), opts, block_q or bq,
-                     block_k or bk, kind.dtype, nb_stream)
-        return tuple(_arrays.finish(kind, ret, view, nb_stream) for ret, view in grads)
+                     block_k or bk, kind.dtype, launch_stream, kind, q)
+        return tuple(_arrays.finish(kind, ret, view, launch_stream) for ret, view in grads)
     bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
-    dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), kind, nb_stream)
-    lsed = _arrays.to_device(lse, nb_stream)
+    dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), kind, launch_stream)
+    lsed = _arrays.to_device(lse, launch_stream)
     grads = []
     for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
                   (batch, seqlen_k, nheads_k, headdim)):
-        ret, view = _arrays.empty_like_kind(kind, shape, kind.dtype, q, nb_stream)
-        kernel_view = view if kind.dtype != "bfloat16" else cuda.device_array(shape, np.float32, stream=nb_stream)
+        ret, view = _arrays.empty_like_kind(kind, shape, kind.dtype, q, launch_stream)
+        kernel_view = view if kind.dtype != "bfloat16" else _arrays.scratch(shape, np.float32, kind, q, launch_stream)
         grads.append((ret, view, kernel_view))
-    _backward(dd, qd, kd, vd, od, lsed, grads[0][2], grads[1][2], grads[2][2], opts, bq, bk, acc, nb_stream,
-              deterministic)
+    _backward(dd, qd, kd, vd, od, lsed, grads[0][2], grads[1][2], grads[2][2], opts, bq, bk, acc, launch_stream,
+              deterministic, kind, q)
     result = []
     for ret, view, kernel_view in grads:
         if kind.dtype == "bfloat16":
             ret.copy_(_torch_from(kernel_view))
-        result.append(_arrays.finish(kind, ret, view, nb_stream))
+        result.append(_arrays.finish(kind, ret, view, launch_stream))
     return tuple(result)
 
 
-def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, deterministic):
+def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, deterministic, kind, like):
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if batch == 0 or nheads == 0:
@@ -353,18 +356,17 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, de
              f.has_dropout)
     group, off = nheads // nheads_k, seqlen_k - seqlen_q
     args = opts.kernel_args(acc)
-    delta = cuda.device_array((batch, nheads, seqlen_q), acc, stream=stream)
-    lse2 = cuda.device_array((batch, nheads, seqlen_q), acc, stream=stream)
+    delta, lse2 = (_arrays.scratch((batch, nheads, seqlen_q), acc, kind, like, stream) for _ in range(2))
     if seqlen_q > 0:
         pre = make_preprocess(acc.__name__)
         launch(pre, -(-seqlen_q // 128) * nheads * batch, 128, stream, 0, (dout, out, lse, delta, lse2))
     # atomics need the dQ partial product's rows to cover the query tile (BLOCK_Q >= threads per key side)
     atomic = not deterministic and bq >= tile_threads(bk, "rows") and seqlen_q > 0
     if atomic:
-        dq_accum = cuda.device_array(dq.shape, acc, stream=stream)
-        _zero(dq_accum, stream)
+        dq_accum = _arrays.scratch(dq.shape, acc, kind, like, stream)
+        memset_zero(dq_accum, stream)
     else:
-        dq_accum = cuda.device_array((1, 1, 1, 1), acc, stream=stream)
+        dq_accum = _arrays.scratch((1, 1, 1, 1), acc, kind, like, stream)
     if seqlen_k > 0:
         kern, shared, threads = make_dkdv(bq, bk, headdim, acc.__name__, atomic, *flags)
         _check_shared(shared, f"the dK/dV kernel with block_q={bq}, block_k={bk}, head dim {headdim}")
@@ -383,21 +385,20 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, de
                (q, k, v, dout, lse2, delta, dq, group, off) + args)
 
 
-def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, stream):
+def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, stream, kind, like):
     """The tensor-core backward on uint32 word views (``backward_tc``); dQ through a float32 accumulator."""
     batch, seqlen_q, nheads, words = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if batch == 0 or nheads == 0:
         return
     f = opts.flags
-    delta = cuda.device_array((batch, nheads, seqlen_q), np.float32, stream=stream)
-    lse2 = cuda.device_array((batch, nheads, seqlen_q), np.float32, stream=stream)
+    delta, lse2 = (_arrays.scratch((batch, nheads, seqlen_q), np.float32, kind, like, stream) for _ in range(2))
     if seqlen_q > 0:
         launch(make_preprocess("float32", dtype_name), -(-seqlen_q // 128) * nheads * batch, 128, stream, 0,
                (dout, out, lse, delta, lse2))
-    dq_accum = cuda.device_array((batch, seqlen_q, nheads, 2 * words), np.float32, stream=stream)
+    dq_accum = _arrays.scratch((batch, seqlen_q, nheads, 2 * words), np.float32, kind, like, stream)
     if seqlen_q > 0:
-        _zero(dq_accum, stream)
+        memset_zero(dq_accum, stream)
     if seqlen_k > 0:
         vec16 = all(_arrays.rows_aligned16(x) for x in (dout, q, k, v))
         kern, shared, threads = make_dkdv_tc(bq, bk, 2 * words, dtype_name, vec16, f.has_window, f.has_attn_mask,
@@ -416,15 +417,7 @@ def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, 
 def _red2():
     """Vector float32 reductions (red.global.add.v2.f32) exist from compute capability 9.0; the simulator's twin
     is two atomics."""
-    return SIMULATOR or cuda.get_current_device().compute_capability >= (9, 0)
-
-
-def _zero(arr, stream):
-    """Fill a contiguous device array with zeros (Numba has no memset on arrays in the simulator)."""
-    if SIMULATOR:
-        arr.copy_to_device(np.zeros(arr.shape, arr.dtype), stream=stream)
-    else:
-        cuda.driver.device_memset(arr, 0, arr.nbytes, stream=stream)
+    return SIMULATOR or compute_capability() >= (9, 0)
 
 
 def _check_backend(backend):

@@ -17,7 +17,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 import flashnb
 import strategies as S
-from flashnb import _options, api
+from flashnb import _arrays, _options, api
 from flashnb.kernels._jit import SIMULATOR
 from kernel_harness import _launch  # explicit tiles refused for shared memory: hypothesis.reject
 from kernel_harness import (HALF_ULP_BF16, assert_bitwise_equal, check_backward, check_forward, check_forward_bf16,
@@ -124,13 +124,14 @@ def _bf16_forward(p):
         assert out.dtype == torch.bfloat16
         return out.float().cpu().numpy(), lse.cpu().numpy()
     from numba import cuda
+    stream = _arrays.Stream(0, numba=cuda.default_stream())
     opts = _options.normalise(batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, nheads=p.nheads,
-                              headdim=p.headdim, acc=np.float32, stream=cuda.default_stream(), **dict(p.opts))
+                              headdim=p.headdim, acc=np.float32, stream=stream, **dict(p.opts))
     out = cuda.to_device(np.full(p.q.shape[:-1] + (p.headdim // 2,), 0x7FC07FC0, np.uint32))   # NaN poison
     lse = cuda.to_device(np.full((p.batch, p.nheads, p.seqlen_q), np.nan, np.float32))
     bq, bk = api.default_tc_tiles(p.headdim)
     api._forward_tc(*(cuda.to_device(_words(x)) for x in (p.q, p.k, p.v)), out, lse, opts, p.block_q or bq,
-                    p.block_k or bk, "bfloat16", cuda.default_stream())
+                    p.block_k or bk, "bfloat16", stream)
     return _from_words(out.copy_to_host()), lse.copy_to_host()
 
 

@@ -323,6 +323,25 @@ def test_cpu_torch_tensor_is_a_type_error(fn):
             flashnb.flash_attention(q, k.cpu(), v)
 
 
+@pytest.mark.gpu
+@BOTH
+def test_tensor_on_another_device_than_the_current_is_a_value_error(fn, monkeypatch):
+    """The kernels run on the current device: a tensor that says it lives elsewhere is refused, not read.
+    (One GPU here: the tensor's device is faked as the current one + 1.)"""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    from flashnb import _arrays
+    q, k, v = (torch.as_tensor(x, device="cuda") for x in arrays())
+    real = _arrays.device_of
+    monkeypatch.setattr(_arrays, "device_of", lambda x: None if real(x) is None else real(x) + 1)
+    with raises(ValueError, "q is on CUDA device"):
+        if fn == "backward":
+            flashnb.flash_attention_backward(q, q, k, v, q, torch.zeros((B, H, SQ), device="cuda"))
+        else:
+            flashnb.flash_attention(q, k, v)
+
+
 # ---------------------------------------------------------------------------------- malformed calls, generated
 def _mutations():
     """(argument, strategy of bad values, extra valid kwargs the bad value needs)."""
