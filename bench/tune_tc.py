@@ -43,7 +43,8 @@ def main(argv=None):
     ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
     ap.add_argument("--ablate", default="", help="with --pass bwd: comma list of variants to time besides the "
                     "shipped kernel: backward_tc.make_dkdv_tc ABLATE values (dq, atomics, grad; their results are "
-                    "wrong) and scalar-red (dQ by scalar atomics instead of red.global.add.v2.f32)")
+                    "wrong), scalar-red (dQ by scalar atomics instead of red.global.add.v2.f32) and dq-pairs=N "
+                    "(dQ in units of 16 x 16N: make_dkdv_tc's DQ_NP, results correct)")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
                     help="bq:bk[:mt[:qs[:fold]]] per head dim (mt: m16 row blocks per warp, default "
                          "api.tc_m_tiles; qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem; fold: "
@@ -123,6 +124,8 @@ def _variant(make_dkdv_tc, ablate, *args, **kw):
     """``make_dkdv_tc`` as api calls it (positional, RED2 last), with a variant of --ablate."""
     if ablate == "scalar-red":
         return make_dkdv_tc(*args[:-1], False, **kw)
+    if ablate.startswith("dq-pairs="):                   # a dQ unit width other than dq_pairs's choice
+        return make_dkdv_tc(*args, DQ_NP=int(ablate.split("=")[1]), **kw)
     return make_dkdv_tc(*args, ABLATE=ablate, **kw)
 
 

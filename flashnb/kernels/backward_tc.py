@@ -58,9 +58,20 @@ def make_cast_tc(DTYPE_NAME):
     return cast_tc
 
 
+def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
+    """n-tile pairs per dQ unit: the most dividing ``NP_D`` that still leaves a unit for every warp, up to 4
+    with the head-dim split and 2 without.  Measured (bench/results/h100-tune-tc-bwd-2026-11-22.md, sixth
+    session): 2 against 1 is 14% less backward time at d = 64; at d = 128 2 is 3% faster than 1 and 4
+    6% slower than 2; at d = 256 (split) 4 is 7% faster than 1 and 2% faster than 2."""
+    for pairs in (4, 2) if DSPLIT > 1 else (2,):
+        if NP_D % pairs == 0 and MQ * NP_D // pairs >= NWARPS:
+            return pairs
+    return 1
+
+
 @lru_cache(maxsize=None)
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, ABLATE="", MTK=1):
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, ABLATE="", MTK=1, DQ_NP=0):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 keys.  With 2, a pair of warps computes the same S^T and dP^T of its 16
@@ -72,6 +83,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
     ``RED2``: add dQ's pairs of adjacent dims with one ``red.global.add.v2.f32`` (compute capability
     9.0+) instead of two scalar float32 atomics.
+
+    ``DQ_NP``: n-tile pairs (16 dims each) per unit of dQ = dS K_j; each unit is 16 queries x 16 DQ_NP
+    dims, and each dS fragment read with ``ldmatrix`` feeds ``2 DQ_NP`` ``mma``.  0: ``dq_pairs``'s choice.
 
     ``ABLATE`` (timing experiments only, ``bench.tune_tc --ablate``; the results are wrong):
     "dq" leaves out the dQ phase (dS^T store and dS K), "atomics" computes dQ but never adds it,
@@ -104,7 +118,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     SHARED_BYTES = SMEM_WORDS * 4
     LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
     NP_D = NT_D // 2                         # dQ's n-tile pairs (16 dims each)
-    DQ_UNITS = MQ * NP_D                     # dQ = dS K_j in 16 x 16 units (m-tile, n-tile pair) over the warps
+    DQ_NP = DQ_NP or dq_pairs(MQ, NP_D, NWARPS, DSPLIT)
+    assert NP_D % DQ_NP == 0
+    NU_D = NP_D // DQ_NP                     # units along the dims
+    DQ_NT = 2 * DQ_NP                        # n-tiles of one unit
+    DQ_UNITS = MQ * NU_D                     # dQ = dS K_j in 16 x 16 DQ_NP units (m-tile, DQ_NP pairs) over the warps
     DQ_ROUNDS = -(-DQ_UNITS // NWARPS)
     CW = 4 if VEC16 else 1
     PLAIN = not (HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_DROPOUT)   # P, dS need no per-element option
@@ -202,7 +220,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         dv_acc = cuda.local.array((MTK, NT_DW, 4), F32)
         fa = cuda.local.array((MTK, 4), U32_DT)            # a fragments of the m-tiles (K, P^T)
         fb = cuda.local.array((MTK, 4), U32_DT)            # (V, dS^T)
-        dq_reg = cuda.local.array((2, 4), F32)
+        dq_reg = cuda.local.array((DQ_NT, 4), F32)
         l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
         d_row = cuda.local.array(LROWS, F32)
         for m in range(MTK):
@@ -341,7 +359,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         smem[U(row + 4 * n)] = pack2(dp_reg[m, n, 0], dp_reg[m, n, 1])
                         smem[U(row + 8 * DS_STRIDE + 4 * n)] = pack2(dp_reg[m, n, 2], dp_reg[m, n, 3])
             cuda.syncthreads()          # dS^T is complete; every warp is past its reads of buffer buf
-            # 16 x 16 units (m-tile mq, dims 16 np .. 16 np + 15) dealt to the warps in rounds; every warp runs
+            # 16 x 16 DQ_NP units (m-tile mq, n-tiles n .. n + 2 DQ_NP - 1) dealt to the warps in rounds; every warp runs
             # every round (the simulator's mma is block-collective): one past the last unit recomputes unit 0
             # and adds nothing
             # flat offsets into dq_accum (C-contiguous): this thread's row q0 + g, dims 2t, 2t + 1;
@@ -353,26 +371,29 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 active = True if DQ_UNITS % NWARPS == 0 else u < DQ_UNITS
                 if not active:
                     u = 0
-                mq = u // NP_D
-                n = 2 * (u - mq * NP_D)
+                mq = u // NU_D
+                n = DQ_NT * (u - mq * NU_D)
                 dq_off = dq_row + 16 * mq * dq_rs + 8 * n
-                for e in range(4):
-                    dq_reg[0, e] = ZERO
-                    dq_reg[1, e] = ZERO
+                for p in range(DQ_NT):
+                    for e in range(4):
+                        dq_reg[p, e] = ZERO
                 for kk in range(KSTEPS_K):
                     a0, a1, a2, a3 = ldmatrix_x4_trans(smem, U(DS_OFF + 16 * kk * DS_STRIDE + 8 * mq + ds_lane))
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(K_OFF + 16 * kk * STRIDE + 4 * n + t_lane))
-                    dq_reg[0, 0], dq_reg[0, 1], dq_reg[0, 2], dq_reg[0, 3] = mma(
-                        a0, a1, a2, a3, b0, b1, dq_reg[0, 0], dq_reg[0, 1], dq_reg[0, 2], dq_reg[0, 3])
-                    dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3] = mma(
-                        a0, a1, a2, a3, b2, b3, dq_reg[1, 0], dq_reg[1, 1], dq_reg[1, 2], dq_reg[1, 3])
+                    for p in range(0, DQ_NT, 2):
+                        b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(K_OFF + 16 * kk * STRIDE + 4 * (n + p) + t_lane))
+                        dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma(
+                            a0, a1, a2, a3, b0, b1, dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3])
+                        dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
+                            a0, a1, a2, a3, b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2],
+                            dq_reg[p + 1, 3])
                 if RED2 and ABLATE in ("", "grad") and active and q_full and D_PAD == HEAD_DIM:   # no bounds, no branches
                     for r in range(2):
                         o = dq_off + 8 * r * dq_rs
-                        red_add_f32x2(dq_accum, o, dq_reg[0, 2 * r] * scale32, dq_reg[0, 2 * r + 1] * scale32)
-                        red_add_f32x2(dq_accum, o + 8, dq_reg[1, 2 * r] * scale32, dq_reg[1, 2 * r + 1] * scale32)
+                        for p in range(DQ_NT):
+                            red_add_f32x2(dq_accum, o + 8 * p, dq_reg[p, 2 * r] * scale32,
+                                          dq_reg[p, 2 * r + 1] * scale32)
                     continue
-                for half in range(2):
+                for half in range(DQ_NT):
                     for r in range(2):
                         i = q0 + 16 * mq + g + 8 * r
                         d = 8 * (n + half) + 2 * t               # even; HEAD_DIM is even, so d + 1 < HEAD_DIM too

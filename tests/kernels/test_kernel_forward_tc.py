@@ -292,6 +292,27 @@ def test_tc_backward_with_scalar_atomics(p):
         api._red2 = real
 
 
+# 2 pairs, dq_pairs's choice at most head dims, runs in every other backward property; the simulator
+# forces the other two widths only (each example of head dim 64 takes it minutes)
+@pytest.mark.parametrize("pairs", [1, 4] if SIMULATOR else [1, 2, 4])
+@settings(max_examples=examples(2, 6))
+@given(data=st.data())
+def test_tc_backward_dq_unit_widths(pairs, data):
+    """dQ = dS K_j in units of 16 queries x 16 ``pairs`` dims (``make_dkdv_tc``'s DQ_NP), each width
+    forced whatever ``dq_pairs`` would choose; head dims that are multiples of 16 ``pairs`` and more than
+    one query tile, so units of both m-tiles and several rounds (or one, or warps with no unit) run,
+    with any option."""
+    p = data.draw(kernel_problems(dtypes=(np.float16,), max_seqlen=TC_MAX_SEQLEN, min_seqlen=33,
+                                  tiles=st.sampled_from([(16, 16), (32, 16)] if SIMULATOR else [(32, 64), (32, 128)]),
+                                  headdims=(16 * pairs,) if SIMULATOR else (64, 128)), label="problem")
+    real = api.make_dkdv_tc
+    api.make_dkdv_tc = lambda *a, **kw: real(*a, **kw, DQ_NP=pairs)
+    try:
+        _tc_backward_matches_oracle(p)
+    finally:
+        api.make_dkdv_tc = real
+
+
 @pytest.mark.parametrize("option", sorted(S.ALL_OPTIONS))
 @settings(max_examples=examples(2, 8))
 @given(data=st.data())
