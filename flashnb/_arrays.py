@@ -11,12 +11,13 @@ instead of views.  bfloat16 has no CUDA-array-interface type code: the
 tensor-core path views bfloat16 tensors as ``int16`` bit patterns, the SIMT
 kernels take float32 copies (see ``api``).
 """
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
 from numba import config, cuda
 
-from .kernels._jit import View, c_strides
+from .kernels._jit import View, c_strides, current_context
 
 try:  # optional: accept and return PyTorch tensors
     import torch
@@ -81,15 +82,27 @@ def device_of(x):
 
 def check_device(x, name):
     """ValueError unless ``x`` (a CuPy or PyTorch array) is on the device whose context is current: the
-    kernels run there (PyTorch and CuPy make their current device's context current)."""
+    kernels run there (PyTorch and CuPy make their current device's context current; with none current,
+    Numba's is made so)."""
     dev = device_of(x)
     if dev is None or SIMULATOR:
         return
+    current_context()
     from cuda.bindings import driver
     err, current = driver.cuCtxGetDevice()
-    if err == 0 and int(current) != dev:
-        raise ValueError(f"{name} is on CUDA device {dev} but the current device is {int(current)}; "
+    if err != 0 or int(current) != dev:
+        where = f"the current device is {int(current)}" if err == 0 else f"no device is current ({err!r})"
+        raise ValueError(f"{name} is on CUDA device {dev} but {where}; "
                          f"call under torch.cuda.device({dev}) / cupy.cuda.Device({dev})")
+
+
+def check_same_device(x, name, like):
+    """ValueError if ``x`` (None or an array) lives on another CUDA device than ``like``."""
+    if x is None:
+        return
+    dev = device_of(x)
+    if dev is not None and dev != device_of(like):
+        raise ValueError(f"{name} is on CUDA device {dev} but q is on {device_of(like)}; pass arrays of one device")
 
 
 def to_device(x, stream):
@@ -109,7 +122,23 @@ def to_device(x, stream):
         x = x.view(np.uint8)
     if SIMULATOR:
         return x if _is_numba_device_array(x) else cuda.as_cuda_array(x)
+    if not _is_numba_device_array(x):
+        _wait_for_producer(x, stream)
     return View.of(x)
+
+
+def _wait_for_producer(x, stream):
+    """The CUDA array interface's ``stream``: the exporter's work on ``x`` may still be queued there; a
+    launch on another stream waits for it (Numba's ``as_cuda_array`` synchronised that stream too)."""
+    producer = x.__cuda_array_interface__.get("stream")
+    if producer is None:
+        return
+    producer = 0 if producer == 1 else int(producer)    # 1: the legacy default stream, handle 0 here
+    if producer != stream.handle:
+        from cuda.bindings import driver
+        (err,) = driver.cuStreamSynchronize(producer)
+        if err != 0:
+            raise RuntimeError(f"cuStreamSynchronize of the array's stream failed: {err!r}")
 
 
 def to_device_bits(x, stream):
@@ -242,11 +271,12 @@ class Stream:
         return self._numba
 
 
-def resolve_stream(stream, kind):
+def resolve_stream(stream, kind, like=None):
     """The ``Stream`` of a call: the one given (Numba, CuPy or PyTorch stream, or a raw ``CUstream`` int),
-    else the caller's library's current stream (Numba's default stream for NumPy and Numba arrays)."""
+    else the current stream of the caller's library on ``like``'s device (Numba's default stream for NumPy
+    and Numba arrays)."""
     if stream is None:
-        return Stream(_library_stream(kind), current=True, numba=cuda.default_stream() if SIMULATOR else None)
+        return Stream(_library_stream(kind, like), current=True, numba=cuda.default_stream() if SIMULATOR else None)
     if isinstance(stream, type(cuda.default_stream())):    # a Numba stream (the simulator's too)
         return Stream(0 if SIMULATOR else int(stream.handle), numba=stream)
     if isinstance(stream, int) and not isinstance(stream, bool):
@@ -259,16 +289,32 @@ def resolve_stream(stream, kind):
         raise TypeError(f"stream must be a Numba, CuPy or PyTorch stream or a raw CUstream int, got {type(stream).__name__}")
     if SIMULATOR:
         return Stream(0, numba=cuda.external_stream(handle))
-    return Stream(handle, current=handle == _library_stream(kind))
+    return Stream(handle, current=handle == _library_stream(kind, like))
 
 
-def _library_stream(kind):
-    """The raw handle of the current stream of ``kind``'s library (0: the default stream)."""
+def stream_scope(stream, kind, like):
+    """A context in which ``stream`` is the current stream of the caller's library (PyTorch, CuPy), so that
+    the library's own work in a call (bfloat16 conversions, copies, allocations) is ordered with the
+    kernels; a no-op when it already is."""
+    if SIMULATOR or stream.current or kind.lib not in ("torch", "cupy"):
+        return _NO_SCOPE
+    stream.current = True                                   # inside the scope it is
     if kind.lib == "torch":
+        return torch.cuda.stream(torch.cuda.ExternalStream(stream.handle, device=like.device))
+    return cupy.cuda.ExternalStream(stream.handle)
+
+
+_NO_SCOPE = contextlib.nullcontext()
+
+
+def _library_stream(kind, like=None):
+    """The raw handle of the current stream of ``kind``'s library on ``like``'s device (0: the default stream)."""
+    if kind.lib == "torch":
+        device = like.device.index if like is not None and like.device.index is not None else None
         try:                 # the raw handle, as Triton's launcher reads it: ~0.3 us, a Stream object ~8 us
-            return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice() if device is None else device)
         except AttributeError:                            # pragma: no cover - a PyTorch without them
-            return torch.cuda.current_stream().cuda_stream
+            return torch.cuda.current_stream(device).cuda_stream
     if kind.lib == "cupy":
         return cupy.cuda.get_current_stream().ptr
     return 0

@@ -107,8 +107,8 @@ def _check_shared(nbytes, what):
                          "choose smaller block_q / block_k")
 
 
-def _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q, block_k, **options):
-    """What a forward or backward launch needs: (accumulation type, ``_arrays.Stream``, LaunchOptions).
+def _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, launch_stream, block_q, block_k, **options):
+    """What a forward or backward launch needs: (accumulation type, LaunchOptions).
 
     16-bit inputs accumulate in float32 (bfloat16 through float32 copies in the SIMT kernels).
     """
@@ -116,10 +116,11 @@ def _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
     _options.check_tile(block_q, "block_q")
     _options.check_tile(block_k, "block_k")
     _arrays.check_device(q, "q")
-    launch_stream = _arrays.resolve_stream(stream, kind)
+    for name in ("attn_mask", "attn_bias", "alibi_slopes", "block_mask"):
+        _arrays.check_same_device(options.get(name), name, q)
     opts = _options.normalise(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, headdim=headdim,
                               acc=acc, stream=launch_stream, **options)
-    return acc, launch_stream, opts
+    return acc, opts
 
 
 def _tensorcore_refusal(kind, headdim, block_q, block_k):
@@ -207,36 +208,38 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     del deterministic  # the forward is deterministic by construction (no atomics)
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     _check_backend(backend)
-    acc, launch_stream, opts = _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
-                                  block_k, softmax_scale=softmax_scale, causal=causal,
-                                  window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
-                                  alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                                  block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
-    refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
-    words = None
-    if refusal is None and backend != "simt":
-        words, refusal = _word_views((q, k, v), ("q", "k", "v"), kind, launch_stream)
-    if _pick_backend(backend, refusal):
-        out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, launch_stream,
-                                                 bits=True)
-        lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), "float32", q, launch_stream)
-        bq, bk = default_tc_tiles(headdim)
-        _forward_tc(*words, _arrays.word_view(out_d), lse_d, opts, block_q or bq, block_k or bk, kind.dtype,
-                    launch_stream)
+    launch_stream = _arrays.resolve_stream(stream, kind, q)
+    with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
+        acc, opts = _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, launch_stream, block_q, block_k,
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           attn_mask=attn_mask, attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap,
+                           block_mask=block_mask, block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+        refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
+        words = None
+        if refusal is None and backend != "simt":
+            words, refusal = _word_views((q, k, v), ("q", "k", "v"), kind, launch_stream)
+        if _pick_backend(backend, refusal):
+            out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q,
+                                                     launch_stream, bits=True)
+            lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), "float32", q, launch_stream)
+            bq, bk = default_tc_tiles(headdim)
+            _forward_tc(*words, _arrays.word_view(out_d), lse_d, opts, block_q or bq, block_k or bk, kind.dtype,
+                        launch_stream)
+            out = _arrays.finish(kind, out_ret, out_d, launch_stream)
+            return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_lse else out
+        bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
+        qd, kd, vd = _prepare((q, k, v), kind, launch_stream)
+        out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q,
+                                                 launch_stream)
+        out_k = out_d if kind.dtype != "bfloat16" else _arrays.scratch(out_d.shape, np.float32, kind, q, launch_stream)
+        lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), acc.__name__, q, launch_stream)
+        _forward(qd, kd, vd, out_k, lse_d, opts, bq, bk, acc, launch_stream)
+        if kind.dtype == "bfloat16":
+            out_ret.copy_(_torch_from(out_k))
         out = _arrays.finish(kind, out_ret, out_d, launch_stream)
-        return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_lse else out
-    bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
-    qd, kd, vd = _prepare((q, k, v), kind, launch_stream)
-    out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, launch_stream)
-    out_k = out_d if kind.dtype != "bfloat16" else _arrays.scratch(out_d.shape, np.float32, kind, q, launch_stream)
-    lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), acc.__name__, q, launch_stream)
-    _forward(qd, kd, vd, out_k, lse_d, opts, bq, bk, acc, launch_stream)
-    if kind.dtype == "bfloat16":
-        out_ret.copy_(_torch_from(out_k))
-    out = _arrays.finish(kind, out_ret, out_d, launch_stream)
-    if return_lse:
-        return out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)
-    return out
+        if return_lse:
+            return out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)
+        return out
 
 
 def _forward(q, k, v, out, lse, opts, bq, bk, acc, stream):
@@ -299,51 +302,53 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
             raise TypeError(f"{name} has dtype {kd.dtype} but q has {kind.dtype}; pass one dtype")
         if name == "lse" and kd.dtype not in ("float32", "float64"):
             raise TypeError(f"lse must be float32 or float64, got {kd.dtype}")
+        _arrays.check_same_device(x, name, q)
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    acc, launch_stream, opts = _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, stream, block_q,
-                                  block_k, softmax_scale=softmax_scale, causal=causal,
-                                  window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
-                                  alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                                  block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
-    refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
-    if refusal is None:
-        bq, bk = default_tc_bwd_tiles(headdim)
-        threads = tc_bwd_threads(block_q or bq, block_k or bk, headdim)
-        if threads > 256:
-            refusal = (f"block_k={block_k or bk} at head dim {headdim} needs {threads} threads of ~240 registers, "
-                       "more than an SM has; above head dim 128 it takes block_k up to 64")
-    if refusal is None and deterministic:
-        refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
-    words = None
-    if refusal is None and backend in ("auto", "tensorcore"):
-        words, refusal = _word_views((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), kind, launch_stream)
-    if _pick_backend(backend, refusal):
-        lse_d = _arrays.to_device(lse, launch_stream)
-        grads = [_arrays.empty_like_kind(kind, shape, kind.dtype, q, launch_stream, bits=True)
-                 for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
-                               (batch, seqlen_k, nheads_k, headdim))]
-        bq, bk = default_tc_bwd_tiles(headdim)
-        _backward_tc(*words, lse_d, *(_arrays.word_view(view) for _, view in grads), opts, block_q or bq,
-                     block_k or bk, kind.dtype, launch_stream, kind, q)
-        return tuple(_arrays.finish(kind, ret, view, launch_stream) for ret, view in grads)
-    bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
-    dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), kind, launch_stream)
-    lsed = _arrays.to_device(lse, launch_stream)
-    grads = []
-    for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
-                  (batch, seqlen_k, nheads_k, headdim)):
-        ret, view = _arrays.empty_like_kind(kind, shape, kind.dtype, q, launch_stream)
-        kernel_view = view if kind.dtype != "bfloat16" else _arrays.scratch(shape, np.float32, kind, q, launch_stream)
-        grads.append((ret, view, kernel_view))
-    _backward(dd, qd, kd, vd, od, lsed, grads[0][2], grads[1][2], grads[2][2], opts, bq, bk, acc, launch_stream,
-              deterministic, kind, q)
-    result = []
-    for ret, view, kernel_view in grads:
-        if kind.dtype == "bfloat16":
-            ret.copy_(_torch_from(kernel_view))
-        result.append(_arrays.finish(kind, ret, view, launch_stream))
-    return tuple(result)
+    launch_stream = _arrays.resolve_stream(stream, kind, q)
+    with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
+        acc, opts = _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, launch_stream, block_q, block_k,
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           attn_mask=attn_mask, attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap,
+                           block_mask=block_mask, block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+        refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
+        if refusal is None:
+            bq, bk = default_tc_bwd_tiles(headdim)
+            threads = tc_bwd_threads(block_q or bq, block_k or bk, headdim)
+            if threads > 256:
+                refusal = (f"block_k={block_k or bk} at head dim {headdim} needs {threads} threads of ~240 registers, "
+                           "more than an SM has; above head dim 128 it takes block_k up to 64")
+        if refusal is None and deterministic:
+            refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
+        words = None
+        if refusal is None and backend in ("auto", "tensorcore"):
+            words, refusal = _word_views((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), kind, launch_stream)
+        if _pick_backend(backend, refusal):
+            lse_d = _arrays.to_device(lse, launch_stream)
+            grads = [_arrays.empty_like_kind(kind, shape, kind.dtype, q, launch_stream, bits=True)
+                     for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
+                                   (batch, seqlen_k, nheads_k, headdim))]
+            bq, bk = default_tc_bwd_tiles(headdim)
+            _backward_tc(*words, lse_d, *(_arrays.word_view(view) for _, view in grads), opts, block_q or bq,
+                         block_k or bk, kind.dtype, launch_stream, kind, q)
+            return tuple(_arrays.finish(kind, ret, view, launch_stream) for ret, view in grads)
+        bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
+        dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), kind, launch_stream)
+        lsed = _arrays.to_device(lse, launch_stream)
+        grads = []
+        for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
+                      (batch, seqlen_k, nheads_k, headdim)):
+            ret, view = _arrays.empty_like_kind(kind, shape, kind.dtype, q, launch_stream)
+            kernel_view = view if kind.dtype != "bfloat16" else _arrays.scratch(shape, np.float32, kind, q, launch_stream)
+            grads.append((ret, view, kernel_view))
+        _backward(dd, qd, kd, vd, od, lsed, grads[0][2], grads[1][2], grads[2][2], opts, bq, bk, acc, launch_stream,
+                  deterministic, kind, q)
+        result = []
+        for ret, view, kernel_view in grads:
+            if kind.dtype == "bfloat16":
+                ret.copy_(_torch_from(kernel_view))
+            result.append(_arrays.finish(kind, ret, view, launch_stream))
+        return tuple(result)
 
 
 def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, deterministic, kind, like):

@@ -67,9 +67,9 @@ class View:
     def of(cls, ary, owner=None):
         """The view of anything with a ``__cuda_array_interface__`` (a Numba device array, say)."""
         cai = ary.__cuda_array_interface__
-        dtype, shape = np.dtype(cai["typestr"]), tuple(cai["shape"])
+        dtype, shape = np.dtype(cai["typestr"]), tuple(int(n) for n in cai["shape"])
         strides = cai.get("strides") or c_strides(shape, dtype.itemsize)
-        return cls(cai["data"][0] or 0, shape, tuple(strides), dtype, ary if owner is None else owner)
+        return cls(cai["data"][0] or 0, shape, tuple(int(s) for s in strides), dtype, ary if owner is None else owner)
 
     @property
     def nbytes(self):
@@ -106,13 +106,13 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     if SIMULATOR:
         kern[grid, block, stream.numba, shared_bytes](*args)
         return
-    key, values = _flatten(args)
+    key, values = _flatten(kern, args)
     entry = _compiled.get((kern, key))
     if entry is None:
         entry = _compiled[kern, key] = _compile(kern, key, args)
     overload, fmt, nwords, offsets = entry
     drv = _driver()
-    context = _current_context()
+    context = current_context()
     handle = _handles.get((overload, context))
     if handle is None:                                         # Numba loads the module into this context
         handle = _handles[overload, context] = overload._codelibrary.get_cufunc().handle
@@ -132,10 +132,10 @@ def launch(kern, grid, block, stream, shared_bytes, args):
 _FORMATS = {int: "q", np.float32: "f", np.float64: "d", float: "d", bool: "?"}
 
 
-def _flatten(args):
+def _flatten(kern, args):
     """(argument key, parameter values) of a launch's arguments."""
     key, values = [], []
-    for a in args:
+    for i, a in enumerate(args):
         if type(a) is not View and getattr(a, "__cuda_ndarray__", False) is True:
             a = View.of(a)                                     # a Numba device array
         if type(a) is View:
@@ -145,7 +145,8 @@ def _flatten(args):
             key.append(type(a))
             values.append(a)
         else:
-            raise TypeError(f"kernel argument of type {type(a).__name__}")
+            raise TypeError(f"argument {i} of kernel {kern.py_func.__name__} has type {type(a).__name__}; "
+                            "expected a View, a Numba device array, an int or a NumPy float32/float64")
     return tuple(key), values
 
 
@@ -176,14 +177,14 @@ def compute_capability():
     """The compute capability of the current device (cached per CUDA context)."""
     if SIMULATOR:
         return cuda.get_current_device().compute_capability
-    context = _current_context()
+    context = current_context()
     cc = _capability.get(context)
     if cc is None:
         cc = _capability[context] = cuda.get_current_device().compute_capability
     return cc
 
 
-def _current_context():
+def current_context():
     """The handle (an int) of this thread's current CUDA context; Numba's is made current if there is none."""
     context = int(_driver().cuCtxGetCurrent()[1])
     if context == 0:
@@ -220,7 +221,8 @@ def memset_zero(view, stream):
     if SIMULATOR:
         view.copy_to_device(np.zeros(view.shape, view.dtype), stream=stream.numba)
         return
-    assert view.key[2] and view.nbytes % 4 == 0
+    if not view.key[2] or view.nbytes % 4:
+        raise ValueError(f"memset_zero needs a contiguous array of whole 32-bit words, got {view.shape}, {view.dtype}")
     (err,) = _driver().cuMemsetD32Async(view.ptr, 0, view.nbytes // 4, stream.handle)
     if err != 0:
         raise RuntimeError(f"cuMemsetD32Async failed: {err!r}")

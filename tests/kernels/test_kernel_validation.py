@@ -342,6 +342,23 @@ def test_tensor_on_another_device_than_the_current_is_a_value_error(fn, monkeypa
             flashnb.flash_attention(q, k, v)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dout", "out", "lse", "attn_bias"])
+def test_argument_on_another_device_than_q_is_a_value_error(name, monkeypatch):
+    """Every array argument must live on q's device (here one argument's device is faked as q's + 1)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    from flashnb import _arrays
+    q, k, v = (torch.as_tensor(x, device="cuda") for x in arrays())
+    args = dict(dout=q.clone(), out=q.clone(), lse=torch.zeros((B, H, SQ), device="cuda"),
+                attn_bias=torch.zeros((B, H, SQ, SK), device="cuda"))
+    real = _arrays.device_of
+    monkeypatch.setattr(_arrays, "device_of", lambda x: real(x) + 1 if x is args[name] else real(x))
+    with raises(ValueError, name):
+        flashnb.flash_attention_backward(args["dout"], q, k, v, args["out"], args["lse"], attn_bias=args["attn_bias"])
+
+
 # ---------------------------------------------------------------------------------- malformed calls, generated
 def _mutations():
     """(argument, strategy of bad values, extra valid kwargs the bad value needs)."""
