@@ -109,7 +109,7 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     key, values = _flatten(kern, args)
     entry = _compiled.get((kern, key))
     if entry is None:
-        entry = _compiled[kern, key] = _compile(kern, key, args)
+        entry = _compiled[kern, key] = _compile(kern, key)
     overload, fmt, nwords, offsets = entry
     drv = _driver()
     context = current_context()
@@ -150,7 +150,7 @@ def _flatten(kern, args):
     return tuple(key), values
 
 
-def _compile(kern, key, args):
+def _compile(kern, key):
     """Compile ``kern`` for the argument key; the struct format and parameter offsets of its launch."""
     from numba.cuda import types
     from numba.cuda.np.numpy_support import from_dtype
