@@ -44,7 +44,8 @@ def main(argv=None):
     ap.add_argument("--ablate", default="", help="with --pass bwd: comma list of variants to time besides the "
                     "shipped kernel: backward_tc.make_dkdv_tc ABLATE values (dq, atomics, grad; their results are "
                     "wrong), scalar-red (dQ by scalar atomics instead of red.global.add.v2.f32) and dq-pairs=N "
-                    "(dQ in units of 16 x 16N: make_dkdv_tc's DQ_NP, results correct)")
+                    "(dQ in units of 16 x 16N: make_dkdv_tc's DQ_NP, results correct), dq-sync (each item's dQ after a "
+                    "second barrier of its own: DEFER_DQ=False, results correct)")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
                     help="bq:bk[:mt[:qs[:fold]]] per head dim (mt: m16 row blocks per warp, default "
                          "api.tc_m_tiles; qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem; fold: "
@@ -126,6 +127,8 @@ def _variant(make_dkdv_tc, ablate, *args, **kw):
         return make_dkdv_tc(*args[:-1], False, **kw)
     if ablate.startswith("dq-pairs="):                   # a dQ unit width other than dq_pairs's choice
         return make_dkdv_tc(*args, DQ_NP=int(ablate.split("=")[1]), **kw)
+    if ablate == "dq-sync":                              # B8's order: dQ after a barrier of its own
+        return make_dkdv_tc(*args, DEFER_DQ=False, **kw)
     return make_dkdv_tc(*args, ABLATE=ablate, **kw)
 
 

@@ -71,7 +71,8 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 
 @lru_cache(maxsize=None)
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, ABLATE="", MTK=1, DQ_NP=0):
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, ABLATE="", MTK=1, DQ_NP=0,
+                 DEFER_DQ=None):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 keys.  With 2, a pair of warps computes the same S^T and dP^T of its 16
@@ -87,11 +88,17 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     ``DQ_NP``: n-tile pairs (16 dims each) per unit of dQ = dS K_j; each unit is 16 queries x 16 DQ_NP
     dims, and each dS fragment read with ``ldmatrix`` feeds ``2 DQ_NP`` ``mma``.  0: ``dq_pairs``'s choice.
 
+    ``DEFER_DQ``: item w's dQ = dS K_j is computed after the next item's first barrier, from a second
+    dS^T buffer: one barrier per item instead of two.  False: right after a barrier of its own.  None:
+    deferred with the head-dim split only (measured, bench/results/h100-tune-tc-bwd-2026-11-23.md:
+    2-3% less backward time at d = 256, 0-5% more at d = 64 and 128).
+
     ``ABLATE`` (timing experiments only, ``bench.tune_tc --ablate``; the results are wrong):
     "dq" leaves out the dQ phase (dS^T store and dS K), "atomics" computes dQ but never adds it,
     "grad" replaces the element-wise P, dS with P = S, dS = dP (no exp, masks or options).
     """
     assert ABLATE in ("", "dq", "atomics", "grad")
+    DEFER_DQ = DSPLIT > 1 if DEFER_DQ is None else DEFER_DQ
     assert BLOCK_Q % 16 == 0 and BLOCK_K % (16 * MTK) == 0 and HEAD_DIM % 2 == 0 and DSPLIT in (1, 2)
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
@@ -112,8 +119,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     K_OFF = 0
     V_OFF = K_OFF + BLOCK_K * STRIDE
     Q_OFF = V_OFF + BLOCK_K * STRIDE         # buffer s: Q_i at Q_OFF + 2 s QTILE, dO_i QTILE after it
-    DS_OFF = Q_OFF + 4 * QTILE               # dS^T as words: [key][query pair]
-    L_OFF = DS_OFF + BLOCK_K * DS_STRIDE     # buffer s: lse_i * log2(e) at L_OFF + 2 s BLOCK_Q, delta_i after it
+    DS_TILE = BLOCK_K * DS_STRIDE
+    DS_OFF = Q_OFF + 4 * QTILE               # dS^T as words: [key][query pair]; buffer s at DS_OFF + s DS_TILE
+    L_OFF = DS_OFF + (2 if DEFER_DQ else 1) * DS_TILE   # buffer s: lse_i log2(e) at L_OFF + 2 s BLOCK_Q, delta_i after it
     SMEM_WORDS = L_OFF + 4 * BLOCK_Q
     SHARED_BYTES = SMEM_WORDS * 4
     LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
@@ -183,14 +191,65 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 fsmem[base + r] = l_row[s]
                 fsmem[base + BLOCK_Q + r] = d_row[s]
 
+    @device_function
+    def dq_phase(smem, dq_accum, ds_base, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg):
+        """dQ_i += dS K_j for the query tile at ``q0`` of head ``h``, dS^T read from the words at ``ds_base``."""
+        # 16 x 16 DQ_NP units (m-tile mq, n-tiles n .. n + 2 DQ_NP - 1) dealt to the warps in rounds; every warp runs
+        # every round (the simulator's mma is block-collective): one past the last unit recomputes unit 0
+        # and adds nothing
+        # flat offsets into dq_accum (C-contiguous): this thread's row q0 + g, dims 2t, 2t + 1;
+        # a whole query tile and an unpadded head dim need no bounds
+        nheads = dq_accum.shape[2]
+        dq_rs = nheads * HEAD_DIM                       # elements per query row of dq_accum
+        dq_row = ((b * seqlen_q + q0 + g) * nheads + h) * HEAD_DIM + 2 * t
+        q_full = q0 + BLOCK_Q <= seqlen_q
+        for rnd in range(DQ_ROUNDS):
+            u = rnd * NWARPS + warp
+            active = True if DQ_UNITS % NWARPS == 0 else u < DQ_UNITS
+            if not active:
+                u = 0
+            mq = u // NU_D
+            n = DQ_NT * (u - mq * NU_D)
+            dq_off = dq_row + 16 * mq * dq_rs + 8 * n
+            for p in range(DQ_NT):
+                for e in range(4):
+                    dq_reg[p, e] = ZERO
+            for kk in range(KSTEPS_K):
+                a0, a1, a2, a3 = ldmatrix_x4_trans(smem, U(ds_base + 16 * kk * DS_STRIDE + 8 * mq + ds_lane))
+                for p in range(0, DQ_NT, 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(K_OFF + 16 * kk * STRIDE + 4 * (n + p) + t_lane))
+                    dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma(
+                        a0, a1, a2, a3, b0, b1, dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3])
+                    dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
+                        a0, a1, a2, a3, b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2],
+                        dq_reg[p + 1, 3])
+            if RED2 and ABLATE in ("", "grad") and active and q_full and D_PAD == HEAD_DIM:   # no bounds, no branches
+                for r in range(2):
+                    o = dq_off + 8 * r * dq_rs
+                    for p in range(DQ_NT):
+                        red_add_f32x2(dq_accum, o + 8 * p, dq_reg[p, 2 * r] * scale32,
+                                      dq_reg[p, 2 * r + 1] * scale32)
+                continue
+            for half in range(DQ_NT):
+                for r in range(2):
+                    i = q0 + 16 * mq + g + 8 * r
+                    d = 8 * (n + half) + 2 * t               # even; HEAD_DIM is even, so d + 1 < HEAD_DIM too
+                    if ABLATE == "atomics":
+                        active = dq_reg[half, 2 * r] == POS_INF   # keeps the products, (almost) never adds
+                    if active and (q_full or i < seqlen_q) and (D_PAD == HEAD_DIM or d < HEAD_DIM):
+                        if RED2:
+                            red_add_f32x2(dq_accum, dq_off + 8 * r * dq_rs + 8 * half,
+                                          dq_reg[half, 2 * r] * scale32, dq_reg[half, 2 * r + 1] * scale32)
+                        else:
+                            cuda.atomic.add(dq_accum, (b, i, h, d), dq_reg[half, 2 * r] * scale32)
+                            cuda.atomic.add(dq_accum, (b, i, h, d + 1), dq_reg[half, 2 * r + 1] * scale32)
+
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
                       seed_lo, seed_hi):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        nheads = q.shape[2]
-        dq_rs = nheads * HEAD_DIM                       # elements per query row of dq_accum
         kt, hk, b = tile_head_batch((seqlen_k + BLOCK_K - 1) // BLOCK_K, k.shape[2])
         k0 = kt * BLOCK_K
         k_last = min(k0 + BLOCK_K, seqlen_k) - 1
@@ -246,6 +305,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             load_rows(lse2, delta, b, hk * group + gi, q0, seqlen_q, l_row, d_row)
             store_rows(fsmem, L_OFF, l_row, d_row)
         buf = 0
+        pending = False                                  # DEFER_DQ: the previous item's dQ is still to add
+        ph = 0                                           # its query head and first query
+        pq0 = 0
         while w < n_work:
             gi = w // nqt
             h = hk * group + gi
@@ -253,16 +315,27 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
             wn = next_work(w, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right,
                            block_mask, bm_q, bm_k)
+            if DEFER_DQ:
+                wait_all()
+                # item w's Q, dO, lse2, delta have landed for everyone; every warp is done with item w - 1
+                # (buffers 1 - buf free, its dS^T complete)
+                cuda.syncthreads()
             if wn < n_work:
-                # buffer 1 - buf was last read before the previous item's dQ barrier: free
+                # buffer 1 - buf was last read before this barrier (DEFER_DQ) or the previous item's dQ barrier
                 gn = wn // nqt
                 qn = (qt_lo + wn - gn * nqt) * BLOCK_Q
                 start_q_copy(q, dout, b, hk * group + gn, qn, seqlen_q, smem, Q_OFF + (1 - buf) * 2 * QTILE)
                 load_rows(lse2, delta, b, hk * group + gn, qn, seqlen_q, l_row, d_row)
-                wait_prev()
+            if DEFER_DQ:
+                if pending:
+                    dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, b, ph, pq0, seqlen_q, warp, g, t,
+                             ds_lane, t_lane, scale32, dq_reg)
             else:
-                wait_all()
-            cuda.syncthreads()                           # item w's Q, dO, lse2, delta have landed for everyone
+                if wn < n_work:
+                    wait_prev()
+                else:
+                    wait_all()
+                cuda.syncthreads()                       # item w's Q, dO, lse2, delta have landed for everyone
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             qb = Q_OFF + buf * 2 * QTILE
             db = qb + QTILE
@@ -300,22 +373,29 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
             # P_drop^T and dS^T element-wise: element e of (m, n) is key k0 + 16 (MTK kw + m) + g + 8 (e >> 1),
             # query q0 + 8n + 2t + (e & 1)
-            for m in range(MTK):
-                for n in range(NT_Q):
-                    for e in range(4):
-                        j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
-                        il = 8 * n + 2 * t + (e % 2)
-                        if ABLATE == "grad":
-                            pass
-                        elif PLAIN and not need_mask:    # no options, no mask on this tile: P = 2^(S log2e - lse2)
-                            pe = exp2(s_reg[m, n, e] * scale_log2 - fsmem[lb + il])
-                            dp_reg[m, n, e] = pe * (dp_reg[m, n, e] - fsmem[lb + BLOCK_Q + il])
-                            s_reg[m, n, e] = pe
-                        else:
-                            p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[lb + il],
-                                              fsmem[lb + BLOCK_Q + il], need_mask, seqlen_q, seqlen_k, off, scale32,
-                                              softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q,
-                                              bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
+            if ABLATE == "grad":
+                pass
+            elif PLAIN and not need_mask:                # no options, no mask on this tile: P = 2^(S log2e - lse2)
+                for n in range(NT_Q):                    # each query's lse2, delta read once for all its keys
+                    for c in range(2):
+                        il = 8 * n + 2 * t + c
+                        lse_c = fsmem[U(lb + il)]
+                        delta_c = fsmem[U(lb + BLOCK_Q + il)]
+                        for m in range(MTK):
+                            for e in range(c, 4, 2):
+                                pe = exp2(s_reg[m, n, e] * scale_log2 - lse_c)
+                                dp_reg[m, n, e] = pe * (dp_reg[m, n, e] - delta_c)
+                                s_reg[m, n, e] = pe
+            else:
+                for m in range(MTK):
+                    for n in range(NT_Q):
+                        for e in range(4):
+                            j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
+                            il = 8 * n + 2 * t + (e % 2)
+                            p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
+                                              fsmem[U(lb + BLOCK_Q + il)], need_mask, seqlen_q, seqlen_k, off,
+                                              scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask,
+                                              bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
                             s_reg[m, n, e] = p_drop
                             dp_reg[m, n, e] = ds
 
@@ -354,58 +434,19 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T)
             if ABLATE != "dq" and (DSPLIT == 1 or warp < KW):
                 for m in range(MTK):
-                    row = DS_OFF + (16 * (MTK * kw + m) + g) * DS_STRIDE + t
+                    row = DS_OFF + (buf * DS_TILE if DEFER_DQ else 0) + (16 * (MTK * kw + m) + g) * DS_STRIDE + t
                     for n in range(NT_Q):
                         smem[U(row + 4 * n)] = pack2(dp_reg[m, n, 0], dp_reg[m, n, 1])
                         smem[U(row + 8 * DS_STRIDE + 4 * n)] = pack2(dp_reg[m, n, 2], dp_reg[m, n, 3])
-            cuda.syncthreads()          # dS^T is complete; every warp is past its reads of buffer buf
-            # 16 x 16 DQ_NP units (m-tile mq, n-tiles n .. n + 2 DQ_NP - 1) dealt to the warps in rounds; every warp runs
-            # every round (the simulator's mma is block-collective): one past the last unit recomputes unit 0
-            # and adds nothing
-            # flat offsets into dq_accum (C-contiguous): this thread's row q0 + g, dims 2t, 2t + 1;
-            # a whole query tile and an unpadded head dim need no bounds
-            dq_row = ((b * seqlen_q + q0 + g) * nheads + h) * HEAD_DIM + 2 * t
-            q_full = q0 + BLOCK_Q <= seqlen_q
-            for rnd in range(DQ_ROUNDS if ABLATE != "dq" else 0):
-                u = rnd * NWARPS + warp
-                active = True if DQ_UNITS % NWARPS == 0 else u < DQ_UNITS
-                if not active:
-                    u = 0
-                mq = u // NU_D
-                n = DQ_NT * (u - mq * NU_D)
-                dq_off = dq_row + 16 * mq * dq_rs + 8 * n
-                for p in range(DQ_NT):
-                    for e in range(4):
-                        dq_reg[p, e] = ZERO
-                for kk in range(KSTEPS_K):
-                    a0, a1, a2, a3 = ldmatrix_x4_trans(smem, U(DS_OFF + 16 * kk * DS_STRIDE + 8 * mq + ds_lane))
-                    for p in range(0, DQ_NT, 2):
-                        b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(K_OFF + 16 * kk * STRIDE + 4 * (n + p) + t_lane))
-                        dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma(
-                            a0, a1, a2, a3, b0, b1, dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3])
-                        dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
-                            a0, a1, a2, a3, b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2],
-                            dq_reg[p + 1, 3])
-                if RED2 and ABLATE in ("", "grad") and active and q_full and D_PAD == HEAD_DIM:   # no bounds, no branches
-                    for r in range(2):
-                        o = dq_off + 8 * r * dq_rs
-                        for p in range(DQ_NT):
-                            red_add_f32x2(dq_accum, o + 8 * p, dq_reg[p, 2 * r] * scale32,
-                                          dq_reg[p, 2 * r + 1] * scale32)
-                    continue
-                for half in range(DQ_NT):
-                    for r in range(2):
-                        i = q0 + 16 * mq + g + 8 * r
-                        d = 8 * (n + half) + 2 * t               # even; HEAD_DIM is even, so d + 1 < HEAD_DIM too
-                        if ABLATE == "atomics":
-                            active = dq_reg[half, 2 * r] == POS_INF   # keeps the products, (almost) never adds
-                        if active and (q_full or i < seqlen_q) and (D_PAD == HEAD_DIM or d < HEAD_DIM):
-                            if RED2:
-                                red_add_f32x2(dq_accum, dq_off + 8 * r * dq_rs + 8 * half,
-                                              dq_reg[half, 2 * r] * scale32, dq_reg[half, 2 * r + 1] * scale32)
-                            else:
-                                cuda.atomic.add(dq_accum, (b, i, h, d), dq_reg[half, 2 * r] * scale32)
-                                cuda.atomic.add(dq_accum, (b, i, h, d + 1), dq_reg[half, 2 * r + 1] * scale32)
+            if DEFER_DQ:                                 # added after the next item's barrier (or the last one)
+                pending = ABLATE != "dq"
+                ph = h
+                pq0 = q0
+            else:
+                cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
+                if ABLATE != "dq":
+                    dq_phase(smem, dq_accum, DS_OFF, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32,
+                             dq_reg)
             if wn < n_work:
                 # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
                 # the next item's first barrier publishes them
@@ -414,6 +455,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             w = wn
 
         wait_all()                                       # no copy may outlive the block
+        if DEFER_DQ and pending:                         # the last item's dQ
+            cuda.syncthreads()
+            dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, b, ph, pq0, seqlen_q, warp, g, t, ds_lane,
+                     t_lane, scale32, dq_reg)
         for m in range(MTK):
             for r in range(2):
                 j = k0 + 16 * (MTK * kw + m) + g + 8 * r

@@ -292,6 +292,22 @@ def test_tc_backward_with_scalar_atomics(p):
         api._red2 = real
 
 
+@pytest.mark.parametrize("defer", [True, False])
+@settings(max_examples=examples(1, 6))
+@given(p=tc_problems(min_seqlen=33))
+def test_tc_backward_dq_order_forced(defer, p):
+    """Each item's dQ after the next item's barrier from two dS^T buffers (``make_dkdv_tc(DEFER_DQ=True)``,
+    the default with the head-dim split) or after a second barrier of its own from one (the default
+    without), each forced whatever the head dim; more than one query tile per block, so the buffers are
+    reused, with any option."""
+    real = api.make_dkdv_tc
+    api.make_dkdv_tc = lambda *a, **kw: real(*a, **kw, DEFER_DQ=defer)
+    try:
+        _tc_backward_matches_oracle(p)
+    finally:
+        api.make_dkdv_tc = real
+
+
 # 2 pairs, dq_pairs's choice at most head dims, runs in every other backward property; the simulator
 # forces the other two widths only, each where dq_pairs would pick 2 (each example takes it minutes)
 @pytest.mark.parametrize("pairs", [1, 4] if SIMULATOR else [1, 2, 4])
