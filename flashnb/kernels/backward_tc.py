@@ -31,6 +31,7 @@ from numba import cuda
 
 from ._jit import device_function, kernel
 from ._mma import SMEM_ALIGN, memory_primitives, primitives
+from ._scores import make_allowed_fn
 from ._tiles import U, tile_head_batch
 from .backward import make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
@@ -134,7 +135,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     DQ_ROUNDS = -(-DQ_UNITS // NWARPS)
     CW = 4 if VEC16 else 1
     PLAIN = not (HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_DROPOUT)   # P, dS need no per-element option
-    ZERO, POS_INF, LOG2E_T = F32(0), F32(np.inf), F32(LOG2E)
+    WINDOW_ONLY = PLAIN and not (HAS_ATTN_MASK or HAS_BLOCK_MASK)        # ... and no mask held in memory
+    BIG = 1 << 40
+    ZERO, POS_INF, NEG_INF, LOG2E_T = F32(0), F32(np.inf), F32(-np.inf), F32(LOG2E)
 
     mma, pack2, _ = primitives(DTYPE_NAME)
     mem = memory_primitives()
@@ -143,11 +146,42 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     exp2, red_add_f32x2 = mem["exp2_ftz"], mem["red_add_f32x2"]
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     query_tile_range = make_query_tile_range(BLOCK_Q)
 
     copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
     copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
+
+    def make_plain_grad(MASKED):
+        @device_function
+        def plain_grad(s_reg, dp_reg, fsmem, lb, t, scale_log2, rel0, lo, hi, kend):
+            """P^T = 2^(S^T scale log2(e) - lse2), dS^T = P^T (dP^T - delta) in this thread's fragments, each
+            query's lse2 and delta read once for all its keys.  ``MASKED``: the exponent is -inf (P = 0)
+            where key - (query + off) = ``rel0`` + (offset of the element) leaves [``lo``, ``hi``] or the key's
+            offset from this thread's first key reaches ``kend`` (past the last key).  Rows past the last query
+            have lse2 = +inf.  Comparisons, no branches: a loop body small enough to unroll, so the
+            fragments stay in registers."""
+            for n in range(NT_Q):
+                for c in range(2):
+                    il = 8 * n + 2 * t + c
+                    lse_c = fsmem[U(lb + il)]
+                    delta_c = fsmem[U(lb + BLOCK_Q + il)]
+                    for m in range(MTK):
+                        for r in range(2):               # (a range with a variable start is not unrolled)
+                            e = 2 * r + c
+                            x = s_reg[m, n, e] * scale_log2 - lse_c
+                            if MASKED:
+                                rel = rel0 + (16 * m + 8 * r - 8 * n - c)
+                                if (rel < lo) | (rel > hi) | (16 * m + 8 * r >= kend):
+                                    x = NEG_INF
+                            pe = exp2(x)
+                            dp_reg[m, n, e] = pe * (dp_reg[m, n, e] - delta_c)
+                            s_reg[m, n, e] = pe
+
+        return plain_grad
+
+    plain_grad, plain_grad_masked = make_plain_grad(False), make_plain_grad(True)
 
     @device_function
     def next_work(w, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right, block_mask,
@@ -375,17 +409,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             # query q0 + 8n + 2t + (e & 1)
             if ABLATE == "grad":
                 pass
-            elif PLAIN and not need_mask:                # no options, no mask on this tile: P = 2^(S log2e - lse2)
-                for n in range(NT_Q):                    # each query's lse2, delta read once for all its keys
-                    for c in range(2):
-                        il = 8 * n + 2 * t + c
-                        lse_c = fsmem[U(lb + il)]
-                        delta_c = fsmem[U(lb + BLOCK_Q + il)]
-                        for m in range(MTK):
-                            for e in range(c, 4, 2):
-                                pe = exp2(s_reg[m, n, e] * scale_log2 - lse_c)
-                                dp_reg[m, n, e] = pe * (dp_reg[m, n, e] - delta_c)
-                                s_reg[m, n, e] = pe
+            elif PLAIN and not need_mask:                # no options, no mask on this tile
+                plain_grad(s_reg, dp_reg, fsmem, lb, t, scale_log2, 0, 0, 0, 0)
+            elif WINDOW_ONLY:                            # the mask from comparisons: window edge, last keys
+                jb = k0 + 16 * MTK * kw + g              # this thread's first key
+                plain_grad_masked(s_reg, dp_reg, fsmem, lb, t, scale_log2, jb - (q0 + 2 * t) - off,
+                                  -left if HAS_WINDOW and left >= 0 else -BIG, right if HAS_WINDOW and right >= 0 else BIG,
+                                  seqlen_k - jb)
             else:
                 for m in range(MTK):
                     for n in range(NT_Q):
