@@ -118,6 +118,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     CHUNKS = D_WORDS // CW                   # cp.async copies per key row
     HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI
     FOLD = POS_SCALE and not HAS_MODS        # S stays raw until exp2 (scale_log2 > 0 keeps the row max's place)
+    WINDOW_ONLY = HAS_WINDOW and not (HAS_MODS or HAS_ATTN_MASK or HAS_BLOCK_MASK)   # masks from comparisons
+    BIG = 1 << 40
     F32 = np.float32
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
     W0 = np.uint32(0)
@@ -286,7 +288,25 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
 
             # modifiers and masks, base-2 units (raw units under FOLD); element e of (m, n) is
             # (row0 + 16 m + 8 (e >> 1), k0 + 8n + 2t + (e & 1))
-            if HAS_MODS or need_mask:
+            if WINDOW_ONLY and need_mask:
+                # the mask by comparisons, no branches: a loop body small enough to unroll (the general loop
+                # below is not unrolled with a window: S would live in local memory in the whole kernel)
+                rel0 = k0 + 2 * t - row0 - off                # key - (query + off) of element (0, 0, 0)
+                lo = -left if left >= 0 else -BIG
+                hi = right if right >= 0 else BIG
+                kend = seqlen_k - (k0 + 2 * t)
+                qend = seqlen_q - row0
+                for m in range(MT):
+                    for n in range(NT_K):
+                        for e in range(4):
+                            dj = 8 * n + (e % 2)
+                            di = 16 * m + 8 * (e // 2)
+                            x = s_reg[m, n, e] if FOLD else s_reg[m, n, e] * scale_log2
+                            rel = rel0 + (dj - di)
+                            if (rel < lo) | (rel > hi) | (dj >= kend) | (di >= qend):
+                                x = NEG_INF
+                            s_reg[m, n, e] = x
+            elif not WINDOW_ONLY and (HAS_MODS or need_mask):
                 for m in range(MT):
                     for n in range(NT_K):
                         for e in range(4):
