@@ -118,7 +118,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     CHUNKS = D_WORDS // CW                   # cp.async copies per key row
     HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI
     FOLD = POS_SCALE and not HAS_MODS        # S stays raw until exp2 (scale_log2 > 0 keeps the row max's place)
-    WINDOW_ONLY = HAS_WINDOW and not (HAS_MODS or HAS_ATTN_MASK or HAS_BLOCK_MASK)   # masks from comparisons
+    # masks from comparisons where the general mask loop would put S in local memory: a window, no score
+    # option or mask in memory, two m-tiles per warp (with one, S stays in registers either way, and the
+    # comparisons measured 1-6% slower at d = 128, causal: bench/results/h100-tune-tc-2026-11-23.md)
+    WINDOW_ONLY = HAS_WINDOW and not (HAS_MODS or HAS_ATTN_MASK or HAS_BLOCK_MASK) and MT > 1
     BIG = 1 << 40
     F32 = np.float32
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
