@@ -45,7 +45,8 @@ def main(argv=None):
                     "shipped kernel: backward_tc.make_dkdv_tc ABLATE values (dq, atomics, grad; their results are "
                     "wrong), scalar-red (dQ by scalar atomics instead of red.global.add.v2.f32) and dq-pairs=N "
                     "(dQ in units of 16 x 16N: make_dkdv_tc's DQ_NP, results correct), dq-sync (each item's dQ after a "
-                    "second barrier of its own: DEFER_DQ=False, results correct)")
+                    "second barrier of its own: DEFER_DQ=False, results correct; without the head-dim split this "
+                    "is the shipped order)")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
                     help="bq:bk[:mt[:qs[:fold]]] per head dim (mt: m16 row blocks per warp, default "
                          "api.tc_m_tiles; qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem; fold: "

@@ -92,7 +92,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     ``DEFER_DQ``: item w's dQ = dS K_j is computed after the next item's first barrier, from a second
     dS^T buffer: one barrier per item instead of two.  False: right after a barrier of its own.  None:
     deferred with the head-dim split only (measured, bench/results/h100-tune-tc-bwd-2026-11-23.md:
-    2-3% less backward time at d = 256, 0-5% more at d = 64 and 128).
+    2-2.5% less backward time at d = 256; at d = 64 and 128 mixed, mostly slower, -2% to +8%).
 
     ``ABLATE`` (timing experiments only, ``bench.tune_tc --ablate``; the results are wrong):
     "dq" leaves out the dQ phase (dS^T store and dS K), "atomics" computes dQ but never adds it,

@@ -294,12 +294,15 @@ def test_tc_backward_with_scalar_atomics(p):
 
 @pytest.mark.parametrize("defer", [True, False])
 @settings(max_examples=examples(1, 6))
-@given(p=tc_problems(min_seqlen=33))
+@given(p=kernel_problems(dtypes=(np.float16,), max_seqlen=TC_MAX_SEQLEN, headdims=TC_HEADDIMS,
+                         tiles=st.sampled_from([(16, 16), (16, 32)] if SIMULATOR else [(16, 64), (32, 64), (32, 128)]),
+                         min_seqlen=33 if SIMULATOR else 97))
 def test_tc_backward_dq_order_forced(defer, p):
     """Each item's dQ after the next item's barrier from two dS^T buffers (``make_dkdv_tc(DEFER_DQ=True)``,
     the default with the head-dim split) or after a second barrier of its own from one (the default
-    without), each forced whatever the head dim; more than one query tile per block, so the buffers are
-    reused, with any option."""
+    without), each forced whatever the head dim; at least three query tiles, so both dS^T buffers are
+    written twice unless a window drawn with the options leaves fewer.  Checked to fail: the deferred
+    dQ reading the current item's buffer instead of the previous one's."""
     real = api.make_dkdv_tc
     api.make_dkdv_tc = lambda *a, **kw: real(*a, **kw, DEFER_DQ=defer)
     try:
