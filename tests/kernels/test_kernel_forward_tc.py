@@ -231,6 +231,17 @@ def _tc_backward_matches_oracle(p):
     check_backward(exp, grads)
 
 
+def _tc_backward_matches_oracle_with(p, **factory_kw):
+    """``_tc_backward_matches_oracle`` with keyword arguments of ``make_dkdv_tc`` forced: variants the
+    defaults would not pick for this problem."""
+    real = api.make_dkdv_tc
+    api.make_dkdv_tc = lambda *a, **kw: real(*a, **kw, **factory_kw)
+    try:
+        _tc_backward_matches_oracle(p)
+    finally:
+        api.make_dkdv_tc = real
+
+
 @settings(max_examples=examples(6, 20))
 @given(p=tc_problems())
 def test_tc_backward_float16_within_twice_float16_oracle_error(p):
@@ -303,12 +314,7 @@ def test_tc_backward_dq_order_forced(defer, p):
     without), each forced whatever the head dim; at least three query tiles, so both dS^T buffers are
     written twice unless a window drawn with the options leaves fewer.  Checked to fail: the deferred
     dQ reading the current item's buffer instead of the previous one's."""
-    real = api.make_dkdv_tc
-    api.make_dkdv_tc = lambda *a, **kw: real(*a, **kw, DEFER_DQ=defer)
-    try:
-        _tc_backward_matches_oracle(p)
-    finally:
-        api.make_dkdv_tc = real
+    _tc_backward_matches_oracle_with(p, DEFER_DQ=defer)
 
 
 # 2 pairs, dq_pairs's choice at most head dims, runs in every other backward property; the simulator
@@ -325,12 +331,7 @@ def test_tc_backward_dq_unit_widths(pairs, data):
                                   # (16, 64): two warps of 32 keys, one with no unit at 4 pairs
                                   tiles=st.sampled_from([(32, 16), (16, 64)] if SIMULATOR else [(32, 64), (32, 128)]),
                                   headdims=(32 if pairs == 1 else 64,) if SIMULATOR else (64, 128)), label="problem")
-    real = api.make_dkdv_tc
-    api.make_dkdv_tc = lambda *a, **kw: real(*a, **kw, DQ_NP=pairs)
-    try:
-        _tc_backward_matches_oracle(p)
-    finally:
-        api.make_dkdv_tc = real
+    _tc_backward_matches_oracle_with(p, DQ_NP=pairs)
 
 
 @pytest.mark.parametrize("option", sorted(S.ALL_OPTIONS))
