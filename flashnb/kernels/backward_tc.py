@@ -12,12 +12,15 @@ with the products on ``mma.sync.m16n8k16`` (primitives: ``_mma``):
    tile's Q, dO and its lse, delta rows are in flight while this one computes)::
 
        S^T  = K_j Q_i^T,  dP^T = V_j dO_i^T          a: ldmatrix of K/V rows; b: ldmatrix of Q/dO rows
-       P^T, dS^T element-wise (backward.make_element_grad: masks, softcap, dropout)
+       P^T, dS^T element-wise                        no score option: plain_grad (a window's mask by
+                                                     comparisons); else backward.make_element_grad
        dV_j += P_drop^T dO_i,  dK_j += dS^T Q_i      a: P^T, dS^T packed from the accumulators;
                                                      b: ldmatrix.trans of dO/Q rows
        dQ_i += dS K_j                                dS^T through shared memory (ldmatrix.trans gives
-                                                     dS's a fragments), float32 atomics; 16 x 16 units
-                                                     of dQ dealt to all the warps
+                                                     dS's a fragments), float32 atomics; 16 x 16 DQ_NP
+                                                     units of dQ dealt to all the warps (dq_phase), after
+                                                     a barrier of its own or, with DEFER_DQ, after the
+                                                     next item's first barrier
 
    dK, dV of the grouped query heads are summed in registers.
 3. ``cast_tc``: the float32 dQ accumulator to 16-bit words.
@@ -31,7 +34,6 @@ from numba import cuda
 
 from ._jit import device_function, kernel
 from ._mma import SMEM_ALIGN, memory_primitives, primitives
-from ._scores import make_allowed_fn
 from ._tiles import U, tile_head_batch
 from .backward import make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
@@ -148,7 +150,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     exp2, red_add_f32x2 = mem["exp2_ftz"], mem["red_add_f32x2"]
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
-    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     query_tile_range = make_query_tile_range(BLOCK_Q)
 
