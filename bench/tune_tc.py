@@ -48,10 +48,11 @@ def main(argv=None):
                     "second barrier of its own: DEFER_DQ=False, results correct; without the head-dim split this "
                     "is the shipped order)")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
-                    help="bq:bk[:mt[:qs[:fold]]] per head dim (mt: m16 row blocks per warp, default "
+                    help="bq:bk[:mt[:qs[:fold[:lpt]]]] per head dim (mt: m16 row blocks per warp, default "
                          "api.tc_m_tiles; qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem; fold: "
                          "0 = scale applied before the row max, default 1 = folded into exp2 where "
-                         "api.tc_positive_scale allows); with --pass bwd "
+                         "api.tc_positive_scale allows; lpt: 1 = query tiles last first, default "
+                         "api.tc_longest_first); with --pass bwd "
                          "bq:bk[:ds[:mtk]] (ds: warps per 16 keys, default api.tc_bwd_dim_split; mtk: m-tiles of 16 "
                          "keys per warp, default api.tc_bwd_key_tiles)")
     args = ap.parse_args(argv)
@@ -69,18 +70,18 @@ def main(argv=None):
         _resources()
         return
     api = flashnb.api
-    saved = api.tc_m_tiles, api.tc_q_in_smem, api.tc_positive_scale
+    saved = api.tc_m_tiles, api.tc_q_in_smem, api.tc_positive_scale, api.tc_longest_first
     try:
         rows = _sweep_fwd(args, dtype, *saved)
     finally:
-        api.tc_m_tiles, api.tc_q_in_smem, api.tc_positive_scale = saved
+        api.tc_m_tiles, api.tc_q_in_smem, api.tc_positive_scale, api.tc_longest_first = saved
     print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; ratio = SDPA FlashAttention-2 time / "
           "flashnb time (>1: flashnb faster)")
     print(tabulate(rows, headers="keys"))
     _resources()
 
 
-def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
+def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale, default_lpt):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import flashnb
@@ -93,6 +94,8 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
             mt = cfg[2] if len(cfg) > 2 else default_mt(bq, d)
             qs = bool(cfg[3]) if len(cfg) > 3 else default_qs(mt, d)
             fold = bool(cfg[4]) if len(cfg) > 4 else True
+            lpt = bool(cfg[5]) if len(cfg) > 5 else None
+            flashnb.api.tc_longest_first = (default_lpt if lpt is None else lambda has_window, lpt=lpt: lpt)
             flashnb.api.tc_m_tiles = lambda block_q, headdim, mt=mt: mt          # the variant under test
             flashnb.api.tc_q_in_smem = lambda m_tiles, headdim, qs=qs: qs
             flashnb.api.tc_positive_scale = lambda scale, fold=fold: fold and positive_scale(scale)
@@ -115,6 +118,7 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
                     f = _fwd_flops(b, h, n, d, causal)
                     t_f, t_s = _time(fwd, sets), _time(sdpa, sets)
                     rows.append(dict(d=d, tiles=f"{bq}x{bk}", mt=mt, q_smem=int(qs), fold=int(fold),
+                                     lpt=int(flashnb.api.tc_longest_first(causal)),
                                      causal=causal, N=n, rel_err=f"{err:.1e}",
                                      fwd_ms=round(t_f, 3), tflops=round(f / t_f / 1e9, 1),
                                      fa2_tflops=round(f / t_s / 1e9, 1), ratio=round(t_s / t_f, 3)))

@@ -28,7 +28,7 @@ _GPU_TILES = {
 }
 _SIM_TILES = (8, 8)  # the simulator runs one Python thread per CUDA thread: keep blocks small
 # Tensor-core tiles: BLOCK_Q = 16 x m-tiles per warp (tc_m_tiles) x warps, BLOCK_K a multiple of 16.
-_TC_TILES = ((64, (128, 64)), (128, (64, 64)), (256, (128, 32)))   # measured: docs/tensorcore.md
+_TC_TILES = ((64, (128, 64)), (128, (128, 64)), (256, (128, 32)))   # measured: docs/tensorcore.md
 _TC_SIM_TILES = (16, 16)
 MAX_SHARED_BYTES = 227 * 1024  # per block, opted in, on compute capability 9.0 (8.0: 163 KB)
 
@@ -72,13 +72,20 @@ def tc_bwd_threads(block_q, block_k, headdim):
 
 
 def tc_m_tiles(block_q, headdim):
-    """m16 row blocks per warp: 2 (each K/V fragment read from shared memory feeds two mma) where the
-    registers allow, head dims up to 64; larger head dims spill with 2 (docs/tensorcore.md)."""
-    return 2 if block_q >= 32 and headdim <= 64 else 1
+    """m16 row blocks per warp: 2 (each K/V fragment read from shared memory feeds two mma) up to head dim 64,
+    and up to 128 with 4 or more warps and Q in shared memory (``tc_q_in_smem``; 80-96 bytes of spills, and
+    still 9-20% faster than one m-tile; with 2 warps per block half as fast); above 128, 1 (docs/tensorcore.md)."""
+    return 2 if (block_q >= 32 and headdim <= 64) or (block_q >= 128 and headdim <= 128) else 1
 
 
 def tc_q_in_smem(m_tiles, headdim):
-    """Q's fragments from shared memory (ldmatrix per k-step) rather than registers: measured, docs/tensorcore.md."""
+    """Q's fragments from shared memory (ldmatrix per k-step) rather than registers where two m-tiles per warp
+    would not leave the registers for Q's fragments, head dims above 64 (measured, docs/tensorcore.md)."""
+    return m_tiles > 1 and headdim > 64
+
+
+def tc_longest_first(has_window):
+    """Whether the forward runs a head's query tiles last first (``forward_tc``'s ``LPT``)."""
     return False
 
 
@@ -267,7 +274,8 @@ def _forward_tc(q, k, v, out, lse, opts, bq, bk, dtype_name, stream):
     mt = tc_m_tiles(bq, 2 * words)
     kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, vec16, mt, tc_q_in_smem(mt, 2 * words),
                                             f.has_window, f.has_attn_mask, f.has_block_mask, f.has_softcap,
-                                            f.has_bias, f.has_alibi, f.has_dropout, tc_positive_scale(opts.scale))
+                                            f.has_bias, f.has_alibi, f.has_dropout, tc_positive_scale(opts.scale),
+                                            tc_longest_first(f.has_window))
     _check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {2 * words}")
     grid = -(-seqlen_q // bq) * nheads * batch
     launch(kern, grid, threads, stream, shared,

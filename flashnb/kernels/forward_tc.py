@@ -56,22 +56,28 @@ def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
     """
     CHUNKS = ROW_WORDS // CW
     cp_async = memory_primitives()["cp_async16" if CW == 4 else "cp_async4"]
-    # a whole tile of unpadded rows whose chunks divide evenly among the threads: a compile-time trip
-    # count, no bounds, the source offset stepped by one add per copy
-    EVEN = ROW_WORDS == HEAD_WORDS and NTHREADS % CHUNKS == 0 and NROWS % (NTHREADS // CHUNKS) == 0
-    ROW_STEP = NTHREADS // CHUNKS if EVEN else 0
-    ITERS = NROWS // ROW_STEP if EVEN else 0
+    # a whole tile of unpadded rows: a compile-time trip count, no bounds, the source offset stepped by one
+    # add per copy.  Threads take chunk columns, ROW_STEP rows per pass; where the chunks of a row do not
+    # divide the threads (head dims 80, 96, 112: 10, 12, 14 chunks) the last NTHREADS % CHUNKS threads idle,
+    # and where the passes do not divide the rows the last pass is bounded
+    FAST = ROW_WORDS == HEAD_WORDS and CHUNKS <= NTHREADS
+    ROW_STEP = NTHREADS // CHUNKS if FAST else 0
+    ITERS = -(-NROWS // ROW_STEP) if FAST else 0
+    ALL_ACTIVE = NTHREADS % CHUNKS == 0
+    LAST_FULL = FAST and NROWS % ROW_STEP == 0
 
     @device_function
     def copy(src, src_base, src_row, row0, nrows, smem, dst):
-        if EVEN and nrows >= NROWS:
+        if FAST and nrows >= NROWS:
             r0 = cuda.threadIdx.x // CHUNKS
             c = (cuda.threadIdx.x - r0 * CHUNKS) * CW
             d = U(dst + r0 * STRIDE + c)
             s = src_base + (row0 + r0) * src_row + c
-            for it in range(ITERS):
-                cp_async(smem, d + U(it * ROW_STEP * STRIDE), src, s, 4 * CW)
-                s += ROW_STEP * src_row
+            if ALL_ACTIVE or r0 < ROW_STEP:
+                for it in range(ITERS):
+                    if LAST_FULL or it < ITERS - 1 or r0 + it * ROW_STEP < NROWS:
+                        cp_async(smem, d + U(it * ROW_STEP * STRIDE), src, s, 4 * CW)
+                    s += ROW_STEP * src_row
             return
         for idx in range(cuda.threadIdx.x, NROWS * CHUNKS, NTHREADS):
             r = idx // CHUNKS
@@ -86,7 +92,7 @@ def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
 
 @lru_cache(maxsize=None)
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False):
+                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, LPT=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -94,7 +100,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     instead of holding them in registers for the whole kernel.  ``POS_SCALE``: the launch
     promises ``scale > 0``; with no score option the scale then moves into ``exp2``'s argument
     (the row max taken on the raw scores, ``p = exp2(s * scale_log2 - m_i)``: one FFMA per score
-    instead of a multiply and a subtract).
+    instead of a multiply and a subtract).  ``LPT``: the query tiles of a head in reverse order, the
+    last (under a causal mask, the longest) first.
     """
     assert BLOCK_Q % (16 * MT) == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
     NWARPS = BLOCK_Q // (16 * MT)            # each warp owns MT m-tiles of 16 query rows
@@ -199,7 +206,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                          drop_threshold, drop_scale, seed_lo, seed_hi):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        qt, h, b = tile_head_batch((seqlen_q + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
+        n_qt = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
+        qt, h, b = tile_head_batch(n_qt, q.shape[2])
+        if LPT:
+            qt = n_qt - 1 - qt
         q0 = qt * BLOCK_Q
         hk = h // group
         tid = cuda.threadIdx.x

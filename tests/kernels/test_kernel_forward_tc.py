@@ -72,17 +72,20 @@ TC_VARIANTS = {            # api's choice -> the variant's
     "shipped": {},
     "q_in_smem": {"tc_q_in_smem": lambda m_tiles, headdim: True},
     "scale_not_folded": {"tc_positive_scale": lambda scale: False},
+    "longest_first": {"tc_longest_first": lambda has_window: True},
 }
 
 
 @pytest.mark.parametrize("variant", sorted(TC_VARIANTS))
 @settings(max_examples=examples(2, 6))
-@given(p=tc_problems(headdims=(46,) if SIMULATOR else (46, 128)))
+@given(p=tc_problems(headdims=(46, 48) if SIMULATOR else (46, 96, 128)))
 def test_tc_kernel_variants(variant, p):
     """The shipped kernel and the compile-time variants the defaults do not reach (docs/tensorcore.md
     measures each): Q's fragments from a shared tile (``Q_SMEM``), the scale applied before the row
-    max at a positive scale (``POS_SCALE`` off); at head dim 46 (4-byte copies, 24 per row: the
-    copier's uneven trip count, and zero padding to 48), and 128 on a GPU."""
+    max at a positive scale (``POS_SCALE`` off), the query tiles last first (``LPT``); at head dim 46
+    (4-byte copies, 24 per row: the copier's general loop, and zero padding to 48), 48 (6 16-byte copies
+    per row, which do not divide a warp: the bound-free copier with idle threads and a bounded last
+    pass), and 96, 128 on a GPU."""
     real = {name: getattr(api, name) for name in TC_VARIANTS[variant]}
     try:
         for name, choice in TC_VARIANTS[variant].items():
