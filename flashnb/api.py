@@ -43,8 +43,9 @@ def default_tiles(headdim, acc_name):
 
 
 # (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / (16 tc_bwd_key_tiles) x tc_bwd_dim_split warps: the
-# fastest of the H100 sweeps (bench/results/h100-tune-tc-bwd-2026-11-22.md; 32 x 128 spills 68 bytes)
-_TC_BWD_TILES = ((64, (32, 128)), (128, (32, 64)), (256, (32, 64)))
+# fastest of the H100 sweeps (bench/results/h100-tune-tc-bwd-2026-11-22.md; at d = 128, 8 warps of 16 keys
+# take 3-5% less time than 4, at d = 96 5-10% more: bench/results/h100-tune-tc-2026-11-23.md)
+_TC_BWD_TILES = ((64, (32, 128)), (112, (32, 64)), (128, (32, 128)), (256, (32, 64)))
 
 
 def default_tc_bwd_tiles(headdim):
