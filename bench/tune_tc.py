@@ -46,7 +46,8 @@ def main(argv=None):
                     "wrong), scalar-red (dQ by scalar atomics instead of red.global.add.v2.f32) and dq-pairs=N "
                     "(dQ in units of 16 x 16N: make_dkdv_tc's DQ_NP, results correct), dq-sync (each item's dQ after a "
                     "second barrier of its own: DEFER_DQ=False, results correct; without the head-dim split this "
-                    "is the shipped order)")
+                    "is the shipped order), dq-defer (DEFER_DQ=True: results correct; with the head-dim split the "
+                    "shipped order)")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
                     help="bq:bk[:mt[:qs[:fold[:lpt]]]] per head dim (mt: m16 row blocks per warp, default "
                          "api.tc_m_tiles; qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem; fold: "
@@ -132,6 +133,8 @@ def _variant(make_dkdv_tc, ablate, *args, **kw):
         return make_dkdv_tc(*args[:-1], False, **kw)
     if ablate.startswith("dq-pairs="):                   # a dQ unit width other than dq_pairs's choice
         return make_dkdv_tc(*args, DQ_NP=int(ablate.split("=")[1]), **kw)
+    if ablate == "dq-defer":                             # B9's deferred dQ without the head-dim split too
+        return make_dkdv_tc(*args, DEFER_DQ=True, **kw)
     if ablate == "dq-sync":                              # B8's order: dQ after a barrier of its own
         return make_dkdv_tc(*args, DEFER_DQ=False, **kw)
     return make_dkdv_tc(*args, ABLATE=ablate, **kw)
