@@ -10,7 +10,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import _arrays, _options
-from .kernels._jit import SIMULATOR, compute_capability, launch, memset_zero
+from .kernels._jit import SIMULATOR, compute_capability, launch, memset_zero, shared_limit
 from .kernels._tiles import np_acc
 from .kernels.backward import make_cast, make_dkdv, make_dq, make_preprocess
 from .kernels.forward import LOG2E, make_forward, tile_threads
@@ -28,9 +28,10 @@ _GPU_TILES = {
 }
 _SIM_TILES = (8, 8)  # the simulator runs one Python thread per CUDA thread: keep blocks small
 # Tensor-core tiles: BLOCK_Q = 16 x m-tiles per warp (tc_m_tiles) x warps, BLOCK_K a multiple of 16.
-_TC_TILES = ((64, (128, 64)), (128, (128, 64)), (256, (128, 32)))   # measured: docs/tensorcore.md
+# Each head-dim class: the measured tiles (docs/tensorcore.md), then the fallback where a device's shared
+# memory per block is smaller than the H100's (compute capability 8.6 / 8.9: 99 KB).
+_TC_TILES = ((64, ((128, 64),)), (128, ((128, 64), (64, 64))), (256, ((128, 32), (64, 32))))
 _TC_SIM_TILES = (16, 16)
-MAX_SHARED_BYTES = 227 * 1024  # per block, opted in, on compute capability 9.0 (8.0: 163 KB)
 
 
 def default_tiles(headdim, acc_name):
@@ -44,14 +45,30 @@ def default_tiles(headdim, acc_name):
 
 # (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / (16 tc_bwd_key_tiles) x tc_bwd_dim_split warps: the
 # fastest of the H100 sweeps (bench/results/h100-tune-tc-bwd-2026-11-22.md; at d = 128, 8 warps of 16 keys
-# take 3-5% less time than 4, at d = 96 5-10% more: bench/results/h100-tune-tc-2026-11-23.md)
-_TC_BWD_TILES = ((64, (32, 128)), (112, (32, 64)), (128, (32, 128)), (256, (32, 64)))
+# take 1-5% less time than 4, at d = 96 9-12% more: bench/results/h100-tune-tc-2026-11-23.md), then the
+# fallback where a device's shared memory per block is smaller than the H100's
+_TC_BWD_TILES = ((64, ((32, 128), (32, 64))), (112, ((32, 64), (16, 64))), (128, ((32, 128), (32, 64))),
+                 (256, ((32, 64), (16, 64))))
+
+
+def _fitting(candidates, limit, shared_bytes):
+    """The first (block_q, block_k) of ``candidates`` whose kernel fits in ``limit`` bytes of shared memory
+    per block, else the last (the launch then refuses it with a ValueError naming the bytes)."""
+    return next((c for c in candidates if shared_bytes(*c) <= limit), candidates[-1])
 
 
 def default_tc_bwd_tiles(headdim):
     if SIMULATOR:
         return _TC_SIM_TILES
-    return next(tiles for max_d, tiles in _TC_BWD_TILES if headdim <= max_d)
+    return _default_tc_bwd_tiles(headdim, shared_limit())
+
+
+@lru_cache(maxsize=None)
+def _default_tc_bwd_tiles(headdim, limit):
+    d = headdim + headdim % 2
+    candidates = next(tiles for max_d, tiles in _TC_BWD_TILES if headdim <= max_d)
+    return _fitting(candidates, limit, lambda bq, bk: make_dkdv_tc(
+        bq, bk, d, "float16", True, *([False] * 7), tc_bwd_dim_split(d), MTK=tc_bwd_key_tiles(bq, bk, d))[1])
 
 
 def tc_bwd_key_tiles(block_q, block_k, headdim):
@@ -75,7 +92,7 @@ def tc_bwd_threads(block_q, block_k, headdim):
 def tc_m_tiles(block_q, headdim):
     """m16 row blocks per warp: 2 (each K/V fragment read from shared memory feeds two mma) up to head dim 64,
     and up to 128 with 4 or more warps and Q in shared memory (``tc_q_in_smem``; 80-96 bytes of spills, and
-    still 9-20% faster than one m-tile; with 2 warps per block half as fast); above 128, 1 (docs/tensorcore.md)."""
+    still 7-19% less time than one m-tile; with 2 warps per block half as fast); above 128, 1 (docs/tensorcore.md)."""
     return 2 if (block_q >= 32 and headdim <= 64) or (block_q >= 128 and headdim <= 128) else 1
 
 
@@ -101,7 +118,18 @@ def tc_positive_scale(scale):
 def default_tc_tiles(headdim):
     if SIMULATOR:
         return _TC_SIM_TILES
-    return next(tiles for max_d, tiles in _TC_TILES if headdim <= max_d)
+    return _default_tc_tiles(headdim, shared_limit())
+
+
+@lru_cache(maxsize=None)
+def _default_tc_tiles(headdim, limit):
+    d = headdim + headdim % 2
+    candidates = next(tiles for max_d, tiles in _TC_TILES if headdim <= max_d)
+
+    def shared_bytes(bq, bk):
+        mt = tc_m_tiles(bq, d)
+        return make_forward_tc(bq, bk, d, "float16", True, mt, tc_q_in_smem(mt, d), *([False] * 7))[1]
+    return _fitting(candidates, limit, shared_bytes)
 
 
 def _tiles(block_q, block_k, headdim, acc_name):
@@ -110,8 +138,9 @@ def _tiles(block_q, block_k, headdim, acc_name):
 
 
 def _check_shared(nbytes, what):
-    if not SIMULATOR and nbytes > MAX_SHARED_BYTES:
-        raise ValueError(f"{what} needs {nbytes} bytes of shared memory per block (limit {MAX_SHARED_BYTES}); "
+    limit = shared_limit()
+    if limit is not None and nbytes > limit:
+        raise ValueError(f"{what} needs {nbytes} bytes of shared memory per block (this device's limit: {limit}); "
                          "choose smaller block_q / block_k")
 
 

@@ -191,7 +191,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 nbytes = 4 * CW if ok else 0
                 cp_async(smem, U(base + r * STRIDE + c), k, k_base + row * k_row + col, nbytes)
                 cp_async(smem, U(base + V_OFF + r * STRIDE + c), v, v_base + row * v_row + col, nbytes)
-        else:                                       # the generic copier's runtime-trip-count loop
+        else:                                       # the copier (the whole tile's bound-free path, or its general loop)
             copy_kv(k, k_base, k_row, k0, nrows, smem, base)
             copy_kv(v, v_base, v_row, k0, nrows, smem, base + V_OFF)
         cp_async_commit()

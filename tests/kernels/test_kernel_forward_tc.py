@@ -96,6 +96,42 @@ def test_tc_kernel_variants(variant, p):
             setattr(api, name, fn)
 
 
+@settings(max_examples=examples(3, 8))
+@given(p=kernel_problems(dtypes=(np.float16,), max_seqlen=TC_MAX_SEQLEN, min_seqlen=33,
+                         headdims=(48,) if SIMULATOR else (80, 96, 112),
+                         tiles=st.sampled_from([(16, 16), (64, 16)] if SIMULATOR else [(None, None), (64, 64)])))
+def test_tc_copier_rows_that_do_not_divide_the_threads(p):
+    """Rows of 6 (simulator: head dim 48) or 10, 12, 14 (GPU: 80, 96, 112) 16-byte chunks, which do not
+    divide the block's threads: whole tiles take the bound-free copier with the last threads idle and,
+    where the passes do not divide the rows (16 rows, 5 or 10 per pass), a bounded last pass; at least
+    33 keys, so whole tiles are copied."""
+    _tc_forward_matches_oracle(p)
+
+
+@pytest.mark.parametrize("headdim", [64, 96, 128, 256])
+def test_tc_default_tiles_fit_the_device(headdim):
+    """The default tiles take the first candidate whose kernel fits the device's shared memory per block:
+    the H100's choice at its 227 KB, smaller tiles at 8.0's 163 KB and 8.6 / 8.9's 99 KB where needed."""
+    from flashnb.kernels.backward_tc import make_dkdv_tc
+    from flashnb.kernels.forward_tc import make_forward_tc
+    for limit in (99 * 1024, 163 * 1024, 227 * 1024):
+        bq, bk = api._default_tc_tiles(headdim, limit)
+        mt = api.tc_m_tiles(bq, headdim)
+        shared = make_forward_tc(bq, bk, headdim, "float16", True, mt, api.tc_q_in_smem(mt, headdim), *[False] * 7)[1]
+        last = next(t for d, t in api._TC_TILES if headdim <= d)[-1]
+        assert shared <= limit or (bq, bk) == last, (limit, bq, bk, shared)
+        bq, bk = api._default_tc_bwd_tiles(headdim, limit)
+        shared = make_dkdv_tc(bq, bk, headdim, "float16", True, *[False] * 7, api.tc_bwd_dim_split(headdim),
+                              MTK=api.tc_bwd_key_tiles(bq, bk, headdim))[1]
+        last = next(t for d, t in api._TC_BWD_TILES if headdim <= d)[-1]
+        assert shared <= limit or (bq, bk) == last, (limit, bq, bk, shared)
+    if headdim == 128:   # the measured choices at the H100's limit; smaller ones fall back
+        assert api._default_tc_tiles(128, 227 * 1024) == (128, 64)
+        assert api._default_tc_tiles(128, 99 * 1024) == (64, 64)
+        assert api._default_tc_bwd_tiles(128, 227 * 1024) == (32, 128)
+        assert api._default_tc_bwd_tiles(128, 99 * 1024) == (32, 64)
+
+
 # ------------------------------------------------------------------------------------ bfloat16
 def _bf16_problem(p):
     """p with q, k, v as float32 values that bfloat16 represents exactly."""
