@@ -4,7 +4,7 @@
     python -m bench.tune_tc --pass bwd [--configs 64=32:64,64:64;128=16:64;256=32:64:2]
 
 ``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K[, warps per 16 keys: the
-head-dim split[, m-tiles of 16 keys per warp]]); the forward runs at
+head-dim split[, m-tiles of 16 keys per warp[, S^T shared]]]); the forward runs at
 its default tiles; the table has the backward's time alone and forward+backward against
 SDPA's FlashAttention-2 forward+backward.
 
@@ -54,8 +54,9 @@ def main(argv=None):
                          "0 = scale applied before the row max, default 1 = folded into exp2 where "
                          "api.tc_positive_scale allows; lpt: 1 = query tiles last first, default "
                          "api.tc_longest_first); with --pass bwd "
-                         "bq:bk[:ds[:mtk]] (ds: warps per 16 keys, default api.tc_bwd_dim_split; mtk: m-tiles of 16 "
-                         "keys per warp, default api.tc_bwd_key_tiles)")
+                         "bq:bk[:ds[:mtk[:share]]] (ds: warps per 16 keys, default api.tc_bwd_dim_split; mtk: m-tiles "
+                         "of 16 keys per warp, default api.tc_bwd_key_tiles; share: 1 = S^T, dP^T computed once "
+                         "per pair of warps and shared, default api.tc_bwd_share)")
     args = ap.parse_args(argv)
 
     import torch
@@ -143,13 +144,14 @@ def _variant(make_dkdv_tc, ablate, *args, **kw):
 def _sweep_bwd(args, dtype):
     import flashnb
     from flashnb.kernels.backward_tc import make_dkdv_tc
-    dim_split, key_tiles = flashnb.api.tc_bwd_dim_split, flashnb.api.tc_bwd_key_tiles
+    dim_split, key_tiles, share = flashnb.api.tc_bwd_dim_split, flashnb.api.tc_bwd_key_tiles, flashnb.api.tc_bwd_share
     rows = []
     try:
         _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc)
     finally:
         flashnb.api.make_dkdv_tc = make_dkdv_tc
         flashnb.api.tc_bwd_dim_split, flashnb.api.tc_bwd_key_tiles = dim_split, key_tiles
+        flashnb.api.tc_bwd_share = share
     return rows
 
 
@@ -157,16 +159,22 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import flashnb
-    default_split, default_mtk = flashnb.api.tc_bwd_dim_split, flashnb.api.tc_bwd_key_tiles
+    default_split, default_mtk, default_share = (flashnb.api.tc_bwd_dim_split, flashnb.api.tc_bwd_key_tiles,
+                                                 flashnb.api.tc_bwd_share)
     for part in filter(None, args.configs.split(";")):
         d, pairs = part.split("=")
         d = int(d)
         for cfg in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
             bq, bk = cfg[:2]
-            ds = cfg[2] if len(cfg) > 2 else default_split(d)
+            # the api's choices (each consults the others) for what the configuration leaves out
+            flashnb.api.tc_bwd_dim_split, flashnb.api.tc_bwd_key_tiles, flashnb.api.tc_bwd_share = (
+                default_split, default_mtk, default_share)
+            ds = cfg[2] if len(cfg) > 2 else default_split(bq, bk, d)
             mtk = cfg[3] if len(cfg) > 3 else default_mtk(bq, bk, d)
-            flashnb.api.tc_bwd_dim_split = lambda headdim, ds=ds: ds          # the variant under test
+            sh = bool(cfg[4]) if len(cfg) > 4 else default_share(bq, bk, d)
+            flashnb.api.tc_bwd_dim_split = lambda block_q, block_k, headdim, ds=ds: ds   # the variant under test
             flashnb.api.tc_bwd_key_tiles = lambda block_q, block_k, headdim, mtk=mtk: mtk
+            flashnb.api.tc_bwd_share = lambda block_q, block_k, headdim, sh=sh: sh
             for causal, ablate in ((c, a) for a in [""] + list(filter(None, args.ablate.split(","))) for c in (False, True)):
                 flashnb.api.make_dkdv_tc = functools.partial(_variant, make_dkdv_tc, ablate)
                 err = _check_grads(dtype, d, bq, bk, causal, backend="tensorcore", fwd_tiles=False)
@@ -194,7 +202,7 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
 
                     f = _fwd_flops(b, h, n, d, causal)
                     t_b, t_fb, t_s = _time(bwd, sets, reps=10), _time(fwdbwd, sets, reps=10), _time(sdpa, sets, reps=10)
-                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", split=ds, mtk=mtk, ablate=ablate or "-", causal=causal, N=n,
+                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", split=ds, mtk=mtk, share=int(sh), ablate=ablate or "-", causal=causal, N=n,
                                      rel_err=f"{err:.1e}",
                                      bwd_ms=round(t_b, 3), bwd_tflops=round(2.5 * f / t_b / 1e9, 1),
                                      fb_ms=round(t_fb, 3), fb_tflops=round(3.5 * f / t_fb / 1e9, 1),

@@ -44,11 +44,11 @@ def default_tiles(headdim, acc_name):
 
 
 # (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / (16 tc_bwd_key_tiles) x tc_bwd_dim_split warps: the
-# fastest of the H100 sweeps (bench/results/h100-tune-tc-bwd-2026-11-22.md; at d = 128, 8 warps of 16 keys
-# take 1-5% less time than 4, at d = 96 9-12% more: bench/results/h100-tune-tc-2026-11-23.md), then the
-# fallback where a device's shared memory per block is smaller than the H100's
-_TC_BWD_TILES = ((64, ((32, 128), (32, 64))), (112, ((32, 64), (16, 64))), (128, ((32, 128), (32, 64))),
-                 (256, ((32, 64), (16, 64))))
+# fastest of the H100 sweeps (bench/results/h100-tune-tc-bwd-2026-11-22.md; above head dim 64 with S^T
+# shared, tc_bwd_share: bench/results/h100-tune-tc-2026-11-23.md, ninth session), then the fallbacks where a
+# device's shared memory per block is smaller than the H100's (8.0: 163 KB; 8.6 / 8.9: 99 KB)
+_TC_BWD_TILES = ((64, ((32, 128), (32, 64))), (128, ((64, 128), (32, 64))),
+                 (256, ((64, 64), (32, 64), (16, 64))))
 
 
 def _fitting(candidates, limit, shared_bytes):
@@ -68,25 +68,44 @@ def _default_tc_bwd_tiles(headdim, limit):
     d = headdim + headdim % 2
     candidates = next(tiles for max_d, tiles in _TC_BWD_TILES if headdim <= max_d)
     return _fitting(candidates, limit, lambda bq, bk: make_dkdv_tc(
-        bq, bk, d, "float16", True, *([False] * 7), tc_bwd_dim_split(d), MTK=tc_bwd_key_tiles(bq, bk, d))[1])
+        bq, bk, d, "float16", True, *([False] * 7), tc_bwd_dim_split(bq, bk, d), MTK=tc_bwd_key_tiles(bq, bk, d),
+        SHARE=tc_bwd_share(bq, bk, d))[1])
 
 
 def tc_bwd_key_tiles(block_q, block_k, headdim):
     """m-tiles of 16 keys per warp in the tensor-core dK/dV kernel: 2 (each Q / dO fragment read from shared
-    memory feeds twice the ``mma``) where the registers allow it, head dims up to 64 and block_q <= 32 (twice
-    dK's, dV's, S^T's and dP^T's registers; measured, docs/tensorcore.md); block_k a multiple of 32."""
-    return 2 if headdim <= 64 and block_q <= 32 and block_k % 32 == 0 else 1
+    memory feeds twice the ``mma``) where the registers allow it: head dims up to 64 with block_q <= 32, and up
+    to 128 with S^T shared (``tc_bwd_share``; half of dK's, dV's dims and of S^T's, dP^T's queries per warp)
+    (measured, docs/tensorcore.md); block_k a multiple of 32."""
+    if block_k % 32:
+        return 1
+    if headdim <= 64:
+        return 2 if block_q <= 32 else 1
+    return 2 if headdim <= 128 and tc_bwd_share(block_q, block_k, headdim) else 1
 
 
-def tc_bwd_dim_split(headdim):
-    """Warps per 16 keys in the tensor-core dK/dV kernel: 2 above head dim 128, where one warp's registers
-    cannot hold dK and dV next to S^T and dP^T (each warp of a pair holds half of the dims)."""
-    return 2 if headdim > 128 else 1
+def tc_bwd_dim_split(block_q, block_k, headdim):
+    """Warps per 16 keys in the tensor-core dK/dV kernel (each warp of a pair holds half of dK's and dV's
+    dims): 2 above head dim 128, where one warp's registers cannot hold dK and dV next to S^T and dP^T, and
+    wherever S^T is shared (``tc_bwd_share``: the pair splits its queries)."""
+    return 2 if headdim > 128 or tc_bwd_share(block_q, block_k, headdim) else 1
+
+
+def tc_bwd_share(block_q, block_k, headdim):
+    """S^T and dP^T computed once per pair of warps, each for half of the query tile, and shared through
+    shared memory (``make_dkdv_tc(SHARE=True)``, FlashAttention-2's layout): above head dim 64, with block_q a
+    multiple of 32 (whole 16-query steps per warp), and up to 64 at head dims up to 128 (there two m-tiles of
+    keys per warp, ``tc_bwd_key_tiles``: 64 queries a warp would double S^T's registers).  Measured on the
+    H100 at 64 x 128 tiles (64 x 64 above 128): 8-13% less backward time at d = 128, 6-9% at 80, 18-21% at 96,
+    22-26% at 192 and 256, and at 32 x 64 (the fallback) 4-6% at 128; at d = 64, 12-16% more
+    (bench/results/h100-tune-tc-2026-11-23.md, ninth session)."""
+    return headdim > 64 and block_q % 32 == 0 and (block_q <= 64 or headdim > 128)
 
 
 def tc_bwd_threads(block_q, block_k, headdim):
     """Threads per block of the tensor-core dK/dV kernel: 32 per (16 x key m-tiles) keys per dim part."""
-    return 32 * block_k // (16 * tc_bwd_key_tiles(block_q, block_k, headdim)) * tc_bwd_dim_split(headdim)
+    return (32 * block_k // (16 * tc_bwd_key_tiles(block_q, block_k, headdim))
+            * tc_bwd_dim_split(block_q, block_k, headdim))
 
 
 def tc_m_tiles(block_q, headdim):
@@ -446,8 +465,9 @@ def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, 
         vec16 = all(_arrays.rows_aligned16(x) for x in (dout, q, k, v))
         kern, shared, threads = make_dkdv_tc(bq, bk, 2 * words, dtype_name, vec16, f.has_window, f.has_attn_mask,
                                              f.has_block_mask, f.has_softcap, f.has_bias, f.has_alibi,
-                                             f.has_dropout, tc_bwd_dim_split(2 * words), _red2(),
-                                             MTK=tc_bwd_key_tiles(bq, bk, 2 * words))
+                                             f.has_dropout, tc_bwd_dim_split(bq, bk, 2 * words), _red2(),
+                                             MTK=tc_bwd_key_tiles(bq, bk, 2 * words),
+                                             SHARE=tc_bwd_share(bq, bk, 2 * words))
         _check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {2 * words}")
         launch(kern, -(-seqlen_k // bk) * nheads_k * batch, threads, stream, shared,
                (q, k, v, dout, lse2, delta, dk, dv, dq_accum, nheads // nheads_k, seqlen_k - seqlen_q)

@@ -75,7 +75,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 @lru_cache(maxsize=None)
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, ABLATE="", MTK=1, DQ_NP=0,
-                 DEFER_DQ=None):
+                 DEFER_DQ=None, SHARE=False):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 keys.  With 2, a pair of warps computes the same S^T and dP^T of its 16
@@ -96,13 +96,22 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     deferred with the head-dim split only (measured, bench/results/h100-tune-tc-bwd-2026-11-23.md:
     2-2.5% less backward time at d = 256; at d = 64 and 128 mixed, mostly slower, -2% to +8%).
 
+    ``SHARE`` (with ``DSPLIT = 2``): S^T and dP^T are computed once, not twice.  The two warps of a pair split
+    the queries of the tile (each computes its 16 MTK keys x BLOCK_Q / 2 queries), both write their P_drop^T and
+    dS^T to shared memory, and after a barrier each reads the a fragments of dV += P_drop^T dO_i and
+    dK += dS^T Q_i for all the queries with ``ldmatrix`` (FlashAttention-2's layout: the warp tiles of the
+    products are larger, so fewer shared-memory reads feed each ``mma``).  dQ follows at once by default
+    (``DEFER_DQ`` would save no barrier: the one before dV, dK is there anyway).
+
     ``ABLATE`` (timing experiments only, ``bench.tune_tc --ablate``; the results are wrong):
     "dq" leaves out the dQ phase (dS^T store and dS K), "atomics" computes dQ but never adds it,
     "grad" replaces the element-wise P, dS with P = S, dS = dP (no exp, masks or options).
     """
     assert ABLATE in ("", "dq", "atomics", "grad")
-    DEFER_DQ = DSPLIT > 1 if DEFER_DQ is None else DEFER_DQ
+    DEFER_DQ = DSPLIT > 1 and not SHARE if DEFER_DQ is None else DEFER_DQ
     assert BLOCK_Q % 16 == 0 and BLOCK_K % (16 * MTK) == 0 and HEAD_DIM % 2 == 0 and DSPLIT in (1, 2)
+    QS = DSPLIT if SHARE else 1              # parts of the queries in S^T, dP^T: warp w computes part w // KW
+    assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
     NTHREADS = 32 * NWARPS
@@ -113,6 +122,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     NT_D = D_PAD // 8                        # n-tiles of dK, dV, dQ (8 dims each)
     NT_DW = NT_D // DSPLIT                   # n-tiles of dK, dV in one warp's registers
     NT_Q = BLOCK_Q // 8                      # n-tiles of S^T, dP^T (8 queries each)
+    NT_QA = NT_Q // QS                       # n-tiles of S^T, dP^T in one warp's registers
     KSTEPS_Q = BLOCK_Q // 16                 # k-steps of P^T dO and dS^T Q
     KSTEPS_K = BLOCK_K // 16                 # k-steps of dS K
     MQ = BLOCK_Q // 16                       # query m-tiles of dQ, spread over the warps
@@ -124,7 +134,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     Q_OFF = V_OFF + BLOCK_K * STRIDE         # buffer s: Q_i at Q_OFF + 2 s QTILE, dO_i QTILE after it
     DS_TILE = BLOCK_K * DS_STRIDE
     DS_OFF = Q_OFF + 4 * QTILE               # dS^T as words: [key][query pair]; buffer s at DS_OFF + s DS_TILE
-    L_OFF = DS_OFF + (2 if DEFER_DQ else 1) * DS_TILE   # buffer s: lse_i log2(e) at L_OFF + 2 s BLOCK_Q, delta_i after it
+    P_OFF = DS_OFF + (2 if DEFER_DQ else 1) * DS_TILE   # SHARE: P_drop^T as words, [key][query pair]
+    L_OFF = P_OFF + (DS_TILE if SHARE else 0)           # buffer s: lse_i log2(e) at L_OFF + 2 s BLOCK_Q, delta_i after it
     SMEM_WORDS = L_OFF + 4 * BLOCK_Q
     SHARED_BYTES = SMEM_WORDS * 4
     LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
@@ -165,7 +176,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             offset from this thread's first key reaches ``kend`` (past the last key).  Rows past the last query
             have lse2 = +inf.  Comparisons, no branches: a loop body small enough to unroll, so the
             fragments stay in registers."""
-            for n in range(NT_Q):
+            for n in range(NT_QA):
                 for c in range(2):
                     il = 8 * n + 2 * t + c
                     lse_c = fsmem[U(lb + il)]
@@ -227,6 +238,16 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             if r < BLOCK_Q:
                 fsmem[base + r] = l_row[s]
                 fsmem[base + BLOCK_Q + r] = d_row[s]
+
+    @device_function
+    def store_words(smem, base, reg, kw, g, t):
+        """``reg`` (this warp's m-tiles of keys x n-tiles of queries) as 16-bit pairs into the [key][query pair]
+        words at ``base``."""
+        for m in range(MTK):
+            row = base + (16 * (MTK * kw + m) + g) * DS_STRIDE + t
+            for n in range(NT_QA):
+                smem[U(row + 4 * n)] = pack2(reg[m, n, 0], reg[m, n, 1])
+                smem[U(row + 8 * DS_STRIDE + 4 * n)] = pack2(reg[m, n, 2], reg[m, n, 3])
 
     @device_function
     def dq_phase(smem, dq_accum, ds_base, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg):
@@ -295,6 +316,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         lane = tid - 32 * warp
         kw = warp % KW if DSPLIT > 1 else warp          # this warp's keys: k0 + 16 MTK kw ..
         nd0 = NT_DW * (warp // KW) if DSPLIT > 1 else 0  # its first n-tile of dK, dV
+        qa = (BLOCK_Q // QS) * (warp // KW) if SHARE else 0   # its first query of S^T, dP^T
         g = lane // 4
         t = lane - 4 * g
         mi = lane // 8
@@ -306,12 +328,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # ldmatrix rows of this lane: a fragments of this warp's 16 K/V rows; b fragments of Q/dO rows
         # (plain: two n-tiles of 8 queries; .trans: k = 16 queries, two n-tiles of 8 dims); dS^T as a.trans
         a_lane = (16 * MTK * kw + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
-        b_lane = (8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
+        b_lane = (qa + 8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
         t_lane = (8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         ds_lane = (8 * (mi // 2) + lane % 8) * DS_STRIDE + 4 * (mi % 2)
+        pa_lane = (16 * MTK * kw + 8 * (mi % 2) + lane % 8) * DS_STRIDE + 4 * (mi // 2)   # SHARE: P^T, dS^T as a
 
-        s_reg = cuda.local.array((MTK, NT_Q, 4), F32)      # S^T, then P_drop^T (m-tile of keys, n-tile of queries)
-        dp_reg = cuda.local.array((MTK, NT_Q, 4), F32)     # dP^T, then dS^T
+        s_reg = cuda.local.array((MTK, NT_QA, 4), F32)     # S^T, then P_drop^T (m-tile of keys, n-tile of queries)
+        dp_reg = cuda.local.array((MTK, NT_QA, 4), F32)    # dP^T, then dS^T
         dk_acc = cuda.local.array((MTK, NT_DW, 4), F32)
         dv_acc = cuda.local.array((MTK, NT_DW, 4), F32)
         fa = cuda.local.array((MTK, 4), U32_DT)            # a fragments of the m-tiles (K, P^T)
@@ -378,9 +401,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             db = qb + QTILE
             lb = L_OFF + buf * 2 * BLOCK_Q
 
-            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T (rows: this warp's keys; columns: queries)
+            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T (rows: this warp's keys; columns: queries qa ..)
             for m in range(MTK):
-                for n in range(NT_Q):
+                for n in range(NT_QA):
                     for e in range(4):
                         s_reg[m, n, e] = ZERO
                         dp_reg[m, n, e] = ZERO
@@ -390,7 +413,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         smem, U(K_OFF + a_lane + 16 * m * STRIDE + 8 * ks))
                     fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3] = ldmatrix_x4(
                         smem, U(V_OFF + a_lane + 16 * m * STRIDE + 8 * ks))
-                for n in range(0, NT_Q, 2):
+                for n in range(0, NT_QA, 2):
                     b0, b1, b2, b3 = ldmatrix_x4(smem, U(qb + 8 * n * STRIDE + 8 * ks + b_lane))
                     for m in range(MTK):
                         s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3] = mma(
@@ -409,22 +432,22 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                             dp_reg[m, n + 1, 0], dp_reg[m, n + 1, 1], dp_reg[m, n + 1, 2], dp_reg[m, n + 1, 3])
 
             # P_drop^T and dS^T element-wise: element e of (m, n) is key k0 + 16 (MTK kw + m) + g + 8 (e >> 1),
-            # query q0 + 8n + 2t + (e & 1)
+            # query q0 + qa + 8n + 2t + (e & 1)
             if ABLATE == "grad":
                 pass
             elif PLAIN and not need_mask:                # no options, no mask on this tile
-                plain_grad(s_reg, dp_reg, fsmem, lb, t, scale_log2, 0, 0, 0, 0)
+                plain_grad(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, 0, 0, 0, 0)
             elif WINDOW_ONLY:                            # the mask from comparisons: window edges, last keys
                 jb = k0 + 16 * MTK * kw + g              # this thread's first key
-                plain_grad_masked(s_reg, dp_reg, fsmem, lb, t, scale_log2, jb - (q0 + 2 * t) - off,
+                plain_grad_masked(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, jb - (q0 + qa + 2 * t) - off,
                                   -left if left >= 0 else -BIG, right if right >= 0 else BIG,
                                   seqlen_k - jb)
             else:
                 for m in range(MTK):
-                    for n in range(NT_Q):
+                    for n in range(NT_QA):
                         for e in range(4):
                             j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
-                            il = 8 * n + 2 * t + (e % 2)
+                            il = qa + 8 * n + 2 * t + (e % 2)
                             p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
                                               fsmem[U(lb + BLOCK_Q + il)], need_mask, seqlen_q, seqlen_k, off,
                                               scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask,
@@ -432,18 +455,31 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                             s_reg[m, n, e] = p_drop
                             dp_reg[m, n, e] = ds
 
+            ds_buf = DS_OFF + (buf * DS_TILE if DEFER_DQ else 0)
+            if SHARE:                                    # this warp's queries of P_drop^T and dS^T, for all
+                store_words(smem, P_OFF + qa // 2, s_reg, kw, g, t)
+                store_words(smem, ds_buf + qa // 2, dp_reg, kw, g, t)
+                cuda.syncthreads()
+
             # dV += P_drop^T dO_i, dK += dS^T Q_i (scale at the end; this warp's dims): a from the
-            # accumulators, b = ldmatrix.trans of dO / Q rows (k = 16 queries, two n-tiles of dims)
+            # accumulators (SHARE: ldmatrix of P_drop^T, dS^T rows), b = ldmatrix.trans of dO / Q rows
+            # (k = 16 queries, two n-tiles of dims)
             for kq in range(KSTEPS_Q):
                 for m in range(MTK):
-                    fa[m, 0] = pack2(s_reg[m, 2 * kq, 0], s_reg[m, 2 * kq, 1])
-                    fa[m, 1] = pack2(s_reg[m, 2 * kq, 2], s_reg[m, 2 * kq, 3])
-                    fa[m, 2] = pack2(s_reg[m, 2 * kq + 1, 0], s_reg[m, 2 * kq + 1, 1])
-                    fa[m, 3] = pack2(s_reg[m, 2 * kq + 1, 2], s_reg[m, 2 * kq + 1, 3])
-                    fb[m, 0] = pack2(dp_reg[m, 2 * kq, 0], dp_reg[m, 2 * kq, 1])
-                    fb[m, 1] = pack2(dp_reg[m, 2 * kq, 2], dp_reg[m, 2 * kq, 3])
-                    fb[m, 2] = pack2(dp_reg[m, 2 * kq + 1, 0], dp_reg[m, 2 * kq + 1, 1])
-                    fb[m, 3] = pack2(dp_reg[m, 2 * kq + 1, 2], dp_reg[m, 2 * kq + 1, 3])
+                    if SHARE:
+                        fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3] = ldmatrix_x4(
+                            smem, U(P_OFF + pa_lane + 16 * m * DS_STRIDE + 8 * kq))
+                        fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3] = ldmatrix_x4(
+                            smem, U(ds_buf + pa_lane + 16 * m * DS_STRIDE + 8 * kq))
+                    else:
+                        fa[m, 0] = pack2(s_reg[m, 2 * kq, 0], s_reg[m, 2 * kq, 1])
+                        fa[m, 1] = pack2(s_reg[m, 2 * kq, 2], s_reg[m, 2 * kq, 3])
+                        fa[m, 2] = pack2(s_reg[m, 2 * kq + 1, 0], s_reg[m, 2 * kq + 1, 1])
+                        fa[m, 3] = pack2(s_reg[m, 2 * kq + 1, 2], s_reg[m, 2 * kq + 1, 3])
+                        fb[m, 0] = pack2(dp_reg[m, 2 * kq, 0], dp_reg[m, 2 * kq, 1])
+                        fb[m, 1] = pack2(dp_reg[m, 2 * kq, 2], dp_reg[m, 2 * kq, 3])
+                        fb[m, 2] = pack2(dp_reg[m, 2 * kq + 1, 0], dp_reg[m, 2 * kq + 1, 1])
+                        fb[m, 3] = pack2(dp_reg[m, 2 * kq + 1, 2], dp_reg[m, 2 * kq + 1, 3])
                 for n in range(0, NT_DW, 2):
                     b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(db + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
                     for m in range(MTK):
@@ -464,19 +500,16 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
             # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
             # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans.  With
-            # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T)
-            if ABLATE != "dq" and (DSPLIT == 1 or warp < KW):
-                for m in range(MTK):
-                    row = DS_OFF + (buf * DS_TILE if DEFER_DQ else 0) + (16 * (MTK * kw + m) + g) * DS_STRIDE + t
-                    for n in range(NT_Q):
-                        smem[U(row + 4 * n)] = pack2(dp_reg[m, n, 0], dp_reg[m, n, 1])
-                        smem[U(row + 8 * DS_STRIDE + 4 * n)] = pack2(dp_reg[m, n, 2], dp_reg[m, n, 3])
+            # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T; SHARE: written above)
+            if not SHARE and ABLATE != "dq" and (DSPLIT == 1 or warp < KW):
+                store_words(smem, ds_buf, dp_reg, kw, g, t)
             if DEFER_DQ:                                 # added after the next item's barrier (or the last one)
                 pending = ABLATE != "dq"
                 ph = h
                 pq0 = q0
             else:
-                cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
+                if not SHARE:
+                    cuda.syncthreads()  # dS^T is complete; every warp is past its reads of buffer buf
                 if ABLATE != "dq":
                     dq_phase(smem, dq_accum, DS_OFF, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32,
                              dq_reg)

@@ -121,15 +121,19 @@ def test_tc_default_tiles_fit_the_device(headdim):
         last = next(t for d, t in api._TC_TILES if headdim <= d)[-1]
         assert shared <= limit or (bq, bk) == last, (limit, bq, bk, shared)
         bq, bk = api._default_tc_bwd_tiles(headdim, limit)
-        shared = make_dkdv_tc(bq, bk, headdim, "float16", True, *[False] * 7, api.tc_bwd_dim_split(headdim),
-                              MTK=api.tc_bwd_key_tiles(bq, bk, headdim))[1]
+        shared = make_dkdv_tc(bq, bk, headdim, "float16", True, *[False] * 7, api.tc_bwd_dim_split(bq, bk, headdim),
+                              MTK=api.tc_bwd_key_tiles(bq, bk, headdim), SHARE=api.tc_bwd_share(bq, bk, headdim))[1]
         last = next(t for d, t in api._TC_BWD_TILES if headdim <= d)[-1]
         assert shared <= limit or (bq, bk) == last, (limit, bq, bk, shared)
     if headdim == 128:   # the measured choices at the H100's limit; smaller ones fall back
         assert api._default_tc_tiles(128, 227 * 1024) == (128, 64)
         assert api._default_tc_tiles(128, 99 * 1024) == (64, 64)
-        assert api._default_tc_bwd_tiles(128, 227 * 1024) == (32, 128)
+        assert api._default_tc_bwd_tiles(128, 227 * 1024) == (64, 128)
+        assert api._default_tc_bwd_tiles(128, 163 * 1024) == (32, 64)
         assert api._default_tc_bwd_tiles(128, 99 * 1024) == (32, 64)
+    if headdim == 256:
+        assert api._default_tc_bwd_tiles(256, 227 * 1024) == (64, 64)
+        assert api._default_tc_bwd_tiles(256, 163 * 1024) == (32, 64)
 
 
 # ------------------------------------------------------------------------------------ bfloat16
@@ -294,14 +298,39 @@ def test_tc_backward_with_the_head_dim_split(p):
     """Two warps per 16 keys, each accumulating dK, dV for half of the head dim (padded to a multiple of
     32): what head dims above 128 run, forced here at head dims whose second half holds real dims (the
     simulator's are small), one m-tile of keys per warp (as above 128), more than 16 keys (block_k = 32:
-    two pairs of warps along the keys), with any option."""
-    real = api.tc_bwd_dim_split, api.tc_bwd_key_tiles
-    api.tc_bwd_dim_split = lambda headdim: 2
+    two pairs of warps along the keys), each warp of a pair computing all of S^T (no ``tc_bwd_share``: above
+    head dim 128 where block_q is 16), with any option."""
+    real = api.tc_bwd_dim_split, api.tc_bwd_key_tiles, api.tc_bwd_share
+    api.tc_bwd_dim_split = lambda block_q, block_k, headdim: 2
     api.tc_bwd_key_tiles = lambda block_q, block_k, headdim: 1
+    api.tc_bwd_share = lambda block_q, block_k, headdim: False
     try:
         _tc_backward_matches_oracle(p)
     finally:
-        api.tc_bwd_dim_split, api.tc_bwd_key_tiles = real
+        api.tc_bwd_dim_split, api.tc_bwd_key_tiles, api.tc_bwd_share = real
+
+
+@settings(max_examples=examples(3, 8))
+@given(p=kernel_problems(dtypes=(np.float16,), max_seqlen=TC_MAX_SEQLEN, min_seqlen=33,
+                         headdims=(18, 32) if SIMULATOR else (32, 96, 128, 160, 256),
+                         tiles=st.sampled_from([(32, 16), (32, 32)] if SIMULATOR else [(32, 64), (64, 64), (64, 128)])),
+       key_tiles=st.sampled_from([1, 2]))
+def test_tc_backward_with_shared_scores(p, key_tiles):
+    """S^T and dP^T computed once per pair of warps, each for half of the query tile, and read back by both
+    from shared memory (``tc_bwd_share``: the default above head dim 64, which the simulator's head dims never
+    reach), forced with one or two m-tiles of keys per warp (two: up to head dim 128, block_k a multiple of
+    32); more than one query tile, so both warps' halves hold queries; with any option.  Checked to fail: a
+    warp's P^T written at the first query of the tile instead of its own half."""
+    bq, bk = api.default_tc_bwd_tiles(p.headdim)
+    mtk = key_tiles if (p.block_k or bk) % 32 == 0 and p.headdim <= 128 else 1
+    real = api.tc_bwd_dim_split, api.tc_bwd_key_tiles, api.tc_bwd_share
+    api.tc_bwd_dim_split = lambda block_q, block_k, headdim: 2
+    api.tc_bwd_key_tiles = lambda block_q, block_k, headdim: mtk
+    api.tc_bwd_share = lambda block_q, block_k, headdim: True
+    try:
+        _tc_backward_matches_oracle(p)
+    finally:
+        api.tc_bwd_dim_split, api.tc_bwd_key_tiles, api.tc_bwd_share = real
 
 
 @settings(max_examples=examples(3, 6))
