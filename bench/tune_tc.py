@@ -171,7 +171,7 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
                 default_split, default_mtk, default_share)
             ds = cfg[2] if len(cfg) > 2 else default_split(bq, bk, d)
             mtk = cfg[3] if len(cfg) > 3 else default_mtk(bq, bk, d)
-            sh = bool(cfg[4]) if len(cfg) > 4 else default_share(bq, bk, d)
+            sh = bool(cfg[4]) if len(cfg) > 4 else default_share(bq, bk, d) and ds == 2
             flashnb.api.tc_bwd_dim_split = lambda block_q, block_k, headdim, ds=ds: ds   # the variant under test
             flashnb.api.tc_bwd_key_tiles = lambda block_q, block_k, headdim, mtk=mtk: mtk
             flashnb.api.tc_bwd_share = lambda block_q, block_k, headdim, sh=sh: sh

@@ -6,8 +6,9 @@ with the products on ``mma.sync.m16n8k16`` (primitives: ``_mma``):
 1. ``backward.make_preprocess(WORDS_OF=...)``: ``delta_i = rowsum(dO_i * O_i)`` and ``lse`` in base 2,
    from 32-bit words.
 2. ``dkdv_tc``: one block per (key tile, key/value head, batch); ``BLOCK_K / (16 MTK)`` warps
-   each own ``16 MTK`` keys (``MTK = 2`` at head dims up to 64; ``DSPLIT = 2``, head dims above
-   128: two warps per 16 keys, each holding half of dK's and dV's dims).  K_j, V_j stay in shared memory; for every query tile of every
+   each own ``16 MTK`` keys (``MTK`` m-tiles of 16; ``DSPLIT = 2``: two warps per 16 MTK keys, each
+   holding half of dK's and dV's dims, and with ``SHARE`` half of the queries of S^T and dP^T, which
+   both read back from shared memory).  K_j, V_j stay in shared memory; for every query tile of every
    query head of the group (Q_i, dO_i copied in with ``cp.async``, double-buffered: the next
    tile's Q, dO and its lse, delta rows are in flight while this one computes)::
 
@@ -78,9 +79,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                  DEFER_DQ=None, SHARE=False):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
-    ``DSPLIT``: warps per 16 keys.  With 2, a pair of warps computes the same S^T and dP^T of its 16
-    keys and each accumulates dK, dV for half of the head dim: the accumulators of head dims above
-    128 do not fit in one warp's registers next to S^T and dP^T (the price: S^T and dP^T twice).
+    ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
+    dim (the accumulators of head dims above 128, or of 128 at two m-tiles, do not fit in one warp's
+    registers next to S^T and dP^T); without ``SHARE`` both compute the same S^T and dP^T (twice the work).
 
     ``MTK``: m-tiles of 16 keys per warp.  With 2, each Q / dO fragment read from shared memory feeds
     twice the ``mma`` (twice dK's and dV's registers).
@@ -92,23 +93,26 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     dims, and each dS fragment read with ``ldmatrix`` feeds ``2 DQ_NP`` ``mma``.  0: ``dq_pairs``'s choice.
 
     ``DEFER_DQ``: item w's dQ = dS K_j is computed after the next item's first barrier, from a second
-    dS^T buffer: one barrier per item instead of two.  False: right after a barrier of its own.  None:
-    deferred with the head-dim split only (measured, bench/results/h100-tune-tc-bwd-2026-11-23.md:
-    2-2.5% less backward time at d = 256; at d = 64 and 128 mixed, mostly slower, -2% to +8%).
+    dS^T buffer: one barrier per item instead of two (with ``SHARE``, two instead of three).  False: right
+    after a barrier of its own.  None: deferred with the head-dim split only (measured,
+    bench/results/h100-tune-tc-bwd-2026-11-23.md: 2-2.5% less backward time at d = 256; at d = 64 and 128
+    without the split mixed, mostly slower, -2% to +8%).
 
     ``SHARE`` (with ``DSPLIT = 2``): S^T and dP^T are computed once, not twice.  The two warps of a pair split
     the queries of the tile (each computes its 16 MTK keys x BLOCK_Q / 2 queries), both write their P_drop^T and
     dS^T to shared memory, and after a barrier each reads the a fragments of dV += P_drop^T dO_i and
     dK += dS^T Q_i for all the queries with ``ldmatrix`` (FlashAttention-2's layout: the warp tiles of the
-    products are larger, so fewer shared-memory reads feed each ``mma``).  dQ follows at once by default
-    (``DEFER_DQ`` would save no barrier: the one before dV, dK is there anyway).
+    products are larger, so fewer shared-memory reads feed each ``mma``).  dV, dK read this item's Q, dO
+    buffer after the item's last barrier, and the copy two items ahead goes into it: the next item issues
+    that copy after its first barrier (the deferred dQ, the default), or, with ``DEFER_DQ=False``, a barrier
+    after dV, dK (dQ right after it) keeps them apart.
 
     ``ABLATE`` (timing experiments only, ``bench.tune_tc --ablate``; the results are wrong):
     "dq" leaves out the dQ phase (dS^T store and dS K), "atomics" computes dQ but never adds it,
     "grad" replaces the element-wise P, dS with P = S, dS = dP (no exp, masks or options).
     """
     assert ABLATE in ("", "dq", "atomics", "grad")
-    DEFER_DQ = DSPLIT > 1 and not SHARE if DEFER_DQ is None else DEFER_DQ
+    DEFER_DQ = DSPLIT > 1 if DEFER_DQ is None else DEFER_DQ
     assert BLOCK_Q % 16 == 0 and BLOCK_K % (16 * MTK) == 0 and HEAD_DIM % 2 == 0 and DSPLIT in (1, 2)
     QS = DSPLIT if SHARE else 1              # parts of the queries in S^T, dP^T: warp w computes part w // KW
     assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
@@ -508,8 +512,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 ph = h
                 pq0 = q0
             else:
-                if not SHARE:
-                    cuda.syncthreads()  # dS^T is complete; every warp is past its reads of buffer buf
+                cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
                 if ABLATE != "dq":
                     dq_phase(smem, dq_accum, DS_OFF, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32,
                              dq_reg)
