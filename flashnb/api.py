@@ -96,8 +96,9 @@ def tc_bwd_share(block_q, block_k, headdim):
     shared memory (``make_dkdv_tc(SHARE=True)``, FlashAttention-2's layout): above head dim 64, with block_q a
     multiple of 32 (whole 16-query steps per warp), and up to 64 at head dims up to 128 (there two m-tiles of
     keys per warp, ``tc_bwd_key_tiles``: 64 queries a warp would double S^T's registers).  Measured on the
-    H100 at 64 x 128 tiles (64 x 64 above 128): 8-13% less backward time at d = 128, 6-9% at 80, 18-21% at 96,
-    22-26% at 192 and 256, and at 32 x 64 (the fallback) 4-6% at 128; at d = 64, 12-16% more
+    H100 at 64 x 128 tiles (64 x 64 above 128), in a first form whose race the deferred dQ fixed (within 1%
+    of it at d = 128 in the sweep): 8-13% less backward time at d = 128, 6-9% at 80, 18-21% at 96, 22-26% at
+    192 and 256, and at 32 x 64 (the fallback) 4-6% at 128; at d = 64, 12-16% more
     (bench/results/h100-tune-tc-2026-11-23.md, ninth session)."""
     return headdim > 64 and block_q % 32 == 0 and (block_q <= 64 or headdim > 128)
 
