@@ -285,6 +285,19 @@ def _tc_backward_matches_oracle_with(p, **factory_kw):
         api.make_dkdv_tc = real
 
 
+def _tc_backward_matches_oracle_with_layout(p, split, key_tiles, share):
+    """``_tc_backward_matches_oracle`` with the api's warp layout of the dK/dV kernel forced (warps per 16 keys,
+    key m-tiles per warp, S^T shared or not), whatever it would choose for this problem."""
+    real = api.tc_bwd_dim_split, api.tc_bwd_key_tiles, api.tc_bwd_share
+    api.tc_bwd_dim_split = lambda block_q, block_k, headdim: split
+    api.tc_bwd_key_tiles = lambda block_q, block_k, headdim: key_tiles
+    api.tc_bwd_share = lambda block_q, block_k, headdim: share
+    try:
+        _tc_backward_matches_oracle(p)
+    finally:
+        api.tc_bwd_dim_split, api.tc_bwd_key_tiles, api.tc_bwd_share = real
+
+
 @settings(max_examples=examples(6, 20))
 @given(p=tc_problems())
 def test_tc_backward_float16_within_twice_float16_oracle_error(p):
@@ -300,14 +313,7 @@ def test_tc_backward_with_the_head_dim_split(p):
     simulator's are small), one m-tile of keys per warp (as above 128), more than 16 keys (block_k = 32:
     two pairs of warps along the keys), each warp of a pair computing all of S^T (no ``tc_bwd_share``: above
     head dim 128 where block_q is 16), with any option."""
-    real = api.tc_bwd_dim_split, api.tc_bwd_key_tiles, api.tc_bwd_share
-    api.tc_bwd_dim_split = lambda block_q, block_k, headdim: 2
-    api.tc_bwd_key_tiles = lambda block_q, block_k, headdim: 1
-    api.tc_bwd_share = lambda block_q, block_k, headdim: False
-    try:
-        _tc_backward_matches_oracle(p)
-    finally:
-        api.tc_bwd_dim_split, api.tc_bwd_key_tiles, api.tc_bwd_share = real
+    _tc_backward_matches_oracle_with_layout(p, split=2, key_tiles=1, share=False)
 
 
 @settings(max_examples=examples(3, 8))
@@ -323,14 +329,7 @@ def test_tc_backward_with_shared_scores(p, key_tiles):
     warp's P^T written at the first query of the tile instead of its own half."""
     bq, bk = api.default_tc_bwd_tiles(p.headdim)
     mtk = key_tiles if (p.block_k or bk) % 32 == 0 and p.headdim <= 128 else 1
-    real = api.tc_bwd_dim_split, api.tc_bwd_key_tiles, api.tc_bwd_share
-    api.tc_bwd_dim_split = lambda block_q, block_k, headdim: 2
-    api.tc_bwd_key_tiles = lambda block_q, block_k, headdim: mtk
-    api.tc_bwd_share = lambda block_q, block_k, headdim: True
-    try:
-        _tc_backward_matches_oracle(p)
-    finally:
-        api.tc_bwd_dim_split, api.tc_bwd_key_tiles, api.tc_bwd_share = real
+    _tc_backward_matches_oracle_with_layout(p, split=2, key_tiles=mtk, share=True)
 
 
 @settings(max_examples=examples(3, 6))
