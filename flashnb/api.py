@@ -21,7 +21,8 @@ BACKENDS = ("simt", "tensorcore")
 
 # Default tiles (BLOCK_Q, BLOCK_K) by accumulation type and head dim: the largest
 # tiles whose shared memory (q, k, v, p in the accumulation type) leaves room
-# for two or more blocks per SM.  Measurements: docs/performance.md.
+# for two or more blocks per SM on the H100 (measurements: docs/performance.md);
+# halved where a device's shared memory per block is smaller (default_tiles).
 _GPU_TILES = {
     "float32": ((64, (64, 64)), (128, (64, 32)), (256, (32, 32))),
     "float64": ((64, (64, 32)), (128, (32, 32)), (256, (32, 16))),
@@ -34,13 +35,30 @@ _TC_TILES = ((64, ((128, 64),)), (128, ((128, 64), (64, 64))), (256, ((128, 32),
 _TC_SIM_TILES = (16, 16)
 
 
-def default_tiles(headdim, acc_name):
+def default_tiles(headdim, acc_name, backward=False):
+    """The SIMT kernels' (block_q, block_k): ``_GPU_TILES``, halved (the larger side, block_k on a tie) down to
+    8 x 8 until the forward's (``backward``: the dK/dV and dQ kernels') shared memory fits the device's."""
     if SIMULATOR:
         return _SIM_TILES
-    for max_d, tiles in _GPU_TILES[acc_name]:
-        if headdim <= max_d:
-            return tiles
-    raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
+    if headdim > _options.MAX_HEAD_DIM:
+        raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
+    return _default_simt_tiles(headdim, acc_name, bool(backward), shared_limit())
+
+
+@lru_cache(maxsize=None)
+def _default_simt_tiles(headdim, acc_name, backward, limit):
+    bq, bk = next(tiles for max_d, tiles in _GPU_TILES[acc_name] if headdim <= max_d)
+    candidates = [(bq, bk)]
+    while max(bq, bk) > 8:
+        bq, bk = (bq // 2, bk) if bq > bk else (bq, bk // 2)
+        candidates.append((bq, bk))
+
+    def shared_bytes(bq, bk):
+        if backward:
+            return max(make_dkdv(bq, bk, headdim, acc_name, True, *([False] * 7))[1],
+                       make_dq(bq, bk, headdim, acc_name, *([False] * 7))[1])
+        return make_forward(bq, bk, headdim, acc_name, *([False] * 7))[1]
+    return _fitting(candidates, limit, shared_bytes)
 
 
 # (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / (16 tc_bwd_key_tiles) x tc_bwd_dim_split warps: the
@@ -53,7 +71,7 @@ _TC_BWD_TILES = ((64, ((32, 128), (32, 64))), (128, ((64, 128), (32, 64))),
 
 def _fitting(candidates, limit, shared_bytes):
     """The first (block_q, block_k) of ``candidates`` whose kernel fits in ``limit`` bytes of shared memory
-    per block, else the last (the launch then refuses it with a ValueError naming the bytes)."""
+    per block, else the last (which the call then finds too large: ``_shared_refusal``)."""
     return next((c for c in candidates if shared_bytes(*c) <= limit), candidates[-1])
 
 
@@ -67,9 +85,14 @@ def default_tc_bwd_tiles(headdim):
 def _default_tc_bwd_tiles(headdim, limit):
     d = headdim + headdim % 2
     candidates = next(tiles for max_d, tiles in _TC_BWD_TILES if headdim <= max_d)
-    return _fitting(candidates, limit, lambda bq, bk: make_dkdv_tc(
-        bq, bk, d, "float16", True, *([False] * 7), tc_bwd_dim_split(bq, bk, d), MTK=tc_bwd_key_tiles(bq, bk, d),
-        SHARE=tc_bwd_share(bq, bk, d))[1])
+    return _fitting(candidates, limit, lambda bq, bk: tc_bwd_shared_bytes(bq, bk, d))
+
+
+def tc_bwd_shared_bytes(block_q, block_k, headdim):
+    """Dynamic shared memory per block of the tensor-core dK/dV kernel (the options do not change it)."""
+    return make_dkdv_tc(block_q, block_k, headdim, "float16", True, *([False] * 7),
+                        tc_bwd_dim_split(block_q, block_k, headdim), MTK=tc_bwd_key_tiles(block_q, block_k, headdim),
+                        SHARE=tc_bwd_share(block_q, block_k, headdim))[1]
 
 
 def tc_bwd_key_tiles(block_q, block_k, headdim):
@@ -145,23 +168,34 @@ def default_tc_tiles(headdim):
 def _default_tc_tiles(headdim, limit):
     d = headdim + headdim % 2
     candidates = next(tiles for max_d, tiles in _TC_TILES if headdim <= max_d)
-
-    def shared_bytes(bq, bk):
-        mt = tc_m_tiles(bq, d)
-        return make_forward_tc(bq, bk, d, "float16", True, mt, tc_q_in_smem(mt, d), *([False] * 7))[1]
-    return _fitting(candidates, limit, shared_bytes)
+    return _fitting(candidates, limit, lambda bq, bk: tc_shared_bytes(bq, bk, d))
 
 
-def _tiles(block_q, block_k, headdim, acc_name):
-    bq, bk = default_tiles(headdim, acc_name)
+def tc_shared_bytes(block_q, block_k, headdim):
+    """Dynamic shared memory per block of the tensor-core forward (the options do not change it)."""
+    mt = tc_m_tiles(block_q, headdim)
+    return make_forward_tc(block_q, block_k, headdim, "float16", True, mt, tc_q_in_smem(mt, headdim),
+                           *([False] * 7))[1]
+
+
+def _tiles(block_q, block_k, headdim, acc_name, backward=False):
+    bq, bk = default_tiles(headdim, acc_name, backward)
     return _options.check_tile(block_q, "block_q") or bq, _options.check_tile(block_k, "block_k") or bk
 
 
-def _check_shared(nbytes, what):
+def _shared_refusal(nbytes, what):
+    """Why a kernel of ``nbytes`` of shared memory per block cannot run on this device (None if it can)."""
     limit = shared_limit()
     if limit is not None and nbytes > limit:
-        raise ValueError(f"{what} needs {nbytes} bytes of shared memory per block (this device's limit: {limit}); "
-                         "choose smaller block_q / block_k")
+        return (f"{what} needs {nbytes} bytes of shared memory per block (this device's limit: {limit}); "
+                "choose smaller block_q / block_k")
+    return None
+
+
+def _check_shared(nbytes, what):
+    refusal = _shared_refusal(nbytes, what)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, launch_stream, block_q, block_k, **options):
@@ -272,6 +306,10 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                            attn_mask=attn_mask, attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap,
                            block_mask=block_mask, block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
         refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
+        if refusal is None and backend != "simt":
+            tq, tk = (a or b for a, b in zip((block_q, block_k), default_tc_tiles(headdim)))
+            refusal = _shared_refusal(tc_shared_bytes(tq, tk, headdim),
+                                      f"its forward with block_q={tq}, block_k={tk}, head dim {headdim}")
         words = None
         if refusal is None and backend != "simt":
             words, refusal = _word_views((q, k, v), ("q", "k", "v"), kind, launch_stream)
@@ -279,9 +317,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
             out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q,
                                                      launch_stream, bits=True)
             lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), "float32", q, launch_stream)
-            bq, bk = default_tc_tiles(headdim)
-            _forward_tc(*words, _arrays.word_view(out_d), lse_d, opts, block_q or bq, block_k or bk, kind.dtype,
-                        launch_stream)
+            _forward_tc(*words, _arrays.word_view(out_d), lse_d, opts, tq, tk, kind.dtype, launch_stream)
             out = _arrays.finish(kind, out_ret, out_d, launch_stream)
             return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_lse else out
         bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
@@ -371,11 +407,14 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
                            block_mask=block_mask, block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
         refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
         if refusal is None:
-            bq, bk = default_tc_bwd_tiles(headdim)
-            threads = tc_bwd_threads(block_q or bq, block_k or bk, headdim)
+            tq, tk = (a or b for a, b in zip((block_q, block_k), default_tc_bwd_tiles(headdim)))
+            threads = tc_bwd_threads(tq, tk, headdim)
             if threads > 256:
-                refusal = (f"block_k={block_k or bk} at head dim {headdim} needs {threads} threads of ~240 registers, "
+                refusal = (f"block_k={tk} at head dim {headdim} needs {threads} threads of ~240 registers, "
                            "more than an SM has; above head dim 128 it takes block_k up to 64")
+            else:
+                refusal = _shared_refusal(tc_bwd_shared_bytes(tq, tk, headdim),
+                                          f"its dK/dV kernel with block_q={tq}, block_k={tk}, head dim {headdim}")
         if refusal is None and deterministic:
             refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
         words = None
@@ -386,11 +425,10 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
             grads = [_arrays.empty_like_kind(kind, shape, kind.dtype, q, launch_stream, bits=True)
                      for shape in ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
                                    (batch, seqlen_k, nheads_k, headdim))]
-            bq, bk = default_tc_bwd_tiles(headdim)
-            _backward_tc(*words, lse_d, *(_arrays.word_view(view) for _, view in grads), opts, block_q or bq,
-                         block_k or bk, kind.dtype, launch_stream, kind, q)
+            _backward_tc(*words, lse_d, *(_arrays.word_view(view) for _, view in grads), opts, tq, tk, kind.dtype,
+                         launch_stream, kind, q)
             return tuple(_arrays.finish(kind, ret, view, launch_stream) for ret, view in grads)
-        bq, bk = _tiles(block_q, block_k, headdim, acc.__name__)
+        bq, bk = _tiles(block_q, block_k, headdim, acc.__name__, backward=True)
         dd, qd, kd, vd, od = _prepare((dout, q, k, v, out), kind, launch_stream)
         lsed = _arrays.to_device(lse, launch_stream)
         grads = []

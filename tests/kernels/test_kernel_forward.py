@@ -83,6 +83,32 @@ def test_forward_default_tiles(p):
     _forward_matches_oracle(p)
 
 
+@pytest.mark.parametrize("acc", ["float32", "float64"])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_default_tiles_fit_the_device(acc, headdim):
+    """The SIMT kernels' default tiles: the measured ones at the H100's 227 KB of shared memory per block, halved
+    until the forward (and, separately, the dK/dV and dQ kernels) fit a smaller device's (8.0: 163 KB; 8.6 /
+    8.9: 99 KB; 7.5: 64 KB; 48 KB without opting in)."""
+    from flashnb import api
+    from flashnb.kernels.backward import make_dkdv, make_dq
+    from flashnb.kernels.forward import make_forward
+    measured = next(t for d, t in api._GPU_TILES[acc] if headdim <= d)
+    for limit in (48 * 1024, 64 * 1024, 99 * 1024, 163 * 1024, 227 * 1024):
+        for backward in (False, True):
+            bq, bk = api._default_simt_tiles(headdim, acc, backward, limit)
+            assert bq <= measured[0] and bk <= measured[1], (limit, backward, bq, bk)
+            if backward:
+                need = max(make_dkdv(bq, bk, headdim, acc, True, *[False] * 7)[1],
+                           make_dq(bq, bk, headdim, acc, *[False] * 7)[1])
+            else:
+                need = make_forward(bq, bk, headdim, acc, *[False] * 7)[1]
+            assert need <= limit or (bq, bk) == (8, 8), (limit, backward, bq, bk, need)
+    for backward in (False, True):
+        assert api._default_simt_tiles(headdim, acc, backward, 227 * 1024) == measured
+    if (acc, headdim) == ("float32", 128):   # the backward's 64 x 32 needs 107904 bytes, over 8.6 / 8.9's limit
+        assert api._default_simt_tiles(128, acc, True, 99 * 1024) == (32, 32)
+
+
 @settings(max_examples=examples(6, 25))
 @given(p=kernel_problems(dtypes=(np.float64, np.float32), scale=1.0), softmax_scale=st.floats(-2.0, 2.0))
 def test_forward_any_finite_softmax_scale(p, softmax_scale):

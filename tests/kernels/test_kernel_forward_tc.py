@@ -136,6 +136,40 @@ def test_tc_default_tiles_fit_the_device(headdim):
         assert api._default_tc_bwd_tiles(256, 163 * 1024) == (32, 64)
 
 
+def _smallest_tc_shared(shared_bytes, table, headdim):
+    """The fewest bytes of shared memory per block any default tile candidate of a tensor-core kernel needs."""
+    candidates = [api._TC_SIM_TILES] if SIMULATOR else next(t for d, t in table if headdim <= d)
+    return min(shared_bytes(bq, bk, headdim) for bq, bk in candidates)
+
+
+@settings(max_examples=examples(3, 8))
+@given(p=kernel_problems(dtypes=(np.float16,), tiles=st.just((None, None)), headdims=TC_HEADDIMS,
+                         max_seqlen=TC_MAX_SEQLEN))
+def test_auto_runs_simt_where_no_tensor_core_tiles_fit_the_device(p):
+    """A device whose shared memory per block is below every tensor-core tile candidate (the limit patched to
+    one byte less than the smallest): "tensorcore" refuses with a ValueError naming shared memory, "auto" runs
+    the SIMT kernels (whose own defaults shrink to the limit) and matches the oracle."""
+    exp = expected(p)
+    real = api.shared_limit, api._forward_tc, api._backward_tc
+    fwd_bytes = _smallest_tc_shared(api.tc_shared_bytes, api._TC_TILES, p.headdim)
+    bwd_bytes = _smallest_tc_shared(api.tc_bwd_shared_bytes, api._TC_BWD_TILES, p.headdim)
+    try:
+        api._forward_tc = lambda *a, **kw: pytest.fail("the tensor-core forward ran")
+        api.shared_limit = lambda: fwd_bytes - 1
+        with pytest.raises(ValueError, match="backend='tensorcore'.*shared memory"):
+            flashnb.flash_attention(p.q, p.k, p.v, **p.opts, backend="tensorcore")
+        out, lse = kernel_forward(p)
+        check_forward(exp, out, lse)
+        api._forward_tc = real[1]
+        api._backward_tc = lambda *a, **kw: pytest.fail("the tensor-core backward ran")
+        api.shared_limit = lambda: bwd_bytes - 1
+        with pytest.raises(ValueError, match="backend='tensorcore'.*shared memory"):
+            flashnb.flash_attention_backward(p.dout, p.q, p.k, p.v, out, lse, **p.opts, backend="tensorcore")
+        check_backward(exp, kernel_backward(p, out, lse))
+    finally:
+        api.shared_limit, api._forward_tc, api._backward_tc = real
+
+
 # ------------------------------------------------------------------------------------ bfloat16
 def _bf16_problem(p):
     """p with q, k, v as float32 values that bfloat16 represents exactly."""
