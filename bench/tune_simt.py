@@ -103,7 +103,9 @@ def _set_threads(threads):
     from flashnb.kernels import backward, forward
     rows, cols = map(int, threads.split("x"))
     forward.MAX_THREADS.update(rows=rows, cols=cols)
-    for f in (forward.make_forward, forward.make_window_helpers, backward.make_dkdv, backward.make_dq):
+    from flashnb import api
+    for f in (forward.make_forward, forward.make_window_helpers, backward.make_dkdv, backward.make_dq,
+              api._default_simt_tiles):            # the default tiles' shared-memory fit depends on the threads
         f.cache_clear()
 
 

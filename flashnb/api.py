@@ -35,22 +35,27 @@ _TC_TILES = ((64, ((128, 64),)), (128, ((128, 64), (64, 64))), (256, ((128, 32),
 _TC_SIM_TILES = (16, 16)
 
 
-def default_tiles(headdim, acc_name, backward=False):
-    """The SIMT kernels' (block_q, block_k): ``_GPU_TILES``, halved (the larger side, block_k on a tie) down to
-    8 x 8 until the forward's (``backward``: the dK/dV and dQ kernels') shared memory fits the device's."""
+def default_tiles(headdim, acc_name, backward=False, block_q=None, block_k=None):
+    """The SIMT kernels' (block_q, block_k), the caller's side kept where one is given: ``_GPU_TILES``, the free
+    sides halved (the larger, block_k on a tie) down to 1 until the forward's (``backward``: the dK/dV and dQ
+    kernels') shared memory fits the device's."""
     if SIMULATOR:
-        return _SIM_TILES
+        return block_q or _SIM_TILES[0], block_k or _SIM_TILES[1]
     if headdim > _options.MAX_HEAD_DIM:
         raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
-    return _default_simt_tiles(headdim, acc_name, bool(backward), shared_limit())
+    return _default_simt_tiles(headdim, acc_name, bool(backward), shared_limit(), block_q, block_k)
 
 
 @lru_cache(maxsize=None)
-def _default_simt_tiles(headdim, acc_name, backward, limit):
+def _default_simt_tiles(headdim, acc_name, backward, limit, block_q=None, block_k=None):
     bq, bk = next(tiles for max_d, tiles in _GPU_TILES[acc_name] if headdim <= max_d)
+    bq, bk = block_q or bq, block_k or bk
     candidates = [(bq, bk)]
-    while max(bq, bk) > 8:
-        bq, bk = (bq // 2, bk) if bq > bk else (bq, bk // 2)
+    while (block_q is None and bq > 1) or (block_k is None and bk > 1):
+        if block_k is not None or bk == 1 or (block_q is None and bq > bk):
+            bq //= 2
+        else:
+            bk //= 2
         candidates.append((bq, bk))
 
     def shared_bytes(bq, bk):
@@ -66,7 +71,21 @@ def _default_simt_tiles(headdim, acc_name, backward, limit):
 # shared, tc_bwd_share: bench/results/h100-tune-tc-2026-11-23.md, ninth session), then the fallbacks where a
 # device's shared memory per block is smaller than the H100's (8.0: 163 KB; 8.6 / 8.9: 99 KB)
 _TC_BWD_TILES = ((64, ((32, 128), (32, 64))), (128, ((64, 128), (32, 64))),
-                 (256, ((64, 64), (32, 64), (16, 64))))
+                 (256, ((64, 64), (32, 64), (16, 64), (16, 32))))
+
+
+def _tc_candidates(table, headdim, block_q, block_k):
+    """A tensor-core kernel's tile candidates for the head dim: the class's, with the caller's side kept where one
+    is given and then the other side halved down to 16."""
+    candidates = []
+    for bq, bk in next(tiles for max_d, tiles in table if headdim <= max_d):
+        if (block_q or bq, block_k or bk) not in candidates:
+            candidates.append((block_q or bq, block_k or bk))
+    bq, bk = candidates[-1]
+    while (block_q is None) != (block_k is None) and (bk if block_q else bq) > 16:
+        bq, bk = (bq, bk // 2) if block_q else (bq // 2, bk)
+        candidates.append((bq, bk))
+    return candidates
 
 
 def _fitting(candidates, limit, shared_bytes):
@@ -75,24 +94,28 @@ def _fitting(candidates, limit, shared_bytes):
     return next((c for c in candidates if shared_bytes(*c) <= limit), candidates[-1])
 
 
-def default_tc_bwd_tiles(headdim):
+def default_tc_bwd_tiles(headdim, block_q=None, block_k=None):
+    """The tensor-core dK/dV kernel's (block_q, block_k): the caller's where given, else the first candidate that
+    fits the device's shared memory per block (``_tc_candidates``)."""
+    if block_q and block_k:
+        return block_q, block_k
     if SIMULATOR:
-        return _TC_SIM_TILES
-    return _default_tc_bwd_tiles(headdim, shared_limit())
+        return block_q or _TC_SIM_TILES[0], block_k or _TC_SIM_TILES[1]
+    return _default_tc_bwd_tiles(headdim, shared_limit(), block_q, block_k)
 
 
 @lru_cache(maxsize=None)
-def _default_tc_bwd_tiles(headdim, limit):
+def _default_tc_bwd_tiles(headdim, limit, block_q=None, block_k=None):
     d = headdim + headdim % 2
-    candidates = next(tiles for max_d, tiles in _TC_BWD_TILES if headdim <= max_d)
-    return _fitting(candidates, limit, lambda bq, bk: tc_bwd_shared_bytes(bq, bk, d))
+    return _fitting(_tc_candidates(_TC_BWD_TILES, headdim, block_q, block_k), limit,
+                    lambda bq, bk: tc_bwd_shared_bytes(bq, bk, d))
 
 
 def tc_bwd_shared_bytes(block_q, block_k, headdim):
     """Dynamic shared memory per block of the tensor-core dK/dV kernel (the options do not change it)."""
     return make_dkdv_tc(block_q, block_k, headdim, "float16", True, *([False] * 7),
-                        tc_bwd_dim_split(block_q, block_k, headdim), MTK=tc_bwd_key_tiles(block_q, block_k, headdim),
-                        SHARE=tc_bwd_share(block_q, block_k, headdim))[1]
+                        tc_bwd_dim_split(block_q, block_k, headdim), True,   # as _backward_tc calls it (RED2 last)
+                        MTK=tc_bwd_key_tiles(block_q, block_k, headdim), SHARE=tc_bwd_share(block_q, block_k, headdim))[1]
 
 
 def tc_bwd_key_tiles(block_q, block_k, headdim):
@@ -158,17 +181,21 @@ def tc_positive_scale(scale):
     return bool(0 < x < np.inf)
 
 
-def default_tc_tiles(headdim):
+def default_tc_tiles(headdim, block_q=None, block_k=None):
+    """The tensor-core forward's (block_q, block_k): the caller's where given, else the first candidate that fits
+    the device's shared memory per block (``_tc_candidates``)."""
+    if block_q and block_k:
+        return block_q, block_k
     if SIMULATOR:
-        return _TC_SIM_TILES
-    return _default_tc_tiles(headdim, shared_limit())
+        return block_q or _TC_SIM_TILES[0], block_k or _TC_SIM_TILES[1]
+    return _default_tc_tiles(headdim, shared_limit(), block_q, block_k)
 
 
 @lru_cache(maxsize=None)
-def _default_tc_tiles(headdim, limit):
+def _default_tc_tiles(headdim, limit, block_q=None, block_k=None):
     d = headdim + headdim % 2
-    candidates = next(tiles for max_d, tiles in _TC_TILES if headdim <= max_d)
-    return _fitting(candidates, limit, lambda bq, bk: tc_shared_bytes(bq, bk, d))
+    return _fitting(_tc_candidates(_TC_TILES, headdim, block_q, block_k), limit,
+                    lambda bq, bk: tc_shared_bytes(bq, bk, d))
 
 
 def tc_shared_bytes(block_q, block_k, headdim):
@@ -179,8 +206,10 @@ def tc_shared_bytes(block_q, block_k, headdim):
 
 
 def _tiles(block_q, block_k, headdim, acc_name, backward=False):
-    bq, bk = default_tiles(headdim, acc_name, backward)
-    return _options.check_tile(block_q, "block_q") or bq, _options.check_tile(block_k, "block_k") or bk
+    block_q, block_k = _options.check_tile(block_q, "block_q"), _options.check_tile(block_k, "block_k")
+    if block_q and block_k:
+        return block_q, block_k
+    return default_tiles(headdim, acc_name, backward, block_q, block_k)
 
 
 def _shared_refusal(nbytes, what):
@@ -307,7 +336,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                            block_mask=block_mask, block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
         refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
         if refusal is None and backend != "simt":
-            tq, tk = (a or b for a, b in zip((block_q, block_k), default_tc_tiles(headdim)))
+            tq, tk = default_tc_tiles(headdim, block_q, block_k)
             refusal = _shared_refusal(tc_shared_bytes(tq, tk, headdim),
                                       f"its forward with block_q={tq}, block_k={tk}, head dim {headdim}")
         words = None
@@ -406,8 +435,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
                            attn_mask=attn_mask, attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap,
                            block_mask=block_mask, block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
         refusal = _tensorcore_refusal(kind, headdim, block_q, block_k)
-        if refusal is None:
-            tq, tk = (a or b for a, b in zip((block_q, block_k), default_tc_bwd_tiles(headdim)))
+        if refusal is None and backend != "simt":
+            tq, tk = default_tc_bwd_tiles(headdim, block_q, block_k)
             threads = tc_bwd_threads(tq, tk, headdim)
             if threads > 256:
                 refusal = (f"block_k={tk} at head dim {headdim} needs {threads} threads of ~240 registers, "

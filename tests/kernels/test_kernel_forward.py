@@ -83,30 +83,55 @@ def test_forward_default_tiles(p):
     _forward_matches_oracle(p)
 
 
+def _simt_shared(bq, bk, headdim, acc, backward):
+    """Bytes of shared memory per block of the SIMT forward, or the larger of the dK/dV and dQ kernels'."""
+    from flashnb.kernels.backward import make_dkdv, make_dq
+    from flashnb.kernels.forward import make_forward
+    if backward:
+        return max(make_dkdv(bq, bk, headdim, acc, True, *[False] * 7)[1], make_dq(bq, bk, headdim, acc, *[False] * 7)[1])
+    return make_forward(bq, bk, headdim, acc, *[False] * 7)[1]
+
+
 @pytest.mark.parametrize("acc", ["float32", "float64"])
 @pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_default_tiles_fit_the_device(acc, headdim):
     """The SIMT kernels' default tiles: the measured ones at the H100's 227 KB of shared memory per block, halved
     until the forward (and, separately, the dK/dV and dQ kernels) fit a smaller device's (8.0: 163 KB; 8.6 /
-    8.9: 99 KB; 7.5: 64 KB; 48 KB without opting in)."""
+    8.9: 99 KB; 7.5: 64 KB; 48 KB without opting in); with one side given by the caller, only the other."""
     from flashnb import api
-    from flashnb.kernels.backward import make_dkdv, make_dq
-    from flashnb.kernels.forward import make_forward
     measured = next(t for d, t in api._GPU_TILES[acc] if headdim <= d)
     for limit in (48 * 1024, 64 * 1024, 99 * 1024, 163 * 1024, 227 * 1024):
         for backward in (False, True):
             bq, bk = api._default_simt_tiles(headdim, acc, backward, limit)
             assert bq <= measured[0] and bk <= measured[1], (limit, backward, bq, bk)
-            if backward:
-                need = max(make_dkdv(bq, bk, headdim, acc, True, *[False] * 7)[1],
-                           make_dq(bq, bk, headdim, acc, *[False] * 7)[1])
-            else:
-                need = make_forward(bq, bk, headdim, acc, *[False] * 7)[1]
-            assert need <= limit or (bq, bk) == (8, 8), (limit, backward, bq, bk, need)
+            need = _simt_shared(bq, bk, headdim, acc, backward)
+            assert need <= limit, (limit, backward, bq, bk, need)
+            for given in (dict(block_q=measured[0]), dict(block_k=measured[1])):
+                tq, tk = api._default_simt_tiles(headdim, acc, backward, limit, **given)
+                assert (tq, tk) == (given.get("block_q", tq), given.get("block_k", tk)), (given, tq, tk)
+                need = _simt_shared(tq, tk, headdim, acc, backward)
+                free = tk if "block_q" in given else tq
+                assert need <= limit or free == 1, (limit, backward, given, tq, tk, need)
     for backward in (False, True):
         assert api._default_simt_tiles(headdim, acc, backward, 227 * 1024) == measured
     if (acc, headdim) == ("float32", 128):   # the backward's 64 x 32 needs 107904 bytes, over 8.6 / 8.9's limit
         assert api._default_simt_tiles(128, acc, True, 99 * 1024) == (32, 32)
+        assert api._default_simt_tiles(128, acc, True, 99 * 1024, block_q=64) == (64, 16)
+
+
+def test_default_tiles_are_chosen_per_pass(monkeypatch):
+    """The forward asks for the forward's default tiles and the backward for the backward's (whose kernels need
+    more shared memory), each with the side the caller gave."""
+    import flashnb
+    from flashnb import api
+    calls = []
+    real = api.default_tiles
+    monkeypatch.setattr(api, "default_tiles", lambda *a: (calls.append(a), real(*a))[1])
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 9, 2, 16)).astype(np.float32) for _ in range(3))
+    out, lse = flashnb.flash_attention(q, k, v, return_lse=True, block_q=4)
+    flashnb.flash_attention_backward(q, q, k, v, out, lse, block_k=4)
+    assert calls == [(16, "float32", False, 4, None), (16, "float32", True, None, 4)], calls
 
 
 @settings(max_examples=examples(6, 25))

@@ -131,9 +131,12 @@ def test_tc_default_tiles_fit_the_device(headdim):
         assert api._default_tc_bwd_tiles(128, 227 * 1024) == (64, 128)
         assert api._default_tc_bwd_tiles(128, 163 * 1024) == (32, 64)
         assert api._default_tc_bwd_tiles(128, 99 * 1024) == (32, 64)
+        assert api._default_tc_tiles(128, 99 * 1024, 128, None) == (128, 32)   # the caller's block_q kept
+        assert api._default_tc_bwd_tiles(128, 99 * 1024, None, 128) == (16, 128)
     if headdim == 256:
         assert api._default_tc_bwd_tiles(256, 227 * 1024) == (64, 64)
         assert api._default_tc_bwd_tiles(256, 163 * 1024) == (32, 64)
+        assert api._default_tc_bwd_tiles(256, 99 * 1024) == (16, 32)
 
 
 def _smallest_tc_shared(shared_bytes, table, headdim):
@@ -148,7 +151,8 @@ def _smallest_tc_shared(shared_bytes, table, headdim):
 def test_auto_runs_simt_where_no_tensor_core_tiles_fit_the_device(p):
     """A device whose shared memory per block is below every tensor-core tile candidate (the limit patched to
     one byte less than the smallest): "tensorcore" refuses with a ValueError naming shared memory, "auto" runs
-    the SIMT kernels (whose own defaults shrink to the limit) and matches the oracle."""
+    the SIMT kernels and matches the oracle.  (In the simulator the candidates are its 16 x 16 tiles, and the
+    SIMT kernels' its 8 x 8.)"""
     exp = expected(p)
     real = api.shared_limit, api._forward_tc, api._backward_tc
     fwd_bytes = _smallest_tc_shared(api.tc_shared_bytes, api._TC_TILES, p.headdim)
