@@ -49,11 +49,12 @@ def main(argv=None):
                     "is the shipped order), dq-defer (DEFER_DQ=True: results correct; with the head-dim split the "
                     "shipped order)")
     ap.add_argument("--configs", default="64=64:64;128=64:64",
-                    help="bq:bk[:mt[:qs[:fold[:lpt]]]] per head dim (mt: m16 row blocks per warp, default "
+                    help="bq:bk[:mt[:qs[:fold[:lpt[:mask32]]]]] per head dim (mt: m16 row blocks per warp, default "
                          "api.tc_m_tiles; qs: 1 = Q fragments from shared memory, default api.tc_q_in_smem; fold: "
                          "0 = scale applied before the row max, default 1 = folded into exp2 where "
                          "api.tc_positive_scale allows; lpt: 1 = query tiles last first, default "
-                         "api.tc_longest_first); with --pass bwd "
+                         "api.tc_longest_first; mask32: 1 = diagonal tiles masked by 32-bit compares, default "
+                         "api.tc_mask32); with --pass bwd "
                          "bq:bk[:ds[:mtk[:share]]] (ds: warps per 16 keys, default api.tc_bwd_dim_split; mtk: m-tiles "
                          "of 16 keys per warp, default api.tc_bwd_key_tiles; share: 1 = S^T, dP^T computed once "
                          "per pair of warps and shared, default api.tc_bwd_share)")
@@ -72,18 +73,18 @@ def main(argv=None):
         _resources()
         return
     api = flashnb.api
-    saved = api.tc_m_tiles, api.tc_q_in_smem, api.tc_positive_scale, api.tc_longest_first
+    saved = api.tc_m_tiles, api.tc_q_in_smem, api.tc_positive_scale, api.tc_longest_first, api.tc_mask32
     try:
         rows = _sweep_fwd(args, dtype, *saved)
     finally:
-        api.tc_m_tiles, api.tc_q_in_smem, api.tc_positive_scale, api.tc_longest_first = saved
+        api.tc_m_tiles, api.tc_q_in_smem, api.tc_positive_scale, api.tc_longest_first, api.tc_mask32 = saved
     print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; ratio = SDPA FlashAttention-2 time / "
           "flashnb time (>1: flashnb faster)")
     print(tabulate(rows, headers="keys"))
     _resources()
 
 
-def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale, default_lpt):
+def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale, default_lpt, default_mask32):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import flashnb
@@ -97,7 +98,9 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale, default_lpt)
             qs = bool(cfg[3]) if len(cfg) > 3 else default_qs(mt, d)
             fold = bool(cfg[4]) if len(cfg) > 4 else True
             lpt = bool(cfg[5]) if len(cfg) > 5 else None
+            mask32 = bool(cfg[6]) if len(cfg) > 6 else None
             flashnb.api.tc_longest_first = (default_lpt if lpt is None else lambda has_window, lpt=lpt: lpt)
+            flashnb.api.tc_mask32 = (default_mask32 if mask32 is None else lambda has_window, m=mask32: m)
             flashnb.api.tc_m_tiles = lambda block_q, headdim, mt=mt: mt          # the variant under test
             flashnb.api.tc_q_in_smem = lambda m_tiles, headdim, qs=qs: qs
             flashnb.api.tc_positive_scale = lambda scale, fold=fold: fold and positive_scale(scale)
@@ -121,6 +124,7 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale, default_lpt)
                     t_f, t_s = _time(fwd, sets), _time(sdpa, sets)
                     rows.append(dict(d=d, tiles=f"{bq}x{bk}", mt=mt, q_smem=int(qs), fold=int(fold),
                                      lpt=int(flashnb.api.tc_longest_first(causal)),
+                                     mask32=int(flashnb.api.tc_mask32(causal)),
                                      causal=causal, N=n, rel_err=f"{err:.1e}",
                                      fwd_ms=round(t_f, 3), tflops=round(f / t_f / 1e9, 1),
                                      fa2_tflops=round(f / t_s / 1e9, 1), ratio=round(t_s / t_f, 3)))

@@ -173,6 +173,12 @@ def tc_longest_first(has_window):
     return False
 
 
+def tc_mask32(has_window):
+    """Whether the forward masks its diagonal tiles by 32-bit compares (``forward_tc``'s ``MASK32``: a third of the
+    instructions in the SASS, not yet timed on a GPU)."""
+    return False
+
+
 @lru_cache(maxsize=256)
 def tc_positive_scale(scale):
     """Whether the forward may fold the scale into exp2: 0 < float32(scale) * log2(e) < inf."""
@@ -390,7 +396,7 @@ def _forward_tc(q, k, v, out, lse, opts, bq, bk, dtype_name, stream):
     kern, shared, threads = make_forward_tc(bq, bk, 2 * words, dtype_name, vec16, mt, tc_q_in_smem(mt, 2 * words),
                                             f.has_window, f.has_attn_mask, f.has_block_mask, f.has_softcap,
                                             f.has_bias, f.has_alibi, f.has_dropout, tc_positive_scale(opts.scale),
-                                            tc_longest_first(f.has_window))
+                                            tc_longest_first(f.has_window), tc_mask32(f.has_window))
     _check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {2 * words}")
     grid = -(-seqlen_q // bq) * nheads * batch
     launch(kern, grid, threads, stream, shared,

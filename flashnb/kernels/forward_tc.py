@@ -92,7 +92,7 @@ def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
 
 @lru_cache(maxsize=None)
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, LPT=False):
+                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, LPT=False, MASK32=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -101,7 +101,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     promises ``scale > 0``; with no score option the scale then moves into ``exp2``'s argument
     (the row max taken on the raw scores, ``p = exp2(s * scale_log2 - m_i)``: one FFMA per score
     instead of a multiply and a subtract).  ``LPT``: the query tiles of a head in reverse order, the
-    last (under a causal mask, the longest) first.
+    last (under a causal mask, the longest) first.  ``MASK32``: the window mask of a diagonal tile by 32-bit
+    compares of each score's constant offsets against the tile's bounds, clamped into 32 bits once
+    (ptxas: 278 instead of 942 instructions a tile at 128 x 64, d = 64, and 255 instead of 248 registers
+    with 16 / 36 B of spills outside the loop of unmasked tiles; docs/tensorcore.md, not yet timed).
     """
     assert BLOCK_Q % (16 * MT) == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
     NWARPS = BLOCK_Q // (16 * MT)            # each warp owns MT m-tiles of 16 query rows
@@ -130,6 +133,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     # comparisons measured 1-6% slower at d = 128, causal: bench/results/h100-tune-tc-2026-11-23.md)
     WINDOW_ONLY = HAS_WINDOW and not (HAS_MODS or HAS_ATTN_MASK or HAS_BLOCK_MASK) and MT > 1
     BIG = 1 << 40
+    CLAMP = 1 << 20
     F32 = np.float32
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
     W0 = np.uint32(0)
@@ -309,14 +313,24 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 hi = right if right >= 0 else BIG
                 kend = seqlen_k - (k0 + 2 * t)
                 qend = seqlen_q - row0
+                if MASK32:
+                    # key - (query + off) = rel0 + dj - di leaves [lo, hi] iff dj - di leaves [lo - rel0,
+                    # hi - rel0]: bounds of the tile, clamped to +-2^20 (|dj - di| < 2^9), against constants
+                    lo32 = np.int32(max(min(lo - rel0, CLAMP), -CLAMP))
+                    hi32 = np.int32(max(min(hi - rel0, CLAMP), -CLAMP))
+                    kend32 = np.int32(max(min(kend, CLAMP), -CLAMP))
+                    qend32 = np.int32(max(min(qend, CLAMP), -CLAMP))
                 for m in range(MT):
                     for n in range(NT_K):
                         for e in range(4):
                             dj = 8 * n + (e % 2)
                             di = 16 * m + 8 * (e // 2)
                             x = s_reg[m, n, e] if FOLD else s_reg[m, n, e] * scale_log2
-                            rel = rel0 + (dj - di)
-                            if (rel < lo) | (rel > hi) | (dj >= kend) | (di >= qend):
+                            if MASK32:
+                                if ((lo32 > np.int32(dj - di)) | (hi32 < np.int32(dj - di))
+                                        | (kend32 <= np.int32(dj)) | (qend32 <= np.int32(di))):
+                                    x = NEG_INF
+                            elif (rel0 + (dj - di) < lo) | (rel0 + (dj - di) > hi) | (dj >= kend) | (di >= qend):
                                 x = NEG_INF
                             s_reg[m, n, e] = x
             elif not WINDOW_ONLY and (HAS_MODS or need_mask):

@@ -73,6 +73,7 @@ TC_VARIANTS = {            # api's choice -> the variant's
     "q_in_smem": {"tc_q_in_smem": lambda m_tiles, headdim: True},
     "scale_not_folded": {"tc_positive_scale": lambda scale: False},
     "longest_first": {"tc_longest_first": lambda has_window: True},
+    "mask32": {"tc_mask32": lambda has_window: True},
 }
 
 
@@ -82,7 +83,8 @@ TC_VARIANTS = {            # api's choice -> the variant's
 def test_tc_kernel_variants(variant, p):
     """The shipped kernel and the compile-time variants the defaults do not reach (docs/tensorcore.md
     measures each): Q's fragments from a shared tile (``Q_SMEM``), the scale applied before the row
-    max at a positive scale (``POS_SCALE`` off), the query tiles last first (``LPT``); at head dim 46
+    max at a positive scale (``POS_SCALE`` off), the query tiles last first (``LPT``), the diagonal tiles'
+    mask by 32-bit compares (``MASK32``; ``test_tc_window_masks`` draws the windows it needs); at head dim 46
     (4-byte copies, 24 per row: the copier's general loop, and zero padding to 48), 48 (6 16-byte copies
     per row, which do not divide a warp: the bound-free copier with idle threads and a bounded last
     pass), and 96, 128 on a GPU."""
@@ -94,6 +96,24 @@ def test_tc_kernel_variants(variant, p):
     finally:
         for name, fn in real.items():
             setattr(api, name, fn)
+
+
+@pytest.mark.parametrize("mask32", [False, True])
+@settings(max_examples=examples(3, 8))
+@given(p=kernel_problems(dtypes=(np.float16,), options=frozenset({"causal", "window_size", "softmax_scale"}),
+                         required={"window_size"}, headdims=(8, 16) if SIMULATOR else (64, 128),
+                         max_seqlen=TC_MAX_SEQLEN,
+                         tiles=st.sampled_from([(32, 16), (64, 16)] if SIMULATOR else [(None, None), (128, 64)])))
+def test_tc_window_masks(mask32, p):
+    """Windows (causal among them) on tiles of two m-tiles per warp, where the forward masks its diagonal tiles
+    by comparisons (``WINDOW_ONLY``): the shipped four 64-bit compares per score and the ``MASK32`` variant.
+    Checked to fail with ``MASK32``'s upper bound compared with ``<=`` instead of ``<``."""
+    real = api.tc_mask32
+    api.tc_mask32 = lambda has_window: mask32
+    try:
+        _tc_forward_matches_oracle(p)
+    finally:
+        api.tc_mask32 = real
 
 
 @settings(max_examples=examples(3, 8))
