@@ -135,7 +135,10 @@ def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softma
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(_is_int(w) and w >= -1 for w in window_size)):
         raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
-    left, right = int(window_size[0]), int(window_size[1])
+    # a side at or beyond max(seqlen_q, seqlen_k) bounds nothing (|key - (query + off)| is below it): clamped
+    # there, so that no side, however large, overflows the kernels' 64-bit index arithmetic
+    bound = max(seqlen_q, seqlen_k, 1)
+    left, right = (min(int(w), bound) for w in window_size)
     if causal:  # causal is the window's right edge at the diagonal (bottom-right aligned)
         right = 0 if right < 0 else min(right, 0)
     if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap) or softcap < 0:

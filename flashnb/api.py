@@ -174,8 +174,8 @@ def tc_longest_first(has_window):
 
 
 def tc_mask32(has_window):
-    """Whether the forward masks its diagonal tiles by 32-bit compares (``forward_tc``'s ``MASK32``: a third of the
-    instructions in the SASS, not yet timed on a GPU)."""
+    """Whether the forward masks its diagonal tiles by 32-bit compares (``forward_tc``'s ``MASK32``: 278 instead of
+    942 SASS instructions a diagonal tile at d = 64; not yet timed on a GPU)."""
     return False
 
 

@@ -193,6 +193,27 @@ def test_single_query_against_long_keys(dtype, opts):
                                    block_k=block_k, **opts))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("side", [2**62, 2**63 - 1, 2**64 + 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_sides_beyond_the_sequence_bound_nothing(dtype, side, causal):
+    """A window side of any size (up to and past int64's range) masks like an unbounded one. The sides are
+    clamped to max(seqlen_q, seqlen_k) before any launch (near 2^63 they wrapped around in the kernels' 64-bit
+    arithmetic and masked every key on a GPU; past 2^63 they did not fit a kernel argument)."""
+    from flashnb import _options
+    opts = _options.normalise(batch=1, seqlen_q=21, seqlen_k=19, nheads=2, headdim=4, acc=np.float32, stream=None,
+                              window_size=(side, side), causal=causal)
+    assert (opts.left, opts.right) == (21, 0 if causal else 21), (opts.left, opts.right)
+    headdim = 4 if SIMULATOR else 64
+    base = problem(1, 21, 19, 2, 1, headdim, dtype, block_q=4 if SIMULATOR else None,
+                   block_k=4 if SIMULATOR else None, causal=causal)
+    huge = dataclasses.replace(base, opts=types.MappingProxyType(dict(base.opts, window_size=(side, side))))
+    exp = expected(base)                             # the oracle of the unbounded window
+    out, lse = kernel_forward(huge)
+    check_forward(exp, out, lse)
+    check_backward(exp, kernel_backward(huge, out, lse))
+
+
 # ---------------------------------------------------------------------------------- NaN inputs
 def _nan_cases():
     # (id, tensor, index to poison, options): the oracle decides which outputs become NaN

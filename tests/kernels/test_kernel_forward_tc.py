@@ -99,21 +99,30 @@ def test_tc_kernel_variants(variant, p):
 
 
 @pytest.mark.parametrize("mask32", [False, True])
-@settings(max_examples=examples(3, 8))
-@given(p=kernel_problems(dtypes=(np.float16,), options=frozenset({"causal", "window_size", "softmax_scale"}),
-                         required={"window_size"}, headdims=(8, 16) if SIMULATOR else (64, 128),
-                         max_seqlen=TC_MAX_SEQLEN,
-                         tiles=st.sampled_from([(32, 16), (64, 16)] if SIMULATOR else [(None, None), (128, 64)])))
-def test_tc_window_masks(mask32, p):
+@settings(max_examples=examples(4, 8))
+@given(data=st.data())
+def test_tc_window_masks(mask32, data):
     """Windows (causal among them) on tiles of two m-tiles per warp, where the forward masks its diagonal tiles
     by comparisons (``WINDOW_ONLY``): the shipped four 64-bit compares per score and the ``MASK32`` variant.
-    Checked to fail with ``MASK32``'s upper bound compared with ``<=`` instead of ``<``."""
-    real = api.tc_mask32
+    At least 17 queries and keys in the simulator, so that a second m-tile and a second key tile take part and
+    the window's edges fall inside the tiles.  Checked to fail with ``MASK32``'s upper bound compared with
+    ``<=`` instead of ``<``, and with its lower-bound compare dropped."""
+    floor = data.draw(st.integers(17, 40), label="seqlen") if SIMULATOR else 1
+    p = data.draw(kernel_problems(
+        dtypes=(np.float16,), options=frozenset({"causal", "window_size", "softmax_scale"}),
+        required={"window_size"}, headdims=(8, 16) if SIMULATOR else (64, 128), min_seqlen=floor,
+        tiles=st.sampled_from([(32, 16), (64, 16)] if SIMULATOR else [(None, None), (128, 64)])), label="p")
+    assume(p.opts.get("causal") or max(p.opts["window_size"]) >= 0)      # a window at all
+    built = []
+    real = api.tc_mask32, api.make_forward_tc
     api.tc_mask32 = lambda has_window: mask32
+    api.make_forward_tc = lambda *a, **kw: (built.append(a), real[1](*a, **kw))[1]
     try:
         _tc_forward_matches_oracle(p)
     finally:
-        api.tc_mask32 = real
+        api.tc_mask32, api.make_forward_tc = real
+    mt, has_window, use_mask32 = built[-1][5], built[-1][7], built[-1][-1]
+    assert mt > 1 and has_window and use_mask32 == mask32, (mt, has_window, use_mask32)
 
 
 @settings(max_examples=examples(3, 8))
