@@ -1,0 +1,109 @@
+"""The tensor-core forward's resources and SASS for sm_90, compiled on a machine with no GPU.
+
+    python -m bench.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1] [MASK32=1] [LPT=1]
+
+prints ptxas's registers, spills and stack frame, the SASS opcode counts, and the straight-line runs of 40 or
+more instructions (split at branches and branch targets) with their most frequent opcodes; the PTX, cubin and
+SASS are kept in ``--out`` (default /tmp/sass_tc).  Needs ``ptxas`` and ``cuobjdump`` (with ``nvdisasm``) on
+the PATH: the wheels nvidia-cuda-nvcc, nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm hold them.  PTX is
+written by numba-cuda's ``compile_ptx`` at compute capability 9.0 (its device-function dispatchers ask the
+current device for a capability, so a stand-in answers (9, 0) here); the ``.version`` line is lowered to what
+the installed ptxas accepts (``--ptx-version``, default 9.0).  The tables of docs/tensorcore.md ("The shipped
+configurations and their SASS") and bench/results/h100-ncu-2026-11-23.md were taken this way.
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+
+
+def compile_forward(bq, bk, d, options, out_dir, ptx_version):
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
+    from numba.cuda import types
+
+    class _Capability:
+        compute_capability = (9, 0)
+
+    dispatcher.get_current_device = lambda: _Capability()
+    from flashnb import api
+    from flashnb.kernels.forward_tc import make_forward_tc
+
+    causal = options.pop("causal", 0) == 1
+    mt = options.pop("MT", api.tc_m_tiles(bq, d))
+    qs = bool(options.pop("QS", api.tc_q_in_smem(mt, d)))
+    fold = bool(options.pop("FOLD", 1))
+    kern, shared, threads = make_forward_tc(bq, bk, d, "float16", True, mt, qs, causal, *([False] * 6), fold,
+                                            **{k: bool(v) for k, v in options.items()})
+    u4 = types.Array(types.uint32, 4, "C")
+    f4 = types.Array(types.float32, 4, "C")
+    b4 = types.Array(types.uint8, 4, "C")
+    sig = (u4, u4, u4, u4, types.Array(types.float32, 3, "C"), types.int64, types.int64,       # q k v out lse g off
+           types.float32, types.float32, types.int64, types.int64, b4, f4,                    # scale softcap l r mask bias
+           types.Array(types.float32, 2, "C"), b4, types.int64, types.int64,                  # alibi block mask bm_q bm_k
+           types.int64, types.float32, types.int64, types.int64)                               # dropout, seed
+    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"forward_{bq}_{bk}_{d}")
+    with open(stem + ".ptx", "w") as f:
+        f.write(re.sub(r"\.version \d+\.\d+", f".version {ptx_version}", ptx))
+    info = subprocess.run(["ptxas", "-arch=sm_90", "-v", "-o", stem + ".cubin", stem + ".ptx"],
+                          capture_output=True, text=True, check=True).stderr
+    sass = subprocess.run(["cuobjdump", "-sass", stem + ".cubin"], capture_output=True, text=True, check=True).stdout
+    with open(stem + ".sass", "w") as f:
+        f.write(sass)
+    return shared, threads, info, sass
+
+
+def instructions(sass):
+    """(address, opcode without modifiers, text) of each SASS instruction."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(3).split(".")[0], m.group(3) + m.group(4)))
+    return out
+
+
+def runs(ins, min_len=40):
+    """Straight-line runs of instructions: split after each branch or exit and before each branch target."""
+    targets = {int(t, 16) for _, op, text in ins if op == "BRA" for t in re.findall(r"0x[0-9a-f]+", text)}
+    cur, out = [], []
+    for item in ins:
+        if item[0] in targets and cur:
+            out.append(cur)
+            cur = []
+        cur.append(item)
+        if item[1] in ("BRA", "EXIT"):
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return [r for r in out if len(r) >= min_len]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("block_q", type=int)
+    ap.add_argument("block_k", type=int)
+    ap.add_argument("headdim", type=int)
+    ap.add_argument("options", nargs="*", help="KEY=INT: causal, MT, QS, FOLD, or a make_forward_tc keyword")
+    ap.add_argument("--out", default="/tmp/sass_tc")
+    ap.add_argument("--ptx-version", default="9.0")
+    args = ap.parse_args(argv)
+    options = {k: int(v) for k, v in (o.split("=") for o in args.options)}
+    shared, threads, info, sass = compile_forward(args.block_q, args.block_k, args.headdim, options, args.out,
+                                                  args.ptx_version)
+    print("\n".join(line.strip() for line in info.splitlines() if "registers" in line or "stack" in line))
+    ins = instructions(sass)
+    ops = collections.Counter(op for _, op, _ in ins)
+    print(f"dynamic shared memory {shared} B, {threads} threads, {len(ins)} SASS instructions")
+    print(" ".join(f"{op}:{n}" for op, n in ops.most_common(24)))
+    for r in runs(ins):
+        c = collections.Counter(op for _, op, _ in r)
+        print(f"  run at {r[0][0]:#06x}: {len(r):4d} instructions  " + " ".join(f"{o}:{n}" for o, n in c.most_common(8)))
+
+
+if __name__ == "__main__":
+    main()
