@@ -196,6 +196,16 @@ def word_view(d):
     return View(d.ptr, words, wstrides, _U32, d.owner)
 
 
+def flat(d):
+    """The 1-D view of a C-contiguous device array (the kernels' view): the same memory, one index."""
+    n = int(np.prod(d.shape, dtype=np.int64))
+    if SIMULATOR:
+        return d.reshape(n)
+    if not d.key[2]:
+        raise ValueError(f"flat needs a C-contiguous array, got shape {d.shape}, strides {d.strides}")
+    return View(d.ptr, (n,), (d.dtype.itemsize,), d.dtype, d.owner)
+
+
 def rows_aligned16(w):
     """True iff every row (last axis) of the device array ``w`` starts on a 16-byte boundary and fills 16-byte chunks."""
     shape, strides = tuple(w.shape), tuple(w.strides)

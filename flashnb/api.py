@@ -12,7 +12,8 @@ import numpy as np
 from . import _arrays, _options
 from .kernels._jit import SIMULATOR, compute_capability, launch, memset_zero, shared_limit
 from .kernels._tiles import np_acc
-from .kernels.backward import make_cast, make_dkdv, make_dq, make_preprocess
+from .kernels.backward import (CAST_THREADS, PREPROCESS_THREADS, cast_grid, make_cast, make_dkdv, make_dq,
+                               make_preprocess, preprocess_grid, preprocess_threads)
 from .kernels.forward import LOG2E, make_forward, tile_threads
 from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
 from .kernels.forward_tc import make_forward_tc
@@ -494,8 +495,9 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, de
     args = opts.kernel_args(acc)
     delta, lse2 = (_arrays.scratch((batch, nheads, seqlen_q), acc, kind, like, stream) for _ in range(2))
     if seqlen_q > 0:
-        pre = make_preprocess(acc.__name__)
-        launch(pre, -(-seqlen_q // 128) * nheads * batch, 128, stream, 0, (dout, out, lse, delta, lse2))
+        tc = preprocess_threads(headdim)
+        launch(make_preprocess(acc.__name__, None, tc), preprocess_grid(seqlen_q, nheads, batch, tc),
+               PREPROCESS_THREADS, stream, 0, (dout, out, lse, delta, lse2))
     # atomics need the dQ partial product's rows to cover the query tile (BLOCK_Q >= threads per key side)
     atomic = not deterministic and bq >= tile_threads(bk, "rows") and seqlen_q > 0
     if atomic:
@@ -512,8 +514,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, acc, stream, de
         return
     if atomic:
         cast = make_cast(acc.__name__)
-        n = nheads * headdim
-        launch(cast, -(-n // 128) * seqlen_q * batch, 128, stream, 0, (dq_accum, dq))
+        launch(cast, cast_grid(batch * seqlen_q * nheads * headdim), CAST_THREADS, stream, 0,
+               (_arrays.flat(dq_accum), _arrays.flat(dq)))
     else:
         kern, shared, threads = make_dq(bq, bk, headdim, acc.__name__, *flags)
         _check_shared(shared, f"the dQ kernel with block_q={bq}, block_k={bk}, head dim {headdim}")
@@ -530,8 +532,9 @@ def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, 
     f = opts.flags
     delta, lse2 = (_arrays.scratch((batch, nheads, seqlen_q), np.float32, kind, like, stream) for _ in range(2))
     if seqlen_q > 0:
-        launch(make_preprocess("float32", dtype_name), -(-seqlen_q // 128) * nheads * batch, 128, stream, 0,
-               (dout, out, lse, delta, lse2))
+        tc = preprocess_threads(words)
+        launch(make_preprocess("float32", dtype_name, tc), preprocess_grid(seqlen_q, nheads, batch, tc),
+               PREPROCESS_THREADS, stream, 0, (dout, out, lse, delta, lse2))
     dq_accum = _arrays.scratch((batch, seqlen_q, nheads, 2 * words), np.float32, kind, like, stream)
     if seqlen_q > 0:
         memset_zero(dq_accum, stream)
@@ -547,8 +550,8 @@ def _backward_tc(dout, q, k, v, out, lse, dq, dk, dv, opts, bq, bk, dtype_name, 
                (q, k, v, dout, lse2, delta, dk, dv, dq_accum, nheads // nheads_k, seqlen_k - seqlen_q)
                + opts.kernel_args(np.float32))
     if seqlen_q > 0:
-        launch(make_cast_tc(dtype_name), -(-(nheads * words) // 128) * seqlen_q * batch, 128, stream, 0,
-               (dq_accum, dq))
+        launch(make_cast_tc(dtype_name), cast_grid(batch * seqlen_q * nheads * words), CAST_THREADS, stream, 0,
+               (_arrays.flat(dq_accum), _arrays.flat(dq)))
 
 
 def _red2():

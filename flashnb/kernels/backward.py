@@ -2,7 +2,7 @@
 
 Three kernels, as in FA2 section 3.1 / Algorithm 2:
 
-1. ``preprocess``: ``delta_i = rowsum(dO_i * O_i)``, one thread per (batch, head, query)
+1. ``preprocess``: ``delta_i = rowsum(dO_i * O_i)``, a few threads per (batch, head, query)
    (also the tensor-core backward's, on 32-bit words of 16-bit pairs).
 2. ``dkdv``: one block per (key tile, key/value head, batch); the key tile stays
    in shared memory while the block walks every query tile (of every query head
@@ -32,51 +32,79 @@ from numba import cuda
 from ._jit import device_function, kernel
 from ._mma import primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
-from ._tiles import U, tile_head_batch, make_mm_abt, make_mm_acc, make_tile_load, padded
+from ._tiles import (U, tile_head_batch, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, padded,
+                     scratch_size)
 from .forward import LOG2E, make_window_helpers, tile_threads
 
 
 @lru_cache(maxsize=None)
-def make_preprocess(ACC_NAME, WORDS_OF=None):
+def make_preprocess(ACC_NAME, WORDS_OF=None, THREADS_C=1):
     """``delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]``; lse in log2 units, +inf for empty rows.
+
+    ``THREADS_C`` (a power of two up to 32, ``preprocess_threads``) consecutive threads share a row: thread
+    ``tx`` reads columns ``tx, tx + THREADS_C, ...``, so a warp's loads cover whole rows (one thread per row
+    read 32 rows at a stride of ``nheads * headdim`` elements per load: 5x FA2's time, bench/results/
+    h100-timeline-2026-11-23.md), and ``_tiles.make_row_allreduce`` sums the partials.  A block of 128 threads
+    holds ``128 / THREADS_C`` rows of one (batch, head).
 
     ``WORDS_OF`` ("float16" / "bfloat16"): ``dout`` and ``out`` are 32-bit word views holding pairs of
     that format (the tensor-core backward's arrays), unpacked with ``_mma``'s ``unpack2``.
     """
     ACC = np.dtype(ACC_NAME).type
     ZERO, LOG2E_T, POS_INF, NEG_INF = ACC(0), ACC(LOG2E), ACC(np.inf), ACC(-np.inf)
+    ROWS = PREPROCESS_THREADS // THREADS_C
+    SHIFT = THREADS_C.bit_length() - 1
+    reduce_sum = make_row_allreduce(1, THREADS_C, PREPROCESS_THREADS, ACC, False)
+    SCRATCH = max(1, scratch_size(ROWS, THREADS_C))
 
     if WORDS_OF:
         unpack2 = primitives(WORDS_OF)[2]
 
         @device_function
-        def row_dot(dout, out, b, i, h):
-            acc = ZERO
-            for c in range(out.shape[3]):
-                d0, d1 = unpack2(dout[b, i, h, c])
-                o0, o1 = unpack2(out[b, i, h, c])
-                acc += d0 * o0 + d1 * o1
-            return acc
+        def col_dot(dout, out, b, i, h, c):
+            d0, d1 = unpack2(dout[b, i, h, c])
+            o0, o1 = unpack2(out[b, i, h, c])
+            return d0 * o0 + d1 * o1
     else:
         @device_function
-        def row_dot(dout, out, b, i, h):
-            acc = ZERO
-            for d in range(out.shape[3]):
-                acc += ACC(dout[b, i, h, d]) * ACC(out[b, i, h, d])
-            return acc
+        def col_dot(dout, out, b, i, h, c):
+            return ACC(dout[b, i, h, c]) * ACC(out[b, i, h, c])
 
     @kernel
     def preprocess(dout, out, lse, delta, lse2):
-        chunk, h, b = tile_head_batch((out.shape[1] + cuda.blockDim.x - 1) // cuda.blockDim.x, out.shape[2])
-        i = chunk * cuda.blockDim.x + cuda.threadIdx.x
-        if i >= out.shape[1]:
-            return
-        delta[b, h, i] = row_dot(dout, out, b, i, h)
-        x = ACC(lse[b, h, i])
-        # exp2(s - lse2) must be 0 for a row that saw no key (lse = -inf): use +inf there
-        lse2[b, h, i] = x * LOG2E_T if x != NEG_INF else POS_INF
+        chunk, h, b = tile_head_batch((out.shape[1] + ROWS - 1) // ROWS, out.shape[2])
+        ty = cuda.threadIdx.x >> SHIFT
+        tx = cuda.threadIdx.x & (THREADS_C - 1)
+        i = chunk * ROWS + ty
+        part = cuda.local.array(1, ACC)
+        scratch = cuda.shared.array(SCRATCH, ACC)
+        acc = ZERO
+        if i < out.shape[1]:
+            for c in range(tx, out.shape[3], THREADS_C):
+                acc += col_dot(dout, out, b, i, h, c)
+        part[0] = acc
+        reduce_sum(part, scratch, ty, tx)                 # every thread of the block: the simulator's has barriers
+        if i < out.shape[1] and tx == 0:
+            delta[b, h, i] = part[0]
+            x = ACC(lse[b, h, i])
+            # exp2(s - lse2) must be 0 for a row that saw no key (lse = -inf): use +inf there
+            lse2[b, h, i] = x * LOG2E_T if x != NEG_INF else POS_INF
 
     return preprocess
+
+
+PREPROCESS_THREADS = 128
+
+
+def preprocess_threads(ncols):
+    """Threads per row of ``make_preprocess`` for rows of ``ncols`` columns: about four columns each, a power of
+    two from 1 to 32."""
+    return min(32, 1 << max(0, (ncols // 4).bit_length() - 1))
+
+
+def preprocess_grid(seqlen_q, nheads, batch, threads_c):
+    """Blocks of ``PREPROCESS_THREADS`` threads that ``make_preprocess(..., threads_c)`` needs."""
+    return -(-seqlen_q // (PREPROCESS_THREADS // threads_c)) * nheads * batch
 
 
 @lru_cache(maxsize=None)
@@ -380,15 +408,26 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
 
 @lru_cache(maxsize=None)
 def make_cast(ACC_NAME):
-    """``dst[...] = src[...]``: the atomic dQ accumulator to the output dtype."""
+    """``dst[t] = src[t]`` over flat (1-D) arrays: the atomic dQ accumulator to the output dtype.
+
+    ``CAST_ITEMS`` elements per thread, ``CAST_THREADS`` apart (each load of a warp is one contiguous run);
+    ``cast_grid`` blocks of ``CAST_THREADS``.
+    """
 
     @kernel
     def cast(src, dst):
-        nh, nd = src.shape[2], src.shape[3]
-        chunk, i, b = tile_head_batch((nh * nd + cuda.blockDim.x - 1) // cuda.blockDim.x, src.shape[1])
-        t = chunk * cuda.blockDim.x + cuda.threadIdx.x
-        if t < nh * nd:
-            h = t // nd
-            dst[b, i, h, t - h * nd] = src[b, i, h, t - h * nd]
+        base = cuda.blockIdx.x * (CAST_THREADS * CAST_ITEMS) + cuda.threadIdx.x
+        for e in range(CAST_ITEMS):
+            t = base + e * CAST_THREADS
+            if t < dst.shape[0]:
+                dst[t] = src[t]
 
     return cast
+
+
+CAST_THREADS, CAST_ITEMS = 128, 4
+
+
+def cast_grid(n):
+    """Blocks of ``make_cast`` (and ``backward_tc.make_cast_tc``) for ``n`` output elements."""
+    return -(-n // (CAST_THREADS * CAST_ITEMS))

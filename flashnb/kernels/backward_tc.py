@@ -24,7 +24,7 @@ with the products on ``mma.sync.m16n8k16`` (primitives: ``_mma``):
                                                      next item's first barrier
 
    dK, dV of the grouped query heads are summed in registers.
-3. ``cast_tc``: the float32 dQ accumulator to 16-bit words.
+3. ``cast_tc``: the float32 dQ accumulator to 16-bit words (flat arrays, four words a thread).
 
 The deterministic (atomic-free) dQ pass exists only on the SIMT backend.
 """
@@ -36,7 +36,7 @@ from numba import cuda
 from ._jit import device_function, kernel
 from ._mma import SMEM_ALIGN, memory_primitives, primitives
 from ._tiles import U, tile_head_batch
-from .backward import make_element_grad, make_query_tile_range
+from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
 from .forward_tc import make_async_tile_copy, tc_padded_words
 
@@ -46,18 +46,17 @@ U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
 
 @lru_cache(maxsize=None)
 def make_cast_tc(DTYPE_NAME):
-    """``dst`` words = ``src`` float32 pairs rounded to the 16-bit format (the dQ accumulator)."""
+    """``dst[t]`` = the word of ``src[2t], src[2t + 1]`` rounded to the 16-bit format, over flat (1-D) arrays:
+    the float32 dQ accumulator to 16-bit words; laid out like ``backward.make_cast`` (``cast_grid`` blocks)."""
     _, pack2, _ = primitives(DTYPE_NAME)
 
     @kernel
     def cast_tc(src, dst):
-        nh, nw = dst.shape[2], dst.shape[3]
-        chunk, i, b = tile_head_batch((nh * nw + cuda.blockDim.x - 1) // cuda.blockDim.x, dst.shape[1])
-        t = chunk * cuda.blockDim.x + cuda.threadIdx.x
-        if t < nh * nw:
-            h = t // nw
-            c = t - h * nw
-            dst[b, i, h, c] = pack2(src[b, i, h, 2 * c], src[b, i, h, 2 * c + 1])
+        base = cuda.blockIdx.x * (CAST_THREADS * CAST_ITEMS) + cuda.threadIdx.x
+        for e in range(CAST_ITEMS):
+            t = base + e * CAST_THREADS
+            if t < dst.shape[0]:
+                dst[t] = pack2(src[2 * t], src[2 * t + 1])
 
     return cast_tc
 
