@@ -1,6 +1,9 @@
 """The tensor-core forward's resources and SASS for sm_90, compiled on a machine with no GPU.
 
     python -m bench.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1] [MASK32=1] [LPT=1]
+    python -m bench.sass_tc --pass bwd BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [DSPLIT=] [MTK=] [SHARE=] [DEFER_DQ=]
+
+(``--pass bwd``: the tensor-core dK/dV kernel, ``make_dkdv_tc``, with the defaults ``_backward_tc`` picks)
 
 prints ptxas's registers, spills and stack frame, the SASS opcode counts, and the straight-line runs of 40 or
 more instructions (split at branches and branch targets) with their most frequent opcodes; the PTX, cubin and
@@ -19,15 +22,8 @@ import subprocess
 
 
 def compile_forward(bq, bk, d, options, out_dir, ptx_version):
-    import numba.cuda.dispatcher as dispatcher
-    from numba import cuda
     from numba.cuda import types
-
-    class _Capability:
-        compute_capability = (9, 0)
-
-    dispatcher.get_current_device = lambda: _Capability()
-    from flashnb import api
+    api = _stand_in_device()
     from flashnb.kernels.forward_tc import make_forward_tc
 
     causal = options.pop("causal", 0) == 1
@@ -37,15 +33,55 @@ def compile_forward(bq, bk, d, options, out_dir, ptx_version):
     kern, shared, threads = make_forward_tc(bq, bk, d, "float16", True, mt, qs, causal, *([False] * 6), fold,
                                             **{k: bool(v) for k, v in options.items()})
     u4 = types.Array(types.uint32, 4, "C")
-    f4 = types.Array(types.float32, 4, "C")
+    sig = (u4, u4, u4, u4, types.Array(types.float32, 3, "C"), types.int64, types.int64) + _OPTION_TYPES()
+    return _build(kern, sig, shared, threads, os.path.join(out_dir, f"forward_{bq}_{bk}_{d}"), ptx_version)
+
+
+def compile_backward(bq, bk, d, options, out_dir, ptx_version):
+    """The tensor-core dK/dV kernel at the options ``_backward_tc`` would pick (``options`` override them)."""
+    from numba.cuda import types
+    api = _stand_in_device()
+    from flashnb.kernels.backward_tc import make_dkdv_tc
+
+    causal = options.pop("causal", 0) == 1
+    kw = dict(DSPLIT=api.tc_bwd_dim_split(bq, bk, d), MTK=api.tc_bwd_key_tiles(bq, bk, d),
+              SHARE=api.tc_bwd_share(bq, bk, d))
+    kw.update({k: (bool(v) if k in ("SHARE", "DEFER_DQ") else v) for k, v in options.items()})
+    dsplit = kw.pop("DSPLIT")
+    kern, shared, threads = make_dkdv_tc(bq, bk, d, "float16", True, causal, *([False] * 6), dsplit, True, **kw)
+    u4 = types.Array(types.uint32, 4, "C")
+    f3 = types.Array(types.float32, 3, "C")
+    sig = (u4, u4, u4, u4, f3, f3, u4, u4, types.Array(types.float32, 4, "C"),   # q k v dout lse2 delta dk dv dq
+           types.int64, types.int64) + _OPTION_TYPES()                                  # group off, options
+    return _build(kern, sig, shared, threads, os.path.join(out_dir, f"dkdv_{bq}_{bk}_{d}"), ptx_version)
+
+
+def _stand_in_device():
+    """numba-cuda's device-function dispatchers ask the current device for its capability: answer (9, 0)."""
+    import numba.cuda.dispatcher as dispatcher
+
+    class _Capability:
+        compute_capability = (9, 0)
+
+    dispatcher.get_current_device = lambda: _Capability()
+    from flashnb import api
+    return api
+
+
+def _OPTION_TYPES():
+    """The kernel parameters of ``_options``' ``kernel_args(np.float32)``, no option set."""
+    from numba.cuda import types
     b4 = types.Array(types.uint8, 4, "C")
-    sig = (u4, u4, u4, u4, types.Array(types.float32, 3, "C"), types.int64, types.int64,       # q k v out lse g off
-           types.float32, types.float32, types.int64, types.int64, b4, f4,                    # scale softcap l r mask bias
-           types.Array(types.float32, 2, "C"), b4, types.int64, types.int64,                  # alibi block mask bm_q bm_k
-           types.int64, types.float32, types.int64, types.int64)                               # dropout, seed
+    return (types.float32, types.float32, types.int64, types.int64, b4, types.Array(types.float32, 4, "C"),
+            types.Array(types.float32, 2, "C"), b4, types.int64, types.int64,                 # ... alibi block mask
+            types.int64, types.float32, types.int64, types.int64)                             # dropout, seed
+
+
+def _build(kern, sig, shared, threads, stem, ptx_version):
+    """PTX (numba-cuda), cubin (ptxas) and SASS (cuobjdump) of ``kern`` at ``sig``, kept at ``stem``.*."""
+    from numba import cuda
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"forward_{bq}_{bk}_{d}")
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
     with open(stem + ".ptx", "w") as f:
         f.write(re.sub(r"\.version \d+\.\d+", f".version {ptx_version}", ptx))
     info = subprocess.run(["ptxas", "-arch=sm_90", "-v", "-o", stem + ".cubin", stem + ".ptx"],
@@ -88,12 +124,15 @@ def main(argv=None):
     ap.add_argument("block_q", type=int)
     ap.add_argument("block_k", type=int)
     ap.add_argument("headdim", type=int)
-    ap.add_argument("options", nargs="*", help="KEY=INT: causal, MT, QS, FOLD, or a make_forward_tc keyword")
+    ap.add_argument("options", nargs="*", help="KEY=INT: causal, MT, QS, FOLD, or a make_forward_tc keyword "
+                    "(--pass bwd: causal, DSPLIT, or a make_dkdv_tc keyword)")
+    ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
     ap.add_argument("--out", default="/tmp/sass_tc")
     ap.add_argument("--ptx-version", default="9.0")
     args = ap.parse_args(argv)
     options = {k: int(v) for k, v in (o.split("=") for o in args.options)}
-    shared, threads, info, sass = compile_forward(args.block_q, args.block_k, args.headdim, options, args.out,
+    build = compile_forward if args.which == "fwd" else compile_backward
+    shared, threads, info, sass = build(args.block_q, args.block_k, args.headdim, options, args.out,
                                                   args.ptx_version)
     print("\n".join(line.strip() for line in info.splitlines() if "registers" in line or "stack" in line))
     ins = instructions(sass)

@@ -201,26 +201,35 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     plain_grad, plain_grad_masked = make_plain_grad(False), make_plain_grad(True)
 
     @device_function
-    def next_work(w, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right, block_mask,
-                  bm_q, bm_k):
-        """The first work item after ``w`` (item = query head of the group x query tile) the block mask keeps."""
+    def next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right,
+                  block_mask, bm_q, bm_k):
+        """The first work item after ``w`` (item = query head ``gi`` of the group x query tile ``qt_lo + qi``,
+        ``w = gi nqt + qi``) the block mask keeps, as ``(w, gi, qi)``: stepped, never divided."""
         w += 1
+        qi += 1
+        if qi == nqt:
+            qi = 0
+            gi += 1
         if HAS_BLOCK_MASK:
             while w < n_work:
-                gi = w // nqt
-                q0 = (qt_lo + w - gi * nqt) * BLOCK_Q
+                q0 = (qt_lo + qi) * BLOCK_Q
                 visible, _ = tile_state(b, hk * group + gi, q0, min(q0 + BLOCK_Q, seqlen_q) - 1, k0, seqlen_k,
                                         off, left, right, block_mask, bm_q, bm_k)
                 if visible:
                     break
                 w += 1                                    # a skipped block: never loaded
-        return w
+                qi += 1
+                if qi == nqt:
+                    qi = 0
+                    gi += 1
+        return w, gi, qi
 
     @device_function
     def start_q_copy(q, dout, b, h, q0, seqlen_q, smem, base):
         """cp.async Q_i, dO_i into the buffer at ``base`` (rows past the queries zero-filled), one commit group."""
-        copy_q(q, (b * q.strides[0] + h * q.strides[2]) // 4, q.strides[1] // 4, q0, seqlen_q - q0, smem, base)
-        copy_q(dout, (b * dout.strides[0] + h * dout.strides[2]) // 4, dout.strides[1] // 4, q0, seqlen_q - q0,
+        # strides in bytes, multiples of 4 (word views): >> 2 is // 4 without the floor's sign fix-up
+        copy_q(q, (b * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2, q0, seqlen_q - q0, smem, base)
+        copy_q(dout, (b * dout.strides[0] + h * dout.strides[2]) >> 2, dout.strides[1] >> 2, q0, seqlen_q - q0,
                smem, base + QTILE)
         cp_async_commit()
 
@@ -351,19 +360,18 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     dk_acc[m, n, e] = ZERO
                     dv_acc[m, n, e] = ZERO
 
-        copy_kv(k, (b * k.strides[0] + hk * k.strides[2]) // 4, k.strides[1] // 4, k0, seqlen_k - k0, smem, K_OFF)
-        copy_kv(v, (b * v.strides[0] + hk * v.strides[2]) // 4, v.strides[1] // 4, k0, seqlen_k - k0, smem, V_OFF)
+        copy_kv(k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0, seqlen_k - k0, smem, K_OFF)
+        copy_kv(v, (b * v.strides[0] + hk * v.strides[2]) >> 2, v.strides[1] >> 2, k0, seqlen_k - k0, smem, V_OFF)
         cp_async_commit()
         # work items w = (query head gi of the group, query tile qt_lo + w % nqt), in order; double-buffered:
         # item w + 1's Q, dO (cp.async) and lse2, delta (registers) are in flight while item w computes
         qt_lo, qt_hi = query_tile_range(k0, k_last, off, left, right, seqlen_q)
         nqt = max(qt_hi - qt_lo, 1)
         n_work = group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
-        w = next_work(-1, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right, block_mask,
-                      bm_q, bm_k)
+        w, gi, qi = next_work(-1, 0, -1, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
+                              right, block_mask, bm_q, bm_k)
         if w < n_work:
-            gi = w // nqt
-            q0 = (qt_lo + w - gi * nqt) * BLOCK_Q
+            q0 = (qt_lo + qi) * BLOCK_Q
             start_q_copy(q, dout, b, hk * group + gi, q0, seqlen_q, smem, Q_OFF)
             load_rows(lse2, delta, b, hk * group + gi, q0, seqlen_q, l_row, d_row)
             store_rows(fsmem, L_OFF, l_row, d_row)
@@ -372,12 +380,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         ph = 0                                           # its query head and first query
         pq0 = 0
         while w < n_work:
-            gi = w // nqt
             h = hk * group + gi
-            q0 = (qt_lo + w - gi * nqt) * BLOCK_Q
+            q0 = (qt_lo + qi) * BLOCK_Q
             q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
-            wn = next_work(w, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right,
-                           block_mask, bm_q, bm_k)
+            wn, gn, qn_i = next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
+                                     right, block_mask, bm_q, bm_k)
             if DEFER_DQ:
                 wait_all()
                 # item w's Q, dO, lse2, delta have landed for everyone; every warp is done with item w - 1
@@ -385,8 +392,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 cuda.syncthreads()
             if wn < n_work:
                 # buffer 1 - buf was last read before this barrier (DEFER_DQ) or the previous item's dQ barrier
-                gn = wn // nqt
-                qn = (qt_lo + wn - gn * nqt) * BLOCK_Q
+                qn = (qt_lo + qn_i) * BLOCK_Q
                 start_q_copy(q, dout, b, hk * group + gn, qn, seqlen_q, smem, Q_OFF + (1 - buf) * 2 * QTILE)
                 load_rows(lse2, delta, b, hk * group + gn, qn, seqlen_q, l_row, d_row)
             if DEFER_DQ:
@@ -520,7 +526,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 # the next item's first barrier publishes them
                 store_rows(fsmem, L_OFF + (1 - buf) * 2 * BLOCK_Q, l_row, d_row)
             buf = 1 - buf
-            w = wn
+            w, gi, qi = wn, gn, qn_i
 
         wait_all()                                       # no copy may outlive the block
         if DEFER_DQ and pending:                         # the last item's dQ
