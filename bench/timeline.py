@@ -33,7 +33,10 @@ GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
 
 
 def _short(name: str, width: int = 70) -> str:
-    name = name.replace("void ", "").split("(")[0] or name
+    """The name without ``void`` and arguments, at most ``width`` characters; a memset's or copy's size kept."""
+    size = name[name.rindex(") ") + 2:] if name.endswith(" B") and ") " in name else ""
+    head = name.replace("void ", "").split("(")[0].rstrip() or name
+    name = f"{head} {size}" if size else head
     return name if len(name) <= width else name[:width - 3] + "..."
 
 

@@ -199,10 +199,11 @@ def word_view(d):
 def flat(d):
     """The 1-D view of a C-contiguous device array (the kernels' view): the same memory, one index."""
     n = int(np.prod(d.shape, dtype=np.int64))
+    contiguous = d._ary.flags.c_contiguous if SIMULATOR else d.key[2]
+    if not contiguous:                # a reshape would copy: the kernel's writes would be lost
+        raise ValueError(f"flat needs a C-contiguous array, got shape {d.shape}, strides {d.strides}")
     if SIMULATOR:
         return d.reshape(n)
-    if not d.key[2]:
-        raise ValueError(f"flat needs a C-contiguous array, got shape {d.shape}, strides {d.strides}")
     return View(d.ptr, (n,), (d.dtype.itemsize,), d.dtype, d.owner)
 
 

@@ -31,5 +31,6 @@ def test_calls_start_at_each_flush_and_drop_what_comes_before_the_first():
 
 def test_short_names_drop_arguments_and_truncate():
     assert timeline._short("void f<int, 2>(Params)") == "f<int, 2>"
+    assert timeline._short("Memset (Device) 4096 B") == "Memset 4096 B"
     long = timeline._short("x" * 200)
     assert len(long) == 70 and long.endswith("...")

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import strategies as S
+from flashnb.kernels._jit import SIMULATOR
 from kernel_harness import (DqPath, examples, assert_bitwise_equal, atomic_tiles, check_backward,
                             check_forward, expected, kernel_backward, kernel_forward, kernel_problems,
                             poison_outputs)  # noqa: F401 (autouse fixture)
@@ -117,3 +118,48 @@ def test_backward_with_oracle_out_and_lse(p, deterministic):
     exp = expected(p)
     grads = kernel_backward(p, exp.out, exp.lse, deterministic=deterministic)
     check_backward(exp, grads)
+
+
+# ---- the preprocess (delta, lse2) on its own ----------------------------------------------
+
+def _preprocess_case(rng, dtype, nheads, seqlen, ncols, words):
+    """(dout, out, lse) on the host: random, lse with -inf rows (queries that saw no key)."""
+    width = 2 * ncols if words else ncols
+    dout, out = (rng.standard_normal((2, seqlen, nheads, width)).astype(dtype) for _ in range(2))
+    lse = rng.standard_normal((2, nheads, seqlen)).astype(np.float32 if dtype != np.float64 else dtype)
+    lse[rng.random(lse.shape) < 0.2] = -np.inf
+    return dout, out, lse
+
+
+@pytest.mark.parametrize("threads_c", [1, 2, 4] + ([] if SIMULATOR else [8, 16, 32]))
+@pytest.mark.parametrize("words", [False, True])
+@settings(max_examples=examples(2, 6))
+@given(seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+       ncols=st.integers(1, 9) if SIMULATOR else st.integers(1, 160), extra=st.integers(0, 130))
+def test_preprocess_rows_over_several_threads(threads_c, words, seed, dtype, ncols, extra):
+    """``make_preprocess`` at a forced ``THREADS_C``: ``delta = rowsum(dout * out)`` and ``lse2 = lse log2(e)``
+    (+inf where lse = -inf), several blocks per head and a partial last one (seqlen = 2 blocks of rows + extra),
+    head dims that the threads of a row do not divide; ``words``: 32-bit word views of float16 pairs (the
+    tensor-core backward's).  Bounds: the float64 sum of |dout * out| times the columns times the accumulator's
+    epsilon (each product exact or rounded once, each addition rounded once); lse2 to 2 epsilons."""
+    from numba import cuda
+    from flashnb.kernels.backward import PREPROCESS_THREADS, make_preprocess, preprocess_grid
+    if words:
+        dtype = np.float16
+    rng = np.random.default_rng(seed)
+    nheads, seqlen = 2, 2 * (PREPROCESS_THREADS // threads_c) + extra
+    dout, out, lse = _preprocess_case(rng, dtype, nheads, seqlen, ncols, words)
+    acc = np.float64 if dtype == np.float64 else np.float32
+    kern = make_preprocess(np.dtype(acc).name, "float16" if words else None, threads_c)
+    args = [cuda.to_device(x.view(np.uint32) if words else x) for x in (dout, out)] + [cuda.to_device(lse)]
+    args += [cuda.to_device(np.full((2, nheads, seqlen), np.nan, dtype=acc)) for _ in range(2)]
+    kern[preprocess_grid(seqlen, nheads, 2, threads_c), PREPROCESS_THREADS](*args)
+    delta, lse2 = (a.copy_to_host() for a in args[3:])
+    prod = np.einsum("bihd,bihd->bhi", dout.astype(np.float64), out.astype(np.float64))
+    mag = np.einsum("bihd,bihd->bhi", np.abs(dout.astype(np.float64)), np.abs(out.astype(np.float64)))
+    bound = mag * dout.shape[-1] * np.finfo(acc).eps + np.finfo(acc).tiny
+    assert np.all(np.abs(delta - prod) <= bound), f"delta: max error {np.max(np.abs(delta - prod)):.3g}"
+    ref2 = np.where(np.isneginf(lse), np.inf, lse.astype(np.float64) * np.log2(np.e))
+    fin = np.isfinite(ref2)
+    assert np.all(lse2[~fin] == np.inf)
+    assert np.all(np.abs(lse2[fin] - ref2[fin]) <= 2 * np.finfo(acc).eps * np.abs(ref2[fin]) + np.finfo(acc).tiny)

@@ -11,6 +11,8 @@ bfloat16: in the simulator the bfloat16 kernel is called on 32-bit words of
 bfloat16 bit patterns through ``api._forward_tc``; on a GPU through PyTorch
 bfloat16 tensors and the public API.
 """
+import types
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
@@ -466,6 +468,29 @@ def test_tc_backward_dq_unit_widths(pairs, data):
                                   tiles=st.sampled_from([(32, 16), (16, 64)] if SIMULATOR else [(32, 64), (32, 128)]),
                                   headdims=(32 if pairs == 1 else 64,) if SIMULATOR else (64, 128)), label="problem")
     _tc_backward_matches_oracle_with(p, DQ_NP=pairs)
+
+
+@settings(max_examples=examples(2, 6))
+@given(seed=st.integers(0, 2**32 - 1), group=st.sampled_from((2, 3)))
+def test_tc_backward_block_mask_skips_items_across_heads(seed, group):
+    """The dK/dV kernel walks its work items (query head of the group, query tile) by stepping, and skips
+    the tiles a block mask hides: three query tiles per head, the last of head 0 and the first of head 1
+    hidden (a skip that crosses the boundary between heads), and with three heads all of head 1's tiles
+    hidden from the second key tile (a skip over a whole head)."""
+    rng = np.random.default_rng(seed)
+    bq = bk = 16
+    d = 16 if SIMULATOR else 64
+    q, dout = (rng.standard_normal((1, 3 * bq, group, d)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2 * bk, 1, d)).astype(np.float16) for _ in range(2))
+    mask = np.ones((1, group, 3, 2), dtype=bool)
+    mask[0, 0, 2, :] = False
+    mask[0, 1, 0, :] = False
+    if group == 3:
+        mask[0, 1, :, 1] = False
+    p = S.Problem(q=q, k=k, v=v, dout=dout, opts=types.MappingProxyType({"block_mask": mask,
+                                                                          "block_mask_size": (bq, bk)}),
+                  block_q=bq, block_k=bk, data_seed=seed)
+    _tc_backward_matches_oracle(p)
 
 
 @pytest.mark.parametrize("option", sorted(S.ALL_OPTIONS))
