@@ -132,8 +132,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     options = {k: int(v) for k, v in (o.split("=") for o in args.options)}
     build = compile_forward if args.which == "fwd" else compile_backward
-    shared, threads, info, sass = build(args.block_q, args.block_k, args.headdim, options, args.out,
-                                                  args.ptx_version)
+    shared, threads, info, sass = build(args.block_q, args.block_k, args.headdim, options, args.out, args.ptx_version)
     print("\n".join(line.strip() for line in info.splitlines() if "registers" in line or "stack" in line))
     ins = instructions(sass)
     ops = collections.Counter(op for _, op, _ in ins)
