@@ -8,7 +8,9 @@ the pytest header says so.
 """
 import ctypes
 import os
+import sys
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -29,6 +31,55 @@ def _cuda_device_count() -> int:
 if os.environ.get("NUMBA_ENABLE_CUDASIM") is None and _cuda_device_count() == 0:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+# The simulator runs each CUDA thread as a Python thread, and its block manager
+# polls them in a loop that never blocks: with Python's default 5 ms switch
+# interval every thread that wants the GIL back waits up to 5 ms behind that
+# loop.  A 0.2 ms interval makes the simulated kernels 2-4x faster (measured on
+# the 2-core CI machine: docs/testing.md, "Where the time goes").
+SIM_SWITCH_INTERVAL_S = 2e-4
+
+
+def _simulated_shared_arrays_made_once():
+    """Replace the simulator's ``cuda.shared.array`` (static shapes) with one that makes each array once.
+
+    numba-cuda 0.30's simulator keys a block's static shared arrays by the calling source line and makes one
+    on the first call from that line, with no lock: two threads that both arrive before it exists each make
+    their own, and then write and read different arrays (garbage indices and values; seen with the short
+    switch interval above, in the simulated ``ldmatrix`` of kernels/_mma.py).  It also finds the line with
+    ``traceback.extract_stack``, which walks the whole stack on every call.  This one reads the caller's frame
+    and makes a missing array under a lock; the key and the one-array-per-line rule are the simulator's own.
+    Dynamic shared memory (shape 0) is left to the original.
+    """
+    import threading
+
+    from numba.cuda.np import numpy_support
+    from numba.cuda.simulator import kernelapi
+    from numba.cuda import types
+
+    made = threading.Lock()
+    original = kernelapi.FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return original(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        res = self._allocations.get(key)
+        if res is None:
+            with made:
+                res = self._allocations.get(key)
+                if res is None:
+                    res = np.empty(shape, numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else dtype)
+                    self._allocations[key] = res
+        return res
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+if SIMULATOR:
+    sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)
+    _simulated_shared_arrays_made_once()
 
 # Hypothesis profiles: `ci` is derandomised and bounded to fit the CI budget on
 # 2 cores; `dev` is the default for local runs; `thorough` is for long runs.
