@@ -108,3 +108,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The per-test budget of the CI tier (docs/testing.md, "The budget"): in the simulator under the `ci`
+# profile no single test may run longer than this; one that does fails, naming its time, so the suite
+# cannot creep back towards CI's limit one slow property at a time.  The README's test command also
+# prints the 15 slowest tests of every run.
+CI_TEST_BUDGET_S = 60.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (SIMULATOR and _profile == "ci" and report.when == "call" and report.passed
+            and report.duration > CI_TEST_BUDGET_S):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} passed but ran {report.duration:.1f} s, over the {CI_TEST_BUDGET_S:.0f} s "
+                           "per-test budget of the ci profile in the simulator (docs/testing.md, \"The budget\"): "
+                           "shrink its simulated grid or its example count, pinning edge cases with @example")

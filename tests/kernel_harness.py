@@ -92,6 +92,13 @@ else:
     LONG_KEYS = 8192
 
 
+# The warp-layout properties of the tensor-core backward (key tiles per warp, shared scores, dQ unit widths,
+# whole-tile copies) need long sequences (several 16-wide tiles), which cost the simulator most; the layout
+# does not depend on the batch or on more than two heads (those offsets are covered by the general
+# properties), so in the simulator they draw one batch element and at most two heads (a GQA group of two).
+LAYOUT_GRID = dict(max_batch=1, max_nheads=2) if SIMULATOR else {}
+
+
 def examples(sim, gpu=25):
     """Examples for one test, given as its count under the ``ci`` profile (25 per test) in the simulator
     (``sim``) or on a GPU (``gpu``), scaled with the active profile (``dev`` 40, ``thorough`` 1000,

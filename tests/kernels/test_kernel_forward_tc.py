@@ -23,8 +23,8 @@ from flashnb import _arrays, _options, api
 from flashnb.kernels._jit import SIMULATOR
 from kernel_harness import _launch  # explicit tiles refused for shared memory: hypothesis.reject
 from kernel_harness import (HALF_ULP_BF16, assert_bitwise_equal, check_backward, check_forward, check_forward_bf16,
-                            examples, expected, kernel_backward, kernel_forward, kernel_problems, poison_outputs,
-                            round_bf16)  # noqa: F401
+                            LAYOUT_GRID, examples, expected, kernel_backward, kernel_forward, kernel_problems,
+                            poison_outputs, round_bf16)  # noqa: F401
 
 if SIMULATOR:
     # (64, 16): BLOCK_Q above the backward's 32 threads (two lse/delta rows per thread)
@@ -375,7 +375,7 @@ def test_tc_backward_float16_within_twice_float16_oracle_error(p):
 
 
 @settings(max_examples=examples(3, 4))
-@given(p=tc_problems(headdims=(18, 24, 32) if SIMULATOR else (40, 128, 160), min_seqlen=17))
+@given(p=tc_problems(headdims=(18, 24, 32) if SIMULATOR else (40, 128, 160), min_seqlen=17, **LAYOUT_GRID))
 def test_tc_backward_with_the_head_dim_split(p):
     """Two warps per 16 keys, each accumulating dK, dV for half of the head dim (padded to a multiple of
     32): what head dims above 128 run, forced here at head dims whose second half holds real dims (the
@@ -388,7 +388,8 @@ def test_tc_backward_with_the_head_dim_split(p):
 @settings(max_examples=examples(3, 8))
 @given(p=kernel_problems(dtypes=(np.float16,), max_seqlen=TC_MAX_SEQLEN, min_seqlen=33,
                          headdims=(18, 32) if SIMULATOR else (32, 96, 128, 160, 256),
-                         tiles=st.sampled_from([(32, 16), (32, 32)] if SIMULATOR else [(32, 64), (64, 64), (64, 128)])),
+                         tiles=st.sampled_from([(32, 16), (32, 32)] if SIMULATOR else [(32, 64), (64, 64), (64, 128)]),
+                         **LAYOUT_GRID),
        key_tiles=st.sampled_from([1, 2]))
 def test_tc_backward_with_shared_scores(p, key_tiles):
     """S^T and dP^T computed once per pair of warps, each for half of the query tile, and read back by both
@@ -405,7 +406,7 @@ def test_tc_backward_with_shared_scores(p, key_tiles):
 @given(p=kernel_problems(dtypes=(np.float16,), max_seqlen=TC_MAX_SEQLEN,
                          tiles=st.sampled_from([(32, 32), (16, 64)] if SIMULATOR else
                                                [(32, 64), (32, 128), (16, 128)]),
-                         headdims=(8, 18, 32) if SIMULATOR else (32, 40, 64), min_seqlen=33))
+                         headdims=(8, 18, 32) if SIMULATOR else (32, 40, 64), min_seqlen=33, **LAYOUT_GRID))
 def test_tc_backward_with_two_key_tiles_per_warp(p):
     """Two m-tiles of 16 keys per warp (each Q / dO fragment feeds twice the mma): the default at head
     dims up to 64, here on tile shapes that take it, with any option; more than 32 keys, so a warp's
@@ -417,7 +418,7 @@ def test_tc_backward_with_two_key_tiles_per_warp(p):
 @settings(max_examples=examples(3, 6))
 @given(p=kernel_problems(dtypes=(np.float16,), max_seqlen=TC_MAX_SEQLEN,
                          tiles=st.sampled_from([(16, 16), (32, 16)] if SIMULATOR else [(None, None), (64, 64)]),
-                         headdims=(32,) if SIMULATOR else (32, 64, 128), min_seqlen=33))
+                         headdims=(32,) if SIMULATOR else (32, 64, 128), min_seqlen=33, **LAYOUT_GRID))
 def test_tc_whole_tile_copies(p):
     """The copies of whole tiles (no bounds, the source offset stepped by one add per copy, forward and
     backward): an unpadded head dim whose tile takes the threads several rounds (head dim 32 on 32
@@ -466,7 +467,8 @@ def test_tc_backward_dq_unit_widths(pairs, data):
     p = data.draw(kernel_problems(dtypes=(np.float16,), max_seqlen=TC_MAX_SEQLEN, min_seqlen=33,
                                   # (16, 64): two warps of 32 keys, one with no unit at 4 pairs
                                   tiles=st.sampled_from([(32, 16), (16, 64)] if SIMULATOR else [(32, 64), (32, 128)]),
-                                  headdims=(32 if pairs == 1 else 64,) if SIMULATOR else (64, 128)), label="problem")
+                                  headdims=(32 if pairs == 1 else 64,) if SIMULATOR else (64, 128), **LAYOUT_GRID),
+                        label="problem")
     _tc_backward_matches_oracle_with(p, DQ_NP=pairs)
 
 
