@@ -6,7 +6,7 @@
 
 (``DTYPES``: e.g. ``float16,bfloat16``; ``HEADDIMS``: e.g. ``64,128``; default all.)
 
-"Shipped" = the default tiles (api.default_tiles / default_tc_tiles) of every
+"Shipped" = the default tiles (plan.default_tiles / default_tc_tiles) of every
 head-dim class, for every input dtype and backend, with and without the masks
 and options (each flag combination is its own specialisation), forward and
 backward of each backend (SIMT: atomic and deterministic dQ; tensor cores: atomic

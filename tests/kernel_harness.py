@@ -157,28 +157,28 @@ def atomic_tiles():
 class DqPath:
     """``with DqPath() as path: <backward>``; then ``path.used`` is {"atomic"}, {"two-pass"} or empty.
 
-    Records which dQ strategy flashnb.api launched by wrapping its kernel factories
+    Records which dQ strategy flashnb.plan chose by wrapping its kernel factories
     (``make_cast`` finishes the atomic accumulation, ``make_dq`` is the second pass).
     """
 
     def __enter__(self):
-        from flashnb import api
-        self.api, self.used = api, set()
-        self.saved = api.make_cast, api.make_dq
+        from flashnb import plan
+        self.plan, self.used = plan, set()
+        self.saved = plan.make_cast, plan.make_dq
 
-        def cast(*args, _f=api.make_cast):
+        def cast(*args, _f=plan.make_cast):
             self.used.add("atomic")
             return _f(*args)
 
-        def dq(*args, _f=api.make_dq):
+        def dq(*args, _f=plan.make_dq):
             self.used.add("two-pass")
             return _f(*args)
 
-        api.make_cast, api.make_dq = cast, dq
+        plan.make_cast, plan.make_dq = cast, dq
         return self
 
     def __exit__(self, *exc):
-        self.api.make_cast, self.api.make_dq = self.saved
+        self.plan.make_cast, self.plan.make_dq = self.saved
         return False
 
 
@@ -233,7 +233,7 @@ def _launch(fn, p, args, kw):
         explicit = kw.get("block_q") is not None or kw.get("block_k") is not None
         if not SIMULATOR and explicit and "shared memory" in str(e):
             from hypothesis import reject
-            reject()      # a documented limit of that tile choice (flashnb.api._check_shared), not a failure
+            reject()      # a documented limit of that tile choice (flashnb.plan.check_shared), not a failure
         raise
 
 

@@ -98,35 +98,35 @@ def test_default_tiles_fit_the_device(acc, headdim):
     """The SIMT kernels' default tiles: the measured ones at the H100's 227 KB of shared memory per block, halved
     until the forward (and, separately, the dK/dV and dQ kernels) fit a smaller device's (8.0: 163 KB; 8.6 /
     8.9: 99 KB; 7.5: 64 KB; 48 KB without opting in); with one side given by the caller, only the other."""
-    from flashnb import api
-    measured = next(t for d, t in api._GPU_TILES[acc] if headdim <= d)
+    from flashnb import plan
+    measured = next(t for d, t in plan._GPU_TILES[acc] if headdim <= d)
     for limit in (48 * 1024, 64 * 1024, 99 * 1024, 163 * 1024, 227 * 1024):
         for backward in (False, True):
-            bq, bk = api._default_simt_tiles(headdim, acc, backward, limit)
+            bq, bk = plan._default_simt_tiles(headdim, acc, backward, limit)
             assert bq <= measured[0] and bk <= measured[1], (limit, backward, bq, bk)
             need = _simt_shared(bq, bk, headdim, acc, backward)
             assert need <= limit, (limit, backward, bq, bk, need)
             for given in (dict(block_q=measured[0]), dict(block_k=measured[1])):
-                tq, tk = api._default_simt_tiles(headdim, acc, backward, limit, **given)
+                tq, tk = plan._default_simt_tiles(headdim, acc, backward, limit, **given)
                 assert (tq, tk) == (given.get("block_q", tq), given.get("block_k", tk)), (given, tq, tk)
                 need = _simt_shared(tq, tk, headdim, acc, backward)
                 free = tk if "block_q" in given else tq
                 assert need <= limit or free == 1, (limit, backward, given, tq, tk, need)
     for backward in (False, True):
-        assert api._default_simt_tiles(headdim, acc, backward, 227 * 1024) == measured
+        assert plan._default_simt_tiles(headdim, acc, backward, 227 * 1024) == measured
     if (acc, headdim) == ("float32", 128):   # the backward's 64 x 32 needs 107904 bytes, over 8.6 / 8.9's limit
-        assert api._default_simt_tiles(128, acc, True, 99 * 1024) == (32, 32)
-        assert api._default_simt_tiles(128, acc, True, 99 * 1024, block_q=64) == (64, 16)
+        assert plan._default_simt_tiles(128, acc, True, 99 * 1024) == (32, 32)
+        assert plan._default_simt_tiles(128, acc, True, 99 * 1024, block_q=64) == (64, 16)
 
 
 def test_default_tiles_are_chosen_per_pass(monkeypatch):
     """The forward asks for the forward's default tiles and the backward for the backward's (whose kernels need
     more shared memory), each with the side the caller gave."""
     import flashnb
-    from flashnb import api
+    from flashnb import plan
     calls = []
-    real = api.default_tiles
-    monkeypatch.setattr(api, "default_tiles", lambda *a: (calls.append(a), real(*a))[1])
+    real = plan.default_tiles
+    monkeypatch.setattr(plan, "default_tiles", lambda *a: (calls.append(a), real(*a))[1])
     rng = np.random.default_rng(11)
     q, k, v = (rng.standard_normal((1, 9, 2, 16)).astype(np.float32) for _ in range(3))
     out, lse = flashnb.flash_attention(q, k, v, return_lse=True, block_q=4)

@@ -1,0 +1,495 @@
+"""Launch plans: from a validated call to the kernels, tiles and grids that serve it.
+
+``api`` validates a call and describes it as a ``Call`` (shapes, dtype, options' flags, the caller's tiles and
+backend, the arrays' layout): everything the choice depends on, and nothing else, so a ``Call`` is hashable and
+equal calls get equal plans (the key a dispatch cache can reuse).  ``forward(call)`` and ``backward(call)``
+return an immutable plan: the backend, the tiles, and each launch as (kernel, grid, threads, shared bytes);
+``api`` then allocates, builds the argument tuples (``ForwardPlan.args``, ``BackwardPlan.*_args``) and
+launches.  Why the tensor cores cannot serve a call, and why a kernel does not fit the device, is decided here
+and raised from here (``ValueError``), before any array is allocated.
+
+The tile and variant heuristics of both backends live here too, each with the measurement behind it
+(docs/performance.md; the version history in docs/notes/tensorcore.md).  The device's limits (shared memory
+per block, compute capability) are read from the current device; a cache of plans must key on the device too.
+"""
+from functools import lru_cache
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from . import _options
+from ._options import Flags
+from .kernels._jit import SIMULATOR, compute_capability, shared_limit
+from .kernels._tiles import np_acc
+from .kernels.backward import (CAST_THREADS, PREPROCESS_THREADS, cast_grid, make_cast, make_dkdv, make_dq,
+                               make_preprocess, preprocess_grid, preprocess_threads)
+from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
+from .kernels.forward import LOG2E, make_forward, tile_threads
+from .kernels.forward_tc import make_forward_tc
+
+BACKENDS = ("simt", "tensorcore")
+
+
+class Call(NamedTuple):
+    """What decides a plan.  ``block_q``, ``block_k``: the caller's (None: the default); ``backend``: the
+    caller's ("auto", "simt", "tensorcore"); ``positive_scale``: ``tc_positive_scale(scale)``; ``layout``:
+    for a call the tensor cores may serve, ``(the first array with no word view or None, every row 16-byte
+    aligned)`` of its 16-bit arrays
+    (``api`` probes it only where ``wants_words`` says so), else None."""
+    dtype: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    flags: Flags
+    positive_scale: bool
+    block_q: Optional[int]
+    block_k: Optional[int]
+    backend: str
+    deterministic: bool = False
+    layout: Optional[tuple] = None
+
+
+class Launch(NamedTuple):
+    kernel: object
+    grid: int
+    threads: int
+    shared: int
+
+
+class ForwardPlan(NamedTuple):
+    call: Call
+    backend: str                    # "tensorcore" or "simt"
+    block_q: int
+    block_k: int
+    acc: str                        # lse's dtype; the SIMT kernel's accumulation type
+    forward: Optional[Launch]       # None: nothing to compute (no batch, query or head)
+
+    def args(self, q, k, v, out, lse, opts):
+        return (q, k, v, out, lse) + _group_off(self.call) + opts.kernel_args(np.dtype(self.acc).type)
+
+
+class BackwardPlan(NamedTuple):
+    call: Call
+    backend: str
+    block_q: int
+    block_k: int
+    acc: str                        # delta's, lse2's and the dQ accumulator's dtype
+    preprocess: Optional[Launch]    # delta = rowsum(dO * O), lse in base 2
+    dkdv: Optional[Launch]          # dK, dV (and with ``atomic`` dQ's partial sums)
+    atomic: bool                    # dQ summed with atomics into an accumulator, which ``finish`` casts
+    finish: Optional[Launch]        # the accumulator's cast, or the dQ pass (atomic False)
+
+    def dkdv_args(self, q, k, v, dout, lse2, delta, dk, dv, dq_accum, opts):
+        return (q, k, v, dout, lse2, delta, dk, dv, dq_accum) + _group_off(self.call) + self._options(opts)
+
+    def dq_args(self, q, k, v, dout, lse2, delta, dq, opts):
+        return (q, k, v, dout, lse2, delta, dq) + _group_off(self.call) + self._options(opts)
+
+    def _options(self, opts):
+        return opts.kernel_args(np.dtype(self.acc).type)
+
+
+def _group_off(call):
+    """Query heads per key/value head, and the bottom-right alignment's offset seqlen_k - seqlen_q."""
+    return call.nheads // call.nheads_k, call.seqlen_k - call.seqlen_q
+
+
+def _flag_args(flags):
+    return (flags.has_window, flags.has_attn_mask, flags.has_block_mask, flags.has_softcap, flags.has_bias,
+            flags.has_alibi, flags.has_dropout)
+
+
+def check_backend(backend):
+    if backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+
+
+# ------------------------------------------------------------------------------------------------ plans
+def wants_words(call, backward=False):
+    """Whether the tensor cores may serve the call, so that ``api`` should make the word views and probe the
+    layout: asked for (or "auto") and nothing but the layout against them."""
+    return call.backend != "simt" and _tc_choice(call, backward)[1] is None
+
+
+def forward(call):
+    """The forward's plan: the tensor-core kernel where it can serve the call (forced, or "auto"), else SIMT."""
+    tiles, refusal = _tc_choice(call, False)
+    if _use_tensor_cores(call, refusal):
+        bq, bk = tiles
+        return ForwardPlan(call, "tensorcore", bq, bk, "float32", _forward_tc_launch(call, bq, bk))
+    acc = _acc(call.dtype)
+    bq, bk = _simt_tiles(call, acc, backward=False)
+    return ForwardPlan(call, "simt", bq, bk, acc, _forward_simt_launch(call, bq, bk, acc))
+
+
+def backward(call):
+    """The backward's plan: the tensor-core dK/dV kernel with atomic dQ where it can serve the call, else the
+    SIMT kernels (atomic dQ, or a second pass over key tiles with ``deterministic`` or small query tiles)."""
+    tiles, refusal = _tc_choice(call, True)
+    if _use_tensor_cores(call, refusal):
+        return _backward_tc_plan(call, *tiles)
+    acc = _acc(call.dtype)
+    bq, bk = _simt_tiles(call, acc, backward=True)
+    return _backward_simt_plan(call, bq, bk, acc)
+
+
+def _use_tensor_cores(call, refusal):
+    """True for the tensor-core kernels: forced, or "auto" with nothing against them (the layout included)."""
+    if refusal is None and call.backend != "simt":
+        assert call.layout is not None, "api probes the layout where wants_words says so"
+        refusal = _layout_refusal(call.layout)
+    if call.backend == "tensorcore" and refusal is not None:
+        raise ValueError(f"backend='tensorcore' cannot serve this call: {refusal}")
+    return refusal is None and call.backend in ("auto", "tensorcore")
+
+
+def _acc(dtype):
+    """The SIMT kernels' accumulation type: float64 for float64, else float32 (bfloat16 through float32 copies)."""
+    return "float32" if dtype == "bfloat16" else np_acc(dtype).__name__
+
+
+def _empty(call, backward):
+    return call.batch == 0 or call.nheads == 0 or (call.seqlen_q == 0 and not backward)
+
+
+def _forward_tc_launch(call, bq, bk):
+    if _empty(call, False):
+        return None
+    d = call.headdim
+    mt = tc_m_tiles(bq, d)
+    kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, tc_q_in_smem(mt, d),
+                                            *_flag_args(call.flags), call.positive_scale)
+    check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {d}")
+    return Launch(kern, _query_tiles(call, bq), threads, shared)
+
+
+def _forward_simt_launch(call, bq, bk, acc):
+    if _empty(call, False):
+        return None
+    kern, shared, threads = make_forward(bq, bk, call.headdim, acc, *_flag_args(call.flags))
+    check_shared(shared, f"the forward with block_q={bq}, block_k={bk}, head dim {call.headdim}")
+    return Launch(kern, _query_tiles(call, bq), threads, shared)
+
+
+def _query_tiles(call, bq):
+    """Blocks of a kernel over (query tile, head, batch), tile fastest."""
+    return -(-call.seqlen_q // bq) * call.nheads * call.batch
+
+
+def _key_tiles(call, bk):
+    """Blocks of a kernel over (key tile, key/value head, batch)."""
+    return -(-call.seqlen_k // bk) * call.nheads_k * call.batch
+
+
+def _preprocess_launch(call, acc, words_of):
+    if call.seqlen_q == 0:
+        return None
+    ncols = call.headdim // 2 if words_of else call.headdim
+    tc = preprocess_threads(ncols)
+    return Launch(make_preprocess(acc, words_of, tc), preprocess_grid(call.seqlen_q, call.nheads, call.batch, tc),
+                  PREPROCESS_THREADS, 0)
+
+
+def _cast_launch(kern, n):
+    return Launch(kern, cast_grid(n), CAST_THREADS, 0)
+
+
+def _backward_tc_plan(call, bq, bk):
+    if _empty(call, True):
+        return BackwardPlan(call, "tensorcore", bq, bk, "float32", None, None, True, None)
+    d, words = call.headdim, call.headdim // 2
+    dkdv = None
+    if call.seqlen_k > 0:
+        kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
+                                             tc_bwd_dim_split(bq, bk, d), _red2(), MTK=tc_bwd_key_tiles(bq, bk, d),
+                                             SHARE=tc_bwd_share(bq, bk, d))
+        check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
+        dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
+    cast = None
+    if call.seqlen_q > 0:
+        cast = _cast_launch(make_cast_tc(call.dtype), call.batch * call.seqlen_q * call.nheads * words)
+    return BackwardPlan(call, "tensorcore", bq, bk, "float32", _preprocess_launch(call, "float32", call.dtype),
+                        dkdv, True, cast)
+
+
+def _backward_simt_plan(call, bq, bk, acc):
+    if _empty(call, True):
+        return BackwardPlan(call, "simt", bq, bk, acc, None, None, False, None)
+    flags, d = _flag_args(call.flags), call.headdim
+    # atomics need the dQ partial product's rows to cover the query tile (BLOCK_Q >= threads per key side)
+    atomic = not call.deterministic and bq >= tile_threads(bk, "rows") and call.seqlen_q > 0
+    dkdv = None
+    if call.seqlen_k > 0:
+        kern, shared, threads = make_dkdv(bq, bk, d, acc, atomic, *flags)
+        check_shared(shared, f"the dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
+        dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
+    finish = None
+    if call.seqlen_q > 0 and atomic:
+        finish = _cast_launch(make_cast(acc), call.batch * call.seqlen_q * call.nheads * d)
+    elif call.seqlen_q > 0:
+        kern, shared, threads = make_dq(bq, bk, d, acc, *flags)
+        check_shared(shared, f"the dQ kernel with block_q={bq}, block_k={bk}, head dim {d}")
+        finish = Launch(kern, _query_tiles(call, bq), threads, shared)
+    return BackwardPlan(call, "simt", bq, bk, acc, _preprocess_launch(call, acc, None), dkdv, atomic, finish)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def _tc_choice(call, backward):
+    """(tiles, refusal): the tensor-core kernel's tiles for the call, and why it cannot serve it (None if it can,
+    the layout aside); the checks in the order the caller reads them."""
+    refusal = tensorcore_refusal(call.dtype, call.headdim, call.block_q, call.block_k)
+    if refusal is not None or call.backend == "simt":
+        return None, refusal
+    d = call.headdim
+    if not backward:
+        tq, tk = default_tc_tiles(d, call.block_q, call.block_k)
+        return (tq, tk), shared_refusal(tc_shared_bytes(tq, tk, d),
+                                        f"its forward with block_q={tq}, block_k={tk}, head dim {d}")
+    tq, tk = default_tc_bwd_tiles(d, call.block_q, call.block_k)
+    threads = tc_bwd_threads(tq, tk, d)
+    if threads > 256:
+        refusal = (f"block_k={tk} at head dim {d} needs {threads} threads of ~240 registers, "
+                   "more than an SM has; above head dim 128 it takes block_k up to 64")
+    else:
+        refusal = shared_refusal(tc_bwd_shared_bytes(tq, tk, d),
+                                 f"its dK/dV kernel with block_q={tq}, block_k={tk}, head dim {d}")
+    if refusal is None and call.deterministic:
+        refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
+    return (tq, tk), refusal
+
+
+def tensorcore_refusal(dtype, headdim, block_q, block_k):
+    """Why the tensor-core kernels cannot serve a call (None if they can), from its dtype, head dim and tiles."""
+    if dtype not in ("float16", "bfloat16"):
+        return f"it computes float16 and bfloat16 inputs only, got {dtype}"
+    if headdim % 2:
+        return f"it needs an even head dim (pairs of values per 32-bit word), got {headdim}"
+    for value, name in ((block_q, "block_q"), (block_k, "block_k")):
+        if value is not None and value < 16:
+            return f"{name} must be a multiple of 16 (the mma tile), got {value}"
+    if not SIMULATOR and compute_capability() < (8, 0):
+        return "mma.sync on float16/bfloat16 needs compute capability 8.0 or newer"
+    return None
+
+
+def _layout_refusal(layout):
+    bad = layout[0]
+    if bad is None:
+        return None
+    return f"{bad}'s head dimension must be contiguous (stride 1) with other strides even and a 4-byte-aligned start"
+
+
+def shared_refusal(nbytes, what):
+    """Why a kernel of ``nbytes`` of shared memory per block cannot run on this device (None if it can)."""
+    limit = shared_limit()
+    if limit is not None and nbytes > limit:
+        return (f"{what} needs {nbytes} bytes of shared memory per block (this device's limit: {limit}); "
+                "choose smaller block_q / block_k")
+    return None
+
+
+def check_shared(nbytes, what):
+    refusal = shared_refusal(nbytes, what)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+# ------------------------------------------------------------------------------------------------ SIMT tiles
+# Default tiles (BLOCK_Q, BLOCK_K) by accumulation type and head dim: the largest
+# tiles whose shared memory (q, k, v, p in the accumulation type) leaves room
+# for two or more blocks per SM on the H100 (measurements: docs/performance.md);
+# halved where a device's shared memory per block is smaller (default_tiles).
+_GPU_TILES = {
+    "float32": ((64, (64, 64)), (128, (64, 32)), (256, (32, 32))),
+    "float64": ((64, (64, 32)), (128, (32, 32)), (256, (32, 16))),
+}
+_SIM_TILES = (8, 8)  # the simulator runs one Python thread per CUDA thread: keep blocks small
+
+
+def _simt_tiles(call, acc, backward):
+    if call.block_q and call.block_k:
+        return call.block_q, call.block_k
+    return default_tiles(call.headdim, acc, backward, call.block_q, call.block_k)
+
+
+def default_tiles(headdim, acc_name, backward=False, block_q=None, block_k=None):
+    """The SIMT kernels' (block_q, block_k), the caller's side kept where one is given: ``_GPU_TILES``, the free
+    sides halved (the larger, block_k on a tie) down to 1 until the forward's (``backward``: the dK/dV and dQ
+    kernels') shared memory fits the device's."""
+    if SIMULATOR:
+        return block_q or _SIM_TILES[0], block_k or _SIM_TILES[1]
+    if headdim > _options.MAX_HEAD_DIM:
+        raise ValueError(f"head dim {headdim} exceeds {_options.MAX_HEAD_DIM}")
+    return _default_simt_tiles(headdim, acc_name, bool(backward), shared_limit(), block_q, block_k)
+
+
+@lru_cache(maxsize=None)
+def _default_simt_tiles(headdim, acc_name, backward, limit, block_q=None, block_k=None):
+    bq, bk = next(tiles for max_d, tiles in _GPU_TILES[acc_name] if headdim <= max_d)
+    bq, bk = block_q or bq, block_k or bk
+    candidates = [(bq, bk)]
+    while (block_q is None and bq > 1) or (block_k is None and bk > 1):
+        if block_k is not None or bk == 1 or (block_q is None and bq > bk):
+            bq //= 2
+        else:
+            bk //= 2
+        candidates.append((bq, bk))
+
+    def shared_bytes(bq, bk):
+        if backward:
+            return max(make_dkdv(bq, bk, headdim, acc_name, True, *([False] * 7))[1],
+                       make_dq(bq, bk, headdim, acc_name, *([False] * 7))[1])
+        return make_forward(bq, bk, headdim, acc_name, *([False] * 7))[1]
+    return _fitting(candidates, limit, shared_bytes)
+
+
+def _fitting(candidates, limit, shared_bytes):
+    """The first (block_q, block_k) of ``candidates`` whose kernel fits in ``limit`` bytes of shared memory
+    per block, else the last (which the call then finds too large: ``shared_refusal``)."""
+    return next((c for c in candidates if shared_bytes(*c) <= limit), candidates[-1])
+
+
+# ------------------------------------------------------------------------------------------------ tensor-core tiles
+# Tensor-core tiles: BLOCK_Q = 16 x m-tiles per warp (tc_m_tiles) x warps, BLOCK_K a multiple of 16.
+# Each head-dim class: the measured tiles (docs/notes/tensorcore.md), then the fallback where a device's shared
+# memory per block is smaller than the H100's (compute capability 8.6 / 8.9: 99 KB).
+_TC_TILES = ((64, ((128, 64),)), (128, ((128, 64), (64, 64))), (256, ((128, 32), (64, 32))))
+_TC_SIM_TILES = (16, 16)
+
+# (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / (16 tc_bwd_key_tiles) x tc_bwd_dim_split warps: the
+# fastest of the H100 sweeps (bench/results/h100-tune-tc-bwd-2026-11-22.md; above head dim 64 with S^T
+# shared, tc_bwd_share: bench/results/h100-tune-tc-2026-11-23.md, ninth session), then the fallbacks where a
+# device's shared memory per block is smaller than the H100's (8.0: 163 KB; 8.6 / 8.9: 99 KB)
+_TC_BWD_TILES = ((64, ((32, 128), (32, 64))), (128, ((64, 128), (32, 64))),
+                 (256, ((64, 64), (32, 64), (16, 64), (16, 32))))
+
+
+def _tc_candidates(table, headdim, block_q, block_k):
+    """A tensor-core kernel's tile candidates for the head dim: the class's, with the caller's side kept where one
+    is given and then the other side halved down to 16."""
+    candidates = []
+    for bq, bk in next(tiles for max_d, tiles in table if headdim <= max_d):
+        if (block_q or bq, block_k or bk) not in candidates:
+            candidates.append((block_q or bq, block_k or bk))
+    bq, bk = candidates[-1]
+    while (block_q is None) != (block_k is None) and (bk if block_q else bq) > 16:
+        bq, bk = (bq, bk // 2) if block_q else (bq // 2, bk)
+        candidates.append((bq, bk))
+    return candidates
+
+
+def default_tc_tiles(headdim, block_q=None, block_k=None):
+    """The tensor-core forward's (block_q, block_k): the caller's where given, else the first candidate that fits
+    the device's shared memory per block (``_tc_candidates``)."""
+    if block_q and block_k:
+        return block_q, block_k
+    if SIMULATOR:
+        return block_q or _TC_SIM_TILES[0], block_k or _TC_SIM_TILES[1]
+    return _default_tc_tiles(headdim, shared_limit(), block_q, block_k)
+
+
+@lru_cache(maxsize=None)
+def _default_tc_tiles(headdim, limit, block_q=None, block_k=None):
+    d = headdim + headdim % 2
+    return _fitting(_tc_candidates(_TC_TILES, headdim, block_q, block_k), limit,
+                    lambda bq, bk: tc_shared_bytes(bq, bk, d))
+
+
+def tc_shared_bytes(block_q, block_k, headdim):
+    """Dynamic shared memory per block of the tensor-core forward (the options do not change it)."""
+    mt = tc_m_tiles(block_q, headdim)
+    return make_forward_tc(block_q, block_k, headdim, "float16", True, mt, tc_q_in_smem(mt, headdim),
+                           *([False] * 7))[1]
+
+
+def default_tc_bwd_tiles(headdim, block_q=None, block_k=None):
+    """The tensor-core dK/dV kernel's (block_q, block_k): the caller's where given, else the first candidate that
+    fits the device's shared memory per block (``_tc_candidates``)."""
+    if block_q and block_k:
+        return block_q, block_k
+    if SIMULATOR:
+        return block_q or _TC_SIM_TILES[0], block_k or _TC_SIM_TILES[1]
+    return _default_tc_bwd_tiles(headdim, shared_limit(), block_q, block_k)
+
+
+@lru_cache(maxsize=None)
+def _default_tc_bwd_tiles(headdim, limit, block_q=None, block_k=None):
+    d = headdim + headdim % 2
+    return _fitting(_tc_candidates(_TC_BWD_TILES, headdim, block_q, block_k), limit,
+                    lambda bq, bk: tc_bwd_shared_bytes(bq, bk, d))
+
+
+def tc_bwd_shared_bytes(block_q, block_k, headdim):
+    """Dynamic shared memory per block of the tensor-core dK/dV kernel (the options do not change it)."""
+    return make_dkdv_tc(block_q, block_k, headdim, "float16", True, *([False] * 7),
+                        tc_bwd_dim_split(block_q, block_k, headdim), True,   # as the plan builds it (RED2 last)
+                        MTK=tc_bwd_key_tiles(block_q, block_k, headdim), SHARE=tc_bwd_share(block_q, block_k, headdim))[1]
+
+
+# ------------------------------------------------------------------------------------------------ tensor-core variants
+def tc_m_tiles(block_q, headdim):
+    """m16 row blocks per warp: 2 (each K/V fragment read from shared memory feeds two mma) up to head dim 64,
+    and up to 128 with 4 or more warps and Q in shared memory (``tc_q_in_smem``; 80-96 bytes of spills, and
+    still 7-19% less time than one m-tile; with 2 warps per block half as fast); above 128, 1
+    (docs/notes/tensorcore.md)."""
+    return 2 if (block_q >= 32 and headdim <= 64) or (block_q >= 128 and headdim <= 128) else 1
+
+
+def tc_q_in_smem(m_tiles, headdim):
+    """Q's fragments from shared memory (ldmatrix per k-step) rather than registers where two m-tiles per warp
+    would not leave the registers for Q's fragments, head dims above 64 (measured, docs/notes/tensorcore.md)."""
+    return m_tiles > 1 and headdim > 64
+
+
+@lru_cache(maxsize=256)
+def tc_positive_scale(scale):
+    """Whether the forward may fold the scale into exp2: 0 < float32(scale) * log2(e) < inf."""
+    with np.errstate(over="ignore"):
+        x = np.float32(np.float32(scale) * np.float32(LOG2E))
+    return bool(0 < x < np.inf)
+
+
+def tc_bwd_key_tiles(block_q, block_k, headdim):
+    """m-tiles of 16 keys per warp in the tensor-core dK/dV kernel: 2 (each Q / dO fragment read from shared
+    memory feeds twice the ``mma``) where the registers allow it: head dims up to 64 with block_q <= 32, and up
+    to 128 with S^T shared (``tc_bwd_share``; half of dK's, dV's dims and of S^T's, dP^T's queries per warp)
+    (measured, docs/notes/tensorcore.md); block_k a multiple of 32."""
+    if block_k % 32:
+        return 1
+    if headdim <= 64:
+        return 2 if block_q <= 32 else 1
+    return 2 if headdim <= 128 and tc_bwd_share(block_q, block_k, headdim) else 1
+
+
+def tc_bwd_dim_split(block_q, block_k, headdim):
+    """Warps per 16 keys in the tensor-core dK/dV kernel (each warp of a pair holds half of dK's and dV's
+    dims): 2 above head dim 128, where one warp's registers cannot hold dK and dV next to S^T and dP^T, and
+    wherever S^T is shared (``tc_bwd_share``: the pair splits its queries)."""
+    return 2 if headdim > 128 or tc_bwd_share(block_q, block_k, headdim) else 1
+
+
+def tc_bwd_share(block_q, block_k, headdim):
+    """S^T and dP^T computed once per pair of warps, each for half of the query tile, and shared through
+    shared memory (``make_dkdv_tc(SHARE=True)``, FlashAttention-2's layout): above head dim 64, with block_q a
+    multiple of 32 (whole 16-query steps per warp), and up to 64 at head dims up to 128 (there two m-tiles of
+    keys per warp, ``tc_bwd_key_tiles``: 64 queries a warp would double S^T's registers).  Measured on the
+    H100 at 64 x 128 tiles (64 x 64 above 128), in a first form whose race the deferred dQ fixed (within 1%
+    of it at d = 128 in the sweep): 8-13% less backward time at d = 128, 6-9% at 80, 18-21% at 96, 22-26% at
+    192 and 256, and at 32 x 64 (the fallback) 4-6% at 128; at d = 64, 12-16% more
+    (bench/results/h100-tune-tc-2026-11-23.md, ninth session)."""
+    return headdim > 64 and block_q % 32 == 0 and (block_q <= 64 or headdim > 128)
+
+
+def tc_bwd_threads(block_q, block_k, headdim):
+    """Threads per block of the tensor-core dK/dV kernel: 32 per (16 x key m-tiles) keys per dim part."""
+    return (32 * block_k // (16 * tc_bwd_key_tiles(block_q, block_k, headdim))
+            * tc_bwd_dim_split(block_q, block_k, headdim))
+
+
+def _red2():
+    """Vector float32 reductions (red.global.add.v2.f32) exist from compute capability 9.0; the simulator's twin
+    is two atomics."""
+    return SIMULATOR or compute_capability() >= (9, 0)

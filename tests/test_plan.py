@@ -1,0 +1,148 @@
+"""The planner (flashnb/plan.py) on a table of calls: which backend, which tiles, which grid, which refusal.
+
+The device is the H100 as the planner sees it (compute capability 9.0, 227 KB of shared memory per block),
+patched in, so the GPU's tile tables are what is chosen here, in the simulator as on a GPU; one row takes a
+99 KB device (8.6 / 8.9) and one a 7.5.  No kernel runs: the plans are checked, not launched.
+"""
+import pytest
+
+from flashnb import _options, plan
+
+NO_OPTIONS = _options.Flags(*([False] * 7))
+CAUSAL = _options.Flags(True, *([False] * 6))
+H100 = dict(cc=(9, 0), limit=227 * 1024)
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """``device(cc=, limit=)``: the planner sees a GPU of that compute capability and shared memory per block."""
+    def set_device(cc, limit):
+        monkeypatch.setattr(plan, "SIMULATOR", False)
+        monkeypatch.setattr(plan, "compute_capability", lambda: cc)
+        monkeypatch.setattr(plan, "shared_limit", lambda: limit)
+    return set_device
+
+
+def call(dtype="float16", headdim=64, *, batch=2, seqlen_q=1000, seqlen_k=1500, nheads=8, nheads_k=2,
+         flags=NO_OPTIONS, block_q=None, block_k=None, backend="auto", deterministic=False, layout=(None, True)):
+    return plan.Call(dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, flags, True, block_q, block_k,
+                     backend, deterministic, layout)
+
+
+# (call keywords, forward: (backend, block_q, block_k), backward: (backend, block_q, block_k)) on the H100
+TABLE = [
+    (dict(headdim=64), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
+    (dict(headdim=64, flags=CAUSAL), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
+    (dict(headdim=40), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
+    (dict(headdim=128), ("tensorcore", 128, 64), ("tensorcore", 64, 128)),
+    (dict(headdim=256), ("tensorcore", 128, 32), ("tensorcore", 64, 64)),
+    (dict(dtype="bfloat16", headdim=128), ("tensorcore", 128, 64), ("tensorcore", 64, 128)),
+    (dict(headdim=128, block_q=64), ("tensorcore", 64, 64), ("tensorcore", 64, 128)),
+    (dict(headdim=64, block_q=32, block_k=32), ("tensorcore", 32, 32), ("tensorcore", 32, 32)),
+    (dict(dtype="float32", headdim=64), ("simt", 64, 64), ("simt", 64, 64)),
+    (dict(dtype="float32", headdim=128), ("simt", 64, 32), ("simt", 64, 32)),
+    (dict(dtype="float64", headdim=64), ("simt", 64, 32), ("simt", 64, 32)),
+    (dict(headdim=63), ("simt", 64, 64), ("simt", 64, 64)),                         # odd head dim
+    (dict(headdim=64, block_k=8), ("simt", 64, 8), ("simt", 64, 8)),                 # a tile below 16
+    (dict(headdim=64, layout=("k", False)), ("simt", 64, 64), ("simt", 64, 64)),     # k's head dim strided
+    (dict(headdim=64, backend="simt", layout=None), ("simt", 64, 64), ("simt", 64, 64)),
+    (dict(headdim=64, deterministic=True), ("tensorcore", 128, 64), ("simt", 64, 64)),
+    (dict(headdim=160, block_k=128), ("tensorcore", 128, 128), ("simt", 32, 128)),   # 512 threads refused
+]
+
+
+@pytest.mark.parametrize("kw, fwd, bwd", TABLE)
+def test_backend_and_tiles_on_the_h100(device, kw, fwd, bwd):
+    device(**H100)
+    c = call(**kw)
+    f, b = plan.forward(c), plan.backward(c)
+    assert (f.backend, f.block_q, f.block_k) == fwd
+    assert (b.backend, b.block_q, b.block_k) == bwd
+    assert f.acc == ("float64" if c.dtype == "float64" else "float32") == b.acc
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(dtype="float32"), "float16 and bfloat16 inputs only, got float32"),
+    (dict(headdim=63), "even head dim"),
+    (dict(block_q=8), "block_q must be a multiple of 16"),
+    (dict(block_k=8), "block_k must be a multiple of 16"),
+    (dict(layout=("v", False)), "v's head dimension must be contiguous"),
+])
+def test_tensorcore_refuses_with_the_reason(device, kw, why):
+    device(**H100)
+    c = call(backend="tensorcore", **kw)
+    for make in (plan.forward, plan.backward):
+        with pytest.raises(ValueError, match=f"backend='tensorcore' cannot serve this call: .*{why}"):
+            make(c)
+
+
+def test_tensorcore_backward_refusals(device):
+    device(**H100)
+    with pytest.raises(ValueError, match="deterministic=True needs backend='simt'"):
+        plan.backward(call(backend="tensorcore", deterministic=True))
+    with pytest.raises(ValueError, match="block_k=128 at head dim 160 needs 512 threads"):
+        plan.backward(call(headdim=160, block_k=128, backend="tensorcore"))
+    assert plan.forward(call(backend="tensorcore", deterministic=True)).backend == "tensorcore"
+
+
+def test_older_devices(device):
+    device(cc=(7, 5), limit=64 * 1024)
+    with pytest.raises(ValueError, match="compute capability 8.0"):
+        plan.forward(call(backend="tensorcore"))
+    assert plan.forward(call()).backend == "simt"
+    device(cc=(8, 6), limit=99 * 1024)                   # the fallback tiles of a 99 KB device
+    f, b = plan.forward(call(headdim=128)), plan.backward(call(headdim=128))
+    assert (f.backend, f.block_q, f.block_k) == ("tensorcore", 64, 64)
+    assert (b.backend, b.block_q, b.block_k) == ("tensorcore", 32, 64)
+    assert plan.backward(call(headdim=256)).block_q == 16
+
+
+def test_a_kernel_too_large_for_the_device_is_refused_before_launch(device):
+    device(cc=(9, 0), limit=1024)
+    with pytest.raises(ValueError, match="backend='tensorcore'.*shared memory per block"):
+        plan.forward(call(backend="tensorcore"))
+    with pytest.raises(ValueError, match="the forward with block_q=128, block_k=128.*shared memory"):
+        plan.forward(call(backend="simt", block_q=128, block_k=128, layout=None))
+
+
+def test_grids_and_launches(device):
+    device(**H100)
+    c = call(headdim=64, batch=2, seqlen_q=1000, seqlen_k=1500, nheads=8, nheads_k=2)
+    f = plan.forward(c)
+    assert f.forward.grid == 8 * 8 * 2 and f.forward.threads == 128          # ceil(1000 / 128) x heads x batch
+    b = plan.backward(c)
+    assert b.dkdv.grid == 12 * 2 * 2                                           # ceil(1500 / 128) x kv heads x batch
+    assert b.atomic and b.preprocess is not None and b.finish.grid > 0        # the dQ accumulator's cast
+    s = plan.backward(call(dtype="float32", deterministic=True))
+    assert not s.atomic and s.finish.grid == 16 * 8 * 2                       # the dQ pass: ceil(1000 / 64) ...
+    assert plan.backward(call(dtype="float32")).atomic
+
+
+def test_empty_calls_launch_nothing(device):
+    device(**H100)
+    assert plan.forward(call(batch=0)).forward is None
+    assert plan.forward(call(seqlen_q=0)).forward is None
+    b = plan.backward(call(seqlen_q=0))
+    assert b.preprocess is None and b.finish is None and b.dkdv is not None   # dK = dV = 0 still written
+    b = plan.backward(call(seqlen_k=0))
+    assert b.dkdv is None and b.finish is not None                            # dQ = 0 still written
+    b = plan.backward(call(nheads=0, nheads_k=0))
+    assert (b.preprocess, b.dkdv, b.finish) == (None, None, None)
+
+
+def test_a_call_is_a_hashable_key_and_equal_calls_get_equal_plans(device):
+    device(**H100)
+    a, b = call(headdim=128, flags=CAUSAL), call(headdim=128, flags=CAUSAL)
+    assert a == b and hash(a) == hash(b) and len({a, b, call(headdim=64)}) == 2
+    assert plan.forward(a) == plan.forward(b)        # the same kernels (the factories' caches), grids, tiles
+    assert plan.backward(a) == plan.backward(b)
+
+
+def test_wants_words_only_where_the_tensor_cores_may_serve(device):
+    device(**H100)
+    assert plan.wants_words(call(layout=None))
+    assert plan.wants_words(call(layout=None), backward=True)
+    assert not plan.wants_words(call(layout=None, backend="simt"))
+    assert not plan.wants_words(call(dtype="float32", layout=None))
+    assert plan.wants_words(call(layout=None, deterministic=True))
+    assert not plan.wants_words(call(layout=None, deterministic=True), backward=True)
