@@ -56,17 +56,12 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     plan.check_backend(backend)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
-        opts = _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, launch_stream, block_q, block_k,
-                      softmax_scale=softmax_scale, causal=causal, window_size=window_size, attn_mask=attn_mask,
-                      attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                      block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
-        call = plan.Call(kind.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, opts.flags,
-                         plan.tc_positive_scale(opts.scale), block_q, block_k, backend)
-        words = None
-        if plan.wants_words(call):
-            words, layout = _word_views((q, k, v), ("q", "k", "v"), launch_stream, n_aligned=3)
-            call = call._replace(layout=layout)
-        p = plan.forward(call)
+        opts, call = _setup(kind, q, (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), launch_stream,
+                            block_q, block_k, backend, False, softmax_scale=softmax_scale, causal=causal,
+                            window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
+                            alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                            block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+        p, words = _planned(plan.forward, call, (q, k, v), ("q", "k", "v"), launch_stream, backward=False)
         lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), p.acc, q, launch_stream)
         if p.backend == "tensorcore":
             out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, launch_stream, bits=True)
@@ -122,18 +117,13 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
-        opts = _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, launch_stream, block_q, block_k,
-                      softmax_scale=softmax_scale, causal=causal, window_size=window_size, attn_mask=attn_mask,
-                      attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                      block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
-        call = plan.Call(kind.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, opts.flags,
-                         plan.tc_positive_scale(opts.scale), block_q, block_k, backend, bool(deterministic))
-        words = None
-        if plan.wants_words(call, backward=True):
-            words, layout = _word_views((dout, q, k, v, out), ("dout", "q", "k", "v", "out"), launch_stream,
-                                        n_aligned=4)
-            call = call._replace(layout=layout)
-        p = plan.backward(call)
+        opts, call = _setup(kind, q, (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), launch_stream,
+                            block_q, block_k, backend, bool(deterministic), softmax_scale=softmax_scale,
+                            causal=causal, window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
+                            alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                            block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+        p, words = _planned(plan.backward, call, (dout, q, k, v, out), ("dout", "q", "k", "v", "out"), launch_stream,
+                            backward=True)
         shapes = ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
                   (batch, seqlen_k, nheads_k, headdim))
         if p.backend == "tensorcore":
@@ -187,29 +177,37 @@ def _run(step, stream, args):
     launch(step.kernel, step.grid, step.threads, stream, step.shared, args)
 
 
-def _setup(kind, q, batch, seqlen_q, seqlen_k, nheads, headdim, launch_stream, block_q, block_k, **options):
-    """The call's ``LaunchOptions`` (16-bit inputs accumulate in float32), its tiles and devices checked."""
+def _setup(kind, q, dims, launch_stream, block_q, block_k, backend, deterministic, **options):
+    """The call's ``LaunchOptions`` (16-bit inputs accumulate in float32), its tiles and devices checked, and
+    its ``plan.Call`` (the layout not yet probed)."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = dims
     _options.check_tile(block_q, "block_q")
     _options.check_tile(block_k, "block_k")
     _arrays.check_device(q, "q")
     for name in ("attn_mask", "attn_bias", "alibi_slopes", "block_mask"):
         _arrays.check_same_device(options.get(name), name, q)
     acc = np.float32 if kind.dtype == "bfloat16" else np_acc(kind.dtype)
-    return _options.normalise(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, headdim=headdim,
+    opts = _options.normalise(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, headdim=headdim,
                               acc=acc, stream=launch_stream, **options)
+    return opts, plan.Call(kind.dtype, *dims, opts.flags, plan.tc_positive_scale(opts.scale), block_q, block_k,
+                           backend, deterministic)
 
 
-def _word_views(arrays, names, stream, n_aligned):
-    """uint32 views (two 16-bit values per word) of the arrays for the tensor-core kernels, and their layout for
-    the plan: (the first array with no such view, or None; whether the first ``n_aligned`` arrays' rows are
-    16-byte aligned, for 16-byte copies)."""
+def _planned(make_plan, call, arrays, names, stream, backward):
+    """``make_plan(call)`` (``plan.forward`` or ``plan.backward``), and the arrays' uint32 word views where the
+    tensor cores may serve the call (else None): the views' layout completes the call first (the first array
+    with no view, or None; whether the rows of every array but ``out`` are 16-byte aligned, for 16-byte
+    copies)."""
+    if not plan.wants_words(call, backward):
+        return make_plan(call), None
     views = []
     for x, name in zip(arrays, names):
         w = _arrays.word_view(_arrays.to_device_bits(x, stream))
         if w is None:
-            return None, (name, False)
+            return make_plan(call._replace(layout=(name, False))), None
         views.append(w)
-    return views, (None, all(_arrays.rows_aligned16(w) for w in views[:n_aligned]))
+    inputs = [w for w, name in zip(views, names) if name != "out"]
+    return make_plan(call._replace(layout=(None, all(_arrays.rows_aligned16(w) for w in inputs)))), views
 
 
 def _prepare(arrays, kind, stream):
