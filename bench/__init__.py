@@ -14,6 +14,9 @@ Modules, in the order a run uses them:
 * ``io_table`` -- reference.io_model's HBM traffic next to measured times;
 * ``report``   -- terminal / Markdown / CSV / JSON writers and readers, the plot.
 
+The developer tools (tile sweeps, profiler targets and readers, SASS) are in ``tools/``
+(``python -m tools.X``; tools/README.md).
+
 This file imports nothing: ``python -m bench`` must be able to switch numba to
 its simulator before numba is first imported.
 """

@@ -1,4 +1,5 @@
-"""Run the ```python blocks of docs/*.md, so the docs cannot rot (STYLE.md habit 8).
+"""Run the ```python blocks of docs/**/*.md (the notes under docs/notes/ too), so the docs cannot rot
+(STYLE.md habit 8).
 
 The blocks of one page run in order in one namespace, like a notebook: a later
 block may use names an earlier one defined.  A block written as a doctest
@@ -15,7 +16,7 @@ import re
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-ALL_PAGES = sorted(DOCS.glob("*.md"))
+ALL_PAGES = sorted(DOCS.rglob("*.md"))
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)[ \t]*(?P<info>[^\n`]*)$")
 SKIP_MARK = "<!-- docs-test: skip -->"
 
@@ -52,14 +53,14 @@ PAGES = [p for p in ALL_PAGES if python_blocks(p.read_text(encoding="utf-8"))]
 
 
 def test_some_pages_have_code():
-    assert len(PAGES) >= 2, [p.name for p in ALL_PAGES]
+    assert len(PAGES) >= 2, [str(p.relative_to(DOCS)) for p in ALL_PAGES]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
 def test_doc_page_python_blocks_run(page, monkeypatch):
     blocks = python_blocks(page.read_text(encoding="utf-8"))
     monkeypatch.chdir(DOCS.parent)                                 # pages may refer to repo-relative paths
-    namespace = {"__name__": f"docs.{page.stem}"}
+    namespace = {"__name__": "docs." + ".".join(page.relative_to(DOCS).with_suffix("").parts)}
     skipped = 0
     for line, source, skip in blocks:
         if skip:
@@ -77,4 +78,4 @@ def test_doc_page_python_blocks_run(page, monkeypatch):
                 exec(compile(source, where, "exec"), namespace)
             except Exception as exc:                               # name the block in the failure
                 raise AssertionError(f"python block at {where} raised {type(exc).__name__}: {exc}") from exc
-    assert skipped < len(blocks), f"{page.name}: every python block is marked skip"
+    assert skipped < len(blocks), f"{page.relative_to(DOCS)}: every python block is marked skip"

@@ -1,19 +1,19 @@
 """One forward and one backward at the FlashAttention-2 benchmark shape, twice: a target for Nsight Compute.
 
-    python -m bench.profile_target [HEADDIM] [--dtype float32|float16|bfloat16] [--impl flashnb|sdpa-flash] [--causal]
+    python -m tools.profile_target [HEADDIM] [--dtype float32|float16|bfloat16] [--impl flashnb|sdpa-flash] [--causal]
 
 For example, flashnb's kernels (SIMT at float32, tensor cores at 16 bits) and then FA2's:
 
     ncu --clock-control none --kernel-name regex:"flash_forward|flash_dkdv|flash_fwd|flash_bwd" \\
         --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        python -m bench.profile_target 64 --dtype float16
-    ncu ... python -m bench.profile_target 64 --dtype float16 --impl sdpa-flash
+        python -m tools.profile_target 64 --dtype float16
+    ncu ... python -m tools.profile_target 64 --dtype float16 --impl sdpa-flash
 
 (the first call of each kernel compiles it; the profiled launches are the second ones; ``--launch-skip``
 counts launches of matching kernels only).  batch * seqlen = 16k tokens, nheads * headdim = 2048, seqlen 4096.
-The profiles in docs/performance.md and docs/tensorcore.md were taken this way.
+The profiles in docs/performance.md and docs/notes/tensorcore.md were taken this way.
 
-    python -m bench.profile_target 64 --dtype float16 --host
+    python -m tools.profile_target 64 --dtype float16 --host
 
 times the host side of a call instead, on a problem so small (256 heads of 128 queries) that the GPU
 waits for the host: the median time of one call with the GPU idle before it (synchronised), the

@@ -1,9 +1,9 @@
 """The tensor-core forward's resources and SASS for sm_90, compiled on a machine with no GPU.
 
-    python -m bench.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1] [MASK32=1] [LPT=1]
-    python -m bench.sass_tc --pass bwd BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [DSPLIT=] [MTK=] [SHARE=] [DEFER_DQ=]
+    python -m tools.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1]
+    python -m tools.sass_tc --pass bwd BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [DSPLIT=] [MTK=] [SHARE=] [DEFER_DQ=]
 
-(``--pass bwd``: the tensor-core dK/dV kernel, ``make_dkdv_tc``, with the defaults ``_backward_tc`` picks)
+(``--pass bwd``: the tensor-core dK/dV kernel, ``make_dkdv_tc``, with the defaults ``plan.backward`` picks)
 
 prints ptxas's registers, spills and stack frame, the SASS opcode counts, and the straight-line runs of 40 or
 more instructions (split at branches and branch targets) with their most frequent opcodes; the PTX, cubin and
@@ -11,8 +11,8 @@ SASS are kept in ``--out`` (default /tmp/sass_tc).  Needs ``ptxas`` and ``cuobjd
 the PATH: the wheels nvidia-cuda-nvcc, nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm hold them.  PTX is
 written by numba-cuda's ``compile_ptx`` at compute capability 9.0 (its device-function dispatchers ask the
 current device for a capability, so a stand-in answers (9, 0) here); the ``.version`` line is lowered to what
-the installed ptxas accepts (``--ptx-version``, default 9.0).  The tables of docs/tensorcore.md ("The shipped
-configurations and their SASS") and bench/results/h100-ncu-2026-11-23.md were taken this way.
+the installed ptxas accepts (``--ptx-version``, default 9.0).  The tables of docs/notes/tensorcore.md ("The
+shipped configurations and their SASS") and bench/results/h100-ncu-2026-11-23.md were taken this way.
 """
 import argparse
 import collections
@@ -23,12 +23,12 @@ import subprocess
 
 def compile_forward(bq, bk, d, options, out_dir, ptx_version):
     from numba.cuda import types
-    api = _stand_in_device()
+    plan = _stand_in_device()
     from flashnb.kernels.forward_tc import make_forward_tc
 
     causal = options.pop("causal", 0) == 1
-    mt = options.pop("MT", api.tc_m_tiles(bq, d))
-    qs = bool(options.pop("QS", api.tc_q_in_smem(mt, d)))
+    mt = options.pop("MT", plan.tc_m_tiles(bq, d))
+    qs = bool(options.pop("QS", plan.tc_q_in_smem(mt, d)))
     fold = bool(options.pop("FOLD", 1))
     kern, shared, threads = make_forward_tc(bq, bk, d, "float16", True, mt, qs, causal, *([False] * 6), fold,
                                             **{k: bool(v) for k, v in options.items()})
@@ -38,14 +38,14 @@ def compile_forward(bq, bk, d, options, out_dir, ptx_version):
 
 
 def compile_backward(bq, bk, d, options, out_dir, ptx_version):
-    """The tensor-core dK/dV kernel at the options ``_backward_tc`` would pick (``options`` override them)."""
+    """The tensor-core dK/dV kernel at the options ``plan.backward`` would pick (``options`` override them)."""
     from numba.cuda import types
-    api = _stand_in_device()
+    plan = _stand_in_device()
     from flashnb.kernels.backward_tc import make_dkdv_tc
 
     causal = options.pop("causal", 0) == 1
-    kw = dict(DSPLIT=api.tc_bwd_dim_split(bq, bk, d), MTK=api.tc_bwd_key_tiles(bq, bk, d),
-              SHARE=api.tc_bwd_share(bq, bk, d))
+    kw = dict(DSPLIT=plan.tc_bwd_dim_split(bq, bk, d), MTK=plan.tc_bwd_key_tiles(bq, bk, d),
+              SHARE=plan.tc_bwd_share(bq, bk, d))
     kw.update({k: (bool(v) if k in ("SHARE", "DEFER_DQ") else v) for k, v in options.items()})
     dsplit = kw.pop("DSPLIT")
     kern, shared, threads = make_dkdv_tc(bq, bk, d, "float16", True, causal, *([False] * 6), dsplit, True, **kw)
@@ -64,8 +64,8 @@ def _stand_in_device():
         compute_capability = (9, 0)
 
     dispatcher.get_current_device = lambda: _Capability()
-    from flashnb import api
-    return api
+    from flashnb import plan
+    return plan
 
 
 def _OPTION_TYPES():

@@ -1,6 +1,6 @@
 """Tile sweep for the SIMT kernels on a GPU: check against float64, then time, one table.
 
-    python -m bench.tune_simt [--dtype float32] [--seqlens 1024,4096] [--headdims 64,128]
+    python -m tools.tune_simt [--dtype float32] [--seqlens 1024,4096] [--headdims 64,128]
 
 For each head dim and tile configuration: correctness of forward and backward
 against a float64 PyTorch computation on a small problem, then the forward and
@@ -26,7 +26,7 @@ def _time(fn, sets, reps=20, rounds=3):
     """ms per call: ``reps`` calls queued between two CUDA events, inputs rotated over ``sets``; the
     median of ``rounds`` such rounds.  Queued, a call's host-side work overlaps the GPU work of the
     calls before it (as in a training loop), so where the GPU time per call exceeds the host's this is
-    the GPU's time (``python -m bench.profile_target --host`` measures the host's)."""
+    the GPU's time (``python -m tools.profile_target --host`` measures the host's)."""
     import torch
     for s in sets[:2]:
         fn(*s)
@@ -81,7 +81,7 @@ def main(argv=None):
     import torch
     from tabulate import tabulate
     import flashnb
-    from flashnb.api import default_tiles
+    from flashnb.plan import default_tiles
 
     dtype = getattr(torch, args.dtype)
     configs = {}
@@ -103,16 +103,16 @@ def _set_threads(threads):
     from flashnb.kernels import backward, forward
     rows, cols = map(int, threads.split("x"))
     forward.MAX_THREADS.update(rows=rows, cols=cols)
-    from flashnb import api
+    from flashnb import plan
     for f in (forward.make_forward, forward.make_window_helpers, backward.make_dkdv, backward.make_dq,
-              api._default_simt_tiles):            # the default tiles' shared-memory fit depends on the threads
+              plan._default_simt_tiles):            # the default tiles' shared-memory fit depends on the threads
         f.cache_clear()
 
 
 def _sweep(args, configs, dtype, threads):
     import torch
     import flashnb
-    from flashnb.api import default_tiles
+    from flashnb.plan import default_tiles
     rows = []
     for d in map(int, args.headdims.split(",")):
         acc = "float64" if args.dtype == "float64" else "float32"

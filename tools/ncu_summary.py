@@ -1,8 +1,8 @@
 """Tables from Nsight Compute exports of flashnb's and FlashAttention-2's kernels (bench/results/h100-ncu-*.md).
 
-    python -m bench.ncu_summary DIR [DIR ...]            # kernel metrics and warp stall reasons; stall samples by
+    python -m tools.ncu_summary DIR [DIR ...]            # kernel metrics and warp stall reasons; stall samples by
                                                           # instruction class
-    python -m bench.ncu_summary --blocks fwd|bwd MIN DIR  # straight-line runs of SASS with one execution count
+    python -m tools.ncu_summary --blocks fwd|bwd MIN DIR  # straight-line runs of SASS with one execution count
                                                           # whose instructions executed exceed MIN million
 
 Each DIR holds ``raw.csv`` (``ncu --import REP --page raw --csv``) and ``src.csv`` (``ncu --import REP

@@ -1,6 +1,6 @@
 """Where the time of one benchmarked call goes on the GPU: every kernel, memset and gap between them.
 
-    python -m bench.timeline [--headdim 64] [--seqlens 1024 2048] [--causal 0 1] [--pass fwdbwd]
+    python -m tools.timeline [--headdim 64] [--seqlens 1024 2048] [--causal 0 1] [--pass fwdbwd]
                              [--impl flashnb-auto sdpa-flash] [--reps 20]
 
 Each (case, impl) is called exactly as ``python -m bench`` calls it (``bench.impls``; the L2 flushed

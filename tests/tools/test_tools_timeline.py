@@ -1,7 +1,7 @@
-"""bench/timeline.py's reading of a profiler trace: no GPU needed (the trace is written here)."""
+"""tools/timeline.py's reading of a profiler trace: no GPU needed (the trace is written here)."""
 import json
 
-from bench import timeline
+from tools import timeline
 
 
 def _trace(tmp_path, events):

@@ -1,0 +1,1 @@
+"""Developer tools: tile sweeps, profiling and SASS helpers (the user benchmark is bench/)."""
