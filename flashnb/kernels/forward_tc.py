@@ -92,7 +92,7 @@ def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
 
 @lru_cache(maxsize=None)
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, LPT=False, MASK32=False):
+                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -100,11 +100,13 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     instead of holding them in registers for the whole kernel.  ``POS_SCALE``: the launch
     promises ``scale > 0``; with no score option the scale then moves into ``exp2``'s argument
     (the row max taken on the raw scores, ``p = exp2(s * scale_log2 - m_i)``: one FFMA per score
-    instead of a multiply and a subtract).  ``LPT``: the query tiles of a head in reverse order, the
-    last (under a causal mask, the longest) first.  ``MASK32``: the window mask of a diagonal tile by 32-bit
-    compares of each score's constant offsets against the tile's bounds, clamped into 32 bits once
-    (ptxas: 278 instead of 942 instructions a tile at 128 x 64, d = 64, and 255 instead of 248 registers
-    with 16 / 36 B of spills outside the loop of unmasked tiles; docs/tensorcore.md, not yet timed).
+    instead of a multiply and a subtract).  (Two experiments measured slower and removed, with their
+    records in docs/notes/tensorcore.md: the query tiles last first, ``LPT``, and the window mask by
+    32-bit compares, ``MASK32``.)
+
+    The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
+    ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
+    epilogue ``store_out_lse``.
     """
     assert BLOCK_Q % (16 * MT) == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
     NWARPS = BLOCK_Q // (16 * MT)            # each warp owns MT m-tiles of 16 query rows
@@ -133,7 +135,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     # comparisons measured 1-6% slower at d = 128, causal: bench/results/h100-tune-tc-2026-11-23.md)
     WINDOW_ONLY = HAS_WINDOW and not (HAS_MODS or HAS_ATTN_MASK or HAS_BLOCK_MASK) and MT > 1
     BIG = 1 << 40
-    CLAMP = 1 << 20
     F32 = np.float32
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
     W0 = np.uint32(0)
@@ -204,16 +205,163 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
 
     next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
+    # ---- the steps of one key tile, on this thread's fragments: element e of (m-tile m, n-tile n) is query
+    # row0 + 16 m + 8 (e >> 1) and key k0 + 8 n + 2 t + (e & 1) (m16n8k16's accumulator layout)
+    @device_function
+    def score_tile(smem, base, q_reg, q_frag, q_lane, k_lane, s_reg):
+        """S = Q K_j^T: per k-step, Q's a fragments of every m-tile (registers, or ldmatrix from the shared Q
+        tile), then per ldmatrix of K two n-tiles (16 keys) fed to every m-tile."""
+        for m in range(MT):
+            for n in range(NT_K):
+                for e in range(4):
+                    s_reg[m, n, e] = ZERO
+        for ks in range(KSTEPS_D):
+            for m in range(MT):
+                if Q_SMEM:
+                    q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3] = ldmatrix_x4(
+                        smem, U(q_lane + 16 * m * STRIDE + 8 * ks))
+                else:
+                    for e in range(4):
+                        q_frag[m, e] = q_reg[m, ks, e]
+            for n in range(0, NT_K, 2):
+                b0, b1, b2, b3 = ldmatrix_x4(smem, U(base + 8 * n * STRIDE + 8 * ks + k_lane))
+                for m in range(MT):
+                    s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3] = mma(
+                        q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3], b0, b1,
+                        s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3])
+                    s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3] = mma(
+                        q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3], b2, b3,
+                        s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3])
+
+    @device_function
+    def window_mask_tile(s_reg, row0, k0, t, seqlen_q, seqlen_k, off, left, right, scale_log2):
+        """S in log2 units with a window's mask by comparisons, no branches: a loop body small enough to unroll
+        (the general loop of ``modify_mask_tile`` is not unrolled with a window: S would live in local memory in
+        the whole kernel).  A score leaves the window iff key - (query + off) = rel0 + dj - di leaves
+        [-left, right], or its key or query is past the sequence."""
+        rel0 = k0 + 2 * t - row0 - off                # key - (query + off) of element (0, 0, 0)
+        lo = -left if left >= 0 else -BIG
+        hi = right if right >= 0 else BIG
+        kend = seqlen_k - (k0 + 2 * t)
+        qend = seqlen_q - row0
+        for m in range(MT):
+            for n in range(NT_K):
+                for e in range(4):
+                    dj = 8 * n + (e % 2)
+                    di = 16 * m + 8 * (e // 2)
+                    x = s_reg[m, n, e] if FOLD else s_reg[m, n, e] * scale_log2
+                    if (rel0 + (dj - di) < lo) | (rel0 + (dj - di) > hi) | (dj >= kend) | (di >= qend):
+                        x = NEG_INF
+                    s_reg[m, n, e] = x
+
+    @device_function
+    def modify_mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
+                         scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k):
+        """S <- score modifiers (softcap, bias, ALiBi) and, on a tile the masks cut, -inf where a score is not
+        allowed; log2 units (raw under FOLD)."""
+        for m in range(MT):
+            for n in range(NT_K):
+                for e in range(4):
+                    i = row0 + 16 * m + 8 * (e // 2)
+                    j = k0 + 8 * n + 2 * t + (e % 2)
+                    if HAS_MODS:
+                        x = score(s_reg[m, n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
+                    elif FOLD:
+                        x = s_reg[m, n, e]
+                    else:
+                        x = s_reg[m, n, e] * scale_log2
+                    if need_mask:
+                        if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
+                                       attn_mask, block_mask, bm_q, bm_k):
+                            x = NEG_INF
+                    s_reg[m, n, e] = x
+
+    @device_function
+    def scale_tile(s_reg, scale_log2):
+        """S in log2 units, on a tile inside every mask with no modifier."""
+        for m in range(MT):
+            for n in range(NT_K):
+                for e in range(4):
+                    s_reg[m, n, e] *= scale_log2
+
+    @device_function
+    def online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,
+                       drop_threshold, drop_scale, seed_lo, seed_hi):
+        """m_new = max(m_i, rowmax S); P = exp2(S - m_new) (dropped out after l_i takes it); l_i and acc
+        rescaled by alpha = exp2(m_i - m_new).  A row's max is over the 4 lanes of a quad."""
+        for m in range(MT):
+            for r in range(2):
+                x = NEG_INF
+                for n in range(NT_K):
+                    x = max(x, max(s_reg[m, n, 2 * r], s_reg[m, n, 2 * r + 1]))
+                row[2 * m + r] = x * scale_log2 if FOLD else x
+        quad_max(row, scratch, tid // 4, t)
+        for m in range(MT):
+            for r in range(2):
+                m_new = max(m_i[2 * m + r], row[2 * m + r])
+                m_use = m_new if m_new != NEG_INF else ZERO   # nothing seen yet: exp2(-inf) = 0, not NaN
+                alpha = exp2(m_i[2 * m + r] - m_use)
+                m_i[2 * m + r] = m_new
+                l_tile = ZERO
+                for n in range(NT_K):
+                    for e in range(2 * r, 2 * r + 2):
+                        p = exp2((s_reg[m, n, e] * scale_log2 if FOLD else s_reg[m, n, e]) - m_use)
+                        l_tile += p                            # l_i uses P before dropout
+                        if HAS_DROPOUT:
+                            i = row0 + 16 * m + 8 * r
+                            j = k0 + 8 * n + 2 * t + (e % 2)
+                            p = p * drop_scale if philox_keep(seed_lo, seed_hi, b, h, i, j, drop_threshold) else ZERO
+                        s_reg[m, n, e] = p
+                l_i[2 * m + r] = l_i[2 * m + r] * alpha + l_tile
+                for n in range(NT_D):
+                    acc[m, n, 2 * r] *= alpha
+                    acc[m, n, 2 * r + 1] *= alpha
+
+    @device_function
+    def pv_tile(smem, base, v_lane, s_reg, p_reg, acc):
+        """acc += P V_j: P's a fragments are S's accumulators of n-tiles 2kk, 2kk + 1, packed; one
+        ldmatrix.trans gives V's b fragments of two output n-tiles, used by every m-tile."""
+        for kk in range(KSTEPS_K):
+            for m in range(MT):
+                p_reg[m, 0] = pack2(s_reg[m, 2 * kk, 0], s_reg[m, 2 * kk, 1])
+                p_reg[m, 1] = pack2(s_reg[m, 2 * kk, 2], s_reg[m, 2 * kk, 3])
+                p_reg[m, 2] = pack2(s_reg[m, 2 * kk + 1, 0], s_reg[m, 2 * kk + 1, 1])
+                p_reg[m, 3] = pack2(s_reg[m, 2 * kk + 1, 2], s_reg[m, 2 * kk + 1, 3])
+            for n in range(0, NT_D, 2):
+                b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(base + 16 * kk * STRIDE + 4 * n + v_lane))
+                for m in range(MT):
+                    acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3] = mma(
+                        p_reg[m, 0], p_reg[m, 1], p_reg[m, 2], p_reg[m, 3], b0, b1,
+                        acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
+                    acc[m, n + 1, 0], acc[m, n + 1, 1], acc[m, n + 1, 2], acc[m, n + 1, 3] = mma(
+                        p_reg[m, 0], p_reg[m, 1], p_reg[m, 2], p_reg[m, 3], b2, b3,
+                        acc[m, n + 1, 0], acc[m, n + 1, 1], acc[m, n + 1, 2], acc[m, n + 1, 3])
+
+    @device_function
+    def store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q):
+        """out = acc / l_i (rounded to the input format), lse = (m_i + log2 l_i) ln 2; l_i summed over the quad
+        first.  A row that saw no key (l_i = 0) gets out = 0, lse = -inf."""
+        quad_sum(l_i, scratch, tid // 4, t)
+        for m in range(MT):
+            for r in range(2):
+                i = row0 + 16 * m + 8 * r
+                if i < seqlen_q:
+                    l = l_i[2 * m + r]
+                    inv_l = ZERO if l == ZERO else F32(1) / l
+                    for n in range(NT_D):
+                        c = 4 * n + t
+                        if c < HEAD_WORDS:
+                            out[U(b), U(i), U(h), U(c)] = pack2(acc[m, n, 2 * r] * inv_l, acc[m, n, 2 * r + 1] * inv_l)
+                    if t == 0:
+                        lse[b, h, i] = NEG_INF if l == ZERO else (m_i[2 * m + r] + math.log2(l)) * LN2_T
+
     @kernel
     def flash_forward_tc(q, k, v, out, lse, group, off, scale, softcap, left, right,
                          attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
                          drop_threshold, drop_scale, seed_lo, seed_hi):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        n_qt = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
-        qt, h, b = tile_head_batch(n_qt, q.shape[2])
-        if LPT:
-            qt = n_qt - 1 - qt
+        qt, h, b = tile_head_batch((seqlen_q + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
         q0 = qt * BLOCK_Q
         hk = h // group
         tid = cuda.threadIdx.x
@@ -225,7 +373,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
         scale_log2 = F32(scale) * LOG2E_T
 
-        smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)   # [buffer][K_j | V_j][key][word]
+        smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)   # [buffer][K_j | V_j][key][word], then Q
         scratch = cuda.shared.array(0, F32_DT)[SMEM_WORDS:SMEM_WORDS + SCRATCH]
         # ldmatrix row addresses of this lane (lane l names row l % 8 of matrix l // 8):
         # K: matrices (keys +0 | +8) x (words +0 | +4) -> b0, b1 of n-tiles n, n + 1
@@ -237,8 +385,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         q_reg = cuda.local.array((MT if not Q_SMEM else 1, KSTEPS_D, 4), np.uint32)   # Q's a fragments (registers)
         q_frag = cuda.local.array((MT, 4), np.uint32)           # Q's a fragments of one k-step
         s_reg = cuda.local.array((MT, NT_K, 4), F32)             # S, then P, of the key tile
-        acc = cuda.local.array((MT, NT_D, 4), F32)
         p_reg = cuda.local.array((MT, 4), np.uint32)             # P's a fragments of one k-step
+        acc = cuda.local.array((MT, NT_D, 4), F32)               # O_i, unnormalised
         m_i = cuda.local.array(ROWS, F32)  # row 2 m + r: running max (base-2 units)
         l_i = cuda.local.array(ROWS, F32)  # per-thread partial row sums, reduced over the quad at the end
         row = cuda.local.array(ROWS, F32)
@@ -257,11 +405,11 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         v_base = (b * v.strides[0] + hk * v.strides[2]) // 4
         k_row, v_row = k.strides[1] // 4, v.strides[1] // 4
 
+        # the key tiles this query tile sees (a window's range, a block mask's skips); the first one's copy
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
         if kt < kt_hi:
-            if Q_SMEM:
-                # the Q tile, committed with the K/V group below
+            if Q_SMEM:                                       # the Q tile, committed with the K/V group below
                 copy_q(q, (b * q.strides[0] + h * q.strides[2]) // 4, q.strides[1] // 4, q0, seqlen_q - q0,
                        smem, Q_OFF)
             start_kv_copy(k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, smem, 0)
@@ -279,145 +427,21 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             cuda.syncthreads()                               # everyone's copies of K_j, V_j have landed
             base = buf * 2 * TILE
 
-            # S = Q K_j^T: per k-step, Q's a fragments of every m-tile, then per ldmatrix of K two
-            # n-tiles (16 keys) fed to every m-tile
-            for m in range(MT):
-                for n in range(NT_K):
-                    for e in range(4):
-                        s_reg[m, n, e] = ZERO
-            for ks in range(KSTEPS_D):
-                for m in range(MT):
-                    if Q_SMEM:
-                        q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3] = ldmatrix_x4(
-                            smem, U(q_lane + 16 * m * STRIDE + 8 * ks))
-                    else:
-                        for e in range(4):
-                            q_frag[m, e] = q_reg[m, ks, e]
-                for n in range(0, NT_K, 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(smem, U(base + 8 * n * STRIDE + 8 * ks + k_lane))
-                    for m in range(MT):
-                        s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3] = mma(
-                            q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3], b0, b1,
-                            s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3])
-                        s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3] = mma(
-                            q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3], b2, b3,
-                            s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3])
-
-            # modifiers and masks, base-2 units (raw units under FOLD); element e of (m, n) is
-            # (row0 + 16 m + 8 (e >> 1), k0 + 8n + 2t + (e & 1))
-            if WINDOW_ONLY and need_mask:
-                # the mask by comparisons, no branches: a loop body small enough to unroll (the general loop
-                # below is not unrolled with a window: S would live in local memory in the whole kernel)
-                rel0 = k0 + 2 * t - row0 - off                # key - (query + off) of element (0, 0, 0)
-                lo = -left if left >= 0 else -BIG
-                hi = right if right >= 0 else BIG
-                kend = seqlen_k - (k0 + 2 * t)
-                qend = seqlen_q - row0
-                if MASK32:
-                    # key - (query + off) = rel0 + dj - di leaves [lo, hi] iff dj - di leaves [lo - rel0,
-                    # hi - rel0]: bounds of the tile, clamped to +-2^20 (|dj - di| < 2^9), against constants
-                    lo32 = np.int32(max(min(lo - rel0, CLAMP), -CLAMP))
-                    hi32 = np.int32(max(min(hi - rel0, CLAMP), -CLAMP))
-                    kend32 = np.int32(max(min(kend, CLAMP), -CLAMP))
-                    qend32 = np.int32(max(min(qend, CLAMP), -CLAMP))
-                for m in range(MT):
-                    for n in range(NT_K):
-                        for e in range(4):
-                            dj = 8 * n + (e % 2)
-                            di = 16 * m + 8 * (e // 2)
-                            x = s_reg[m, n, e] if FOLD else s_reg[m, n, e] * scale_log2
-                            if MASK32:
-                                if ((lo32 > np.int32(dj - di)) | (hi32 < np.int32(dj - di))
-                                        | (kend32 <= np.int32(dj)) | (qend32 <= np.int32(di))):
-                                    x = NEG_INF
-                            elif (rel0 + (dj - di) < lo) | (rel0 + (dj - di) > hi) | (dj >= kend) | (di >= qend):
-                                x = NEG_INF
-                            s_reg[m, n, e] = x
+            score_tile(smem, base, q_reg, q_frag, q_lane, k_lane, s_reg)                 # S = Q K_j^T
+            if WINDOW_ONLY and need_mask:                                                  # S <- mask(S * scale)
+                window_mask_tile(s_reg, row0, k0, t, seqlen_q, seqlen_k, off, left, right, scale_log2)
             elif not WINDOW_ONLY and (HAS_MODS or need_mask):
-                for m in range(MT):
-                    for n in range(NT_K):
-                        for e in range(4):
-                            i = row0 + 16 * m + 8 * (e // 2)
-                            j = k0 + 8 * n + 2 * t + (e % 2)
-                            if HAS_MODS:
-                                x = score(s_reg[m, n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
-                            elif FOLD:
-                                x = s_reg[m, n, e]
-                            else:
-                                x = s_reg[m, n, e] * scale_log2
-                            if need_mask:
-                                if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
-                                               attn_mask, block_mask, bm_q, bm_k):
-                                    x = NEG_INF
-                            s_reg[m, n, e] = x
-            elif not FOLD:                                   # a tile inside every mask: scale only
-                for m in range(MT):
-                    for n in range(NT_K):
-                        for e in range(4):
-                            s_reg[m, n, e] *= scale_log2
-
-            # online softmax: m_new = max(m_i, rowmax S), rescale l_i and acc by exp2(m_i - m_new)
-            for m in range(MT):
-                for r in range(2):
-                    x = NEG_INF
-                    for n in range(NT_K):
-                        x = max(x, max(s_reg[m, n, 2 * r], s_reg[m, n, 2 * r + 1]))
-                    row[2 * m + r] = x * scale_log2 if FOLD else x
-            quad_max(row, scratch, tid // 4, t)
-            for m in range(MT):
-                for r in range(2):
-                    m_new = max(m_i[2 * m + r], row[2 * m + r])
-                    m_use = m_new if m_new != NEG_INF else ZERO   # nothing seen yet: exp2(-inf) = 0, not NaN
-                    alpha = exp2(m_i[2 * m + r] - m_use)
-                    m_i[2 * m + r] = m_new
-                    l_tile = ZERO
-                    for n in range(NT_K):
-                        for e in range(2 * r, 2 * r + 2):
-                            p = exp2((s_reg[m, n, e] * scale_log2 if FOLD else s_reg[m, n, e]) - m_use)
-                            l_tile += p                            # l_i uses P before dropout
-                            if HAS_DROPOUT:
-                                i = row0 + 16 * m + 8 * r
-                                j = k0 + 8 * n + 2 * t + (e % 2)
-                                p = p * drop_scale if philox_keep(seed_lo, seed_hi, b, h, i, j, drop_threshold) else ZERO
-                            s_reg[m, n, e] = p
-                    l_i[2 * m + r] = l_i[2 * m + r] * alpha + l_tile
-                    for n in range(NT_D):
-                        acc[m, n, 2 * r] *= alpha
-                        acc[m, n, 2 * r + 1] *= alpha
-
-            # acc += P V_j: P's a fragments are S's accumulators of n-tiles 2kk, 2kk + 1, packed;
-            # one ldmatrix.trans gives V's b fragments of two output n-tiles, used by every m-tile
-            for kk in range(KSTEPS_K):
-                for m in range(MT):
-                    p_reg[m, 0] = pack2(s_reg[m, 2 * kk, 0], s_reg[m, 2 * kk, 1])
-                    p_reg[m, 1] = pack2(s_reg[m, 2 * kk, 2], s_reg[m, 2 * kk, 3])
-                    p_reg[m, 2] = pack2(s_reg[m, 2 * kk + 1, 0], s_reg[m, 2 * kk + 1, 1])
-                    p_reg[m, 3] = pack2(s_reg[m, 2 * kk + 1, 2], s_reg[m, 2 * kk + 1, 3])
-                for n in range(0, NT_D, 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(base + 16 * kk * STRIDE + 4 * n + v_lane))
-                    for m in range(MT):
-                        acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3] = mma(
-                            p_reg[m, 0], p_reg[m, 1], p_reg[m, 2], p_reg[m, 3], b0, b1,
-                            acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
-                        acc[m, n + 1, 0], acc[m, n + 1, 1], acc[m, n + 1, 2], acc[m, n + 1, 3] = mma(
-                            p_reg[m, 0], p_reg[m, 1], p_reg[m, 2], p_reg[m, 3], b2, b3,
-                            acc[m, n + 1, 0], acc[m, n + 1, 1], acc[m, n + 1, 2], acc[m, n + 1, 3])
+                modify_mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
+                                 scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k)
+            elif not FOLD:
+                scale_tile(s_reg, scale_log2)
+            online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,   # m_i, l_i, P
+                           drop_threshold, drop_scale, seed_lo, seed_hi)
+            pv_tile(smem, base, v_lane, s_reg, p_reg, acc)                                # acc += P V_j
             cuda.syncthreads()                               # every warp is done with buffer buf
             buf = 1 - buf
             kt = kn
 
-        quad_sum(l_i, scratch, tid // 4, t)
-        for m in range(MT):
-            for r in range(2):
-                i = row0 + 16 * m + 8 * r
-                if i < seqlen_q:
-                    l = l_i[2 * m + r]
-                    inv_l = ZERO if l == ZERO else F32(1) / l     # l == 0: saw no key -> out = 0, lse = -inf
-                    for n in range(NT_D):
-                        c = 4 * n + t
-                        if c < HEAD_WORDS:
-                            out[U(b), U(i), U(h), U(c)] = pack2(acc[m, n, 2 * r] * inv_l, acc[m, n, 2 * r + 1] * inv_l)
-                    if t == 0:
-                        lse[b, h, i] = NEG_INF if l == ZERO else (m_i[2 * m + r] + math.log2(l)) * LN2_T
+        store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q)   # out = acc / l_i, lse
 
     return flash_forward_tc, SHARED_BYTES, NTHREADS
