@@ -74,7 +74,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 
 @lru_cache(maxsize=None)
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, ABLATE="", MTK=1, DQ_NP=0,
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
                  DEFER_DQ=None, SHARE=False):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
@@ -106,11 +106,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     that copy after its first barrier (the deferred dQ, the default), or, with ``DEFER_DQ=False``, a barrier
     after dV, dK (dQ right after it) keeps them apart.
 
-    ``ABLATE`` (timing experiments only, ``bench.tune_tc --ablate``; the results are wrong):
-    "dq" leaves out the dQ phase (dS^T store and dS K), "atomics" computes dQ but never adds it,
-    "grad" replaces the element-wise P, dS with P = S, dS = dP (no exp, masks or options).
+    The kernel body is FA2's Algorithm 2 for one key tile; its steps are the helpers below (``scores_t``,
+    ``plain_grad`` / ``option_grad``, ``dv_dk_tile``, ``dq_phase``, ``store_dk_dv``).  (The timing ablations
+    of the dQ phase, the atomics and the element-wise step, whose results were wrong by design, were measured
+    at commit 332a623, bench/results/h100-tune-tc-bwd-2026-11-22.md, and left the kernel.)
     """
-    assert ABLATE in ("", "dq", "atomics", "grad")
     DEFER_DQ = DSPLIT > 1 if DEFER_DQ is None else DEFER_DQ
     assert BLOCK_Q % 16 == 0 and BLOCK_K % (16 * MTK) == 0 and HEAD_DIM % 2 == 0 and DSPLIT in (1, 2)
     QS = DSPLIT if SHARE else 1              # parts of the queries in S^T, dP^T: warp w computes part w // KW
@@ -293,7 +293,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
                         a0, a1, a2, a3, b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2],
                         dq_reg[p + 1, 3])
-            if RED2 and ABLATE in ("", "grad") and active and q_full and D_PAD == HEAD_DIM:   # no bounds, no branches
+            if RED2 and active and q_full and D_PAD == HEAD_DIM:   # no bounds, no branches
                 for r in range(2):
                     o = dq_off + 8 * r * dq_rs
                     for p in range(DQ_NT):
@@ -304,8 +304,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 for r in range(2):
                     i = q0 + 16 * mq + g + 8 * r
                     d = 8 * (n + half) + 2 * t               # even; HEAD_DIM is even, so d + 1 < HEAD_DIM too
-                    if ABLATE == "atomics":
-                        active = dq_reg[half, 2 * r] == POS_INF   # keeps the products, (almost) never adds
                     if active and (q_full or i < seqlen_q) and (D_PAD == HEAD_DIM or d < HEAD_DIM):
                         if RED2:
                             red_add_f32x2(dq_accum, dq_off + 8 * r * dq_rs + 8 * half,
@@ -313,6 +311,110 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         else:
                             cuda.atomic.add(dq_accum, (b, i, h, d), dq_reg[half, 2 * r] * scale32)
                             cuda.atomic.add(dq_accum, (b, i, h, d + 1), dq_reg[half, 2 * r + 1] * scale32)
+
+    @device_function
+    def scores_t(smem, qb, db, a_lane, b_lane, fa, fb, s_reg, dp_reg):
+        """S^T = K_j Q_i^T and dP^T = V_j dO_i^T (rows: this warp's keys; columns: its queries): a fragments by
+        ldmatrix of the K / V rows, b fragments of two n-tiles of queries by ldmatrix of the Q / dO rows."""
+        for m in range(MTK):
+            for n in range(NT_QA):
+                for e in range(4):
+                    s_reg[m, n, e] = ZERO
+                    dp_reg[m, n, e] = ZERO
+        for ks in range(KSTEPS_D):
+            for m in range(MTK):
+                fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3] = ldmatrix_x4(
+                    smem, U(K_OFF + a_lane + 16 * m * STRIDE + 8 * ks))
+                fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3] = ldmatrix_x4(
+                    smem, U(V_OFF + a_lane + 16 * m * STRIDE + 8 * ks))
+            for n in range(0, NT_QA, 2):
+                b0, b1, b2, b3 = ldmatrix_x4(smem, U(qb + 8 * n * STRIDE + 8 * ks + b_lane))
+                for m in range(MTK):
+                    s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3] = mma(
+                        fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b0, b1,
+                        s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3])
+                    s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3] = mma(
+                        fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b2, b3,
+                        s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3])
+                b0, b1, b2, b3 = ldmatrix_x4(smem, U(db + 8 * n * STRIDE + 8 * ks + b_lane))
+                for m in range(MTK):
+                    dp_reg[m, n, 0], dp_reg[m, n, 1], dp_reg[m, n, 2], dp_reg[m, n, 3] = mma(
+                        fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b0, b1,
+                        dp_reg[m, n, 0], dp_reg[m, n, 1], dp_reg[m, n, 2], dp_reg[m, n, 3])
+                    dp_reg[m, n + 1, 0], dp_reg[m, n + 1, 1], dp_reg[m, n + 1, 2], dp_reg[m, n + 1, 3] = mma(
+                        fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b2, b3,
+                        dp_reg[m, n + 1, 0], dp_reg[m, n + 1, 1], dp_reg[m, n + 1, 2], dp_reg[m, n + 1, 3])
+
+    @device_function
+    def option_grad(s_reg, dp_reg, fsmem, lb, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off,
+                    scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
+                    drop_threshold, drop_scale, seed_lo, seed_hi):
+        """P_drop^T and dS^T element-wise with the score options and masks (``backward.make_element_grad``):
+        element e of (m, n) is key k0 + 16 (MTK kw + m) + g + 8 (e >> 1), query q0 + qa + 8n + 2t + (e & 1)."""
+        for m in range(MTK):
+            for n in range(NT_QA):
+                for e in range(4):
+                    j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
+                    il = qa + 8 * n + 2 * t + (e % 2)
+                    p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
+                                      fsmem[U(lb + BLOCK_Q + il)], need_mask, seqlen_q, seqlen_k, off,
+                                      scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask,
+                                      bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
+                    s_reg[m, n, e] = p_drop
+                    dp_reg[m, n, e] = ds
+
+    @device_function
+    def dv_dk_tile(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, dv_acc, dk_acc):
+        """dV += P_drop^T dO_i, dK += dS^T Q_i (scale at the end; this warp's dims): a from the accumulators
+        (SHARE: ldmatrix of P_drop^T, dS^T rows), b = ldmatrix.trans of dO / Q rows (k = 16 queries, two
+        n-tiles of dims)."""
+        for kq in range(KSTEPS_Q):
+            for m in range(MTK):
+                if SHARE:
+                    fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3] = ldmatrix_x4(
+                        smem, U(P_OFF + pa_lane + 16 * m * DS_STRIDE + 8 * kq))
+                    fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3] = ldmatrix_x4(
+                        smem, U(ds_buf + pa_lane + 16 * m * DS_STRIDE + 8 * kq))
+                else:
+                    fa[m, 0] = pack2(s_reg[m, 2 * kq, 0], s_reg[m, 2 * kq, 1])
+                    fa[m, 1] = pack2(s_reg[m, 2 * kq, 2], s_reg[m, 2 * kq, 3])
+                    fa[m, 2] = pack2(s_reg[m, 2 * kq + 1, 0], s_reg[m, 2 * kq + 1, 1])
+                    fa[m, 3] = pack2(s_reg[m, 2 * kq + 1, 2], s_reg[m, 2 * kq + 1, 3])
+                    fb[m, 0] = pack2(dp_reg[m, 2 * kq, 0], dp_reg[m, 2 * kq, 1])
+                    fb[m, 1] = pack2(dp_reg[m, 2 * kq, 2], dp_reg[m, 2 * kq, 3])
+                    fb[m, 2] = pack2(dp_reg[m, 2 * kq + 1, 0], dp_reg[m, 2 * kq + 1, 1])
+                    fb[m, 3] = pack2(dp_reg[m, 2 * kq + 1, 2], dp_reg[m, 2 * kq + 1, 3])
+            for n in range(0, NT_DW, 2):
+                b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(db + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
+                for m in range(MTK):
+                    dv_acc[m, n, 0], dv_acc[m, n, 1], dv_acc[m, n, 2], dv_acc[m, n, 3] = mma(
+                        fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b0, b1,
+                        dv_acc[m, n, 0], dv_acc[m, n, 1], dv_acc[m, n, 2], dv_acc[m, n, 3])
+                    dv_acc[m, n + 1, 0], dv_acc[m, n + 1, 1], dv_acc[m, n + 1, 2], dv_acc[m, n + 1, 3] = mma(
+                        fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b2, b3,
+                        dv_acc[m, n + 1, 0], dv_acc[m, n + 1, 1], dv_acc[m, n + 1, 2], dv_acc[m, n + 1, 3])
+                b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
+                for m in range(MTK):
+                    dk_acc[m, n, 0], dk_acc[m, n, 1], dk_acc[m, n, 2], dk_acc[m, n, 3] = mma(
+                        fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b0, b1,
+                        dk_acc[m, n, 0], dk_acc[m, n, 1], dk_acc[m, n, 2], dk_acc[m, n, 3])
+                    dk_acc[m, n + 1, 0], dk_acc[m, n + 1, 1], dk_acc[m, n + 1, 2], dk_acc[m, n + 1, 3] = mma(
+                        fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b2, b3,
+                        dk_acc[m, n + 1, 0], dk_acc[m, n + 1, 1], dk_acc[m, n + 1, 2], dk_acc[m, n + 1, 3])
+
+    @device_function
+    def store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32):
+        """dK = scale dK_acc, dV = dV_acc (summed over the query heads of the group) as 16-bit words."""
+        for m in range(MTK):
+            for r in range(2):
+                j = k0 + 16 * (MTK * kw + m) + g + 8 * r
+                if j < seqlen_k:
+                    for n in range(NT_DW):
+                        c = 4 * (nd0 + n) + t
+                        if c < HEAD_WORDS:
+                            dk[U(b), U(j), U(hk), U(c)] = pack2(dk_acc[m, n, 2 * r] * scale32,
+                                                                dk_acc[m, n, 2 * r + 1] * scale32)
+                            dv[U(b), U(j), U(hk), U(c)] = pack2(dv_acc[m, n, 2 * r], dv_acc[m, n, 2 * r + 1])
 
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
@@ -410,59 +512,20 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             db = qb + QTILE
             lb = L_OFF + buf * 2 * BLOCK_Q
 
-            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T (rows: this warp's keys; columns: queries qa ..)
-            for m in range(MTK):
-                for n in range(NT_QA):
-                    for e in range(4):
-                        s_reg[m, n, e] = ZERO
-                        dp_reg[m, n, e] = ZERO
-            for ks in range(KSTEPS_D):
-                for m in range(MTK):
-                    fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3] = ldmatrix_x4(
-                        smem, U(K_OFF + a_lane + 16 * m * STRIDE + 8 * ks))
-                    fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3] = ldmatrix_x4(
-                        smem, U(V_OFF + a_lane + 16 * m * STRIDE + 8 * ks))
-                for n in range(0, NT_QA, 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(smem, U(qb + 8 * n * STRIDE + 8 * ks + b_lane))
-                    for m in range(MTK):
-                        s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3] = mma(
-                            fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b0, b1,
-                            s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3])
-                        s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3] = mma(
-                            fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b2, b3,
-                            s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3])
-                    b0, b1, b2, b3 = ldmatrix_x4(smem, U(db + 8 * n * STRIDE + 8 * ks + b_lane))
-                    for m in range(MTK):
-                        dp_reg[m, n, 0], dp_reg[m, n, 1], dp_reg[m, n, 2], dp_reg[m, n, 3] = mma(
-                            fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b0, b1,
-                            dp_reg[m, n, 0], dp_reg[m, n, 1], dp_reg[m, n, 2], dp_reg[m, n, 3])
-                        dp_reg[m, n + 1, 0], dp_reg[m, n + 1, 1], dp_reg[m, n + 1, 2], dp_reg[m, n + 1, 3] = mma(
-                            fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b2, b3,
-                            dp_reg[m, n + 1, 0], dp_reg[m, n + 1, 1], dp_reg[m, n + 1, 2], dp_reg[m, n + 1, 3])
+            scores_t(smem, qb, db, a_lane, b_lane, fa, fb, s_reg, dp_reg)       # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
 
-            # P_drop^T and dS^T element-wise: element e of (m, n) is key k0 + 16 (MTK kw + m) + g + 8 (e >> 1),
-            # query q0 + qa + 8n + 2t + (e & 1)
-            if ABLATE == "grad":
-                pass
-            elif PLAIN and not need_mask:                # no options, no mask on this tile
+            # P_drop^T and dS^T = P^T (dP^T - delta) element-wise
+            if PLAIN and not need_mask:                  # no options, no mask on this tile
                 plain_grad(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, 0, 0, 0, 0)
             elif WINDOW_ONLY:                            # the mask from comparisons: window edges, last keys
                 jb = k0 + 16 * MTK * kw + g              # this thread's first key
                 plain_grad_masked(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, jb - (q0 + qa + 2 * t) - off,
                                   -left if left >= 0 else -BIG, right if right >= 0 else BIG,
                                   seqlen_k - jb)
-            else:
-                for m in range(MTK):
-                    for n in range(NT_QA):
-                        for e in range(4):
-                            j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
-                            il = qa + 8 * n + 2 * t + (e % 2)
-                            p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
-                                              fsmem[U(lb + BLOCK_Q + il)], need_mask, seqlen_q, seqlen_k, off,
-                                              scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask,
-                                              bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
-                            s_reg[m, n, e] = p_drop
-                            dp_reg[m, n, e] = ds
+            else:                                        # score options, masks held in memory
+                option_grad(s_reg, dp_reg, fsmem, lb, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off,
+                            scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
+                            drop_threshold, drop_scale, seed_lo, seed_hi)
 
             ds_buf = DS_OFF + (buf * DS_TILE if DEFER_DQ else 0)
             if SHARE:                                    # this warp's queries of P_drop^T and dS^T, for all
@@ -470,57 +533,20 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 store_words(smem, ds_buf + qa // 2, dp_reg, kw, g, t)
                 cuda.syncthreads()
 
-            # dV += P_drop^T dO_i, dK += dS^T Q_i (scale at the end; this warp's dims): a from the
-            # accumulators (SHARE: ldmatrix of P_drop^T, dS^T rows), b = ldmatrix.trans of dO / Q rows
-            # (k = 16 queries, two n-tiles of dims)
-            for kq in range(KSTEPS_Q):
-                for m in range(MTK):
-                    if SHARE:
-                        fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3] = ldmatrix_x4(
-                            smem, U(P_OFF + pa_lane + 16 * m * DS_STRIDE + 8 * kq))
-                        fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3] = ldmatrix_x4(
-                            smem, U(ds_buf + pa_lane + 16 * m * DS_STRIDE + 8 * kq))
-                    else:
-                        fa[m, 0] = pack2(s_reg[m, 2 * kq, 0], s_reg[m, 2 * kq, 1])
-                        fa[m, 1] = pack2(s_reg[m, 2 * kq, 2], s_reg[m, 2 * kq, 3])
-                        fa[m, 2] = pack2(s_reg[m, 2 * kq + 1, 0], s_reg[m, 2 * kq + 1, 1])
-                        fa[m, 3] = pack2(s_reg[m, 2 * kq + 1, 2], s_reg[m, 2 * kq + 1, 3])
-                        fb[m, 0] = pack2(dp_reg[m, 2 * kq, 0], dp_reg[m, 2 * kq, 1])
-                        fb[m, 1] = pack2(dp_reg[m, 2 * kq, 2], dp_reg[m, 2 * kq, 3])
-                        fb[m, 2] = pack2(dp_reg[m, 2 * kq + 1, 0], dp_reg[m, 2 * kq + 1, 1])
-                        fb[m, 3] = pack2(dp_reg[m, 2 * kq + 1, 2], dp_reg[m, 2 * kq + 1, 3])
-                for n in range(0, NT_DW, 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(db + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
-                    for m in range(MTK):
-                        dv_acc[m, n, 0], dv_acc[m, n, 1], dv_acc[m, n, 2], dv_acc[m, n, 3] = mma(
-                            fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b0, b1,
-                            dv_acc[m, n, 0], dv_acc[m, n, 1], dv_acc[m, n, 2], dv_acc[m, n, 3])
-                        dv_acc[m, n + 1, 0], dv_acc[m, n + 1, 1], dv_acc[m, n + 1, 2], dv_acc[m, n + 1, 3] = mma(
-                            fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b2, b3,
-                            dv_acc[m, n + 1, 0], dv_acc[m, n + 1, 1], dv_acc[m, n + 1, 2], dv_acc[m, n + 1, 3])
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
-                    for m in range(MTK):
-                        dk_acc[m, n, 0], dk_acc[m, n, 1], dk_acc[m, n, 2], dk_acc[m, n, 3] = mma(
-                            fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b0, b1,
-                            dk_acc[m, n, 0], dk_acc[m, n, 1], dk_acc[m, n, 2], dk_acc[m, n, 3])
-                        dk_acc[m, n + 1, 0], dk_acc[m, n + 1, 1], dk_acc[m, n + 1, 2], dk_acc[m, n + 1, 3] = mma(
-                            fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b2, b3,
-                            dk_acc[m, n + 1, 0], dk_acc[m, n + 1, 1], dk_acc[m, n + 1, 2], dk_acc[m, n + 1, 3])
+            dv_dk_tile(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, dv_acc, dk_acc)
 
             # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
             # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans.  With
             # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T; SHARE: written above)
-            if not SHARE and ABLATE != "dq" and (DSPLIT == 1 or warp < KW):
+            if not SHARE and (DSPLIT == 1 or warp < KW):
                 store_words(smem, ds_buf, dp_reg, kw, g, t)
             if DEFER_DQ:                                 # added after the next item's barrier (or the last one)
-                pending = ABLATE != "dq"
+                pending = True
                 ph = h
                 pq0 = q0
             else:
                 cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
-                if ABLATE != "dq":
-                    dq_phase(smem, dq_accum, DS_OFF, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32,
-                             dq_reg)
+                dq_phase(smem, dq_accum, DS_OFF, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg)
             if wn < n_work:
                 # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
                 # the next item's first barrier publishes them
@@ -533,15 +559,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             cuda.syncthreads()
             dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, b, ph, pq0, seqlen_q, warp, g, t, ds_lane,
                      t_lane, scale32, dq_reg)
-        for m in range(MTK):
-            for r in range(2):
-                j = k0 + 16 * (MTK * kw + m) + g + 8 * r
-                if j < seqlen_k:
-                    for n in range(NT_DW):
-                        c = 4 * (nd0 + n) + t
-                        if c < HEAD_WORDS:
-                            dk[U(b), U(j), U(hk), U(c)] = pack2(dk_acc[m, n, 2 * r] * scale32,
-                                                                dk_acc[m, n, 2 * r + 1] * scale32)
-                            dv[U(b), U(j), U(hk), U(c)] = pack2(dv_acc[m, n, 2 * r], dv_acc[m, n, 2 * r + 1])
+        store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
 
     return flash_dkdv_tc, SHARED_BYTES, NTHREADS
