@@ -112,6 +112,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     at commit 332a623, bench/results/h100-tune-tc-bwd-2026-11-22.md, and left the kernel.)
     """
     DEFER_DQ = DSPLIT > 1 if DEFER_DQ is None else DEFER_DQ
+    # Above head dim 64, a string test that Numba evaluates at run time (not folded) in the guard of dq_phase's
+    # fast path keeps ptxas from merging that path with the bounded one, which changes its register allocation.
+    # Measured on the H100 (bench/results/h100-plan-2026-11-25.md): without it the 64 x 128 kernel at d = 128
+    # spills 176 bytes instead of 40 and its backward runs 2-6% slower; at d = 64, 1-8% faster without it.
+    KEEP_APART = HEAD_DIM > 64
+    PATHS_APART = ""
     assert BLOCK_Q % 16 == 0 and BLOCK_K % (16 * MTK) == 0 and HEAD_DIM % 2 == 0 and DSPLIT in (1, 2)
     QS = DSPLIT if SHARE else 1              # parts of the queries in S^T, dP^T: warp w computes part w // KW
     assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
@@ -293,7 +299,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
                         a0, a1, a2, a3, b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2],
                         dq_reg[p + 1, 3])
-            if RED2 and active and q_full and D_PAD == HEAD_DIM:   # no bounds, no branches
+            if RED2 and (not KEEP_APART or PATHS_APART in ("", "-")) and active and q_full and D_PAD == HEAD_DIM:
                 for r in range(2):
                     o = dq_off + 8 * r * dq_rs
                     for p in range(DQ_NT):
