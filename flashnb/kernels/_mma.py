@@ -378,3 +378,26 @@ def primitives(dtype_name):
         fmt = FORMATS[dtype_name]
         _cache[dtype_name] = _sim_primitives(fmt) if SIMULATOR else _gpu_primitives(fmt)
     return _cache[dtype_name]
+
+
+_pairs = {}
+
+
+def make_mma_pair(dtype_name):
+    """``mma_pair(a, m, b0, b1, b2, b3, c, n)``: ``c[m, n] += A_m B(b0, b1)`` and ``c[m, n + 1] += A_m B(b2, b3)``,
+    A_m the a fragment ``a[m, 0..3]``: the two n-tiles of 8 columns whose b fragments one ``ldmatrix.x4`` read,
+    fed with one row block of A (``c[m, n, 0..3]``: the m16n8 accumulators)."""
+    if dtype_name not in _pairs:
+        mma = primitives(dtype_name)[0]
+
+        @device_function
+        def pair(a, m, b0, b1, b2, b3, c, n):
+            c[m, n, 0], c[m, n, 1], c[m, n, 2], c[m, n, 3] = mma(
+                a[m, 0], a[m, 1], a[m, 2], a[m, 3], b0, b1, c[m, n, 0], c[m, n, 1], c[m, n, 2], c[m, n, 3])
+            c[m, n + 1, 0], c[m, n + 1, 1], c[m, n + 1, 2], c[m, n + 1, 3] = mma(
+                a[m, 0], a[m, 1], a[m, 2], a[m, 3], b2, b3,
+                c[m, n + 1, 0], c[m, n + 1, 1], c[m, n + 1, 2], c[m, n + 1, 3])
+
+        _pairs[dtype_name] = pair
+    return _pairs[dtype_name]
+

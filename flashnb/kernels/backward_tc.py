@@ -34,7 +34,7 @@ import numpy as np
 from numba import cuda
 
 from ._jit import device_function, kernel
-from ._mma import SMEM_ALIGN, memory_primitives, primitives
+from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives
 from ._tiles import U, tile_head_batch
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
@@ -164,6 +164,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     ZERO, POS_INF, NEG_INF, LOG2E_T = F32(0), F32(np.inf), F32(-np.inf), F32(LOG2E)
 
     mma, pack2, _ = primitives(DTYPE_NAME)
+    mma_pair = make_mma_pair(DTYPE_NAME)
     mem = memory_primitives()
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
@@ -336,20 +337,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             for n in range(0, NT_QA, 2):
                 b0, b1, b2, b3 = ldmatrix_x4(smem, U(qb + 8 * n * STRIDE + 8 * ks + b_lane))
                 for m in range(MTK):
-                    s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3] = mma(
-                        fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b0, b1,
-                        s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3])
-                    s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3] = mma(
-                        fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b2, b3,
-                        s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3])
+                    mma_pair(fa, m, b0, b1, b2, b3, s_reg, n)
                 b0, b1, b2, b3 = ldmatrix_x4(smem, U(db + 8 * n * STRIDE + 8 * ks + b_lane))
                 for m in range(MTK):
-                    dp_reg[m, n, 0], dp_reg[m, n, 1], dp_reg[m, n, 2], dp_reg[m, n, 3] = mma(
-                        fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b0, b1,
-                        dp_reg[m, n, 0], dp_reg[m, n, 1], dp_reg[m, n, 2], dp_reg[m, n, 3])
-                    dp_reg[m, n + 1, 0], dp_reg[m, n + 1, 1], dp_reg[m, n + 1, 2], dp_reg[m, n + 1, 3] = mma(
-                        fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b2, b3,
-                        dp_reg[m, n + 1, 0], dp_reg[m, n + 1, 1], dp_reg[m, n + 1, 2], dp_reg[m, n + 1, 3])
+                    mma_pair(fb, m, b0, b1, b2, b3, dp_reg, n)
 
     @device_function
     def option_grad(s_reg, dp_reg, fsmem, lb, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off,
@@ -393,20 +384,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             for n in range(0, NT_DW, 2):
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(db + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
                 for m in range(MTK):
-                    dv_acc[m, n, 0], dv_acc[m, n, 1], dv_acc[m, n, 2], dv_acc[m, n, 3] = mma(
-                        fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b0, b1,
-                        dv_acc[m, n, 0], dv_acc[m, n, 1], dv_acc[m, n, 2], dv_acc[m, n, 3])
-                    dv_acc[m, n + 1, 0], dv_acc[m, n + 1, 1], dv_acc[m, n + 1, 2], dv_acc[m, n + 1, 3] = mma(
-                        fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3], b2, b3,
-                        dv_acc[m, n + 1, 0], dv_acc[m, n + 1, 1], dv_acc[m, n + 1, 2], dv_acc[m, n + 1, 3])
+                    mma_pair(fa, m, b0, b1, b2, b3, dv_acc, n)
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
                 for m in range(MTK):
-                    dk_acc[m, n, 0], dk_acc[m, n, 1], dk_acc[m, n, 2], dk_acc[m, n, 3] = mma(
-                        fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b0, b1,
-                        dk_acc[m, n, 0], dk_acc[m, n, 1], dk_acc[m, n, 2], dk_acc[m, n, 3])
-                    dk_acc[m, n + 1, 0], dk_acc[m, n + 1, 1], dk_acc[m, n + 1, 2], dk_acc[m, n + 1, 3] = mma(
-                        fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3], b2, b3,
-                        dk_acc[m, n + 1, 0], dk_acc[m, n + 1, 1], dk_acc[m, n + 1, 2], dk_acc[m, n + 1, 3])
+                    mma_pair(fb, m, b0, b1, b2, b3, dk_acc, n)
 
     @device_function
     def store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32):

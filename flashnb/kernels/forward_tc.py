@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel
-from ._mma import SMEM_ALIGN, memory_primitives, primitives
+from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, tile_head_batch
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
@@ -140,7 +140,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     W0 = np.uint32(0)
     U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
 
-    mma, pack2, _ = primitives(DTYPE_NAME)
+    _, pack2, _ = primitives(DTYPE_NAME)
+    mma_pair = make_mma_pair(DTYPE_NAME)
     mem = memory_primitives()
     cp_async = mem["cp_async16"] if VEC16 else mem["cp_async4"]
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
@@ -226,12 +227,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             for n in range(0, NT_K, 2):
                 b0, b1, b2, b3 = ldmatrix_x4(smem, U(base + 8 * n * STRIDE + 8 * ks + k_lane))
                 for m in range(MT):
-                    s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3] = mma(
-                        q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3], b0, b1,
-                        s_reg[m, n, 0], s_reg[m, n, 1], s_reg[m, n, 2], s_reg[m, n, 3])
-                    s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3] = mma(
-                        q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3], b2, b3,
-                        s_reg[m, n + 1, 0], s_reg[m, n + 1, 1], s_reg[m, n + 1, 2], s_reg[m, n + 1, 3])
+                    mma_pair(q_frag, m, b0, b1, b2, b3, s_reg, n)
 
     @device_function
     def window_mask_tile(s_reg, row0, k0, t, seqlen_q, seqlen_k, off, left, right, scale_log2):
@@ -330,12 +326,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             for n in range(0, NT_D, 2):
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(base + 16 * kk * STRIDE + 4 * n + v_lane))
                 for m in range(MT):
-                    acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3] = mma(
-                        p_reg[m, 0], p_reg[m, 1], p_reg[m, 2], p_reg[m, 3], b0, b1,
-                        acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
-                    acc[m, n + 1, 0], acc[m, n + 1, 1], acc[m, n + 1, 2], acc[m, n + 1, 3] = mma(
-                        p_reg[m, 0], p_reg[m, 1], p_reg[m, 2], p_reg[m, 3], b2, b3,
-                        acc[m, n + 1, 0], acc[m, n + 1, 1], acc[m, n + 1, 2], acc[m, n + 1, 3])
+                    mma_pair(p_reg, m, b0, b1, b2, b3, acc, n)
 
     @device_function
     def store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q):
