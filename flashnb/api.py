@@ -63,12 +63,13 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                             block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
         p, words = _planned(plan.forward, call, (q, k, v), ("q", "k", "v"), launch_stream, backward=False)
         lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), p.acc, q, launch_stream)
+        out_shape = (batch, seqlen_q, nheads, headdim)
         if p.backend == "tensorcore":
-            out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, launch_stream, bits=True)
+            out_ret, out_d = _arrays.empty_like_kind(kind, out_shape, kind.dtype, q, launch_stream, bits=True)
             _forward_launch(p, *words, _arrays.word_view(out_d), lse_d, opts, launch_stream)
         else:
             qd, kd, vd = _prepare((q, k, v), kind, launch_stream)
-            out_ret, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), kind.dtype, q, launch_stream)
+            out_ret, out_d = _arrays.empty_like_kind(kind, out_shape, kind.dtype, q, launch_stream)
             out_k = out_d if kind.dtype != "bfloat16" else _arrays.scratch(out_d.shape, np.float32, kind, q,
                                                                              launch_stream)
             _forward_launch(p, qd, kd, vd, out_k, lse_d, opts, launch_stream)
