@@ -162,12 +162,13 @@ def _sweep(args, configs, dtype, threads):
 def _resources():
     """Registers / shared / local memory of every kernel specialisation launched in this run."""
     from tabulate import tabulate
-    from flashnb.kernels._jit import LAUNCHED
+    from flashnb.kernels._jit import LAUNCHED, numba_overloads
     rows = []
     for kern, threads, shared in LAUNCHED.values():
-        for sig in kern.overloads:
+        overloads = numba_overloads(kern)      # compiles the specialisations loaded from the disk cache
+        for sig in overloads:
             rows.append(dict(kernel=kern.py_func.__name__, threads=threads, dyn_shared=shared,
-                             regs=kern.overloads[sig].regs_per_thread, local=kern.overloads[sig].local_mem_per_thread,
+                             regs=overloads[sig].regs_per_thread, local=overloads[sig].local_mem_per_thread,
                              dtype=str(sig[0].dtype)))
     print(tabulate(rows, headers="keys"))
 

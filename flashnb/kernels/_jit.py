@@ -16,16 +16,27 @@ keys a cache of compiled specialisations (compiled by Numba on first use,
 ``Dispatcher.compile``), their values are packed into one buffer with
 ``struct`` in Numba's parameter layout (an array is ``meminfo, parent, nitems,
 itemsize, data, shape..., strides...``: ``_Kernel._prepare_args`` in
-numba-cuda 0.30) and ``cuLaunchKernel`` starts the kernel.  Two numba-cuda
-internals are relied on, both here: that parameter layout, and
-``_codelibrary.get_cufunc()`` for the compiled kernel's handle.
+numba-cuda 0.30) and ``cuLaunchKernel`` starts the kernel.  The numba-cuda
+internals relied on are all here: that parameter layout,
+``_codelibrary.get_cufunc()`` for the compiled kernel's handle, and for the disk
+cache of compiled kernels (``_cache``; "disk cache" below) the code library's
+``get_cubin()``, ``_entry_name`` and module-setup fields.
 """
+import functools
+import hashlib
+import inspect
 import struct
+import threading
+import time
+import types as pytypes
 import warnings
 
 import numpy as np
 from numba import config, cuda
 from numba.core.errors import NumbaPerformanceWarning
+from numba.core.types import Type as NumbaType
+
+from . import _cache
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 
@@ -91,11 +102,13 @@ def c_strides(shape, itemsize):
 
 
 LAUNCHED = {}    # id -> (kernel, threads, dynamic shared bytes) of every kernel launched: resource reports
-_compiled = {}   # (kernel, argument key) -> (compiled overload, struct format, words of values, parameter offsets)
-_handles = {}    # (compiled overload, CUDA context) -> kernel handle
+_compiled = {}   # (kernel, argument key) -> (Numba's overload or a DiskKernel, struct format, words of values,
+                 #                            parameter offsets)
+_handles = {}    # (overload or DiskKernel, CUDA context) -> kernel handle (a CUkernel)
 _shared = {}     # (kernel handle, device) -> dynamic shared bytes allowed
 _capability = {} # CUDA context -> compute capability of its device
 _shared_limit = {}  # CUDA context -> dynamic shared bytes a block of its device may opt into
+RECORDING = threading.local()  # .recorder: set while flashnb._dispatch records this thread's call
 
 
 def launch(kern, grid, block, stream, shared_bytes, args):
@@ -105,6 +118,9 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     ``args``: ``View``s, Numba device arrays, Python ints (int64), NumPy float32 / float64 scalars.
     """
     if SIMULATOR:
+        if getattr(RECORDING, "recorder", None) is not None:
+            from .._dispatch import note_launch
+            note_launch(kern, grid, block, shared_bytes, args)
         kern[grid, block, stream.numba, shared_bytes](*args)
         return
     key, values = _flatten(kern, args)
@@ -115,8 +131,8 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     drv = _driver()
     context = current_context()
     handle = _handles.get((overload, context))
-    if handle is None:                                         # Numba loads the module into this context
-        handle = _handles[overload, context] = overload._codelibrary.get_cufunc().handle
+    if handle is None:                                         # Numba's, or the disk cache's cubin, loaded
+        handle = _handles[overload, context] = kernel_handle(entry, context)
     if shared_bytes > 48 * 1024:
         _allow_shared(handle, shared_bytes)
     LAUNCHED[id(kern)] = (kern, block, shared_bytes)
@@ -124,10 +140,28 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     struct.pack_into(fmt, buf, 0, *values)
     base = buf.__array_interface__["data"][0]
     buf[nwords:] = offsets + np.uint64(base)
+    if getattr(RECORDING, "recorder", None) is not None:
+        _record(kern, grid, block, shared_bytes, args, handle, buf, nwords, offsets)
     (err,) = drv.cuLaunchKernel(handle, grid, 1, 1, block, 1, 1, shared_bytes, stream.handle, base + 8 * nwords, 0)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernel of {kern.py_func.__name__} (grid {grid}, block {block}, "
                            f"{shared_bytes} bytes of shared memory) failed: {err!r}")
+
+
+def _record(kern, grid, block, shared_bytes, args, handle, buf, nwords, offsets):
+    """Tell the dispatch recorder about a launch: its packed buffer and the buffer word of each array's address
+    (an array's parameters are ``meminfo, parent, nitems, itemsize, data, ...``: the address is the 5th)."""
+    from .._dispatch import note_launch
+    address_word, value = {}, 0
+    for pos, a in enumerate(args):
+        if type(a) is not View and getattr(a, "__cuda_ndarray__", False) is True:
+            a = View.of(a)
+        if type(a) is View:
+            address_word[pos] = int(offsets[value + 4]) // 8
+            value += len(a.params)
+        else:
+            value += 1
+    note_launch(kern, grid, block, shared_bytes, args, (handle, buf, nwords, address_word))
 
 
 _FORMATS = {int: "q", np.float32: "f", np.float64: "d", float: "d", bool: "?"}
@@ -152,7 +186,15 @@ def _flatten(kern, args):
 
 
 def _compile(kern, key):
-    """Compile ``kern`` for the argument key; the struct format and parameter offsets of its launch."""
+    """The compiled specialisation of ``kern`` for the argument key (``_specialisation``: from the disk cache,
+    or compiled by Numba), with the struct format, words of values and parameter offsets of its launch."""
+    argtypes, fmt, nwords, offsets = _layout(key)
+    return _specialisation(kern, key, argtypes), fmt, nwords, offsets
+
+
+def _layout(key):
+    """Numba's argument types for the argument key, and its launch's struct format, words of values and
+    parameter offsets (from the key alone: no compiled kernel needed)."""
     from numba.cuda import types
     from numba.cuda.np.numpy_support import from_dtype
     scalar = {int: types.int64, np.float32: types.float32, np.float64: types.float64, float: types.float64,
@@ -166,12 +208,226 @@ def _compile(kern, key):
         else:
             argtypes.append(scalar[k])
             chars.append(_FORMATS[k])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NumbaPerformanceWarning)
-        overload = kern.compile(tuple(argtypes))
     fmt = "@" + "".join(chars)
     offsets = [struct.calcsize("@" + "".join(chars[:i + 1])) - struct.calcsize(c) for i, c in enumerate(chars)]
-    return overload, fmt, -(-struct.calcsize(fmt) // 8), np.array(offsets, np.uint64)
+    return tuple(argtypes), fmt, -(-struct.calcsize(fmt) // 8), np.array(offsets, np.uint64)
+
+
+# ------------------------------------------------------------------------------------------------ disk cache
+# Compile once per machine (``_cache``): a specialisation of a kernel with a stable id (``kernel_factory``) is
+# looked up on disk by ``_specialisation`` before Numba compiles it, and stored there after.  A cached one is
+# a ``DiskKernel``: its cubin is loaded with the driver's library API (``cuLibraryLoadData`` and
+# ``cuLibraryGetKernel``, as numba-cuda 0.30 loads its own cubins through cuda.core), so its handle is a
+# context-independent ``CUkernel`` like Numba's, which ``cuLaunchKernel`` and ``_allow_shared``'s
+# ``cuKernelSetAttribute`` take unchanged.  Its Dispatcher has no overload for it: tools that read
+# ``kern.overloads`` (registers, SASS) call ``numba_overloads``, which compiles.
+
+def kernel_factory(fn):
+    """Decorator of a kernel factory (a ``make_*``, under its ``lru_cache``): gives each kernel it returns (a
+    Dispatcher, or each one in a returned tuple) ``flashnb_id``, a stable text naming it across processes: the
+    factory's module, qualified name and arguments (defaults filled in, so every way of calling with the same
+    values gives one id) and the kernel's index in the tuple.  The disk cache keys on it; kernels without one,
+    or whose factory arguments are not plain values (numbers, strings, None, tuples), are not cached on disk."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        made = fn(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if all(_plain(v) for v in bound.arguments.values()):
+            call = [repr(v) for v in bound.args] + [f"{k}={v!r}" for k, v in sorted(bound.kwargs.items())]
+            text = f"{fn.__module__}.{fn.__qualname__}({', '.join(call)})"
+            for i, item in enumerate(made if isinstance(made, tuple) else (made,)):
+                if hasattr(item, "py_func"):
+                    item.flashnb_id = f"{text}[{i}]" if isinstance(made, tuple) else text
+        return made
+
+    return factory
+
+
+def _plain(value):
+    """Whether ``repr(value)`` names the value in any process (no object addresses)."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str, np.generic, np.dtype))
+
+
+def code_state(fn):
+    """sha256 (hex) of what ``fn``'s compiled code is built from besides its source and its factory's
+    arguments: the values in its closure and the module globals its code names, through every device
+    function, intrinsic and Python function among them (plain values by ``repr``, containers by their
+    items, modules and other objects by name).  A factory that reads a module setting (``forward.MAX_THREADS``,
+    which tools/tune_simt.py changes between rebuilds) gives kernels with one id but other code: this part of
+    the disk cache's key tells them apart."""
+    parts, seen = [], set()
+
+    def value(v):
+        if v is None or isinstance(v, (bool, int, float, complex, str, bytes, np.generic, np.dtype)):
+            return repr(v)
+        if isinstance(v, type):
+            return f"class {v.__module__}.{v.__qualname__}"
+        if isinstance(v, (tuple, list)):
+            return "(" + ", ".join(value(x) for x in v) + ")"
+        if isinstance(v, (set, frozenset)):
+            return "{" + ", ".join(sorted(value(x) for x in v)) + "}"
+        if isinstance(v, dict):
+            return "{" + ", ".join(sorted(f"{value(k)}: {value(x)}" for k, x in v.items())) + "}"
+        if isinstance(v, pytypes.ModuleType):
+            return f"module {v.__name__}"
+        if isinstance(v, np.ndarray):
+            return f"ndarray {v.dtype} {v.shape} {hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()}"
+        if isinstance(v, NumbaType):
+            return f"numba {v}"
+        f = v if isinstance(v, pytypes.FunctionType) else (
+            getattr(v, "py_func", None) or getattr(v, "_defn", None) or getattr(v, "__wrapped__", None))
+        if isinstance(f, pytypes.FunctionType):                # a function, Dispatcher, intrinsic, lru_cache
+            function(f)
+            return f"function {f.__module__}.{f.__qualname__}"
+        return f"object {type(v).__module__}.{type(v).__qualname__}"
+
+    def function(f):
+        if id(f) in seen:
+            return
+        seen.add(id(f))
+        cells = []
+        for cell in f.__closure__ or ():
+            try:
+                cells.append(value(cell.cell_contents))
+            except ValueError:                                 # a cell not yet filled
+                cells.append("<empty>")
+        names = sorted(n for n in _code_names(f.__code__) if n in f.__globals__)
+        used = ", ".join(f"{n}={value(f.__globals__[n])}" for n in names)
+        parts.append(f"{f.__module__}.{f.__qualname__} cells [{', '.join(cells)}] defaults "
+                     f"{value(f.__defaults__ or ())} globals [{used}]")
+
+    function(fn)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _code_names(code):
+    """The global (and attribute) names a code object and the code nested in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, pytypes.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+class DiskKernel:
+    """A specialisation whose cubin came from the disk cache (for the ``arch`` of the context that asked):
+    loaded into the process by ``handle`` on its first launch, without Numba."""
+    __slots__ = ("kern", "key", "argtypes", "arch", "name", "cubin", "library", "kernel")
+
+    def __init__(self, kern, key, argtypes, arch, name, cubin):
+        self.kern, self.key, self.argtypes, self.arch, self.name, self.cubin = kern, key, argtypes, arch, name, cubin
+        self.library = self.kernel = None
+
+    def handle(self):
+        """The kernel's ``CUkernel`` (the library is loaded once per process and kept: never unloaded)."""
+        if self.kernel is None:
+            drv = _driver()
+            err, library = drv.cuLibraryLoadData(self.cubin, None, None, 0, None, None, 0)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuLibraryLoadData of a cached {self.kern.py_func.__name__} failed: {err}")
+            err, kernel = drv.cuLibraryGetKernel(library, self.name.encode())
+            if err != drv.CUresult.CUDA_SUCCESS:
+                drv.cuLibraryUnload(library)
+                raise RuntimeError(f"cuLibraryGetKernel({self.name}) of a cached kernel failed: {err}")
+            self.library, self.kernel = library, kernel
+        return self.kernel
+
+
+def kernel_handle(entry, context):
+    """The kernel handle to launch an entry of ``_compiled`` with in ``context`` (current): Numba's (which
+    loads its module into the context), or the disk-cached cubin's.  A cached cubin for another architecture
+    than the context's device, or one the driver refuses, is compiled by Numba instead."""
+    compiled = entry[0]
+    if type(compiled) is DiskKernel:
+        if compiled.arch == _arch():
+            try:
+                return compiled.handle()
+            except Exception as e:                             # never fail a call for the cache: compile
+                warnings.warn(f"flashnb: {e}; compiling it", RuntimeWarning)
+        compiled = _specialisation(compiled.kern, compiled.key, compiled.argtypes, use_disk=False)
+    return compiled._codelibrary.get_cufunc().handle
+
+
+def _specialisation(kern, key, argtypes, use_disk=True):
+    """``kern`` for ``argtypes``: a ``DiskKernel`` where the disk cache holds it (with ``use_disk``), else
+    Numba's overload, compiled now (``Dispatcher.compile``) and stored in the disk cache."""
+    start = time.perf_counter()
+    arch = _arch()
+    disk_key = _disk_key(kern, argtypes, arch)
+    what = getattr(kern, "flashnb_id", kern.py_func.__qualname__)
+    args = ", ".join(map(str, argtypes))
+    entry = None if disk_key is None else _cache.path_for(disk_key)
+    if use_disk and disk_key is not None:
+        found = _cache.load(disk_key)
+        if found is not None:
+            _cache.note(what, args, arch, "loaded", time.perf_counter() - start, entry)
+            return DiskKernel(kern, key, argtypes, arch, *found)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumbaPerformanceWarning)
+        overload = kern.compile(argtypes)
+    _cache.count("compiled")
+    how = "compiled"
+    if disk_key is not None:
+        how = "compiled, not stored"
+        try:
+            lib = overload._codelibrary
+            if _storable(overload) and _cache.store(disk_key, lib._entry_name, _cubin_bytes(lib.get_cubin())):
+                how = "compiled, stored"
+        except Exception as e:                                 # numba-cuda's internals not as expected here
+            _cache.warn_once(f"flashnb: compiled kernels cannot be cached ({type(e).__name__}: {e})")
+    _cache.note(what, args, arch, how, time.perf_counter() - start, entry)
+    return overload
+
+
+def _disk_key(kern, argtypes, arch):
+    """The disk cache's key of ``kern`` for ``argtypes`` on ``arch``; None if it is not cached on disk (no
+    stable id, the cache off)."""
+    kid = getattr(kern, "flashnb_id", None)
+    if kid is None or _cache.cache_dir() is None:
+        return None
+    options = getattr(kern, "targetoptions", {})
+    text = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+    if " at 0x" in text:                                       # a jit option that is an object: no stable text
+        return None
+    return _cache.key_text(f"{kid} jit({text}) state {code_state(kern.py_func)}", ", ".join(map(str, argtypes)),
+                           arch)
+
+
+def _storable(overload):
+    """Whether a compiled kernel is whole as a cubin: no module setup (NRT, referenced objects, cooperative
+    launch, carveout) that Numba does when it loads its own."""
+    lib = overload._codelibrary
+    return not (lib._setup_functions or lib._teardown_functions or lib.referenced_objects or overload.cooperative
+                or getattr(overload, "shared_memory_carveout", None) is not None
+                or getattr(overload.target_context, "enable_nrt", False))
+
+
+def _cubin_bytes(cubin):
+    """The bytes of ``CUDACodeLibrary.get_cubin()``'s result (a cuda.core ``ObjectCode`` in numba-cuda 0.30)."""
+    return bytes(cubin.code if hasattr(cubin, "code") else cubin)
+
+
+def _arch():
+    """The current device's target, as numba-cuda links for it (``CUDACodeLibrary._ensure_cc``): ``sm_90a``
+    on compute capability 9.0 and above (the architecture-specific features), else e.g. ``sm_80``."""
+    major, minor = compute_capability()
+    return f"sm_{major}{minor}{'a' if (major, minor) >= (9, 0) else ''}"
+
+
+def numba_overloads(kern):
+    """``kern.overloads`` once every specialisation launched in this process is in it: those loaded from the
+    disk cache are compiled by Numba now (for tools that read registers, local memory or SASS)."""
+    for (k, _), entry in list(_compiled.items()):
+        if k is kern and type(entry[0]) is DiskKernel:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NumbaPerformanceWarning)
+                kern.compile(entry[0].argtypes)
+    return kern.overloads
 
 
 def compute_capability():
@@ -231,6 +487,9 @@ def _allow_shared(handle, nbytes):
 
 def memset_zero(view, stream):
     """Zero a contiguous device array whose size is a multiple of 4 bytes, on ``stream``."""
+    if getattr(RECORDING, "recorder", None) is not None:
+        from .._dispatch import note_memset
+        note_memset(view)
     if SIMULATOR:
         view.copy_to_device(np.zeros(view.shape, view.dtype), stream=stream.numba)
         return

@@ -29,7 +29,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from ._jit import SIMULATOR, device_function, kernel
+from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import (U, tile_head_batch, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, padded,
@@ -38,6 +38,7 @@ from .forward import LOG2E, make_window_helpers, tile_threads
 
 
 @lru_cache(maxsize=None)
+@kernel_factory
 def make_preprocess(ACC_NAME, WORDS_OF=None, THREADS_C=1):
     """``delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]``; lse in log2 units, +inf for empty rows.
 
@@ -162,6 +163,7 @@ def make_query_tile_range(BLOCK_Q):
 
 
 @lru_cache(maxsize=None)
+@kernel_factory
 def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
               HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
     """Build the dK/dV kernel (rows = keys, columns = queries); returns (kernel, shared bytes, threads)."""
@@ -306,6 +308,7 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
 
 
 @lru_cache(maxsize=None)
+@kernel_factory
 def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
             HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
     """Build the deterministic dQ kernel (rows = queries, columns = keys); returns (kernel, bytes, threads)."""
@@ -408,6 +411,7 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
 
 
 @lru_cache(maxsize=None)
+@kernel_factory
 def make_cast(ACC_NAME):
     """``dst[t] = src[t]`` over flat (1-D) arrays: the atomic dQ accumulator to the output dtype.
 

@@ -33,7 +33,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from ._jit import device_function, kernel
+from ._jit import device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives
 from ._tiles import U, tile_head_batch
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
@@ -45,6 +45,7 @@ U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
 
 
 @lru_cache(maxsize=None)
+@kernel_factory
 def make_cast_tc(DTYPE_NAME):
     """``dst[t]`` = the word of ``src[2t], src[2t + 1]`` rounded to the 16-bit format, over flat (1-D) arrays:
     the float32 dQ accumulator to 16-bit words; laid out like ``backward.make_cast`` (``cast_grid`` blocks)."""
@@ -73,6 +74,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 
 
 @lru_cache(maxsize=None)
+@kernel_factory
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
                  DEFER_DQ=None, SHARE=False):

@@ -24,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from ._jit import device_function, kernel
+from ._jit import device_function, kernel, kernel_factory
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import (U, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, padded,
                      scratch_size, tile_head_batch)
@@ -129,6 +129,7 @@ def make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK):
 
 
 @lru_cache(maxsize=None)
+@kernel_factory
 def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
     """Build (once per specialisation) the forward kernel: (kernel, dynamic shared bytes, threads per block)."""

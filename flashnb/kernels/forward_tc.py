@@ -32,7 +32,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from ._jit import SIMULATOR, device_function, kernel
+from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, tile_head_batch
@@ -91,6 +91,7 @@ def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
 
 
 @lru_cache(maxsize=None)
+@kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
