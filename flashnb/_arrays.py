@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import config, cuda
 
-from .kernels._jit import View, c_strides, current_context
+from .kernels._jit import RECORDING, View, c_strides, current_context
 
 try:  # optional: accept and return PyTorch tensors
     import torch
@@ -228,6 +228,14 @@ def empty_like_kind(kind, shape, dtype, like, stream, bits=False):
 
     ``bits``: a 16-bit float tensor's view is of its bit patterns (``to_device_bits``).
     """
+    returned, view = _empty_like_kind(kind, shape, dtype, like, stream, bits)
+    if getattr(RECORDING, "recorder", None) is not None:
+        from ._dispatch import note_alloc
+        note_alloc(returned, view, shape, dtype, like, bits)
+    return returned, view
+
+
+def _empty_like_kind(kind, shape, dtype, like, stream, bits=False):
     if kind.lib == "torch":
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
         if POISON_OUTPUTS:
@@ -251,12 +259,19 @@ def scratch(shape, dtype, kind, like, stream):
     """A temporary device array of one call (contents undefined): from the caller's library's stream-ordered
     allocator (no cudaMalloc) where the call runs on that library's current stream, else from Numba's."""
     if not SIMULATOR and stream.current and kind.lib == "torch":
-        return to_device(torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=like.device), stream)
-    if not SIMULATOR and stream.current and kind.lib == "cupy":
+        returned = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=like.device)
+        view = to_device(returned, stream)
+    elif not SIMULATOR and stream.current and kind.lib == "cupy":
         with cupy.cuda.Device(like.device.id):
-            return to_device(cupy.empty(shape, dtype=dtype), stream)
-    d = cuda.device_array(shape, dtype=dtype, stream=stream.numba)
-    return d if SIMULATOR else View.of(d)
+            returned = cupy.empty(shape, dtype=dtype)
+        view = to_device(returned, stream)
+    else:
+        returned = cuda.device_array(shape, dtype=dtype, stream=stream.numba)
+        view = returned if SIMULATOR else View.of(returned)
+    if getattr(RECORDING, "recorder", None) is not None:
+        from ._dispatch import note_alloc
+        note_alloc(returned, view, shape, dtype, like)
+    return view
 
 
 def finish(kind, returned, device_view, stream):

@@ -119,6 +119,8 @@ def _dummy(ndim, dtype):
     if key not in _dummies:
         d = cuda.to_device(np.zeros((1,) * ndim, dtype=dtype))
         _dummies[key] = d if _arrays.SIMULATOR else _arrays.View.of(d)
+        from ._dispatch import CONSTANT_PTRS, _ptr
+        CONSTANT_PTRS.add(_ptr(_dummies[key]))       # alive for the process: a replay may launch with it
     return _dummies[key]
 
 

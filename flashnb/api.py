@@ -7,7 +7,7 @@ kernel factories in ``flashnb.kernels`` (one compiled kernel per specialisation 
 """
 import numpy as np
 
-from . import _arrays, _options, plan
+from . import _arrays, _dispatch, _options, plan
 from .plan import BACKENDS  # noqa: F401  (flashnb.BACKENDS)
 from .kernels._jit import launch, memset_zero
 from .kernels._tiles import np_acc
@@ -52,15 +52,25 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     Inputs are never written.
     """
     del deterministic  # the forward is deterministic by construction (no atomics)
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, attn_mask=attn_mask,
+                   attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                   block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+    return _dispatch.cached_call(
+        "forward", (q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask),
+        (softmax_scale, causal, window_size, softcap, block_mask_size, dropout_p, seed, return_lse, block_q,
+         block_k, backend),
+        lambda: _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend),
+        cacheable=stream is None and type(dropout_p) in (int, float) and dropout_p == 0)
+
+
+def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend):
+    """``flash_attention``'s full path: validate, plan, allocate, launch."""
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     plan.check_backend(backend)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
         opts, call = _setup(kind, q, (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), launch_stream,
-                            block_q, block_k, backend, False, softmax_scale=softmax_scale, causal=causal,
-                            window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
-                            alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                            block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+                            block_q, block_k, backend, False, **options)
         p, words = _planned(plan.forward, call, (q, k, v), ("q", "k", "v"), launch_stream, backward=False)
         lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), p.acc, q, launch_stream)
         out_shape = (batch, seqlen_q, nheads, headdim)
@@ -70,6 +80,8 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         else:
             qd, kd, vd = _prepare((q, k, v), kind, launch_stream)
             out_ret, out_d = _arrays.empty_like_kind(kind, out_shape, kind.dtype, q, launch_stream)
+            if kind.dtype == "bfloat16":
+                _dispatch.unfit()              # float32 copies made and read back by torch
             out_k = out_d if kind.dtype != "bfloat16" else _arrays.scratch(out_d.shape, np.float32, kind, q,
                                                                              launch_stream)
             _forward_launch(p, qd, kd, vd, out_k, lse_d, opts, launch_stream)
@@ -100,6 +112,19 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     refusing with a ValueError what it cannot serve; "simt" the SIMT one; "auto" the tensor-core
     backward where it can serve the call, else the SIMT one (``deterministic=True`` always runs on SIMT).
     """
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, attn_mask=attn_mask,
+                   attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                   block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+    return _dispatch.cached_call(
+        "backward", (dout, q, k, v, out, lse, attn_mask, attn_bias, alibi_slopes, block_mask),
+        (softmax_scale, causal, window_size, softcap, block_mask_size, dropout_p, seed, block_q, block_k,
+         deterministic, backend),
+        lambda: _backward(dout, q, k, v, out, lse, options, block_q, block_k, deterministic, stream, backend),
+        cacheable=stream is None and type(dropout_p) in (int, float) and dropout_p == 0)
+
+
+def _backward(dout, q, k, v, out, lse, options, block_q, block_k, deterministic, stream, backend):
+    """``flash_attention_backward``'s full path."""
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     plan.check_backend(backend)
     for x, name, shape in ((dout, "dout", tuple(q.shape)), (out, "out", tuple(q.shape)),
@@ -119,10 +144,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
         opts, call = _setup(kind, q, (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), launch_stream,
-                            block_q, block_k, backend, bool(deterministic), softmax_scale=softmax_scale,
-                            causal=causal, window_size=window_size, attn_mask=attn_mask, attn_bias=attn_bias,
-                            alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                            block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+                            block_q, block_k, backend, bool(deterministic), **options)
         p, words = _planned(plan.backward, call, (dout, q, k, v, out), ("dout", "q", "k", "v", "out"), launch_stream,
                             backward=True)
         shapes = ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
@@ -132,6 +154,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
             _backward_launches(p, *words, _arrays.to_device(lse, launch_stream),
                                *(_arrays.word_view(view) for _, view in grads), opts, launch_stream, kind, q)
             return tuple(_arrays.finish(kind, ret, view, launch_stream) for ret, view in grads)
+        if kind.dtype == "bfloat16":
+            _dispatch.unfit()                  # float32 copies made and read back by torch
         arrays = _prepare((dout, q, k, v, out), kind, launch_stream)
         grads = []
         for shape in shapes:

@@ -1,0 +1,422 @@
+"""The dispatch cache: a call's launch plan recorded once per specialisation, replayed in microseconds.
+
+A call of ``flash_attention`` / ``flash_attention_backward`` validates its
+arguments, plans (``plan.py``), allocates, packs each kernel's parameters and
+launches: 130-400 us of host time, most of it re-deriving what the previous
+call with the same shapes already knew.  Here the first call with a given
+*signature* runs that full path under a recorder, which notes
+
+* every allocation (shape, dtype: ``_arrays.empty_like_kind`` and ``scratch``),
+* every launch (kernel handle, grid, block, shared bytes, the packed parameter
+  buffer) and every memset,
+* and, for each device pointer those carry, where it came from: the i-th input
+  array, the j-th allocation, or a constant of the library (the stand-ins for
+  absent options, ``_options._dummy``).
+
+A later call with the same signature replays the recording: it allocates the
+same buffers, writes the new pointers into copies of the recorded parameter
+buffers and launches them with ``cuLaunchKernel`` on the caller's current
+stream -- no validation, no planning, no packing.  That is sound because the
+signature holds everything the full path's decisions read: the kind, dtype,
+shape, strides, device and 16-byte alignment of every array (and which of
+them share an address), and the value and type of every other argument.  A call
+whose arrays or options differ in any of these is a miss and takes the full
+path, which validates it from scratch; a call the full path refuses raises
+there and is never recorded.  A recording is kept only if every pointer it
+launches with is accounted for: anything else (a bfloat16 copy the SIMT
+kernels need, a NumPy array copied to the device) leaves the call uncached
+(``unfit``), and it takes the full path every time.  Calls with dropout are
+not cached (their seed changes every step); calls with an explicit ``stream``
+neither.
+
+In Numba's CUDA simulator the same recordings replay by calling the kernels
+with the recorded arguments, the input arrays and allocations substituted,
+so the CI suites exercise the keying and the substitution.
+"""
+import ctypes
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from . import _arrays
+from .kernels import _jit
+
+MAX_ENTRIES = 256                     # recordings kept (least recently used dropped first)
+_CACHE = OrderedDict()                # signature -> Recording (or None: known unfit)
+_LOCK = threading.Lock()
+_local = _jit.RECORDING               # .recorder: the Recorder of this thread's call being recorded
+CONSTANT_PTRS = set()                 # device addresses that stay valid for the process (the option stand-ins)
+stats = {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0}
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+# ------------------------------------------------------------------------------------------------ signature
+def signature(op, arrays, scalars):
+    """(key, device addresses of the arrays) of a call: the key holds ``op``, each array's (type, dtype, shape,
+    strides, device, address mod 16) or None, which arrays share an address, each scalar with its type and
+    the current device; (None, None) where the call is not cacheable (a NumPy array, an empty array, an
+    argument of another type)."""
+    parts, ptrs = [op], []
+    for x in arrays:
+        if x is None:
+            parts.append(None)
+            ptrs.append(0)
+            continue
+        d = _describe(x)
+        if d is None:
+            return None, None
+        parts.append(d[0])
+        ptrs.append(d[1])
+    parts.append(tuple(ptrs.index(p) for p in ptrs))
+    for s in scalars:
+        t = type(s)
+        if t is tuple:
+            if not all(type(e) is int for e in s):
+                return None
+        elif t not in _PLAIN:
+            return None, None
+        parts.append(t)
+        parts.append(s)
+    parts.append(current_device(arrays[0]))
+    return tuple(parts), ptrs
+
+
+def _describe(x):
+    """(key part, device address) of an array; None for arrays the cache does not take."""
+    torch = _arrays.torch
+    if torch is not None and isinstance(x, torch.Tensor):
+        device = x.get_device()
+        ptr = x.data_ptr()
+        if device < 0 or ptr == 0:          # a CPU tensor (refused by the full path), an empty one
+            return None
+        return (type(x), x.dtype, x.shape, x.stride(), device, ptr & 15), ptr
+    if _arrays._is_numba_device_array(x):
+        ptr = _ptr(x)
+        if ptr == 0:
+            return None
+        return (type(x), x.dtype, tuple(x.shape), tuple(x.strides), ptr & 15), ptr
+    return None
+
+
+def _ptr(x):
+    """The device address of a ``View``, a Numba device array or the simulator's stand-in for one."""
+    if type(x) is _jit.View:
+        return x.ptr
+    if _jit.SIMULATOR:
+        return x._ary.__array_interface__["data"][0]
+    return int(x.__cuda_array_interface__["data"][0] or 0)
+
+
+def current_device(x):
+    """The part of a signature the current device adds (the plan reads its limits; launches go to it):
+    PyTorch's current device for a tensor ``x``, else the current CUDA context."""
+    if _jit.SIMULATOR:
+        return 0
+    torch = _arrays.torch
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch._C._cuda_getDevice()
+    return _jit.current_context()
+
+
+# ------------------------------------------------------------------------------------------------ lookup
+def lookup(key):
+    """The recording for ``key`` (None: record this call; ``UNFIT``: take the full path without recording)."""
+    if key is None:
+        return UNFIT
+    with _LOCK:
+        rec = _CACHE.get(key, _MISSING)
+        if rec is _MISSING:
+            stats["misses"] += 1
+            return None
+        _CACHE.move_to_end(key)
+    if rec is None:
+        return UNFIT
+    stats["hits"] += 1
+    return rec
+
+
+_MISSING = object()
+UNFIT = object()
+
+
+def clear():
+    with _LOCK:
+        _CACHE.clear()
+        for k in stats:
+            stats[k] = 0
+
+
+def _store(key, rec):
+    with _LOCK:
+        _CACHE[key] = rec
+        _CACHE.move_to_end(key)
+        while len(_CACHE) > MAX_ENTRIES:
+            _CACHE.popitem(last=False)
+
+
+# ------------------------------------------------------------------------------------------------ recording
+class Recorder:
+    """What one call does, as it does it (the hooks below feed it)."""
+
+    def __init__(self, arrays):
+        self.inputs = {}
+        for i, x in enumerate(arrays):
+            if x is not None:
+                self.inputs.setdefault(_describe(x)[1], i)
+        self.allocs = []          # (library, shape, dtype, device, bits)
+        self.alloc_ptrs = {}      # address -> allocation index
+        self.alloc_ids = {}       # id(returned array) -> allocation index
+        self.keep = []            # the returned arrays, alive while recording (their ids stay unique)
+        self.steps = []
+        self.fit = True
+
+    def tag(self, ptr):
+        """Where a device address came from: ("in", i), ("alloc", j), ("const",); None if unknown."""
+        i = self.inputs.get(ptr)
+        if i is not None:
+            return ("in", i)
+        j = self.alloc_ptrs.get(ptr)
+        if j is not None:
+            return ("alloc", j)
+        if ptr in CONSTANT_PTRS:
+            return ("const",)
+        return None
+
+
+def cached_call(op, arrays, scalars, full_call, cacheable=True):
+    """``full_call()``, or the replay of its recording: the entry point of the public functions.
+    ``arrays`` and ``scalars``: every argument of the call (``signature``)."""
+    key, ptrs = signature(op, arrays, scalars) if cacheable else (None, None)
+    rec = lookup(key)
+    if rec is UNFIT:
+        return full_call()
+    if rec is not None:
+        return rec(arrays, ptrs)
+    with _Recording(key, arrays) as recording:
+        result = full_call()
+        recording.finish(result)
+    return result
+
+
+class _Recording:
+    def __init__(self, key, arrays):
+        self.key, self.arrays, self.recorder = key, arrays, None
+
+    def __enter__(self):
+        if self.key is not None:
+            self.recorder = _local.recorder = Recorder(self.arrays)
+        return self
+
+    def finish(self, result):
+        """Store the recording of the call that returned ``result`` (an array or a tuple of them)."""
+        rec = self.recorder
+        if rec is None:
+            return
+        outputs = []
+        for r in (result if isinstance(result, tuple) else (result,)):
+            j = rec.alloc_ids.get(id(r))
+            if j is None:
+                rec.fit = False
+                break
+            outputs.append(j)
+        if not rec.fit:
+            stats["unfit"] += 1
+            _store(self.key, None)
+            return
+        stats["recorded"] += 1
+        _store(self.key, Replay(rec.allocs, rec.steps, tuple(outputs), isinstance(result, tuple)))
+
+    def __exit__(self, *exc):
+        if self.recorder is not None:
+            _local.recorder = None
+        return False
+
+
+def active():
+    return getattr(_local, "recorder", None)
+
+
+def unfit():
+    """The call being recorded does work the recording cannot replay (a torch-side copy, say)."""
+    rec = active()
+    if rec is not None:
+        rec.fit = False
+
+
+def note_alloc(returned, view, shape, dtype, like, bits=False):
+    """Hook of ``_arrays.empty_like_kind`` / ``scratch``: a new array (``returned`` to the caller, ``view`` the
+    kernels'), of ``shape`` and ``dtype`` (a NumPy dtype or dtype name), like ``like``."""
+    rec = active()
+    if rec is None:
+        return
+    torch = _arrays.torch
+    lib = "torch" if torch is not None and isinstance(returned, torch.Tensor) else "numba"
+    if lib == "numba" and not _arrays._is_numba_device_array(returned):
+        rec.fit = False
+        return
+    device = like.device if lib == "torch" else None
+    dt = returned.dtype if lib == "torch" else np.dtype(dtype)
+    j = len(rec.allocs)
+    rec.allocs.append((lib, tuple(int(s) for s in shape), dt, device, bits))
+    rec.alloc_ptrs.setdefault(_ptr(view), j)
+    if lib == "torch":
+        rec.alloc_ptrs.setdefault(returned.data_ptr(), j)
+    rec.alloc_ids[id(returned)] = j
+    rec.keep.append(returned)
+
+
+def note_memset(view):
+    """Hook of ``_jit.memset_zero``."""
+    rec = active()
+    if rec is None:
+        return
+    tag = rec.tag(_ptr(view))
+    if tag is None or tag[0] != "alloc":
+        rec.fit = False
+        return
+    rec.steps.append(("memset", tag[1], view.nbytes if type(view) is _jit.View else view._ary.nbytes))
+
+
+def note_launch(kern, grid, block, shared, args, packed=None):
+    """Hook of ``_jit.launch``.  ``packed``: on a GPU, (kernel handle, parameter buffer, words of values,
+    {argument position: buffer word of its device address} for the array arguments)."""
+    rec = active()
+    if rec is None:
+        return
+    slots = []                      # (argument position or buffer word, tag)
+    for pos, a in enumerate(args):
+        if type(a) is _jit.View or _arrays._is_numba_device_array(a):
+            ptr = _ptr(a)
+            tag = rec.tag(ptr)
+            if tag is None:
+                rec.fit = False
+                return
+            if tag[0] != "const":
+                slots.append((pos, tag))
+    if packed is None:              # the simulator: substitute arguments
+        rec.steps.append(("call", kern, grid, block, shared, tuple(args), tuple(slots)))
+        return
+    handle, buf, nwords, address_word = packed
+    words = tuple((address_word[pos], tag) for pos, tag in slots)
+    own = _own_buffer(buf, nwords)
+    rec.steps.append(("launch", int(handle), grid, block, shared, own, own.__array_interface__["data"][0]
+                      + 8 * nwords, words))
+
+
+def _own_buffer(buf, nwords):
+    """A copy of a packed parameter buffer whose pointer array points into the copy."""
+    b = buf.copy()
+    b[nwords:] = buf[nwords:] - np.uint64(buf.__array_interface__["data"][0]) + np.uint64(
+        b.__array_interface__["data"][0])
+    return b
+
+
+# ------------------------------------------------------------------------------------------------ replay
+class Replay:
+    """A recorded call: allocate, patch, launch."""
+
+    def __init__(self, allocs, steps, outputs, as_tuple):
+        self.allocs, self.steps, self.outputs, self.as_tuple = allocs, steps, outputs, as_tuple
+        self.lock = threading.Lock()
+
+    def __call__(self, arrays, ptrs):
+        made = [_allocate(*a) for a in self.allocs]
+        if _jit.SIMULATOR:
+            self._simulate(arrays, made)
+        else:
+            alloc_ptrs = [_ptr_of_alloc(m) for m in made]
+            stream = _current_stream(arrays[0])
+            cuda = _cuda()
+            with self.lock:
+                for step in self.steps:
+                    if step[0] == "launch":
+                        _, handle, grid, block, shared, buf, params, words = step
+                        for w, tag in words:
+                            buf[w] = ptrs[tag[1]] if tag[0] == "in" else alloc_ptrs[tag[1]]
+                        err = cuda.cuLaunchKernel(handle, grid, 1, 1, block, 1, 1, shared, stream, params, None)
+                        if err:
+                            raise RuntimeError(f"cuLaunchKernel failed in a replayed call: CUDA error {err}")
+                    else:
+                        _, j, nbytes = step
+                        err = cuda.cuMemsetD32Async(alloc_ptrs[j], 0, nbytes // 4, stream)
+                        if err:
+                            raise RuntimeError(f"cuMemsetD32Async failed in a replayed call: CUDA error {err}")
+        result = tuple(made[j] for j in self.outputs)
+        return result if self.as_tuple else result[0]
+
+    def _simulate(self, arrays, made):
+        from numba import cuda
+        for step in self.steps:
+            if step[0] == "memset":
+                a = made[step[1]]
+                a.copy_to_device(np.zeros(a.shape, a.dtype))
+                continue
+            _, kern, grid, block, shared, args, slots = step
+            args = list(args)
+            for pos, tag in slots:
+                base = arrays[tag[1]] if tag[0] == "in" else made[tag[1]]
+                args[pos] = _same_view(args[pos], base)
+            kern[grid, block, cuda.default_stream(), shared](*args)
+
+
+def _allocate(lib, shape, dtype, device, bits):
+    if lib == "torch":
+        t = _arrays.torch.empty(shape, dtype=dtype, device=device)
+        if _arrays.POISON_OUTPUTS and t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+    from numba import cuda
+    if _arrays.POISON_OUTPUTS and dtype.kind == "f":
+        return cuda.to_device(np.full(shape, np.nan, dtype=dtype))
+    return cuda.device_array(shape, dtype=dtype)
+
+
+def _ptr_of_alloc(a):
+    torch = _arrays.torch
+    if torch is not None and isinstance(a, torch.Tensor):
+        return a.data_ptr()
+    return _ptr(a)
+
+
+class _Interface:
+    """Holds an ``__array_interface__`` (and the array it points into) for ``np.asarray``."""
+
+    def __init__(self, interface, owner):
+        self.__array_interface__, self.owner = interface, owner
+
+
+def _same_view(recorded, base):
+    """The simulator's device array over ``base``'s memory with ``recorded``'s shape, strides and dtype (the
+    recorded argument was ``base`` itself or a view of it at the same address)."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    r = recorded._ary
+    interface = {"shape": r.shape, "strides": r.strides, "typestr": r.dtype.str, "version": 3,
+                 "data": (_ptr(base), False)}
+    return FakeCUDAArray(np.asarray(_Interface(interface, base)))
+
+
+def _current_stream(x):
+    """The raw stream the replay launches on: the caller's library's current stream (as the full path's):
+    PyTorch's on ``x``'s device for a tensor ``x``, else the default stream (Numba's arrays)."""
+    torch = _arrays.torch
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch._C._cuda_getCurrentRawStream(x.get_device())
+    return 0
+
+
+_libcuda = None
+
+
+def _cuda():
+    """The CUDA driver library through ctypes (a launch costs ~1 us this way)."""
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        lib.cuLaunchKernel.restype = ctypes.c_int
+        lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuMemsetD32Async.restype = ctypes.c_int
+        _libcuda = lib
+    return _libcuda

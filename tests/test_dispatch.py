@@ -1,0 +1,131 @@
+"""The dispatch cache (flashnb/_dispatch.py) in the simulator: a replayed call computes what the full path
+computes, every difference the plan reads is a miss, and a miss is validated from scratch.
+
+The calls take Numba device arrays (the simulator's), which the cache records and replays like PyTorch
+tensors on a GPU (tests/kernels/test_torch_gpu.py repeats the core of this there).  Shapes are tiny:
+each call runs the kernels thread by thread.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+import flashnb
+from flashnb import _dispatch
+from kernel_harness import assert_bitwise_equal, poison_outputs  # noqa: F401 (autouse fixture)
+
+OPTS = dict(causal=True, softcap=4.0)
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    _dispatch.clear()
+    yield
+    _dispatch.clear()
+
+
+def arrays(seed, dtype=np.float32, batch=1, seqlen_q=9, seqlen_k=11, nheads=2, nheads_k=1, headdim=8):
+    rng = np.random.default_rng(seed)
+    shapes = [(batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
+              (batch, seqlen_k, nheads_k, headdim), (batch, seqlen_q, nheads, headdim)]
+    return [cuda.to_device(rng.standard_normal(s).astype(dtype)) for s in shapes]
+
+
+def host(*xs):
+    return [x.copy_to_host() for x in xs]
+
+
+def fwd_bwd(q, k, v, dout, **opts):
+    out, lse = flashnb.flash_attention(q, k, v, return_lse=True, **opts)
+    grads = flashnb.flash_attention_backward(dout, q, k, v, out, lse, **opts)
+    return host(out, lse, *grads)
+
+
+@pytest.mark.parametrize("dtype, backend", [(np.float32, "simt"), (np.float16, "tensorcore")])
+def test_replay_computes_what_the_full_path_computes(dtype, backend):
+    opts = dict(OPTS, backend=backend, block_q=16 if backend == "tensorcore" else 8, block_k=16)
+    fwd_bwd(*arrays(0, dtype), **opts)                                    # recorded
+    assert _dispatch.stats["recorded"] == 2
+    new = arrays(1, dtype)                                                # the same signature, other data
+    replayed = fwd_bwd(*new, **opts)
+    assert _dispatch.stats["hits"] == 2
+    _dispatch.clear()
+    full = fwd_bwd(*new, **opts)                                          # the full path on the same data
+    assert _dispatch.stats["hits"] == 0
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, full):
+        assert_bitwise_equal(a, b, f"replayed {name}")
+    assert not np.allclose(replayed[0], fwd_bwd(*arrays(0, dtype), **opts)[0]), "the replay ignored its inputs"
+
+
+def test_every_difference_the_plan_reads_is_a_miss():
+    q, k, v, _ = arrays(0)
+    flashnb.flash_attention(q, k, v, **OPTS)
+    base_misses = _dispatch.stats["misses"]
+    strided = cuda.to_device(np.random.default_rng(2).standard_normal((1, 11, 2, 8)).astype(np.float32))[:, :, :1]
+    variants = [
+        dict(q=arrays(0, seqlen_q=8)[0]),                    # shape
+        dict(k=strided),                                     # strides
+        dict(q=arrays(0, dtype=np.float64)[0], k=arrays(0, dtype=np.float64)[1],
+             v=arrays(0, dtype=np.float64)[2]),              # dtype
+        dict(softcap=4.5), dict(causal=False), dict(softmax_scale=0.3), dict(window_size=(3, 0)),
+        dict(block_q=4), dict(backend="simt"),               # options
+        dict(v=k),                                           # which arrays share an address
+    ]
+    for n, change in enumerate(variants, 1):
+        call = dict(dict(q=q, k=k, v=v), **OPTS)
+        call.update(change)
+        flashnb.flash_attention(**call)
+        assert _dispatch.stats["misses"] == base_misses + n, f"variant {change} was not a miss"
+    assert _dispatch.stats["hits"] == 0
+
+
+def test_a_miss_is_validated_from_scratch():
+    q, k, v, _ = arrays(0)
+    mask = cuda.to_device(np.ones((1, 1, 9, 11), np.bool_))
+    flashnb.flash_attention(q, k, v, attn_mask=mask)
+    with pytest.raises(ValueError, match="attn_mask"):
+        flashnb.flash_attention(arrays(0, seqlen_q=7)[0], k, v, attn_mask=mask)
+    with pytest.raises(TypeError, match="dtype"):
+        flashnb.flash_attention(q, k, arrays(0, dtype=np.float64)[2], attn_mask=mask)
+    with pytest.raises(TypeError, match="causal"):
+        flashnb.flash_attention(q, k, v, attn_mask=mask, causal=1)
+    with pytest.raises(ValueError, match="softcap"):
+        flashnb.flash_attention(q, k, v, attn_mask=mask, softcap=-1.0)
+    assert _dispatch.stats["hits"] == 0 and _dispatch.stats["recorded"] == 1
+
+
+@pytest.mark.parametrize("what", ["numpy", "stream", "dropout"])
+def test_calls_the_cache_does_not_take(what):
+    q, k, v, _ = arrays(0)
+    kw = {}
+    if what == "numpy":
+        q, k, v = host(q, k, v)
+    elif what == "stream":
+        kw = dict(stream=cuda.stream())
+    else:
+        kw = dict(dropout_p=0.25, seed=3)
+    a = flashnb.flash_attention(q, k, v, **kw)
+    b = flashnb.flash_attention(q, k, v, **kw)
+    assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0}
+    a, b = (x if isinstance(x, np.ndarray) else x.copy_to_host() for x in (a, b))
+    assert_bitwise_equal(a, b, f"{what}: two calls")
+
+
+def test_least_recently_used_recordings_are_dropped(monkeypatch):
+    monkeypatch.setattr(_dispatch, "MAX_ENTRIES", 2)
+    q, k, v, _ = arrays(0)
+    for softcap in (1.0, 2.0, 3.0):
+        flashnb.flash_attention(q, k, v, softcap=softcap)
+    assert len(_dispatch._CACHE) == 2
+    flashnb.flash_attention(q, k, v, softcap=1.0)                      # dropped: recorded again
+    assert _dispatch.stats["hits"] == 0 and _dispatch.stats["recorded"] == 4
+    flashnb.flash_attention(q, k, v, softcap=3.0)
+    assert _dispatch.stats["hits"] == 1
+
+
+def test_signature_holds_types_and_refuses_what_it_cannot_key():
+    q, k, v, _ = arrays(0)
+    key_true, _ = _dispatch.signature("forward", (q, k, v), (True,))
+    key_one, _ = _dispatch.signature("forward", (q, k, v), (1,))
+    assert key_true != key_one                                         # True == 1, but only one is valid
+    assert _dispatch.signature("forward", (q, k, v), ([3, 0],)) == (None, None)
+    assert _dispatch.signature("forward", (host(q)[0], k, v), ()) == (None, None)
