@@ -1,0 +1,300 @@
+"""flashnb for PyTorch models: differentiable, ``torch.compile``-able, capturable in CUDA graphs.
+
+    from flashnb.torch import flash_attn_func            # flash-attn's name, arguments and layout
+    out = flash_attn_func(q, k, v, causal=True)           # (batch, seqlen, nheads, headdim)
+
+    from flashnb.torch import scaled_dot_product_attention   # SDPA's layout and semantics
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)   # (batch, nheads, seqlen, headdim)
+
+    with flashnb.torch.sdpa_patched():                    # a model that calls F.scaled_dot_product_attention
+        loss = model(x).sum()                             # runs flashnb where it can serve the call
+
+Layering (flash-attn's): ``flash_attn_func`` / ``scaled_dot_product_attention`` (the public signatures) ->
+``_attention`` (the options in one form) -> in eager mode an ``autograd.Function`` calling the forward and
+backward directly (~7 us of autograd overhead), under ``torch.compile`` the custom ops ``flashnb::forward`` and
+``flashnb::backward`` (``torch.library.custom_op`` with ``register_fake`` and ``register_autograd``, so a
+compiled graph holds them with no break) -> ``flashnb.flash_attention`` / ``flash_attention_backward`` on the
+tensors, whose dispatch cache (``flashnb._dispatch``) replays a warm specialisation in microseconds.
+
+CPU tensors run through NumPy copies (in Numba's CUDA simulator where there is no GPU): slow, for tests.
+"""
+import math
+from contextlib import contextmanager
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import api
+
+__all__ = ["flash_attn_func", "scaled_dot_product_attention", "sdpa_patched", "supports_sdpa_call"]
+
+
+# ------------------------------------------------------------------------------------------------ flash-attn
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, attn_mask=None,
+                    attn_bias=None, block_mask=None, block_mask_size=(128, 128), backend="auto"):
+    """flash-attn's ``flash_attn_func``: ``softmax(q k^T * softmax_scale [+ options]) v``, differentiable in
+    q, k, v.
+
+    q ``(batch, seqlen_q, nheads, headdim)``, k and v ``(batch, seqlen_k, nheads_k, headdim)`` (grouped-query
+    attention: nheads a multiple of nheads_k); float16, bfloat16, float32 or float64 CUDA tensors. causal and
+    window_size are aligned to the bottom-right corner, as flash-attn's (docs/semantics.md). dropout_p is
+    applied as given (pass 0.0 in evaluation, as with flash-attn); each call draws a fresh seed from torch's
+    CPU generator (``torch.manual_seed`` makes it repeatable).
+
+    flashnb's additions, keyword-only: attn_mask (bool, True = may attend), attn_bias (float, added to the
+    scores; no gradient: one that requires grad raises ValueError), block_mask / block_mask_size, backend
+    ("auto", "simt", "tensorcore"); masks and bias broadcast to ``(batch, nheads, seqlen_q, seqlen_k)``.
+
+    Returns ``out`` like q; with ``return_attn_probs``, ``(out, softmax_lse, None)`` (lse ``(batch, nheads,
+    seqlen_q)`` float32; flashnb never materialises the probabilities, so the third value is None).
+    """
+    if not isinstance(return_attn_probs, bool):
+        raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, softmax_scale, causal,
+                          window_size[0], window_size[1], softcap, block_mask_size, dropout_p, deterministic,
+                          backend)
+    return (out, lse, None) if return_attn_probs else out
+
+
+# ------------------------------------------------------------------------------------------------ SDPA
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention`` computed by flashnb, with SDPA's semantics.
+
+    query ``(batch, nheads, seqlen_q, headdim)``, key and value ``(batch, nheads_k, seqlen_k, headdim)``
+    (``nheads_k != nheads`` needs ``enable_gqa=True``, as SDPA); ``is_causal``: the causal mask aligned to
+    the top-left corner (query i sees keys ``j <= i``), SDPA's convention; ``attn_mask``: boolean (True =
+    takes part) or additive float, broadcastable to ``(batch, nheads, seqlen_q, seqlen_k)``, not together
+    with ``is_causal``. One difference: a query row that sees no key gives 0 here, NaN in SDPA's math backend.
+    Differentiable in query, key, value; an additive mask that requires grad raises ValueError.
+    """
+    reason = _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if reason is not None:
+        raise ValueError(reason)
+    seqlen_q, seqlen_k = query.shape[-2], key.shape[-2]
+    mask = bias = None
+    if attn_mask is not None:
+        mask, bias = (attn_mask, None) if attn_mask.dtype == torch.bool else (None, attn_mask)
+    right = -1
+    if is_causal:
+        if seqlen_q >= seqlen_k:        # top-left causal = the bottom-right window reaching seqlen_q - seqlen_k on
+            right = seqlen_q - seqlen_k
+        else:                           # a window cannot reach left of the bottom-right diagonal: a mask does
+            mask = _top_left_causal(seqlen_q, seqlen_k, query.device)
+    softmax_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    out, _ = _attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask, bias, None, None,
+                        softmax_scale, False, -1, right, 0.0, (128, 128), dropout_p, False, "auto")
+    return out.transpose(1, 2)
+
+
+def supports_sdpa_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False):
+    """Whether ``scaled_dot_product_attention`` serves these arguments (else ``sdpa_patched`` leaves the call to
+    PyTorch): CUDA tensors of one floating dtype, 4 dimensions, one head dim up to 256, heads that group."""
+    return _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) is None
+
+
+def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    for t, name in ((query, "query"), (key, "key"), (value, "value")):
+        if not isinstance(t, Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.dim() != 4:
+            return f"{name} must have 4 dimensions (batch, nheads, seqlen, headdim), got shape {tuple(t.shape)}"
+    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
+        return "query, key and value must share one head dim (flashnb computes no other case)"
+    hq, hk = query.shape[1], key.shape[1]
+    if hq != hk and not (enable_gqa and hk > 0 and hq % hk == 0):
+        return (f"query has {hq} heads and key {hk}: grouped-query attention needs enable_gqa=True and a "
+                "multiple (as SDPA)")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            return f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
+        if is_causal:
+            return "attn_mask and is_causal=True cannot be given together (as SDPA)"
+    if not all(t.is_cuda for t in (query, key, value)) and not _CPU_OK:
+        return "flashnb computes CUDA tensors only"
+    return None
+
+
+_CPU_OK = True          # CPU tensors through NumPy copies (tests); sdpa_patched leaves CPU calls to PyTorch
+_TOP_LEFT = {}
+
+
+def _top_left_causal(seqlen_q, seqlen_k, device):
+    """SDPA's causal mask for seqlen_q < seqlen_k (query i sees keys j <= i), cached per shape and device."""
+    key = (seqlen_q, seqlen_k, device)
+    mask = _TOP_LEFT.get(key)
+    if mask is None:
+        mask = _TOP_LEFT[key] = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+@contextmanager
+def sdpa_patched():
+    """Within the block, ``torch.nn.functional.scaled_dot_product_attention`` runs flashnb's wherever it can
+    serve the call (CUDA tensors, one head dim, ...: ``supports_sdpa_call``), else PyTorch's own.
+
+    It patches the attribute of ``torch.nn.functional``: code that looks the function up when it runs (as
+    ``F.scaled_dot_product_attention(...)`` does) is routed; a name imported before the block
+    (``from torch.nn.functional import scaled_dot_product_attention``) is not.
+    """
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if (isinstance(query, Tensor) and query.is_cuda
+                and supports_sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)):
+            return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                enable_gqa)
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    torch.nn.functional.scaled_dot_product_attention = routed
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+def _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
+               block_mask_size, dropout_p, deterministic, backend):
+    """(out, lse): through the custom ops under ``torch.compile``, else through ``_FlashAttention``."""
+    for t, name in ((attn_bias, "attn_bias"), (alibi_slopes, "alibi_slopes")):
+        if t is not None and isinstance(t, Tensor) and t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires grad, but flashnb computes no gradient for {name}; "
+                             f"pass {name}.detach() (or compute attention with the bias elsewhere)")
+    seed = None
+    if dropout_p > 0:      # a fresh seed per call, from torch's CPU generator (a tensor: traced, not baked in)
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    bm_q, bm_k = block_mask_size
+    args = (attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap, bm_q, bm_k,
+            dropout_p, seed, deterministic, backend)
+    if torch.compiler.is_compiling():      # the op's schema takes floats as floats
+        return torch.ops.flashnb.forward(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, float(scale),
+                                         causal, left, right, float(softcap), bm_q, bm_k, float(dropout_p), seed,
+                                         deterministic, backend)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlashAttention.apply(q, k, v, *args)
+    return _forward_impl(q, k, v, *args)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """The eager path: autograd's bookkeeping (~7 us a call) without the custom op's dispatch (~15 us more)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *args):
+        out, lse = _forward_impl(q, k, v, *args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = args
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, *ctx.args)
+        return (dq, dk, dv) + (None,) * len(ctx.args)
+
+
+def _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap, bm_q, bm_k,
+                  dropout_p, seed):
+    return dict(softmax_scale=scale, causal=causal, window_size=(left, right), attn_mask=attn_mask,
+                attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
+                block_mask_size=(bm_q, bm_k), dropout_p=dropout_p, seed=0 if seed is None else int(seed[0]))
+
+
+def _forward_impl(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
+                  bm_q, bm_k, dropout_p, seed, deterministic, backend):
+    opts = _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
+                         bm_q, bm_k, dropout_p, seed)
+    if q.is_cuda:
+        with torch.no_grad():
+            return api.flash_attention(q.detach(), k.detach(), v.detach(), return_lse=True, backend=backend,
+                                       deterministic=deterministic, **opts)
+    out, lse = api.flash_attention(*_numpy(q, k, v), return_lse=True, backend=backend, **_numpy_options(opts))
+    return _from_numpy(out, q.dtype), torch.from_numpy(lse)
+
+
+def _backward_impl(dout, q, k, v, out, lse, attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left,
+                   right, softcap, bm_q, bm_k, dropout_p, seed, deterministic, backend):
+    opts = _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
+                         bm_q, bm_k, dropout_p, seed)
+    if dout.stride(-1) != 1:            # as flash-attn: the tensor cores read rows of dout
+        dout = dout.contiguous()
+    if q.is_cuda:
+        with torch.no_grad():
+            return api.flash_attention_backward(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
+                                                lse.detach(), backend=backend, deterministic=deterministic, **opts)
+    grads = api.flash_attention_backward(*_numpy(dout, q, k, v, out), lse.detach().numpy(), backend=backend,
+                                         deterministic=deterministic, **_numpy_options(opts))
+    return tuple(_from_numpy(g, q.dtype) for g in grads)
+
+
+# CPU tensors (tests without a GPU): NumPy copies; bfloat16 as float32
+def _numpy(*tensors):
+    return tuple(t.detach().float().numpy() if t.dtype == torch.bfloat16 else t.detach().numpy() for t in tensors)
+
+
+def _numpy_options(opts):
+    return {name: (_numpy(x)[0] if isinstance(x, Tensor) else x) for name, x in opts.items()}
+
+
+def _from_numpy(a, dtype):
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ custom ops
+@torch.library.custom_op("flashnb::forward", mutates_args=())
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], attn_bias: Optional[Tensor],
+                alibi_slopes: Optional[Tensor], block_mask: Optional[Tensor], scale: float, causal: bool, left: int,
+                right: int, softcap: float, bm_q: int, bm_k: int, dropout_p: float, seed: Optional[Tensor],
+                deterministic: bool, backend: str) -> tuple[Tensor, Tensor]:
+    return _forward_impl(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right,
+                         softcap, bm_q, bm_k, dropout_p, seed, deterministic, backend)
+
+
+@_forward_op.register_fake
+def _(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap, bm_q, bm_k,
+      dropout_p, seed, deterministic, backend):
+    batch, seqlen_q, nheads, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=lse_dtype)
+
+
+@torch.library.custom_op("flashnb::backward", mutates_args=())
+def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 attn_mask: Optional[Tensor], attn_bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                 block_mask: Optional[Tensor], scale: float, causal: bool, left: int, right: int, softcap: float,
+                 bm_q: int, bm_k: int, dropout_p: float, seed: Optional[Tensor], deterministic: bool,
+                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward_impl(dout, q, k, v, out, lse, attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal,
+                          left, right, softcap, bm_q, bm_k, dropout_p, seed, deterministic, backend)
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, out, lse, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = inputs[3:]
+    ctx.mark_non_differentiable(lse)
+
+
+def _op_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashnb.backward(dout, q, k, v, out, lse, *ctx.args)
+    return (dq, dk, dv) + (None,) * len(ctx.args)
+
+
+_forward_op.register_autograd(_op_backward, setup_context=_setup_context)

@@ -1,0 +1,270 @@
+"""flashnb.torch on a GPU: autograd against the oracle, gradcheck, torch.compile, CUDA graphs, SDPA equivalence,
+the dispatch cache.
+
+Every test needs torch with a CUDA device (``gpu`` marker; skipped with the reason in the simulator, where
+tests/test_torch_layer.py runs the same layer on CPU tensors).  Tolerances, the flash-attn rule: the error of
+flashnb against the float64 truth is at most twice the error of the same attention computed by PyTorch's math
+in the input dtype, plus a floor of 2**-10 (16-bit) or 1e-6 (float32) of the truth's largest value.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import reference
+
+torch = pytest.importorskip("torch")
+ft = pytest.importorskip("flashnb.torch")
+import flashnb  # noqa: E402
+from flashnb import _dispatch  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+F = torch.nn.functional
+FLOOR = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -10, torch.float32: 1e-6, torch.float64: 1e-12}
+
+
+def _allowed(seqlen_q, seqlen_k, causal=False, window=(-1, -1)):
+    """flashnb's bottom-right causal / window mask as a boolean (seqlen_q, seqlen_k) tensor on the GPU."""
+    i = torch.arange(seqlen_q, device="cuda")[:, None] + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device="cuda")[None, :]
+    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
+def _math(q, k, v, mask, scale):
+    """Attention in the tensors' dtype by PyTorch's math, (batch, seqlen, heads, dim) layout; GQA by repetition."""
+    rep = q.shape[2] // k.shape[2]
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s.float(), -1).to(q.dtype)
+    return (p @ vt).transpose(1, 2)
+
+
+def _check(name, got, truth, low, dtype):
+    """The flash-attn rule (module docstring); ``truth`` float64, ``low`` PyTorch's math in ``dtype``."""
+    got, truth, low = (x.detach().double().cpu() for x in (got, truth, low))
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err, err_low = (got - truth).abs().max().item(), (low - truth).abs().max().item()
+    bound = 2 * err_low + FLOOR[dtype] * max(truth.abs().max().item(), 1.0)
+    assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g} (PyTorch math in {dtype}: {err_low:.3g})"
+
+
+def _randn(*shape, dtype):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window
+    (2, 100, 130, 4, 2, 64, True, (-1, -1)),
+    (1, 257, 257, 2, 2, 128, False, (32, 0)),
+    (2, 64, 33, 3, 1, 40, True, (-1, -1)),
+    (1, 130, 200, 2, 1, 256, False, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("c" if c[6] else ""))
+def test_flash_attn_func_autograd_against_the_oracle(dtype, case):
+    batch, sq, sk, h, hk, d, causal, window = case
+    torch.manual_seed(sq * 7 + d)
+    q, k, v = (_randn(batch, s, n, d, dtype=dtype).requires_grad_() for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    dout = _randn(batch, sq, h, d, dtype=dtype)
+    out, lse, probs = ft.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    assert probs is None and out.dtype == dtype and lse.shape == (batch, h, sq) and lse.dtype == torch.float32
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    scale = 1 / math.sqrt(d)
+    host = [x.detach().double().cpu().numpy() for x in (q, k, v, dout)]
+    opts = dict(causal=causal, window_size=window, softmax_scale=scale)
+    truth_out, truth_lse = reference.attention(*host[:3], **opts)
+    truth_grads = reference.attention_backward(host[3], *host[:3], **opts)
+    ql, kl, vl = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    low = _math(ql, kl, vl, _allowed(sq, sk, causal, window), scale)
+    low_grads = torch.autograd.grad(low, (ql, kl, vl), dout)
+    _check("out", out, torch.from_numpy(truth_out), low, dtype)
+    np.testing.assert_allclose(lse.cpu().numpy(), truth_lse, rtol=1e-5, atol=1e-5)
+    for name, g, t, lg in zip(("dq", "dk", "dv"), (dq, dk, dv), truth_grads, low_grads):
+        _check(name, g, torch.from_numpy(t), lg, dtype)
+
+
+def test_gradcheck_float64():
+    torch.manual_seed(0)
+    q = _randn(1, 5, 2, 8, dtype=torch.float64).requires_grad_()
+    k, v = (_randn(1, 7, 1, 8, dtype=torch.float64).requires_grad_() for _ in range(2))
+    assert torch.autograd.gradcheck(lambda q, k, v: ft.flash_attn_func(q, k, v, causal=True, softcap=3.0), (q, k, v))
+    qs, ks, vs = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    mask = torch.rand(1, 2, 5, 7, device="cuda") > 0.3
+    mask[..., 0] = True
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ft.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), (qs, ks, vs))
+
+
+def test_dropout_seed_from_torch_generator():
+    q, k, v = (_randn(1, 64, 2, 64, dtype=torch.float16) for _ in range(3))
+    torch.manual_seed(5)
+    a = ft.flash_attn_func(q, k, v, dropout_p=0.3)
+    torch.manual_seed(5)
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64)[0])
+    b = flashnb.flash_attention(q, k, v, dropout_p=0.3, seed=seed)
+    c = ft.flash_attn_func(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_bias_that_requires_grad_is_refused():
+    q, k, v = (_randn(1, 16, 2, 32, dtype=torch.float16).requires_grad_() for _ in range(3))
+    bias = torch.zeros(1, 2, 16, 16, device="cuda", requires_grad=True)
+    with pytest.raises(ValueError, match="attn_bias requires grad"):
+        ft.flash_attn_func(q, k, v, attn_bias=bias)
+    with pytest.raises(ValueError, match="attn_bias requires grad"):
+        ft.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask=bias)
+    ft.flash_attn_func(q, k, v, attn_bias=bias.detach()).sum().backward()      # a detached bias is fine
+
+
+# ---------------------------------------------------------------------------------------------- SDPA
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 2), heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]), sq=st.integers(1, 150),
+       sk=st.integers(1, 150), d=st.sampled_from([16, 64, 128]), mask=st.sampled_from(["none", "bool", "float",
+       "causal"]), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]), seed=st.integers(0, 99))
+def test_sdpa_wrapper_equals_torch_sdpa(batch, heads, sq, sk, d, mask, dtype, seed):
+    torch.manual_seed(seed)
+    h, hk = heads
+    q = _randn(batch, h, sq, d, dtype=dtype).requires_grad_()
+    k, v = (_randn(batch, hk, sk, d, dtype=dtype).requires_grad_() for _ in range(2))
+    attn_mask, causal = None, mask == "causal"
+    if mask == "bool":
+        attn_mask = torch.rand(batch, 1, sq, sk, device="cuda") > 0.4
+        attn_mask[..., torch.randint(sk, (1,)).item()] = True            # every row sees a key (SDPA: NaN else)
+    elif mask == "float":
+        attn_mask = torch.randn(1, h, sq, sk, device="cuda", dtype=dtype)
+    dout = _randn(batch, h, sq, d, dtype=dtype)
+    kw = dict(attn_mask=attn_mask, is_causal=causal, enable_gqa=hk != h)
+    out = ft.scaled_dot_product_attention(q, k, v, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    rows = torch.ones(sq, dtype=torch.bool, device="cuda")
+    if causal:
+        rows = torch.ones(sq, sk, dtype=torch.bool, device="cuda").tril().any(-1)   # top-left: rows with a key
+    results = []
+    for precision in (torch.float64, dtype):
+        xs = [x.detach().to(precision).requires_grad_() for x in (q, k, v)]
+        m = attn_mask.to(precision) if mask == "float" else attn_mask
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            o = F.scaled_dot_product_attention(*xs, **{**kw, "attn_mask": m})
+        o = torch.where(rows[:, None], o, 0)
+        results.append((o,) + torch.autograd.grad(o, xs, dout.to(precision)))
+    for name, got, truth, low in zip(("out", "dq", "dk", "dv"), (out,) + grads, *results):
+        _check(f"{name} ({mask}, {sq}x{sk})", got, truth, low, dtype)
+
+
+def test_sdpa_patched_routes_cuda_calls_and_leaves_others():
+    q, k, v = (_randn(1, 2, 32, 64, dtype=torch.float16) for _ in range(3))
+    original = F.scaled_dot_product_attention
+    with ft.sdpa_patched():
+        _dispatch.clear()
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert _dispatch.stats["misses"] == 1, "the CUDA call did not reach flashnb"
+        cpu = F.scaled_dot_product_attention(q.float().cpu(), k.float().cpu(), v.float().cpu())
+        assert cpu.device.type == "cpu"
+    assert F.scaled_dot_product_attention is original
+
+
+# ---------------------------------------------------------------------------------------------- compile, graphs
+class _Block(torch.nn.Module):
+    def __init__(self, width=128, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).unbind(2)
+        y = ft.flash_attn_func(q, k, v, causal=True)
+        z = ft.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                            is_causal=True).transpose(1, 2)
+        return self.proj((y + z).reshape(b, t, c))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    block = _Block().cuda().half()
+    x = _randn(2, 96, 128, dtype=torch.float16).requires_grad_()
+    compiled = torch.compile(block, fullgraph=True)        # a graph break raises here
+    y_c = compiled(x)
+    g_c = torch.autograd.grad(y_c.float().square().sum(), (x,) + tuple(block.parameters()))
+    y_e = block(x)
+    g_e = torch.autograd.grad(y_e.float().square().sum(), (x,) + tuple(block.parameters()))
+    torch.testing.assert_close(y_c, y_e, rtol=2e-2, atol=2e-3)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
+    explained = torch._dynamo.explain(block)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_cuda_graph_capture_and_replay():
+    torch.manual_seed(1)
+    q, k, v = (_randn(2, 128, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    dout = _randn(2, 128, 4, 64, dtype=torch.bfloat16)
+
+    def step():
+        out = ft.flash_attn_func(q, k, v, causal=True)
+        out.backward(dout)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                          # warm-up: compile, plan, record the dispatch
+        for _ in range(2):
+            q.grad = k.grad = v.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    q.grad = k.grad = v.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for trial in range(2):
+        with torch.no_grad():
+            for x in (q, k, v, dout):
+                x.copy_(torch.randn_like(x))
+            for g in (q.grad, k.grad, v.grad):
+                g.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        qe, ke, ve = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out_e = ft.flash_attn_func(qe, ke, ve, causal=True)
+        out_e.backward(dout)
+        assert torch.equal(static_out, out_e), f"replay {trial}: out differs from an eager call"
+        for name, a, b in (("dk", k.grad, ke.grad), ("dv", v.grad, ve.grad)):
+            assert torch.equal(a, b), f"replay {trial}: {name} differs from an eager call"
+        torch.testing.assert_close(q.grad, qe.grad, rtol=1e-2, atol=1e-2)   # atomic dQ: summation order varies
+
+
+# ---------------------------------------------------------------------------------------------- dispatch cache
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dispatch_cache_replays_what_the_full_path_computes(dtype):
+    q, k, v, dout = (_randn(2, 77, 4, 64, dtype=dtype) for _ in range(4))
+    k, v = k[:, :, :2], v[:, :, :2]                                        # strided, grouped heads
+    mask = torch.rand(2, 1, 77, 77, device="cuda") > 0.2
+    opts = dict(causal=True, attn_mask=mask, softcap=5.0)
+    _dispatch.clear()
+    full = flashnb.flash_attention(q, k, v, return_lse=True, **opts)
+    full_g = flashnb.flash_attention_backward(dout, q, k, v, *full, deterministic=True, **opts)
+    assert _dispatch.stats["recorded"] == 2
+    q2, dout2 = q.clone(), dout.clone()
+    full2 = flashnb.flash_attention(q2, k, v, return_lse=True, **opts)
+    full2_g = flashnb.flash_attention_backward(dout2, q2, k, v, *full2, deterministic=True, **opts)
+    assert _dispatch.stats["hits"] == 2
+    for a, b in zip(full + full_g, full2 + full2_g):
+        assert torch.equal(a, b)
+    # a call differing in anything the plan reads misses, and the full path validates it
+    with pytest.raises(ValueError, match="attn_mask"):
+        flashnb.flash_attention(q2[:, :70], k, v, **opts)
+    with pytest.raises(TypeError, match="dtype"):
+        flashnb.flash_attention(q2, k, v.double(), **opts)
+    assert _dispatch.stats["hits"] == 2

@@ -1,0 +1,24 @@
+"""Seconds to `import flashnb`, and to the first forward and first forward+backward in a fresh process
+(float16 (2, 1024, 8, 64) torch tensors, causal), printed as one line; run it twice for the second-process
+figure (the on-disk kernel cache filled by the first). `python -m tools.first_call LABEL`."""
+import sys
+import time
+
+t0 = time.perf_counter()
+import torch  # noqa: E402
+t1 = time.perf_counter()
+import flashnb  # noqa: E402
+import flashnb.torch as ft  # noqa: E402
+t2 = time.perf_counter()
+q, k, v = (torch.randn(2, 1024, 8, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+torch.cuda.synchronize()
+t3 = time.perf_counter()
+out = ft.flash_attn_func(q, k, v, causal=True)
+torch.cuda.synchronize()
+t4 = time.perf_counter()
+out.backward(torch.randn_like(out))
+torch.cuda.synchronize()
+t5 = time.perf_counter()
+label = sys.argv[1] if len(sys.argv) > 1 else "?"
+print(f"first-call {label}: import torch {t1 - t0:.2f} s, import flashnb+flashnb.torch {t2 - t1:.2f} s, "
+      f"first forward {t4 - t3:.2f} s, first forward+backward {t5 - t3:.2f} s", flush=True)
