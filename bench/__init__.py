@@ -4,7 +4,7 @@ Modules, in the order a run uses them:
 
 * ``cli``      -- options, the GPU and no-GPU paths, what is printed;
 * ``env``      -- CUDA device detection before numba is imported, header facts;
-* ``cases``    -- ``Case`` (one shape and option set) and the default sweep;
+* ``cases``    -- ``Case`` (one shape and option set), the quick set and the full sweep;
 * ``flops``    -- the FlashAttention FLOP formula, written in code;
 * ``impls``    -- every implementation (flashnb backends, materialised CuPy / PyTorch,
   PyTorch SDPA backends) behind one ``make(case, data, pass)`` interface;
@@ -12,6 +12,7 @@ Modules, in the order a run uses them:
 * ``harness``  -- the one timing loop, and the sweep that never dies on a refusal;
 * ``smoke``    -- flashnb against the oracle at toy sizes (also in the simulator);
 * ``io_table`` -- reference.io_model's HBM traffic next to measured times;
+* ``host``     -- the host time of one call (tiny shape, back-to-back calls);
 * ``report``   -- terminal / Markdown / CSV / JSON writers and readers, the plot.
 
 The developer tools (tile sweeps, profiler targets and readers, SASS) are in ``tools/``

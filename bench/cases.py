@@ -18,6 +18,12 @@ DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_HEADDIMS = (64, 128)
 DEFAULT_TOKENS = 16384       # batch * seqlen
 DEFAULT_HIDDEN = 2048        # nheads * headdim
+# The quick set, ``python -m bench`` without shape options: the same family of shapes (16k tokens,
+# width 2048) at two lengths, the training passes (fwd, fwd+bwd) and the implementations that decide
+# "is it worth it?" (bench.impls.QUICK_IMPLS); ``--full`` runs the sweep above.
+QUICK_SEQLENS = (1024, 4096)
+QUICK_HEADDIMS = (64, 128)
+QUICK_PASSES = ("fwd", "fwdbwd")
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,21 @@ Flow: parse the options; detect a CUDA device (ctypes, before numba is
 imported: without one, numba is switched to its simulator); then
 
 * with a GPU: validate flashnb at toy sizes, time every selected implementation
-  on every case and pass with one harness (``bench.harness``), and report
-  results, speed-ups, the IO model with measured times, and a verdict;
+  on every case and pass with one harness (``bench.harness``), measure the host
+  time of one call (``bench.host``), and report results, speed-ups, the IO model
+  with measured times, host times and a verdict;
 * without one: print the IO-model predictions and a simulator smoke run, and
   say that timings need a GPU.
+
+What runs: without shape, implementation or pass options, the quick set
+(``QUICK_*`` in ``bench.cases`` and ``bench.impls``: float16, seqlen 1024 and
+4096, head dim 64 and 128, causal or not, fwd and fwd+bwd; flashnb-auto against
+sdpa-flash, sdpa-cudnn and torch-materialised; 1-2 minutes on an H100) and the
+host-time table; ``--full``: flash-attn's sweep (``DEFAULT_*``) with every
+implementation and pass, and the host-time table; any shape, ``--impl`` or
+``--pass`` option: the cases they select, the unset ones from the full sweep's
+defaults, as before the quick set existed (no host-time table); ``--host``: only
+the host-time table.
 """
 from __future__ import annotations
 
@@ -16,17 +27,21 @@ import signal
 import sys
 
 from bench import env
-from bench.cases import DEFAULT_HEADDIMS, DEFAULT_HIDDEN, DEFAULT_SEQLENS, DEFAULT_TOKENS, DTYPES, sweep
+from bench.cases import (DEFAULT_HEADDIMS, DEFAULT_HIDDEN, DEFAULT_SEQLENS, DEFAULT_TOKENS, DTYPES, QUICK_HEADDIMS,
+                         QUICK_PASSES, QUICK_SEQLENS, sweep)
 from bench.flops import NO_WINDOW, PASSES
+from bench.impls import QUICK_IMPLS
 
 EXAMPLES = """\
 examples:
-  python -m bench                                   # the flash-attn sweep, float16, every implementation
+  python -m bench                                   # quick set: is it worth it? (1-2 min on an H100)
+  python -m bench --full                            # the flash-attn sweep, float16, every implementation (~17 min)
   python -m bench --dtype float32 --pass fwd,fwdbwd --headdims 64,128
   python -m bench --seqlens 1024,4096 --headdims 128 --causal true --impl flashnb,sdpa-flash
   python -m bench --nheads 32 --nheads-k 8 --seqlens 2048           # grouped-query attention
   python -m bench --format json --output run.json --plot run.png
   python -m bench --io                              # only the IO-model table (measured on a GPU)
+  python -m bench --host                            # only the host time of one call (tiny shape, launch path)
   python -m bench --list                            # which implementations this machine can run
 """
 
@@ -91,34 +106,46 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
         description="Time flashnb against materialised attention (CuPy, PyTorch) and PyTorch SDPA's backends: "
                     "forward, backward and forward+backward; TFLOP/s, peak extra memory, speed-ups; plus the "
-                    "IO model of the FlashAttention paper. Without a GPU: the IO model and a simulator smoke run.")
-    s = p.add_argument_group("shapes (default: flash-attn's sweep, batch*seqlen = 16k tokens, nheads*headdim = 2048)")
-    s.add_argument("--dtype", type=_choices(DTYPES), default=("float16",), help="float16, bfloat16, float32 (comma list; default float16)")
-    s.add_argument("--seqlens", type=_int_list, default=DEFAULT_SEQLENS, metavar="N,...",
-                   help=f"query sequence lengths (default {','.join(map(str, DEFAULT_SEQLENS))})")
+                    "IO model of the FlashAttention paper and the host time of one call. By default a quick set "
+                    "that answers 'is it worth it?' (1-2 min on an H100); --full for flash-attn's sweep. Without "
+                    "a GPU: the IO model and a simulator smoke run.")
+    s = p.add_argument_group(
+        "shapes (default: the quick set; with --full or any of these options, flash-attn's sweep, "
+        "batch*seqlen = 16k tokens, nheads*headdim = 2048)")
+    s.add_argument("--dtype", type=_choices(DTYPES), default=None,
+                   help="float16, bfloat16, float32 (comma list; default float16)")
+    s.add_argument("--seqlens", type=_int_list, default=None, metavar="N,...",
+                   help=f"query sequence lengths (default {','.join(map(str, DEFAULT_SEQLENS))}; "
+                        f"quick set {','.join(map(str, QUICK_SEQLENS))})")
     s.add_argument("--seqlen-k", type=_positive(int), default=None, metavar="N",
                    help="key sequence length for every case (default: = seqlen; causal is bottom-right aligned)")
-    s.add_argument("--headdims", type=_int_list, default=DEFAULT_HEADDIMS, metavar="D,...",
+    s.add_argument("--headdims", type=_int_list, default=None, metavar="D,...",
                    help=f"head dimensions (default {','.join(map(str, DEFAULT_HEADDIMS))})")
     s.add_argument("--batch", type=_positive(int), default=None, help="batch size (default: tokens // seqlen)")
     s.add_argument("--nheads", type=_positive(int), default=None, help="query heads (default: hidden // headdim)")
     s.add_argument("--nheads-k", type=_positive(int), default=None,
                    help="key/value heads, for grouped-query attention (default: = nheads)")
-    s.add_argument("--tokens", type=_positive(int), default=DEFAULT_TOKENS, help="batch * seqlen (default %(default)s)")
-    s.add_argument("--hidden", type=_positive(int), default=DEFAULT_HIDDEN, help="nheads * headdim (default %(default)s)")
-    s.add_argument("--causal", type=_causal, default=(False, True), metavar="{both,true,false}",
+    s.add_argument("--tokens", type=_positive(int), default=None, help=f"batch * seqlen (default {DEFAULT_TOKENS})")
+    s.add_argument("--hidden", type=_positive(int), default=None, help=f"nheads * headdim (default {DEFAULT_HIDDEN})")
+    s.add_argument("--causal", type=_causal, default=None, metavar="{both,true,false}",
                    help="causal masking (default both)")
-    s.add_argument("--window", type=_window, default=NO_WINDOW, metavar="LEFT,RIGHT",
+    s.add_argument("--window", type=_window, default=None, metavar="LEFT,RIGHT",
                    help="sliding window, -1 = unbounded (default -1,-1)")
-    s.add_argument("--dropout", type=_dropout, default=0.0, metavar="P", help="dropout probability (default 0)")
+    s.add_argument("--dropout", type=_dropout, default=None, metavar="P", help="dropout probability (default 0)")
 
     w = p.add_argument_group("what to run")
     w.add_argument("--impl", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()), default=None,
                    metavar="NAME,...", help="implementations or prefixes: flashnb, flashnb-simt, sdpa, sdpa-flash, "
-                   "sdpa-cudnn, sdpa-efficient, sdpa-math, torch-materialised, cupy-materialised (default: all)")
-    w.add_argument("--pass", dest="passes", type=_choices(PASSES), default=PASSES, metavar="fwd,bwd,fwdbwd",
-                   help="passes to time (default all three)")
-    w.add_argument("--io", action="store_true", help="only the IO-model table (with measured times on a GPU)")
+                   "sdpa-cudnn, sdpa-efficient, sdpa-math, torch-materialised, cupy-materialised (default: all; "
+                   f"quick set {','.join(QUICK_IMPLS)})")
+    w.add_argument("--pass", dest="passes", type=_choices(PASSES), default=None, metavar="fwd,bwd,fwdbwd",
+                   help=f"passes to time (default all three; quick set {','.join(QUICK_PASSES)})")
+    mode = w.add_mutually_exclusive_group()
+    mode.add_argument("--full", action="store_true",
+                      help="flash-attn's sweep: 24 shapes, every implementation and pass (about 17 min on an H100)")
+    mode.add_argument("--io", action="store_true", help="only the IO-model table (with measured times on a GPU)")
+    mode.add_argument("--host", action="store_true",
+                      help="only the host time of one call (tiny float16 shape, back-to-back calls; needs a GPU)")
     w.add_argument("--list", action="store_true", help="list the implementations and whether they can run here")
     w.add_argument("--no-check", dest="check", action="store_false",
                    help="skip validating flashnb (toy sizes against the oracle; forward against SDPA per case)")
@@ -143,11 +170,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Options that select cases; unset ones get these defaults (the full sweep's), or the quick set's
+# when none of them is given and the run is not --full, --io, --host or --list.
+FULL_DEFAULTS = {"dtype": ("float16",), "seqlens": DEFAULT_SEQLENS, "seqlen_k": None, "headdims": DEFAULT_HEADDIMS,
+                 "batch": None, "nheads": None, "nheads_k": None, "tokens": DEFAULT_TOKENS, "hidden": DEFAULT_HIDDEN,
+                 "causal": (False, True), "window": NO_WINDOW, "dropout": 0.0, "impl": None, "passes": PASSES}
+QUICK_DEFAULTS = {"seqlens": QUICK_SEQLENS, "headdims": QUICK_HEADDIMS, "passes": QUICK_PASSES}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    explicit = [name for name in FULL_DEFAULTS if getattr(args, name) is not None]
+    args.quick = not (explicit or args.full or args.io or args.host or args.list)
+    for name, default in FULL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, QUICK_DEFAULTS.get(name, default) if args.quick else default)
+    args.with_host = args.quick or args.full            # the host-time table: in the quick and the full run
     try:
         args.cases = make_cases(args)
     except ValueError as exc:
@@ -159,6 +200,29 @@ def make_cases(args):
     return sweep(args.dtype, args.seqlens, args.headdims, args.causal, batch=args.batch, nheads=args.nheads,
                  nheads_k=args.nheads_k, seqlen_k=args.seqlen_k, tokens=args.tokens, hidden=args.hidden,
                  window=args.window, dropout_p=args.dropout)
+
+
+def what_runs(args) -> str:
+    """One line for the report header: which set of cases this is."""
+    if args.host:
+        return "host time only (--host)"
+    if args.io:
+        return "IO-model table only (--io)"
+    n = len(args.cases)
+    if args.quick:
+        return (f"quick set: {n} cases (float16, N = {','.join(map(str, args.seqlens))}, d = "
+                f"{','.join(map(str, args.headdims))}, causal or not), {', '.join(args.passes)}; "
+                f"{', '.join(QUICK_IMPLS)}; `--full` for flash-attn's sweep")
+    return f"{'full sweep (--full)' if args.full else 'selected cases'}: {n} cases, {', '.join(args.passes)}"
+
+
+def _smoke(args):
+    """Validation at toy size: the quick set checks what it times, flashnb-auto at float16 (fewer kernels to
+    compile: about half the validation's time on a GPU); other runs every backend at float32 and float16."""
+    from bench.smoke import smoke_run
+    if args.quick:
+        return smoke_run(("float16",), backends=("auto",))
+    return smoke_run()
 
 
 def _io_cases(args):
@@ -216,8 +280,15 @@ def run_without_gpu(args, argv) -> int:
     from bench.impls import Impl, Libraries, all_impls
     header = env.header(argv, {"driver": env.driver_version(), "cuda_driver": env.driver_cuda_version()},
                         simulator=True)
+    header["cases"] = what_runs(args)
     messages = ["No CUDA device found (or NUMBA_ENABLE_CUDASIM=1): timings need a GPU. Shown instead: the IO "
                 "model's predictions and a smoke run of flashnb in Numba's CUDA simulator at toy sizes."]
+    if args.host:
+        messages = ["No CUDA device found (or NUMBA_ENABLE_CUDASIM=1): the host time of a call needs a GPU "
+                    "(CUDA tensors, real launches); run `python -m bench --host` on a GPU machine."]
+        _emit(args, header, [], [], messages)
+        print("flashnb bench: no CUDA device, so no host times.", file=sys.stderr)
+        return 0
     if args.list:
         libs = Libraries(why_not={"torch": "no CUDA device", "cupy": "no CUDA device"})
         try:
@@ -232,8 +303,7 @@ def run_without_gpu(args, argv) -> int:
     sections = [io_section(_io_cases(args), [], args.sram_kib * 1024, measured=False)]
     smoke = []
     if args.check:
-        from bench.smoke import smoke_run
-        smoke = smoke_run()
+        smoke = _smoke(args)
         sections.insert(0, _smoke_section(smoke))
     if args.plot:
         messages.append(f"--plot {args.plot}: nothing to plot without timings (needs a GPU)")
@@ -285,7 +355,7 @@ def run_with_gpu(args, argv) -> int:
     from bench import report
     from bench.gpu import Gpu, install_numba_memory_counter
     from bench.harness import DeviceLost, Progress, Settings, run_sweep
-    from bench.impls import CaseData, all_impls, select
+    from bench.impls import CaseData, all_impls, quick_select, select
     from bench.io_table import FIGURE2_LABEL, STANDARD_IMPLS, io_section
 
     messages = []
@@ -298,7 +368,7 @@ def run_with_gpu(args, argv) -> int:
         messages.append(why)
     libs = _import_libraries()
     try:
-        impls = select(all_impls(libs), args.impl)
+        impls = quick_select(all_impls(libs)) if args.quick else select(all_impls(libs), args.impl)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -310,6 +380,9 @@ def run_with_gpu(args, argv) -> int:
     if gpu is not None:
         device.update(gpu.info())
     header = env.header(argv, device, simulator=False)
+    header["cases"] = what_runs(args)
+    if args.host:
+        return _host_only(args, header, libs, messages)
     settings = Settings(warmup=args.warmup, reps=args.reps, max_time_s=args.max_time, seed=args.seed,
                         check=args.check)
     header["timing"] = (f"median of <= {args.reps} calls (~{args.max_time} s per measurement, >= 5 calls) after "
@@ -327,8 +400,7 @@ def run_with_gpu(args, argv) -> int:
 
     sections, smoke = [], []
     if args.check:
-        from bench.smoke import smoke_run
-        smoke = smoke_run()
+        smoke = _smoke(args)
         sections.append(_smoke_section(smoke))
         if any(r["status"] == "FAIL" for r in smoke):
             messages.append("flashnb FAILED validation at toy size: its timings below measure wrong results")
@@ -362,6 +434,14 @@ def run_with_gpu(args, argv) -> int:
         messages.append(f"sweep {what}; the tables hold the results so far")
         exit_code = 130 if isinstance(exc, KeyboardInterrupt) else 1
 
+    host = []
+    if args.with_host and exit_code == 0:
+        try:
+            host = _measure_host(libs, messages)
+        except KeyboardInterrupt:
+            messages.append("host-time measurement interrupted; the sweep's tables are complete")
+            exit_code = 130
+
     results = runs[0] if runs else []
     io_results = [r for run in runs for r in run]
     if any("MISMATCH" in r["note"] for r in results):
@@ -372,6 +452,9 @@ def run_with_gpu(args, argv) -> int:
     sections.append(report.results_section(results, passes))
     sections += [report.speedup_section(speedups, p, results) for p in passes]
     sections.append(io_section(io_cases, io_results, args.sram_kib * 1024, measured=True))
+    if host:
+        from bench.host import host_section
+        sections.append(host_section(host))
     sections.append(report.summary_section(summary, passes))
     _emit(args, header, results, sections, messages)
     if args.plot:
@@ -380,3 +463,30 @@ def run_with_gpu(args, argv) -> int:
     if any(r["status"] == "FAIL" for r in smoke):
         exit_code = exit_code or 1
     return exit_code
+
+
+def _measure_host(libs, messages) -> list[dict]:
+    """The host-time records (``bench.host``), or [] with a message when PyTorch cannot drive the GPU."""
+    if libs.torch is None:
+        messages.append(f"host time not measured: it needs PyTorch with CUDA ({libs.why_not.get('torch')})")
+        return []
+    from bench.host import measure_host
+    try:
+        import flashnb.torch  # noqa: F401
+    except Exception as exc:                                # noqa: BLE001 - the table says it per row too
+        messages.append(f"flashnb.torch does not import ({type(exc).__name__}: {exc}): its host-time rows are n/a")
+    return measure_host(libs.torch)
+
+
+def _host_only(args, header, libs, messages) -> int:
+    """``--host``: only the host-time table."""
+    from bench.host import host_section
+    _stop_cleanly_on_sigterm()
+    try:
+        host = _measure_host(libs, messages)
+    except KeyboardInterrupt:
+        messages.append("interrupted")
+        _emit(args, header, [], [], messages)
+        return 130
+    _emit(args, header, [], [host_section(host)] if host else [], messages)
+    return 0 if host else 1

@@ -369,6 +369,19 @@ def all_impls(libs: Libraries) -> list[Impl]:
     return impls
 
 
+QUICK_IMPLS = ("flashnb-auto", "sdpa-flash", "sdpa-cudnn", "torch-materialised")
+
+
+def quick_select(impls: list[Impl]) -> list[Impl]:
+    """The quick set's implementations: what a caller gets from flashnb by default, PyTorch's two fastest
+    SDPA backends and the materialised baseline; a flashnb without ``backend="auto"`` (or one that does not
+    import) stands in with its first entry, so the report still says what happened to it."""
+    chosen = [i for i in impls if i.name in QUICK_IMPLS]
+    if not any(i.family == "flashnb" for i in chosen):
+        chosen += [i for i in impls if i.family == "flashnb"][:1]
+    return [i for i in impls if i in chosen]
+
+
 def select(impls: list[Impl], wanted: list[str] | None) -> list[Impl]:
     """The impls named in ``wanted`` (a name, or a prefix such as ``flashnb`` or ``sdpa``)."""
     if not wanted:

@@ -31,14 +31,17 @@ def _inputs(dtype: str, seed: int = 0):
     return [rng.standard_normal(s).astype(dtype) for s in shapes]       # q, k, v, dout
 
 
-def smoke_run(dtypes=("float32", "float16")) -> list[dict]:
-    """One record per (backend, dtype): status "ok" / "FAIL" / "n/a" / "unavailable", max errors."""
+def smoke_run(dtypes=("float32", "float16"), backends=None) -> list[dict]:
+    """One record per (backend, dtype): status "ok" / "FAIL" / "n/a" / "unavailable", max errors.
+
+    ``backends``: which to validate (default every entry of ``flashnb.BACKENDS``; ``("auto",)`` checks
+    what a caller gets without choosing, with fewer kernels to compile)."""
     b, nq, nk, h, hk, d = SMOKE_SHAPE
     shape = f"B={b} Nq={nq} Nk={nk} H={h} Hk={hk} d={d} causal={SMOKE_CAUSAL}"
     try:
         import flashnb
         forward, backward = flashnb.flash_attention, flashnb.flash_attention_backward
-        backends = tuple(getattr(flashnb, "BACKENDS", ("simt",)))
+        backends = tuple(getattr(flashnb, "BACKENDS", ("simt",))) if backends is None else tuple(backends)
     except Exception as exc:                           # noqa: BLE001 - ImportError, AttributeError, or a broken import
         return [{"impl": "flashnb", "dtype": "", "shape": shape, "status": "unavailable",
                  "detail": f"flashnb cannot be run yet: {type(exc).__name__}: {exc}"}]

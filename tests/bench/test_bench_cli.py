@@ -13,13 +13,47 @@ from bench.cases import Case
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_defaults_are_the_flash_attn_sweep():
+def test_defaults_are_the_quick_set():
     args = cli.parse_args([])
-    assert args.dtype == ("float16",) and args.passes == ("fwd", "bwd", "fwdbwd")
+    assert args.quick and not args.full and args.with_host
+    assert args.dtype == ("float16",) and args.passes == ("fwd", "fwdbwd") and args.impl is None
     assert args.format == "table" and args.output is None and args.plot is None and args.check
+    assert [(c.seqlen_q, c.headdim, c.causal) for c in args.cases] == [
+        (n, d, causal) for d in (64, 128) for causal in (False, True) for n in (1024, 4096)]
+    assert args.cases[0] == Case("float16", 16, 32, 32, 1024, 1024, 64, False)      # 16k tokens, width 2048
+    assert args.cases[-1] == Case("float16", 4, 16, 16, 4096, 4096, 128, True)
+    assert "quick set: 8 cases" in cli.what_runs(args)
+
+
+def test_full_is_the_flash_attn_sweep():
+    args = cli.parse_args(["--full"])
+    assert args.full and not args.quick and args.with_host
+    assert args.dtype == ("float16",) and args.passes == ("fwd", "bwd", "fwdbwd") and args.impl is None
     assert len(args.cases) == 24
     assert args.cases[0] == Case("float16", 32, 32, 32, 512, 512, 64, False)
     assert args.cases[-1] == Case("float16", 1, 16, 16, 16384, 16384, 128, True)
+    assert cli.what_runs(args).startswith("full sweep (--full): 24 cases")
+
+
+@pytest.mark.parametrize("argv", [["--headdims", "64"], ["--pass", "fwd"], ["--impl", "sdpa"], ["--dtype", "float16"],
+                                  ["--causal", "true"], ["--io"]])
+def test_any_case_option_selects_from_the_full_sweep_as_before(argv):
+    """An explicit shape, --impl or --pass option (or --io) keeps the pre-quick-set defaults for the rest."""
+    args = cli.parse_args(argv)
+    full = cli.parse_args(["--full"])
+    assert not args.quick and not args.with_host
+    assert args.seqlens == full.seqlens and args.tokens == 16384 and args.hidden == 2048
+    assert args.passes == (("fwd",) if argv == ["--pass", "fwd"] else full.passes)
+    assert args.headdims == ((64,) if argv == ["--headdims", "64"] else (64, 128))
+
+
+def test_host_only_and_the_exclusive_modes(capsys):
+    args = cli.parse_args(["--host"])
+    assert args.host and not args.quick and not args.with_host and cli.what_runs(args).startswith("host time only")
+    for argv in (["--host", "--full"], ["--io", "--host"], ["--full", "--io"]):
+        with pytest.raises(SystemExit) as info:
+            cli.parse_args(argv)
+        assert info.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
 def test_options_shape_the_cases():
@@ -53,7 +87,7 @@ def test_help_mentions_every_option_family(capsys):
         cli.parse_args(["--help"])
     text = capsys.readouterr().out
     for opt in ("--dtype", "--seqlens", "--headdims", "--nheads-k", "--window", "--dropout", "--impl", "--pass",
-                "--reps", "--format", "--output", "--plot", "--io", "--list"):
+                "--reps", "--format", "--output", "--plot", "--io", "--list", "--full", "--host"):
         assert opt in text
 
 
@@ -71,12 +105,29 @@ def test_no_gpu_run_prints_io_table_and_smoke_result():
     assert "# command: " in out and "-m bench" in out and "# device: none (Numba CUDA simulator)" in out
     assert "timings need a GPU" in out and "no timings" in proc.stderr
     assert "## IO model: predicted HBM traffic, standard vs flash attention" in out
+    assert "# cases: quick set: 8 cases" in out
     io_lines = [line for line in out.splitlines() if line.startswith(("Figure 2  ", "sweep  "))]
-    assert len(io_lines) == 1 + 12 and io_lines[0].split()[:8] == ["Figure", "2", "float16", "64", "16", "1024",
-                                                                   "64", "9.13"]
+    assert len(io_lines) == 1 + 4 and io_lines[0].split()[:8] == ["Figure", "2", "float16", "64", "16", "1024",
+                                                                  "64", "9.13"]       # the quick set's 2 x 2 shapes
     assert "## Validation" in out
-    # the smoke run either checked flashnb or said clearly why it could not
-    assert ("flashnb-simt" in out and " ok " in out) or "unavailable" in out
+    # the smoke run either checked flashnb or said clearly why it could not; the quick set validates what it
+    # times, flashnb-auto at float16
+    validation = out[out.index("## Validation"):out.index("## IO model")]
+    assert ("flashnb-auto" in validation and " ok " in validation and "float32" not in validation
+            and "flashnb-simt" not in validation) or "unavailable" in validation
+
+
+def test_no_gpu_full_run_has_the_whole_io_table():
+    proc = run_bench("--full", "--no-check")
+    assert proc.returncode == 0, proc.stderr
+    io_lines = [line for line in proc.stdout.splitlines() if line.startswith(("Figure 2  ", "sweep  "))]
+    assert len(io_lines) == 1 + 12 and "# cases: full sweep (--full): 24 cases" in proc.stdout
+
+
+def test_no_gpu_host_says_it_needs_a_gpu():
+    proc = run_bench("--host")
+    assert proc.returncode == 0, proc.stderr
+    assert "host time of a call needs a GPU" in proc.stdout and "## " not in proc.stdout
 
 
 def test_no_gpu_json_output_file(tmp_path):

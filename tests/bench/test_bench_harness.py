@@ -279,3 +279,56 @@ def test_gpu_path_end_to_end_with_a_fake_device(monkeypatch, tmp_path, capsys):
     assert io["sweep"]["std_fwd_ms"] == 8.0           # from the main results
     printed = capsys.readouterr().out
     assert "## Is flashnb worth it?" in printed and "0.50x" not in printed and "2.00x (4/4 faster; memory 1x)" in printed
+
+
+def test_gpu_path_quick_set_with_host_times(monkeypatch, tmp_path):
+    """``python -m bench`` with no options on a fake device: the quick set's cases, implementations and
+    passes, and the host-time table (its measurement replaced by fake calls)."""
+    import bench.gpu
+    import bench.host
+    import bench.impls
+    gpu = FakeGpu()
+    names = ["flashnb-auto", "flashnb-simt", "flashnb-tensorcore", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient",
+             "sdpa-math", "torch-materialised"]
+
+    def fake_impls(libs):
+        return [impl_of(lambda p: ticking(gpu, [1.0]), n, "flashnb" if n.startswith("flashnb") else "baseline")
+                for n in names] + [Impl("cupy-materialised", "baseline", None, unavailable="cupy: not installed")]
+
+    torch_stub = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None), backends=types.SimpleNamespace(
+        cuda=types.SimpleNamespace(matmul=types.SimpleNamespace(allow_tf32=False))))
+    host_calls = [("flashnb.torch.flash_attn_func", "fwd", lambda: None, None),
+                  ("flashnb.torch.flash_attn_func", "fwdbwd", lambda: None, None),
+                  ("flashnb.flash_attention", "bwd", None, "flashnb: not here"),
+                  ("torch SDPA", "fwd", lambda: None, None)]
+    monkeypatch.setattr(bench.host, "host_calls", lambda torch: host_calls)
+    monkeypatch.setattr(cli, "_import_libraries", lambda: bench.impls.Libraries(torch=torch_stub))
+    monkeypatch.setattr(bench.gpu, "Gpu", lambda torch, cupy: gpu)
+    monkeypatch.setattr(bench.gpu, "install_numba_memory_counter", lambda: None)
+    monkeypatch.setattr(bench.impls, "all_impls", fake_impls)
+    monkeypatch.setattr(bench.impls, "CaseData", lambda gpu, case, seed, cupy: case)
+    monkeypatch.setattr(cli, "_stop_cleanly_on_sigterm", lambda: None)
+    out = tmp_path / "run.json"
+    argv = ["--no-check", "--quiet", "--format", "json", "--output", str(out)]
+    assert cli.run_with_gpu(cli.parse_args(argv), argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["header"]["cases"].startswith("quick set: 8 cases")
+    assert {r["impl"] for r in doc["results"]} == {"flashnb-auto", "sdpa-flash", "sdpa-cudnn", "torch-materialised"}
+    assert {r["pass"] for r in doc["results"]} == {"fwd", "fwdbwd"} and len(doc["results"]) == 8 * 4 * 2
+    host = {(r["impl"], r["pass"]): r for r in doc["host"]}
+    assert host[("torch SDPA", "fwd")]["status"] == "ok" and host[("torch SDPA", "fwd")]["us"] >= 0
+    assert host[("flashnb.flash_attention", "bwd")]["status"] == "n/a"
+    assert "## Host time per call" in render_host(doc)
+    assert not any("cupy-materialised" in m for m in doc["messages"])      # not in the quick set: not mentioned
+
+    argv = ["--host", "--format", "json", "--output", str(out)]                # --host: only that table
+    assert cli.run_with_gpu(cli.parse_args(argv), argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["results"] == [] and len(doc["host"]) == 4 and "summary" not in doc and "io_model" not in doc
+
+
+def render_host(doc):
+    """The terminal rendering of a JSON report's host section."""
+    from bench.host import host_section
+    from bench.report import render_terminal
+    return render_terminal({}, [host_section(doc["host"])])
