@@ -49,7 +49,7 @@ _local = _jit.RECORDING               # .recorder: the Recorder of this thread's
 CONSTANT_PTRS = set()                 # device addresses that stay valid for the process (the option stand-ins)
 stats = {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0}
 
-_PLAIN = (int, float, bool, str, type(None))
+_PLAIN = frozenset((int, float, bool, str, type(None)))
 
 
 # ------------------------------------------------------------------------------------------------ signature
@@ -69,16 +69,14 @@ def signature(op, arrays, scalars):
             return None, None
         parts.append(d[0])
         ptrs.append(d[1])
-    parts.append(tuple(ptrs.index(p) for p in ptrs))
-    for s in scalars:
-        t = type(s)
-        if t is tuple:
-            if not all(type(e) is int for e in s):
-                return None
-        elif t not in _PLAIN:
+    live = [p for p in ptrs if p]
+    parts.append(None if len(set(live)) == len(live) else tuple(ptrs.index(p) for p in ptrs))
+    types = tuple(map(type, scalars))
+    for t, s in zip(types, scalars):
+        if t not in _PLAIN and not (t is tuple and all(type(e) is int for e in s)):
             return None, None
-        parts.append(t)
-        parts.append(s)
+    parts.append(types)
+    parts.append(scalars)
     parts.append(current_device(arrays[0]))
     return tuple(parts), ptrs
 
@@ -320,13 +318,35 @@ class Replay:
     def __init__(self, allocs, steps, outputs, as_tuple):
         self.allocs, self.steps, self.outputs, self.as_tuple = allocs, steps, outputs, as_tuple
         self.lock = threading.Lock()
+        # on a GPU the temporaries (allocations not returned) of a PyTorch call come from one allocation
+        self.scratch, self.scratch_bytes = {}, 0
+        if not _jit.SIMULATOR:
+            for j, (lib, shape, dtype, device, _) in enumerate(allocs):
+                if lib == "torch" and j not in outputs:
+                    self.scratch[j] = self.scratch_bytes
+                    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                    self.scratch_bytes += -(-size // 256) * 256
+                    self.scratch_device = device
 
     def __call__(self, arrays, ptrs):
-        made = [_allocate(*a) for a in self.allocs]
         if _jit.SIMULATOR:
+            made = [_allocate(*a) for a in self.allocs]
             self._simulate(arrays, made)
         else:
-            alloc_ptrs = [_ptr_of_alloc(m) for m in made]
+            made, alloc_ptrs, scratch = [None] * len(self.allocs), [0] * len(self.allocs), None
+            if self.scratch:
+                scratch = _arrays.torch.empty(self.scratch_bytes, dtype=_arrays.torch.uint8,
+                                              device=self.scratch_device)
+                base = scratch.data_ptr()
+                for j, offset in self.scratch.items():
+                    alloc_ptrs[j] = base + offset
+            for j in self.outputs:
+                made[j] = _allocate(*self.allocs[j])
+                alloc_ptrs[j] = _ptr_of_alloc(made[j])
+            for j, a in enumerate(self.allocs):
+                if made[j] is None and j not in self.scratch:
+                    made[j] = _allocate(*a)
+                    alloc_ptrs[j] = _ptr_of_alloc(made[j])
             stream = _current_stream(arrays[0])
             cuda = _cuda()
             with self.lock:

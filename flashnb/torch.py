@@ -182,7 +182,8 @@ def _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, c
                                          deterministic, backend)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttention.apply(q, k, v, *args)
-    return _forward_impl(q, k, v, *args)
+    with torch.no_grad():   # inputs that require grad under no_grad: nothing the call does is recorded
+        return _forward_impl(q, k, v, *args)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -214,10 +215,8 @@ def _forward_impl(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale
                   bm_q, bm_k, dropout_p, seed, deterministic, backend):
     opts = _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
                          bm_q, bm_k, dropout_p, seed)
-    if q.is_cuda:
-        with torch.no_grad():
-            return api.flash_attention(q.detach(), k.detach(), v.detach(), return_lse=True, backend=backend,
-                                       deterministic=deterministic, **opts)
+    if q.is_cuda:           # (autograd is off here: in an autograd.Function's forward, in a custom op)
+        return api.flash_attention(q, k, v, return_lse=True, backend=backend, deterministic=deterministic, **opts)
     out, lse = api.flash_attention(*_numpy(q, k, v), return_lse=True, backend=backend, **_numpy_options(opts))
     return _from_numpy(out, q.dtype), torch.from_numpy(lse)
 
@@ -229,9 +228,8 @@ def _backward_impl(dout, q, k, v, out, lse, attn_mask, attn_bias, alibi_slopes, 
     if dout.stride(-1) != 1:            # as flash-attn: the tensor cores read rows of dout
         dout = dout.contiguous()
     if q.is_cuda:
-        with torch.no_grad():
-            return api.flash_attention_backward(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
-                                                lse.detach(), backend=backend, deterministic=deterministic, **opts)
+        return api.flash_attention_backward(dout, q, k, v, out, lse, backend=backend, deterministic=deterministic,
+                                            **opts)
     grads = api.flash_attention_backward(*_numpy(dout, q, k, v, out), lse.detach().numpy(), backend=backend,
                                          deterministic=deterministic, **_numpy_options(opts))
     return tuple(_from_numpy(g, q.dtype) for g in grads)

@@ -22,3 +22,6 @@ t5 = time.perf_counter()
 label = sys.argv[1] if len(sys.argv) > 1 else "?"
 print(f"first-call {label}: import torch {t1 - t0:.2f} s, import flashnb+flashnb.torch {t2 - t1:.2f} s, "
       f"first forward {t4 - t3:.2f} s, first forward+backward {t5 - t3:.2f} s", flush=True)
+from flashnb.kernels import _cache  # noqa: E402
+print(f"first-call {label}: disk cache {_cache.counters}; "
+      + ", ".join(f"{r['kernel'].split('(')[0].rsplit('.', 1)[-1]} {r['how']} {r['seconds']:.2f} s" for r in _cache.log))
