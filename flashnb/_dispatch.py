@@ -42,8 +42,8 @@ import numpy as np
 from . import _arrays
 from .kernels import _jit
 
-MAX_ENTRIES = 256                     # recordings kept (least recently used dropped first)
-_CACHE = OrderedDict()                # signature -> Recording (or None: known unfit)
+MAX_ENTRIES = 256                     # recordings kept (the oldest dropped first)
+_CACHE = OrderedDict()                # signature -> Replay (or None: known unfit), oldest first
 _LOCK = threading.Lock()
 _local = _jit.RECORDING               # .recorder: the Recorder of this thread's call being recorded
 CONSTANT_PTRS = set()                 # device addresses that stay valid for the process (the option stand-ins)
@@ -120,15 +120,14 @@ def current_device(x):
 
 # ------------------------------------------------------------------------------------------------ lookup
 def lookup(key):
-    """The recording for ``key`` (None: record this call; ``UNFIT``: take the full path without recording)."""
+    """The recording for ``key`` (None: record this call; ``UNFIT``: take the full path without recording).
+    A hit reads the dict without the lock (one dict read is atomic); recordings are dropped oldest first."""
     if key is None:
         return UNFIT
-    with _LOCK:
-        rec = _CACHE.get(key, _MISSING)
-        if rec is _MISSING:
-            stats["misses"] += 1
-            return None
-        _CACHE.move_to_end(key)
+    rec = _CACHE.get(key, _MISSING)
+    if rec is _MISSING:
+        stats["misses"] += 1
+        return None
     if rec is None:
         return UNFIT
     stats["hits"] += 1
@@ -149,7 +148,6 @@ def clear():
 def _store(key, rec):
     with _LOCK:
         _CACHE[key] = rec
-        _CACHE.move_to_end(key)
         while len(_CACHE) > MAX_ENTRIES:
             _CACHE.popitem(last=False)
 

@@ -195,10 +195,13 @@ class _FlashAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = args
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)      # lse's gradient stays None (no zeros made for it)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:                      # out took no part in what is differentiated
+            return (None,) * (3 + len(ctx.args))
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, *ctx.args)
         return (dq, dk, dv) + (None,) * len(ctx.args)
@@ -287,9 +290,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = inputs[3:]
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
 
 
 def _op_backward(ctx, dout, dlse):
+    if dout is None:
+        return (None,) * (3 + len(ctx.args))
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashnb.backward(dout, q, k, v, out, lse, *ctx.args)
     return (dq, dk, dv) + (None,) * len(ctx.args)

@@ -1,6 +1,7 @@
 """Seconds to `import flashnb`, and to the first forward and first forward+backward in a fresh process
 (float16 (2, 1024, 8, 64) torch tensors, causal), printed as one line; run it twice for the second-process
 figure (the on-disk kernel cache filled by the first). `python -m tools.first_call LABEL`."""
+import os
 import sys
 import time
 
@@ -16,7 +17,16 @@ t3 = time.perf_counter()
 out = ft.flash_attn_func(q, k, v, causal=True)
 torch.cuda.synchronize()
 t4 = time.perf_counter()
-out.backward(torch.randn_like(out))
+dout = torch.randn_like(out)
+if os.environ.get("FIRST_CALL_PROFILE"):              # where the first backward's time goes
+    import cProfile
+    import pstats
+    with cProfile.Profile() as prof:
+        out.backward(dout)
+        torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+else:
+    out.backward(dout)
 torch.cuda.synchronize()
 t5 = time.perf_counter()
 label = sys.argv[1] if len(sys.argv) > 1 else "?"
