@@ -351,6 +351,27 @@ def _stop_cleanly_on_sigterm():
         pass
 
 
+def _precompile(args, messages) -> None:
+    """The quick set's kernels (and the validation's) compiled in parallel processes into flashnb's disk cache
+    (``flashnb.precompile``), so the run does not wait on one compile after another; found there on later runs."""
+    import time
+    from numba import cuda
+    from bench.smoke import SMOKE_CAUSAL, SMOKE_SHAPE
+    from flashnb.kernels._jit import SIMULATOR
+    from flashnb.precompile import precompile
+    if SIMULATOR or not cuda.is_available():           # a fake device (the tests): nothing to compile
+        return
+    tasks = sorted({(c.dtype, c.headdim, c.causal) for c in make_cases(args) if c.dtype in ("float16", "float32")}
+                   | {("float16", SMOKE_SHAPE[-1], SMOKE_CAUSAL)})
+    start = time.perf_counter()
+    rows = precompile(tasks)
+    compiled = sum(r["how"].startswith("compiled") for r in rows)
+    failed = [r for r in rows if r["how"] == "failed"]
+    messages.append(f"kernels: {compiled} compiled, {len(rows) - compiled - len(failed)} found in the disk cache, "
+                    f"in {len(tasks)} parallel processes, {time.perf_counter() - start:.1f} s"
+                    + (f"; {len(failed)} tasks failed: {failed[0]['entry']}" if failed else ""))
+
+
 def run_with_gpu(args, argv) -> int:
     from bench import report
     from bench.gpu import Gpu, install_numba_memory_counter
@@ -399,6 +420,8 @@ def run_with_gpu(args, argv) -> int:
             messages.append(f"not measured: {i.name} ({i.unavailable})")
 
     sections, smoke = [], []
+    if args.quick:
+        _precompile(args, messages)
     if args.check:
         smoke = _smoke(args)
         sections.append(_smoke_section(smoke))

@@ -1,6 +1,6 @@
 """Compile the common kernel specialisations into the disk cache ahead of time.
 
-    python -m flashnb.precompile [--dtypes float16,bfloat16,float32] [--headdims 64,128]
+    python -m flashnb.precompile [--dtypes float16,bfloat16,float32] [--headdims 64,128] [--jobs N]
     python -m flashnb.precompile --list        # the cache's entries
     python -m flashnb.precompile --clear       # delete them
 
@@ -13,11 +13,18 @@ from disk.  Strided arrays, options that change the kernels (masks, bias, ALiBi,
 ``deterministic``, own tiles) and other head dims compile on their first call and are stored then.
 bfloat16 runs on PyTorch CUDA tensors (skipped without them).  The cache's location and key:
 ``flashnb/kernels/_cache.py`` and docs/api.md.
+
+Numba compiles one kernel at a time per process (it holds the GIL), so the (dtype, head dim, causal) tasks run
+in ``--jobs`` processes at once (default: one per task, up to the CPU count); the disk cache's atomic writes
+make that safe.  ``precompile(tasks, jobs)`` is the same from Python (the benchmark calls it).
 """
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -31,6 +38,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated input dtypes (default: %(default)s)")
     ap.add_argument("--headdims", default=",".join(map(str, HEADDIMS)),
                     help="comma-separated head dims (default: %(default)s)")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="processes compiling at once (default: one per task, up to the CPU count)")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # DTYPE,HEADDIM,CAUSAL: a worker's task
     ap.add_argument("--list", action="store_true", help="list the cache's entries and exit")
     ap.add_argument("--clear", action="store_true", help="delete the cache's entries and exit")
     args = ap.parse_args(argv)
@@ -43,6 +53,15 @@ def main(argv=None):
     except ValueError:
         ap.error(f"--headdims must be comma-separated integers, got {args.headdims!r}")
 
+    if args.one is not None:                  # a worker: one task, its log as one JSON line
+        from numba import cuda
+        from .kernels._jit import SIMULATOR
+        if SIMULATOR or not cuda.is_available():
+            print("no CUDA GPU (or the simulator): nothing to compile", file=sys.stderr)
+            return 1
+        dtype, d, causal = args.one.split(",")
+        print(json.dumps(_task_rows(dtype, int(d), causal == "1")))
+        return 0
     from .kernels import _cache
     directory = _cache.cache_dir()
     where = (f"from {_cache.ENV}" if os.environ.get(_cache.ENV, "").strip() else f"the default; {_cache.ENV} sets it")
@@ -70,32 +89,56 @@ def main(argv=None):
     from tabulate import tabulate
     from .kernels._jit import _arch
     start = time.perf_counter()
-    rows = []
-    for dtype in dtypes:
-        for d in headdims:
-            for causal in (False, True):
-                what = f"{dtype} d={d}{' causal' if causal else ''}"
-                before = len(_cache.log)
-                t = time.perf_counter()
-                skipped = _run(dtype, d, causal)
-                seconds = time.perf_counter() - t
-                if skipped:
-                    rows.append(dict(call=what, kernel=skipped, how="skipped", s="", entry=""))
-                    continue
-                made = _cache.log[before:]
-                for r in made:
-                    rows.append(dict(call=what, kernel=r["kernel"].replace("flashnb.kernels.", ""), how=r["how"],
-                                     s=f"{r['seconds']:.2f}",
-                                     entry=r["entry"].name if r["entry"] is not None else ""))
-                if not made:
-                    rows.append(dict(call=what, kernel="(all ready in this process)", how="", s=f"{seconds:.2f}",
-                                     entry=""))
-                print(f"{what}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    rows = precompile([(dtype, d, causal) for dtype in dtypes for d in headdims for causal in (False, True)],
+                      args.jobs)
     print(f"target {_arch()}")
     print(tabulate(rows, headers="keys"))
     done = {how: sum(1 for r in rows if r["how"] == how) for how in sorted({r["how"] for r in rows}) if how}
     print(f"{', '.join(f'{n} {how}' for how, n in done.items())}; {time.perf_counter() - start:.1f} s in all")
     return 0
+
+
+def precompile(tasks, jobs=0):
+    """Compile (or find on disk) the kernels of each (dtype, head dim, causal) task: in this process with
+    ``jobs == 1``, else in up to ``jobs`` worker processes at once (0: one per task, up to the CPU count).
+    Returns one row per kernel (call, kernel, how, seconds, entry)."""
+    tasks = list(tasks)
+    jobs = jobs or min(len(tasks), os.cpu_count() or 1)
+    if jobs <= 1:
+        return [r for t in tasks for r in _task_rows(*t)]
+
+    def work(task):
+        dtype, d, causal = task
+        done = subprocess.run([sys.executable, "-m", "flashnb.precompile", "--one", f"{dtype},{d},{int(causal)}"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["?"]
+            return [dict(call=_what(dtype, d, causal), kernel="(worker failed)", how="failed", s="",
+                         entry=tail[0][:120])]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return [r for rows in pool.map(work, tasks) for r in rows]
+
+
+def _what(dtype, d, causal):
+    return f"{dtype} d={d}{' causal' if causal else ''}"
+
+
+def _task_rows(dtype, d, causal):
+    """Run one task here; its rows."""
+    from .kernels import _cache
+    what = _what(dtype, d, causal)
+    before = len(_cache.log)
+    t = time.perf_counter()
+    skipped = _run(dtype, d, causal)
+    seconds = time.perf_counter() - t
+    if skipped:
+        return [dict(call=what, kernel=skipped, how="skipped", s="", entry="")]
+    rows = [dict(call=what, kernel=r["kernel"].replace("flashnb.kernels.", ""), how=r["how"], s=f"{r['seconds']:.2f}",
+                 entry=r["entry"].name if r["entry"] is not None else "") for r in _cache.log[before:]]
+    print(f"{what}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    return rows or [dict(call=what, kernel="(all ready in this process)", how="", s=f"{seconds:.2f}", entry="")]
 
 
 def _run(dtype, headdim, causal):

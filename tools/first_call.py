@@ -13,6 +13,14 @@ import flashnb.torch as ft  # noqa: E402
 t2 = time.perf_counter()
 q, k, v = (torch.randn(2, 1024, 8, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
 torch.cuda.synchronize()
+if os.environ.get("FIRST_CALL_SDPA_FIRST"):   # torch's own first-backward costs (lazy imports) land on SDPA
+    ts = time.perf_counter()
+    s = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
+    s.backward(torch.randn_like(s))
+    torch.cuda.synchronize()
+    print(f"first-call {sys.argv[1] if len(sys.argv) > 1 else '?'}: SDPA's first forward+backward in the process "
+          f"{time.perf_counter() - ts:.2f} s", flush=True)
+    q.grad = k.grad = v.grad = None
 t3 = time.perf_counter()
 out = ft.flash_attn_func(q, k, v, causal=True)
 torch.cuda.synchronize()
