@@ -3,6 +3,7 @@ steps of the default model (6 layers, width 384, 6 heads, context 1024, batch 16
 wall ms per step, the GPU's busy ms per step, and the largest CUDA kernels. `python -m tools.profile_train`."""
 import importlib.util
 import pathlib
+import sys
 import time
 
 import torch
@@ -11,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 spec = importlib.util.spec_from_file_location("train_gpt", path)
 tg = importlib.util.module_from_spec(spec)
+sys.modules["train_gpt"] = tg        # (dataclasses look their module up there)
 spec.loader.exec_module(tg)
 
 
