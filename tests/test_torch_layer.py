@@ -1,0 +1,92 @@
+"""flashnb.torch on CPU tensors (NumPy copies, Numba's simulator without a GPU): the layer's semantics --
+SDPA's top-left causal and masks, flash-attn's bottom-right causal, gradients, refusals, the custom ops under
+``torch.compile`` -- against PyTorch's own math in float64.  Needs torch (not installed in CI: skipped there with
+the reason; tests/kernels/test_torch_gpu.py covers the same and more on a GPU)."""
+import math
+
+import numpy as np
+import pytest
+
+import reference
+
+torch = pytest.importorskip("torch")
+ft = pytest.importorskip("flashnb.torch")
+F = torch.nn.functional
+TOL = 1e-12
+
+
+def rnd(*shape):
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+def grads(out, inputs, dout):
+    return torch.autograd.grad(out, inputs, dout)
+
+
+@pytest.mark.parametrize("sq, sk", [(5, 9), (9, 5)])
+def test_sdpa_wrapper_top_left_causal_and_gqa(sq, sk):
+    torch.manual_seed(sq)
+    q, k, v = rnd(1, 2, sq, 8), rnd(1, 1, sk, 8), rnd(1, 1, sk, 8)
+    dout = torch.randn(1, 2, sq, 8, dtype=torch.float64)
+    out = ft.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
+    for a, b in zip(grads(out, (q, k, v), dout), grads(ref, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_sdpa_wrapper_masks(kind):
+    torch.manual_seed(1)
+    q, k, v = rnd(2, 2, 6, 8), rnd(2, 2, 7, 8), rnd(2, 2, 7, 8)
+    if kind == "bool":
+        mask = torch.rand(2, 1, 6, 7) > 0.3
+        mask[..., 0] = True
+    else:
+        mask = torch.randn(1, 2, 6, 7, dtype=torch.float64)
+    torch.testing.assert_close(ft.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=TOL, atol=TOL)
+
+
+def test_flash_attn_func_is_flash_attns_layout_and_bottom_right_causal():
+    torch.manual_seed(2)
+    q, k, v = rnd(1, 4, 2, 8), rnd(1, 6, 1, 8), rnd(1, 6, 1, 8)
+    dout = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    out, lse, probs = ft.flash_attn_func(q, k, v, causal=True, softcap=3.0, return_attn_probs=True)
+    assert probs is None and lse.shape == (1, 2, 4)
+    host = [x.detach().numpy() for x in (q, k, v)]
+    want, want_lse = reference.attention(*host, causal=True, softcap=3.0, softmax_scale=1 / math.sqrt(8))
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-12, atol=1e-12)
+    want_grads = reference.attention_backward(dout.numpy(), *host, causal=True, softcap=3.0,
+                                              softmax_scale=1 / math.sqrt(8))
+    for g, w in zip(grads(out, (q, k, v), dout), want_grads):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-10, atol=1e-12)
+
+
+def test_refusals_name_the_argument():
+    q, k, v = rnd(1, 2, 4, 8), rnd(1, 2, 4, 8), rnd(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="attn_mask and is_causal"):
+        ft.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        ft.scaled_dot_product_attention(q, rnd(1, 1, 4, 8), rnd(1, 1, 4, 8))
+    with pytest.raises(ValueError, match="attn_bias requires grad"):
+        ft.flash_attn_func(q, k, v, attn_bias=torch.zeros(1, 1, 2, 2, dtype=torch.float64, requires_grad=True))
+    assert not ft.supports_sdpa_call(q, k, v[..., :4])
+
+
+def test_custom_ops_trace_without_graph_breaks():
+    torch.manual_seed(3)
+    q, k, v = rnd(1, 4, 2, 6), rnd(1, 5, 1, 6), rnd(1, 5, 1, 6)
+
+    def loss(q, k, v):
+        return ft.flash_attn_func(q, k, v, causal=True).square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v)
+    g_got = torch.autograd.grad(got, (q, k, v))
+    want = loss(q, k, v)
+    g_want = torch.autograd.grad(want, (q, k, v))
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
