@@ -10,6 +10,8 @@ the next.
                                                        -- ``reference.flash``
 * ``dropout_keep_mask``, ``philox4x32_10``     the dropout generator -- ``reference.dropout``
 * ``io_model``                                 HBM traffic: closed forms and counted oracles
+* ``attention_varlen``, ``attention_varlen_backward``, ``attention_with_kvcache``, ``kvcache_append``,
+  ``combine_splits``                           packed batches, KV caches, split-KV merge -- ``reference.varlen``
 
 This package never imports ``flashnb``: it is what the kernels are checked against.
 """
@@ -19,10 +21,13 @@ from .dropout import PHILOX4x32_10_KNOWN_ANSWERS, dropout_keep, dropout_keep_mas
 from .flash import attention_delta, flash_backward, flash_backward_v1, flash_forward, flash_forward_v1
 from .io_model import IOCount
 from .standard import attention, attention_backward, attention_probs
+from .varlen import (attention_varlen, attention_varlen_backward, attention_with_kvcache, combine_splits,
+                     kvcache_append)
 
 __all__ = [
     "attention", "attention_backward", "attention_probs", "attention_delta",
     "flash_forward", "flash_forward_v1", "flash_backward", "flash_backward_v1",
     "dropout_keep_mask", "dropout_keep", "philox4x32_10", "PHILOX4x32_10_KNOWN_ANSWERS",
     "io_model", "IOCount", "OPTION_DEFAULTS",
+    "attention_varlen", "attention_varlen_backward", "attention_with_kvcache", "kvcache_append", "combine_splits",
 ]
