@@ -457,11 +457,12 @@ def _compile_without_gpu():
     """(In a process without the simulator.)  ``_jit._compile`` of a real kernel, ``make_cast_tc("float16")``,
     through numba-cuda's own ``Dispatcher.compile`` and ``_Kernel``, given a stand-in compute capability 9.0
     device and no binding to a context (the two things that need a GPU): the store path on real code
-    libraries.  Prints ``SKIP ...`` where numba-cuda cannot compile (no NVVM), else ``DONE {report}``."""
+    libraries.  Prints ``SKIP ...`` where numba-cuda cannot compile (no NVVM or NVRTC: the `cu13` extra), else ``DONE {report}``."""
     import json
-    try:
-        from numba.cuda.cudadrv import nvvm
+    try:                                       # the toolkit pieces numba-cuda compiles with: NVVM and NVRTC
+        from numba.cuda.cudadrv import nvrtc, nvvm
         nvvm.NVVM()
+        nvrtc.get_arch_option(9, 0)
     except Exception as e:
         print("SKIP", type(e).__name__, e)
         return
