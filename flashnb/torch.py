@@ -181,7 +181,7 @@ def _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, c
                                          causal, left, right, float(softcap), bm_q, bm_k, float(dropout_p), seed,
                                          deterministic, backend)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FlashAttention.apply(q, k, v, *args)
+        return _FlashAttention.apply(q, k, v, args)   # the options as one argument: less for apply to inspect
     with torch.no_grad():   # inputs that require grad under no_grad: nothing the call does is recorded
         return _forward_impl(q, k, v, *args)
 
@@ -190,7 +190,7 @@ class _FlashAttention(torch.autograd.Function):
     """The eager path: autograd's bookkeeping (~7 us a call) without the custom op's dispatch (~15 us more)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *args):
+    def forward(ctx, q, k, v, args):
         out, lse = _forward_impl(q, k, v, *args)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = args
@@ -201,10 +201,10 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         if dout is None:                      # out took no part in what is differentiated
-            return (None,) * (3 + len(ctx.args))
+            return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, *ctx.args)
-        return (dq, dk, dv) + (None,) * len(ctx.args)
+        return dq, dk, dv, None
 
 
 def _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap, bm_q, bm_k,
