@@ -97,7 +97,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def supports_sdpa_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                        enable_gqa=False):
     """Whether ``scaled_dot_product_attention`` serves these arguments (else ``sdpa_patched`` leaves the call to
-    PyTorch): CUDA tensors of one floating dtype, 4 dimensions, one head dim up to 256, heads that group."""
+    PyTorch, which it also does for CPU tensors): tensors of 4 dimensions, one head dim, heads that group, a
+    mask not given together with ``is_causal``."""
     return _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) is None
 
 
@@ -118,12 +119,9 @@ def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
             return f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
         if is_causal:
             return "attn_mask and is_causal=True cannot be given together (as SDPA)"
-    if not all(t.is_cuda for t in (query, key, value)) and not _CPU_OK:
-        return "flashnb computes CUDA tensors only"
     return None
 
 
-_CPU_OK = True          # CPU tensors through NumPy copies (tests); sdpa_patched leaves CPU calls to PyTorch
 _TOP_LEFT = {}
 
 
