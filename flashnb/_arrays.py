@@ -231,7 +231,7 @@ def empty_like_kind(kind, shape, dtype, like, stream, bits=False):
     returned, view = _empty_like_kind(kind, shape, dtype, like, stream, bits)
     if getattr(RECORDING, "recorder", None) is not None:
         from ._dispatch import note_alloc
-        note_alloc(returned, view, shape, dtype, like, bits)
+        note_alloc(returned, view, shape, dtype, like)
     return returned, view
 
 

@@ -161,7 +161,7 @@ class Recorder:
         for i, x in enumerate(arrays):
             if x is not None:
                 self.inputs.setdefault(_describe(x)[1], i)
-        self.allocs = []          # (library, shape, dtype, device, bits)
+        self.allocs = []          # (library, shape, dtype, device)
         self.alloc_ptrs = {}      # address -> allocation index
         self.alloc_ids = {}       # id(returned array) -> allocation index
         self.keep = []            # the returned arrays, alive while recording (their ids stay unique)
@@ -241,7 +241,7 @@ def unfit():
         rec.fit = False
 
 
-def note_alloc(returned, view, shape, dtype, like, bits=False):
+def note_alloc(returned, view, shape, dtype, like):
     """Hook of ``_arrays.empty_like_kind`` / ``scratch``: a new array (``returned`` to the caller, ``view`` the
     kernels'), of ``shape`` and ``dtype`` (a NumPy dtype or dtype name), like ``like``."""
     rec = active()
@@ -255,7 +255,7 @@ def note_alloc(returned, view, shape, dtype, like, bits=False):
     device = like.device if lib == "torch" else None
     dt = returned.dtype if lib == "torch" else np.dtype(dtype)
     j = len(rec.allocs)
-    rec.allocs.append((lib, tuple(int(s) for s in shape), dt, device, bits))
+    rec.allocs.append((lib, tuple(int(s) for s in shape), dt, device))
     rec.alloc_ptrs.setdefault(_ptr(view), j)
     if lib == "torch":
         rec.alloc_ptrs.setdefault(returned.data_ptr(), j)
@@ -319,7 +319,7 @@ class Replay:
         # on a GPU the temporaries (allocations not returned) of a PyTorch call come from one allocation
         self.scratch, self.scratch_bytes = {}, 0
         if not _jit.SIMULATOR:
-            for j, (lib, shape, dtype, device, _) in enumerate(allocs):
+            for j, (lib, shape, dtype, device) in enumerate(allocs):
                 if lib == "torch" and j not in outputs:
                     self.scratch[j] = self.scratch_bytes
                     size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -379,7 +379,7 @@ class Replay:
             kern[grid, block, cuda.default_stream(), shared](*args)
 
 
-def _allocate(lib, shape, dtype, device, bits):
+def _allocate(lib, shape, dtype, device):
     if lib == "torch":
         t = _arrays.torch.empty(shape, dtype=dtype, device=device)
         if _arrays.POISON_OUTPUTS and t.is_floating_point():
