@@ -12,6 +12,9 @@ the next.
 * ``io_model``                                 HBM traffic: closed forms and counted oracles
 * ``attention_varlen``, ``attention_varlen_backward``, ``attention_with_kvcache``, ``kvcache_append``,
   ``combine_splits``                           packed batches, KV caches, split-KV merge -- ``reference.varlen``
+* ``ring_attention``, ``ring_attention_backward``, ``zigzag_positions``, ``contiguous_positions``
+                                               a sequence sharded over P ranks, K/V passed round a ring
+                                                       -- ``reference.ring``
 
 This package never imports ``flashnb``: it is what the kernels are checked against.
 """
@@ -20,6 +23,7 @@ from ._scores import OPTION_DEFAULTS
 from .dropout import PHILOX4x32_10_KNOWN_ANSWERS, dropout_keep, dropout_keep_mask, philox4x32_10
 from .flash import attention_delta, flash_backward, flash_backward_v1, flash_forward, flash_forward_v1
 from .io_model import IOCount
+from .ring import contiguous_positions, ring_attention, ring_attention_backward, zigzag_positions
 from .standard import attention, attention_backward, attention_probs
 from .varlen import (attention_varlen, attention_varlen_backward, attention_with_kvcache, combine_splits,
                      kvcache_append)
@@ -30,4 +34,5 @@ __all__ = [
     "dropout_keep_mask", "dropout_keep", "philox4x32_10", "PHILOX4x32_10_KNOWN_ANSWERS",
     "io_model", "IOCount", "OPTION_DEFAULTS",
     "attention_varlen", "attention_varlen_backward", "attention_with_kvcache", "kvcache_append", "combine_splits",
+    "ring_attention", "ring_attention_backward", "zigzag_positions", "contiguous_positions",
 ]
