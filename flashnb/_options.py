@@ -47,12 +47,16 @@ class LaunchOptions:
     drop_scale: float      # 1 / (1 - dropout_p)
     seed_lo: int
     seed_hi: int
+    cu_seqlens_q: object = None   # a packed batch's int32 device arrays (flashnb.varlen), else 1-element dummies
+    cu_seqlens_k: object = None
 
     def kernel_args(self, acc):
         """The option arguments in kernel order, floats in the accumulation type ``acc``."""
+        cu_q = self.cu_seqlens_q if self.cu_seqlens_q is not None else _dummy(1, np.int32)
+        cu_k = self.cu_seqlens_k if self.cu_seqlens_k is not None else _dummy(1, np.int32)
         return (acc(self.scale), acc(self.softcap), self.left, self.right, self.attn_mask, self.attn_bias,
                 self.alibi, self.block_mask, self.bm_q, self.bm_k, self.drop_threshold,
-                acc(self.drop_scale), self.seed_lo, self.seed_hi)
+                acc(self.drop_scale), self.seed_lo, self.seed_hi, cu_q, cu_k)
 
 
 def check_qkv(q, k, v, names=("q", "k", "v")):

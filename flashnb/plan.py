@@ -35,7 +35,9 @@ class Call(NamedTuple):
     caller's ("auto", "simt", "tensorcore"); ``positive_scale``: ``tc_positive_scale(scale)``; ``layout``:
     for a call the tensor cores may serve, ``(the first array with no word view or None, every row 16-byte
     aligned)`` of its 16-bit arrays
-    (``api`` probes it only where ``wants_words`` says so), else None."""
+    (``api`` probes it only where ``wants_words`` says so), else None.  ``total_q``: a packed (varlen) batch's
+    total query rows (``flashnb.varlen``; ``seqlen_q``, ``seqlen_k`` are then the longest sequence's and the
+    kernels are built with ``VARLEN``), None for a dense batch."""
     dtype: str
     batch: int
     seqlen_q: int
@@ -50,6 +52,7 @@ class Call(NamedTuple):
     backend: str
     deterministic: bool = False
     layout: Optional[tuple] = None
+    total_q: Optional[int] = None
 
 
 class Launch(NamedTuple):
@@ -161,7 +164,7 @@ def _forward_tc_launch(call, bq, bk):
     d = call.headdim
     mt = tc_m_tiles(bq, d)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, tc_q_in_smem(mt, d),
-                                            *_flag_args(call.flags), call.positive_scale)
+                                            *_flag_args(call.flags), call.positive_scale, **_varlen(call))
     check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {d}")
     return Launch(kern, _query_tiles(call, bq), threads, shared)
 
@@ -169,9 +172,21 @@ def _forward_tc_launch(call, bq, bk):
 def _forward_simt_launch(call, bq, bk, acc):
     if _empty(call, False):
         return None
-    kern, shared, threads = make_forward(bq, bk, call.headdim, acc, *_flag_args(call.flags))
+    kern, shared, threads = make_forward(bq, bk, call.headdim, acc, *_flag_args(call.flags), **_varlen(call))
     check_shared(shared, f"the forward with block_q={bq}, block_k={bk}, head dim {call.headdim}")
     return Launch(kern, _query_tiles(call, bq), threads, shared)
+
+
+def _varlen(call):
+    """The kernel factories' ``VARLEN`` keyword for a packed batch; none for a dense one, so that the factories'
+    ``lru_cache`` sees the same call as from everywhere else (one compiled kernel, not two)."""
+    return {} if call.total_q is None else {"VARLEN": True}
+
+
+def _rows(call):
+    """(batch, rows) of the per-row work (the backward's preprocess, the dQ cast): a packed batch is one
+    sequence of ``total_q`` rows there."""
+    return (call.batch, call.seqlen_q) if call.total_q is None else (1, call.total_q)
 
 
 def _query_tiles(call, bq):
@@ -189,7 +204,8 @@ def _preprocess_launch(call, acc, words_of):
         return None
     ncols = call.headdim // 2 if words_of else call.headdim
     tc = preprocess_threads(ncols)
-    return Launch(make_preprocess(acc, words_of, tc), preprocess_grid(call.seqlen_q, call.nheads, call.batch, tc),
+    batch, rows = _rows(call)
+    return Launch(make_preprocess(acc, words_of, tc), preprocess_grid(rows, call.nheads, batch, tc),
                   PREPROCESS_THREADS, 0)
 
 
@@ -205,12 +221,12 @@ def _backward_tc_plan(call, bq, bk):
     if call.seqlen_k > 0:
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
                                              tc_bwd_dim_split(bq, bk, d), _red2(), MTK=tc_bwd_key_tiles(bq, bk, d),
-                                             SHARE=tc_bwd_share(bq, bk, d))
+                                             SHARE=tc_bwd_share(bq, bk, d), **_varlen(call))
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     cast = None
     if call.seqlen_q > 0:
-        cast = _cast_launch(make_cast_tc(call.dtype), call.batch * call.seqlen_q * call.nheads * words)
+        cast = _cast_launch(make_cast_tc(call.dtype), _rows(call)[0] * _rows(call)[1] * call.nheads * words)
     return BackwardPlan(call, "tensorcore", bq, bk, "float32", _preprocess_launch(call, "float32", call.dtype),
                         dkdv, True, cast)
 
@@ -223,14 +239,14 @@ def _backward_simt_plan(call, bq, bk, acc):
     atomic = not call.deterministic and bq >= tile_threads(bk, "rows") and call.seqlen_q > 0
     dkdv = None
     if call.seqlen_k > 0:
-        kern, shared, threads = make_dkdv(bq, bk, d, acc, atomic, *flags)
+        kern, shared, threads = make_dkdv(bq, bk, d, acc, atomic, *flags, **_varlen(call))
         check_shared(shared, f"the dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     finish = None
     if call.seqlen_q > 0 and atomic:
-        finish = _cast_launch(make_cast(acc), call.batch * call.seqlen_q * call.nheads * d)
+        finish = _cast_launch(make_cast(acc), _rows(call)[0] * _rows(call)[1] * call.nheads * d)
     elif call.seqlen_q > 0:
-        kern, shared, threads = make_dq(bq, bk, d, acc, *flags)
+        kern, shared, threads = make_dq(bq, bk, d, acc, *flags, **_varlen(call))
         check_shared(shared, f"the dQ kernel with block_q={bq}, block_k={bk}, head dim {d}")
         finish = Launch(kern, _query_tiles(call, bq), threads, shared)
     return BackwardPlan(call, "simt", bq, bk, acc, _preprocess_launch(call, acc, None), dkdv, atomic, finish)

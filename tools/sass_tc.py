@@ -74,7 +74,8 @@ def _OPTION_TYPES():
     b4 = types.Array(types.uint8, 4, "C")
     return (types.float32, types.float32, types.int64, types.int64, b4, types.Array(types.float32, 4, "C"),
             types.Array(types.float32, 2, "C"), b4, types.int64, types.int64,                 # ... alibi block mask
-            types.int64, types.float32, types.int64, types.int64)                             # dropout, seed
+            types.int64, types.float32, types.int64, types.int64,                             # dropout, seed
+            types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"))               # cu_seqlens_q, _k
 
 
 def _build(kern, sig, shared, threads, stem, ptx_version):

@@ -49,6 +49,34 @@ def tile_head_batch(n_tiles, nheads):
     return cuda.blockIdx.x - bh * n_tiles, bh - b * nheads, b
 
 
+@device_function
+def packed_tile_head_batch(cu_seqlens, nheads):
+    """``tile_head_batch`` of a packed (varlen) batch: the grid is ``max_seqlen`` tiles x heads x sequences, the
+    sequences counted by ``cu_seqlens`` (``batch + 1`` entries), the tiles per (head, sequence) by the grid."""
+    return tile_head_batch(cuda.gridDim.x // (nheads * (cu_seqlens.shape[0] - 1)), nheads)
+
+
+@device_function
+def sequence_span(cu_seqlens, b):
+    """(first row, rows) of sequence ``b`` of a packed batch: rows ``cu_seqlens[b] .. cu_seqlens[b + 1]``."""
+    start = cu_seqlens[b]
+    return start, cu_seqlens[b + 1] - start
+
+
+@device_function
+def sequence_rows(x, start, n):
+    """Rows ``start .. start + n`` of a packed ``(batch, total, nheads, headdim)`` view whose batch stride is 0
+    (``varlen``): a ``(batch, n, nheads, headdim)`` view in which sequence ``b``'s row ``i`` is ``[b, i]``, the
+    layout of a dense batch, so a kernel body reads it unchanged (and never past the sequence)."""
+    return x[:, start:start + n]
+
+
+@device_function
+def sequence_cols(x, start, n):
+    """``sequence_rows`` of a packed ``(batch, nheads, total)`` per-row statistic (lse, delta)."""
+    return x[:, :, start:start + n]
+
+
 def padded(n):
     """Shared-memory row stride for rows of ``n`` values: odd, so consecutive rows start in different banks."""
     return n + 1 if n % 2 == 0 else n

@@ -32,8 +32,8 @@ from numba import cuda
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
-from ._tiles import (U, tile_head_batch, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, padded,
-                     scratch_size)
+from ._tiles import (U, tile_head_batch, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load,
+                     packed_tile_head_batch, padded, scratch_size, sequence_cols, sequence_rows, sequence_span)
 from .forward import LOG2E, make_window_helpers, tile_threads
 
 
@@ -165,8 +165,12 @@ def make_query_tile_range(BLOCK_Q):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-              HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
-    """Build the dK/dV kernel (rows = keys, columns = queries); returns (kernel, shared bytes, threads)."""
+              HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False):
+    """Build the dK/dV kernel (rows = keys, columns = queries); returns (kernel, shared bytes, threads).
+
+    ``VARLEN``: a packed batch, as in ``forward.make_forward``: the blocks run over each sequence's key tiles;
+    ``dq_accum`` stays the packed ``(1, total_q, nheads, headdim)`` accumulator (rows ``q_start + i``).
+    """
     ACC = np.dtype(ACC_NAME).type
     ACC_DT = np.dtype(ACC)
     THREADS_R, THREADS_C = tile_threads(BLOCK_K, "rows"), tile_threads(BLOCK_Q, "cols")
@@ -204,10 +208,24 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
     @kernel
     def flash_dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                    attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
-                   seed_lo, seed_hi):
+                   seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k):
+        if VARLEN:                                        # this block's sequence, viewed as a dense batch's
+            kt, hk, b = packed_tile_head_batch(cu_seqlens_k, k.shape[2])
+            k_start, n_k = sequence_span(cu_seqlens_k, b)
+            if kt * BLOCK_K >= n_k:
+                return                                    # a key tile past its sequence: nothing to do
+            q_start, n_q = sequence_span(cu_seqlens_q, b)
+            q, dout = sequence_rows(q, q_start, n_q), sequence_rows(dout, q_start, n_q)
+            lse2, delta = sequence_cols(lse2, q_start, n_q), sequence_cols(delta, q_start, n_q)
+            k, v = sequence_rows(k, k_start, n_k), sequence_rows(v, k_start, n_k)
+            dk, dv = sequence_rows(dk, k_start, n_k), sequence_rows(dv, k_start, n_k)
+            off = n_k - n_q                               # bottom-right alignment per sequence
+            dq_b, dq_row0 = 0, q_start                    # where query row i's dQ accumulates: [dq_b, dq_row0 + i]
+        else:
+            kt, hk, b = tile_head_batch((k.shape[1] + BLOCK_K - 1) // BLOCK_K, k.shape[2])
+            dq_b, dq_row0 = b, 0
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        kt, hk, b = tile_head_batch((seqlen_k + BLOCK_K - 1) // BLOCK_K, k.shape[2])
         k0 = kt * BLOCK_K
         tid = cuda.threadIdx.x
         ty = tid // THREADS_C
@@ -293,7 +311,7 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
                             for c in range(TD):
                                 d = tx + c * THREADS_C
                                 if EVEN_D or d < HEAD_DIM:
-                                    cuda.atomic.add(dq_accum, (b, i, h, d), dq_part[r, c] * scale)
+                                    cuda.atomic.add(dq_accum, (dq_b, dq_row0 + i, h, d), dq_part[r, c] * scale)
 
         for r in range(TR):
             j = k0 + ty * TR + r
@@ -310,8 +328,9 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
-    """Build the deterministic dQ kernel (rows = queries, columns = keys); returns (kernel, bytes, threads)."""
+            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False):
+    """Build the deterministic dQ kernel (rows = queries, columns = keys); returns (kernel, bytes, threads).
+    ``VARLEN``: a packed batch, as in ``forward.make_forward``."""
     ACC = np.dtype(ACC_NAME).type
     ACC_DT = np.dtype(ACC)
     THREADS_R, THREADS_C = tile_threads(BLOCK_Q, "rows"), tile_threads(BLOCK_K, "cols")
@@ -342,10 +361,22 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
     @kernel
     def flash_dq(q, k, v, dout, lse2, delta, dq, group, off, scale, softcap, left, right,
                  attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
-                 seed_lo, seed_hi):
+                 seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k):
+        if VARLEN:                                        # this block's sequence, viewed as a dense batch's
+            qt, h, b = packed_tile_head_batch(cu_seqlens_q, q.shape[2])
+            q_start, n_q = sequence_span(cu_seqlens_q, b)
+            if qt * BLOCK_Q >= n_q:
+                return                                    # a query tile past its sequence: nothing to do
+            k_start, n_k = sequence_span(cu_seqlens_k, b)
+            q, dout = sequence_rows(q, q_start, n_q), sequence_rows(dout, q_start, n_q)
+            dq = sequence_rows(dq, q_start, n_q)
+            lse2, delta = sequence_cols(lse2, q_start, n_q), sequence_cols(delta, q_start, n_q)
+            k, v = sequence_rows(k, k_start, n_k), sequence_rows(v, k_start, n_k)
+            off = n_k - n_q                               # bottom-right alignment per sequence
+        else:
+            qt, h, b = tile_head_batch((q.shape[1] + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        qt, h, b = tile_head_batch((seqlen_q + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
         q0 = qt * BLOCK_Q
         hk = h // group
         tid = cuda.threadIdx.x

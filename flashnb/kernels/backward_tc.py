@@ -35,7 +35,7 @@ from numba import cuda
 
 from ._jit import device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives
-from ._tiles import U, tile_head_batch
+from ._tiles import U, packed_tile_head_batch, sequence_cols, sequence_rows, sequence_span, tile_head_batch
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
 from .forward_tc import make_async_tile_copy, tc_padded_words
@@ -77,7 +77,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 @kernel_factory
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
-                 DEFER_DQ=None, SHARE=False):
+                 DEFER_DQ=None, SHARE=False, VARLEN=False):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -107,6 +107,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     buffer after the item's last barrier, and the copy two items ahead goes into it: the next item issues
     that copy after its first barrier (the deferred dQ, the default), or, with ``DEFER_DQ=False``, a barrier
     after dV, dK (dQ right after it) keeps them apart.
+
+    ``VARLEN``: a packed batch, as in ``forward.make_forward``: the blocks run over each sequence's key tiles;
+    ``dq_accum`` stays the packed ``(1, total_q, nheads, headdim)`` accumulator, which ``dq_phase`` addresses
+    as batch 0 with the sequence's rows shifted by its first row.
 
     The kernel body is FA2's Algorithm 2 for one key tile; its steps are the helpers below (``scores_t``,
     ``plain_grad`` / ``option_grad``, ``dv_dk_tile``, ``dq_phase``, ``store_dk_dv``).  (The timing ablations
@@ -272,7 +276,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
     @device_function
     def dq_phase(smem, dq_accum, ds_base, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg):
-        """dQ_i += dS K_j for the query tile at ``q0`` of head ``h``, dS^T read from the words at ``ds_base``."""
+        """dQ_i += dS K_j for the query tile at ``q0`` of head ``h``, dS^T read from the words at ``ds_base``
+        (a packed batch's: ``b`` 0, ``q0`` and ``seqlen_q`` counted from the packed accumulator's row 0)."""
         # 16 x 16 DQ_NP units (m-tile mq, n-tiles n .. n + 2 DQ_NP - 1) dealt to the warps in rounds; every warp runs
         # every round (the simulator's mma is block-collective): one past the last unit recomputes unit 0
         # and adds nothing
@@ -408,10 +413,24 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
-                      seed_lo, seed_hi):
+                      seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k):
+        if VARLEN:                                        # this block's sequence, viewed as a dense batch's
+            kt, hk, b = packed_tile_head_batch(cu_seqlens_k, k.shape[2])
+            k_start, n_k = sequence_span(cu_seqlens_k, b)
+            if kt * BLOCK_K >= n_k:
+                return                                    # a key tile past its sequence: nothing to do
+            q_start, n_q = sequence_span(cu_seqlens_q, b)
+            q, dout = sequence_rows(q, q_start, n_q), sequence_rows(dout, q_start, n_q)
+            lse2, delta = sequence_cols(lse2, q_start, n_q), sequence_cols(delta, q_start, n_q)
+            k, v = sequence_rows(k, k_start, n_k), sequence_rows(v, k_start, n_k)
+            dk, dv = sequence_rows(dk, k_start, n_k), sequence_rows(dv, k_start, n_k)
+            off = n_k - n_q                               # bottom-right alignment per sequence
+            dq_b, dq_row0 = 0, q_start                    # where query row i's dQ accumulates: [dq_b, dq_row0 + i]
+        else:
+            kt, hk, b = tile_head_batch((k.shape[1] + BLOCK_K - 1) // BLOCK_K, k.shape[2])
+            dq_b, dq_row0 = b, 0
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        kt, hk, b = tile_head_batch((seqlen_k + BLOCK_K - 1) // BLOCK_K, k.shape[2])
         k0 = kt * BLOCK_K
         k_last = min(k0 + BLOCK_K, seqlen_k) - 1
         tid = cuda.threadIdx.x
@@ -488,8 +507,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 load_rows(lse2, delta, b, hk * group + gn, qn, seqlen_q, l_row, d_row)
             if DEFER_DQ:
                 if pending:
-                    dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, b, ph, pq0, seqlen_q, warp, g, t,
-                             ds_lane, t_lane, scale32, dq_reg)
+                    dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0,
+                             dq_row0 + seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg)
             else:
                 if wn < n_work:
                     wait_prev()
@@ -535,7 +554,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 pq0 = q0
             else:
                 cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
-                dq_phase(smem, dq_accum, DS_OFF, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg)
+                dq_phase(smem, dq_accum, DS_OFF, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
+                         t_lane, scale32, dq_reg)
             if wn < n_work:
                 # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
                 # the next item's first barrier publishes them
@@ -546,8 +566,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         wait_all()                                       # no copy may outlive the block
         if DEFER_DQ and pending:                         # the last item's dQ
             cuda.syncthreads()
-            dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, b, ph, pq0, seqlen_q, warp, g, t, ds_lane,
-                     t_lane, scale32, dq_reg)
+            dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0, dq_row0 + seqlen_q, warp,
+                     g, t, ds_lane, t_lane, scale32, dq_reg)
         store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
 
     return flash_dkdv_tc, SHARED_BYTES, NTHREADS

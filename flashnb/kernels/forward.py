@@ -26,8 +26,8 @@ from numba import cuda
 
 from ._jit import device_function, kernel, kernel_factory
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
-from ._tiles import (U, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, padded,
-                     scratch_size, tile_head_batch)
+from ._tiles import (U, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, packed_tile_head_batch,
+                     padded, scratch_size, sequence_cols, sequence_rows, sequence_span, tile_head_batch)
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453    # ln(2): log(l) = log2(l) * ln(2)
@@ -131,8 +131,14 @@ def make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT):
-    """Build (once per specialisation) the forward kernel: (kernel, dynamic shared bytes, threads per block)."""
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False):
+    """Build (once per specialisation) the forward kernel: (kernel, dynamic shared bytes, threads per block).
+
+    ``VARLEN``: a packed batch (``flashnb.varlen``): q, k, v, out arrive as ``(batch, total, nheads, headdim)``
+    views with batch stride 0 and lse as ``(batch, nheads, total_q)``; each block takes its sequence's rows
+    from ``cu_seqlens_q``, ``cu_seqlens_k`` (``sequence_rows``) and runs the same body (``off`` is then the
+    sequence's own ``seqlen_k - seqlen_q``).  Without it the two arrays are unused and the code is the dense one.
+    """
     ACC = np.dtype(ACC_NAME).type
     THREADS_Q, THREADS_K = tile_threads(BLOCK_Q, "rows"), tile_threads(BLOCK_K, "cols")
     NTHREADS = THREADS_Q * THREADS_K
@@ -170,10 +176,21 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
     @kernel
     def flash_forward(q, k, v, out, lse, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
-                      drop_threshold, drop_scale, seed_lo, seed_hi):
+                      drop_threshold, drop_scale, seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k):
+        if VARLEN:                                        # this block's sequence, viewed as a dense batch's
+            qt, h, b = packed_tile_head_batch(cu_seqlens_q, q.shape[2])
+            q_start, n_q = sequence_span(cu_seqlens_q, b)
+            if qt * BLOCK_Q >= n_q:
+                return                                    # a query tile past its sequence: nothing to do
+            k_start, n_k = sequence_span(cu_seqlens_k, b)
+            q, out = sequence_rows(q, q_start, n_q), sequence_rows(out, q_start, n_q)
+            lse = sequence_cols(lse, q_start, n_q)
+            k, v = sequence_rows(k, k_start, n_k), sequence_rows(v, k_start, n_k)
+            off = n_k - n_q                               # bottom-right alignment per sequence
+        else:
+            qt, h, b = tile_head_batch((q.shape[1] + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        qt, h, b = tile_head_batch((seqlen_q + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
         q0 = qt * BLOCK_Q
         hk = h // group                                   # grouped-query attention: shared K/V head
         tid = cuda.threadIdx.x

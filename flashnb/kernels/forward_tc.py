@@ -35,7 +35,8 @@ from numba import cuda
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
-from ._tiles import U, make_row_allreduce, tile_head_batch
+from ._tiles import (U, make_row_allreduce, packed_tile_head_batch, sequence_cols, sequence_rows, sequence_span,
+                     tile_head_batch)
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
 
 
@@ -93,7 +94,7 @@ def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False):
+                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -103,7 +104,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     (the row max taken on the raw scores, ``p = exp2(s * scale_log2 - m_i)``: one FFMA per score
     instead of a multiply and a subtract).  (Two experiments measured slower and removed, with their
     records in docs/notes/tensorcore.md: the query tiles last first, ``LPT``, and the window mask by
-    32-bit compares, ``MASK32``.)
+    32-bit compares, ``MASK32``.)  ``VARLEN``: a packed batch, as in ``forward.make_forward`` (the word
+    views' batch stride is 0, so the K/V base offsets ``b * strides[0]`` vanish and the slices carry the rows).
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
@@ -350,10 +352,21 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     @kernel
     def flash_forward_tc(q, k, v, out, lse, group, off, scale, softcap, left, right,
                          attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
-                         drop_threshold, drop_scale, seed_lo, seed_hi):
+                         drop_threshold, drop_scale, seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k):
+        if VARLEN:                                        # this block's sequence, viewed as a dense batch's
+            qt, h, b = packed_tile_head_batch(cu_seqlens_q, q.shape[2])
+            q_start, n_q = sequence_span(cu_seqlens_q, b)
+            if qt * BLOCK_Q >= n_q:
+                return                                    # a query tile past its sequence: nothing to do
+            k_start, n_k = sequence_span(cu_seqlens_k, b)
+            q, out = sequence_rows(q, q_start, n_q), sequence_rows(out, q_start, n_q)
+            lse = sequence_cols(lse, q_start, n_q)
+            k, v = sequence_rows(k, k_start, n_k), sequence_rows(v, k_start, n_k)
+            off = n_k - n_q                               # bottom-right alignment per sequence
+        else:
+            qt, h, b = tile_head_batch((q.shape[1] + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        qt, h, b = tile_head_batch((seqlen_q + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
         q0 = qt * BLOCK_Q
         hk = h // group
         tid = cuda.threadIdx.x

@@ -1,0 +1,279 @@
+"""Packed (varlen) batches: flash-attn's ``flash_attn_varlen_func`` on flashnb's kernels.
+
+A packed batch holds sequences of unequal lengths back to back with no padding: q ``(total_q, nheads,
+headdim)``, k and v ``(total_k, nheads_k, headdim)``, sequence ``b`` at rows ``cu_seqlens_q[b] ..
+cu_seqlens_q[b + 1]`` of q (``cu_seqlens_k`` likewise for k, v).  Each sequence is attended on its own, with
+causal and windows aligned to its own bottom-right corner (docs/semantics.md; the oracle is
+``reference.attention_varlen``).
+
+The kernels are the dense ones built with ``VARLEN`` (``kernels/forward.py`` and the others): each (array
+of the packed batch) is handed to them as a ``(batch, total, nheads, headdim)`` view whose batch stride is 0
+(``_packed``), and each block slices its sequence's rows out of it with ``cu_seqlens`` (``_tiles.sequence_rows``),
+so that the kernel body sees a dense batch whose row ``i`` of sequence ``b`` is ``[b, i]``.  The grid runs over
+``max_seqlen_q`` query tiles (``max_seqlen_k`` key tiles in the dK/dV kernel) x heads x sequences; a block whose
+tile starts past its sequence's end returns at once.  The backward's per-row steps (delta, the dQ cast) run on
+the packed rows as one sequence of ``total_q`` rows.
+
+``cu_seqlens`` are checked on the host before anything is launched (int32, 1-D, from 0, never decreasing, the
+last entry the total, ``max_seqlen`` no shorter than any sequence): device arrays are copied to the host once
+per call for that (a synchronisation with their stream), and the kernels read a device copy of the checked
+values, so no block ever indexes outside its arrays.
+"""
+import numbers
+
+import numpy as np
+from numba import cuda
+
+from . import _arrays, _options, api, plan
+from .kernels._jit import View, memset_zero
+
+_REFUSED = ("attn_mask", "attn_bias", "block_mask")
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+                           causal=False, window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0,
+                           attn_mask=None, attn_bias=None, block_mask=None, return_lse=False, block_q=None,
+                           block_k=None, deterministic=False, stream=None, backend="auto"):
+    """Attention of each sequence of a packed batch on its own, without materialising the scores.
+
+    Arguments (flash-attn's varlen layout; the options as in ``flashnb.flash_attention``):
+        q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_k, headdim)``, ``nheads % nheads_k == 0``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, the sequences' first rows and the total: sequence
+            ``b`` is rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of q (and of ``cu_seqlens_k`` of k, v);
+            empty sequences allowed.  Any array kind (NumPy, CuPy, PyTorch, Numba); read on the host.
+        max_seqlen_q, max_seqlen_k: ints at least every sequence's length (the grid's tiles per sequence).
+        causal, window_size: aligned to each sequence's bottom-right corner.
+        alibi_slopes: ``(nheads,)`` or ``(batch, nheads)`` (per sequence). softcap: 0 = off.
+        dropout_p, attn_mask, attn_bias, block_mask: not defined for packed batches (ValueError unless 0 / None).
+
+    Returns ``out`` ``(total_q, nheads, headdim)`` like q, or ``(out, lse)`` with ``lse`` ``(nheads, total_q)``
+    (flash-attn's varlen layout; float64 for float64 inputs, else float32).  A query of a sequence with no keys
+    gives ``out = 0``, ``lse = -inf``.  Copies as ``flash_attention``'s.
+    """
+    del deterministic  # the forward is deterministic by construction (no atomics)
+    _refuse(dropout_p, attn_mask, attn_bias, block_mask)
+    kind, total_q, total_k, nheads, nheads_k, headdim = check_packed(q, k, v)
+    plan.check_backend(backend)
+    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    batch = cu_q.shape[0] - 1
+    launch_stream = _arrays.resolve_stream(stream, kind, q)
+    with _arrays.stream_scope(launch_stream, kind, q):
+        opts, call = _setup(kind, q, (batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads_k, headdim),
+                            total_q, cu_q, cu_k, launch_stream, block_q, block_k, backend, False,
+                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                            alibi_slopes=alibi_slopes, softcap=softcap)
+        p, words = api._planned(plan.forward, call, (q, k, v), ("q", "k", "v"), launch_stream, backward=False)
+        lse_ret, lse_d = _arrays.empty_like_kind(kind, (nheads, total_q), p.acc, q, launch_stream)
+        out_shape = (total_q, nheads, headdim)
+        if p.backend == "tensorcore":
+            out_ret, out_d = _arrays.empty_like_kind(kind, out_shape, kind.dtype, q, launch_stream, bits=True)
+            api._forward_launch(p, *(_packed(w, batch) for w in (*words, _arrays.word_view(out_d))),
+                                _packed(lse_d, batch), opts, launch_stream)
+        else:
+            qd, kd, vd = api._prepare((q, k, v), kind, launch_stream)
+            out_ret, out_d = _arrays.empty_like_kind(kind, out_shape, kind.dtype, q, launch_stream)
+            out_k = out_d if kind.dtype != "bfloat16" else _arrays.scratch(out_shape, np.float32, kind, q,
+                                                                             launch_stream)
+            api._forward_launch(p, *(_packed(x, batch) for x in (qd, kd, vd, out_k)), _packed(lse_d, batch), opts,
+                                launch_stream)
+            if kind.dtype == "bfloat16":
+                out_ret.copy_(api._torch_from(out_k))
+        out = _arrays.finish(kind, out_ret, out_d, launch_stream)
+        return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_lse else out
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+                               softcap=0.0, dropout_p=0.0, attn_mask=None, attn_bias=None, block_mask=None,
+                               block_q=None, block_k=None, deterministic=False, stream=None, backend="auto"):
+    """Gradients ``(dq, dk, dv)`` (packed like q, k, v) of ``sum(out * dout)`` for ``out, lse =
+    flash_attn_varlen_func(..., return_lse=True)``; the same options as that call.  ``lse``: ``(nheads,
+    total_q)``.  ``deterministic`` and ``backend`` as in ``flashnb.flash_attention_backward``."""
+    _refuse(dropout_p, attn_mask, attn_bias, block_mask)
+    kind, total_q, total_k, nheads, nheads_k, headdim = check_packed(q, k, v)
+    plan.check_backend(backend)
+    for x, name, shape in ((dout, "dout", tuple(q.shape)), (out, "out", tuple(q.shape)),
+                           (lse, "lse", (nheads, total_q))):
+        _check_like(x, name, shape, kind, q)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    batch = cu_q.shape[0] - 1
+    launch_stream = _arrays.resolve_stream(stream, kind, q)
+    with _arrays.stream_scope(launch_stream, kind, q):
+        opts, call = _setup(kind, q, (batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads_k, headdim),
+                            total_q, cu_q, cu_k, launch_stream, block_q, block_k, backend, bool(deterministic),
+                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                            alibi_slopes=alibi_slopes, softcap=softcap)
+        p, words = api._planned(plan.backward, call, (dout, q, k, v, out), ("dout", "q", "k", "v", "out"),
+                                launch_stream, backward=True)
+        shapes = ((total_q, nheads, headdim), (total_k, nheads_k, headdim), (total_k, nheads_k, headdim))
+        lse_d = _arrays.to_device(lse, launch_stream)
+        if p.backend == "tensorcore":
+            grads = [_arrays.empty_like_kind(kind, shape, kind.dtype, q, launch_stream, bits=True) for shape in shapes]
+            _backward_launches(p, *words, lse_d, *(_arrays.word_view(view) for _, view in grads), opts,
+                               launch_stream, kind, q, batch)
+            return tuple(_arrays.finish(kind, ret, view, launch_stream) for ret, view in grads)
+        arrays = api._prepare((dout, q, k, v, out), kind, launch_stream)
+        grads = []
+        for shape in shapes:
+            ret, view = _arrays.empty_like_kind(kind, shape, kind.dtype, q, launch_stream)
+            kernel_view = view if kind.dtype != "bfloat16" else _arrays.scratch(shape, np.float32, kind, q, launch_stream)
+            grads.append((ret, view, kernel_view))
+        _backward_launches(p, *arrays, lse_d, *(g[2] for g in grads), opts, launch_stream, kind, q, batch)
+        result = []
+        for ret, view, kernel_view in grads:
+            if kind.dtype == "bfloat16":
+                ret.copy_(api._torch_from(kernel_view))
+            result.append(_arrays.finish(kind, ret, view, launch_stream))
+        return tuple(result)
+
+
+def _backward_launches(p, dout, q, k, v, out, lse, dq, dk, dv, opts, stream, kind, like, batch):
+    """``api._backward_launches`` on a packed batch: the preprocess (delta, lse in base 2) over the packed rows as
+    one sequence, the dK/dV kernel over each sequence's key tiles (atomic dQ into a packed ``(1, total_q,
+    nheads, headdim)`` accumulator), then its cast or the dQ pass over each sequence's query tiles."""
+    c = p.call
+    if p.preprocess is None and p.dkdv is None and p.finish is None:
+        return
+    acc = np.dtype(p.acc).type
+    delta, lse2 = (_arrays.scratch((c.nheads, c.total_q), acc, kind, like, stream) for _ in range(2))
+    if p.preprocess is not None:
+        api._run(p.preprocess, stream, tuple(_packed(x, 1) for x in (dout, out, lse, delta, lse2)))
+    if p.atomic:
+        dq_accum = _arrays.scratch((1, c.total_q, c.nheads, c.headdim), acc, kind, like, stream)
+        if c.total_q > 0:
+            memset_zero(dq_accum, stream)
+    else:
+        dq_accum = _arrays.scratch((1, 1, 1, 1), acc, kind, like, stream)
+    q, k, v, dout, lse2, delta, dk, dv = (_packed(x, batch) for x in (q, k, v, dout, lse2, delta, dk, dv))
+    if p.dkdv is not None:
+        api._run(p.dkdv, stream, p.dkdv_args(q, k, v, dout, lse2, delta, dk, dv, dq_accum, opts))
+    if p.finish is not None:
+        args = ((_arrays.flat(dq_accum), _arrays.flat(dq)) if p.atomic
+                else p.dq_args(q, k, v, dout, lse2, delta, _packed(dq, batch), opts))
+        api._run(p.finish, stream, args)
+
+
+def _setup(kind, q, dims, total_q, cu_q, cu_k, stream, block_q, block_k, backend, deterministic, **options):
+    """``api._setup`` with the longest sequences as the lengths (the options' window bound, the grid's tiles),
+    the checked ``cu_seqlens`` on the device, and the plan's ``Call`` marked packed (``total_q``)."""
+    opts, call = api._setup(kind, q, dims, stream, block_q, block_k, backend, deterministic, **options)
+    opts.cu_seqlens_q = _arrays.to_device(cu_q, stream)
+    opts.cu_seqlens_k = _arrays.to_device(cu_k, stream)
+    return opts, call._replace(total_q=total_q)
+
+
+def _refuse(dropout_p, attn_mask, attn_bias, block_mask):
+    """The dense call's options that packed batches do not define (as ``reference.varlen``): ValueError."""
+    for name, value in zip(_REFUSED, (attn_mask, attn_bias, block_mask)):
+        if value is not None:
+            raise ValueError(f"{name} is not defined for packed (varlen) batches")
+    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool) or dropout_p != 0:
+        raise ValueError(f"dropout_p is not defined for packed (varlen) batches (pass 0.0), got {dropout_p!r}")
+
+
+def check_packed(q, k, v):
+    """Kinds, dtypes, shapes of packed q, k, v (``_options.check_qkv``'s rules, one dimension fewer):
+    (kind, total_q, total_k, nheads, nheads_k, headdim)."""
+    kinds = [_arrays.kind_of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    for kd, n in zip(kinds[1:], ("k", "v")):
+        if kd.lib != kinds[0].lib:
+            raise TypeError(f"{n} is a {kd.lib} array but q is a {kinds[0].lib} array; pass one kind")
+        if kd.dtype != kinds[0].dtype:
+            raise TypeError(f"{n} has dtype {kd.dtype} but q has {kinds[0].dtype}; pass one dtype")
+    if kinds[0].dtype not in _arrays.FLOAT_DTYPES:
+        raise TypeError(f"q has dtype {kinds[0].dtype}; expected one of {', '.join(_arrays.FLOAT_DTYPES)}")
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+        if len(x.shape) != 3:
+            raise ValueError(f"{n} must have 3 dimensions (total_tokens, nheads, headdim) in a packed batch, "
+                             f"got shape {tuple(x.shape)}")
+    if len({_arrays.device_of(x) for x in (q, k, v)}) > 1:
+        raise ValueError("q, k, v are on different devices")
+    total_q, nheads, headdim = map(int, q.shape)
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    total_k, nheads_k, dk = map(int, k.shape)
+    if dk != headdim:
+        raise ValueError(f"k has head dim {dk} but q has head dim {headdim}")
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k ({nheads_k})")
+    if not 1 <= headdim <= _options.MAX_HEAD_DIM:
+        raise ValueError(f"head dim of q must be between 1 and {_options.MAX_HEAD_DIM}, got {headdim}")
+    return kinds[0], total_q, total_k, nheads, nheads_k, headdim
+
+
+def _check_like(x, name, shape, kind, q):
+    """``dout``, ``out``, ``lse`` of a backward call: q's kind, the expected shape, a fitting dtype."""
+    kd = _arrays.kind_of(x, name)
+    if kd.lib != kind.lib:
+        raise TypeError(f"{name} is a {kd.lib} array but q is a {kind.lib} array; pass one kind")
+    if tuple(int(s) for s in x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    if name != "lse" and kd.dtype != kind.dtype:
+        raise TypeError(f"{name} has dtype {kd.dtype} but q has {kind.dtype}; pass one dtype")
+    if name == "lse" and kd.dtype not in ("float32", "float64"):
+        raise TypeError(f"lse must be float32 or float64, got {kd.dtype}")
+    _arrays.check_same_device(x, name, q)
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
+    """The checked ``cu_seqlens_q``, ``cu_seqlens_k`` as host int32 arrays, before any launch: int32, 1-D, one
+    batch for both, starting at 0, never decreasing, ending at the total rows, and ``max_seqlen_*`` an int at
+    least every sequence's length.  Device arrays are copied to the host (once; they are small)."""
+    cus = []
+    for cu, name, total, max_len, max_name in ((cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q, "max_seqlen_q"),
+                                               (cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k, "max_seqlen_k")):
+        cu = _on_host(cu, name)
+        if cu.dtype != np.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.ndim != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {cu.shape}")
+        lengths = np.diff(cu.astype(np.int64))
+        if cu[0] != 0 or np.any(lengths < 0):
+            raise ValueError(f"{name} must start at 0 and never decrease, got {_shown(cu)}")
+        if cu[-1] != total:
+            raise ValueError(f"{name}[-1] must be the total number of rows {total}, got {int(cu[-1])}")
+        if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool):
+            raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}")
+        longest = int(lengths.max()) if lengths.size else 0
+        if max_len < longest:
+            raise ValueError(f"{max_name} = {max_len} is shorter than the longest sequence of {name} ({longest})")
+        cus.append(np.ascontiguousarray(cu))
+    if cus[0].shape != cus[1].shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe one batch, got {cus[0].shape[0] - 1} and "
+                         f"{cus[1].shape[0] - 1} sequences")
+    return cus
+
+
+def _on_host(cu, name):
+    """A host NumPy copy of ``cu`` (any supported array kind, a CPU torch tensor too)."""
+    if isinstance(cu, np.ndarray):
+        return cu
+    torch = _arrays.torch
+    if torch is not None and isinstance(cu, torch.Tensor):
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        return cu.detach().cpu().numpy()
+    if _arrays.cupy is not None and isinstance(cu, _arrays.cupy.ndarray):
+        return _arrays.cupy.asnumpy(cu)
+    if _arrays._is_numba_device_array(cu):
+        return cu.copy_to_host()
+    if hasattr(cu, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(cu).copy_to_host()
+    raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch or Numba int32 array, got {type(cu).__name__}")
+
+
+def _shown(cu):
+    return cu.tolist() if cu.size <= 16 else f"{cu[:8].tolist()} ... ({cu.size} entries)"
+
+
+def _packed(d, batch):
+    """The kernels' ``(batch, *d.shape)`` view of device array ``d`` with batch stride 0: every sequence's
+    block sees the whole packed array and slices its own rows (``_tiles.sequence_rows``)."""
+    if _arrays.SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        a = d._ary
+        return FakeCUDAArray(np.lib.stride_tricks.as_strided(a, (batch,) + a.shape, (0,) + a.strides))
+    d = d if type(d) is View else View.of(d)
+    return View(d.ptr, (batch,) + tuple(d.shape), (0,) + tuple(d.strides), d.dtype, d.owner)
