@@ -10,6 +10,7 @@ docs/semantics.md; the pure-NumPy oracle in ``reference/`` implements the same
 independently and the test suite holds the kernels to it.
 """
 from .api import BACKENDS, flash_attention, flash_attention_backward
+from .kvcache import flash_attn_with_kvcache
 from .varlen import flash_attn_varlen_backward, flash_attn_varlen_func
 
 __version__ = "0.1.0"

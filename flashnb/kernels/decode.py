@@ -1,0 +1,544 @@
+"""Split-KV decoding over a KV cache (flash-decoding; Dao, Haziza, Massa, Sizov 2023) and its cache append.
+
+Decoding attends a few query rows (``seqlen_q`` new tokens x the ``group`` query heads that share one KV
+head) to thousands of cached keys: K and V are read once and each element feeds only ``rows`` multiply-adds,
+so the kernel is bound by HBM bandwidth, not arithmetic.  Three kernels:
+
+* ``make_append``: ``k_new``, ``v_new`` ``(batch, seqlen_new, nheads_k, headdim)`` written into the cache at
+  rows ``cache_seqlens[b] ..`` (dense, or through ``block_table`` when paged).  Oracle: ``reference.kvcache_append``.
+* ``make_decode``: one thread block per (split, row tile, KV head, batch).  The block takes the key range
+  ``[s * split_len, (s + 1) * split_len)`` of sequence ``b`` (clipped to its ``n_b = cache_seqlens[b] +
+  seqlen_new`` valid rows and to the window of its rows) for the ``ROWS`` query rows ``(query i, head h)``
+  of its tile -- all the query heads of the GQA group, so each K/V row is read once per group.  Oracle:
+  ``reference.attention_with_kvcache``; with splits, ``(out_s, lse_s)`` per split in float32 scratch.
+* ``make_combine``: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s`` (the split-KV merge,
+  ``reference.combine_splits``); skipped when there is one split.
+
+Work split inside a decode block (SIMT, float32 arithmetic; FA2's online softmax, Algorithm 1 lines 8-10):
+``LK`` consecutive lanes share one key row, each lane owning ``CPL`` 16-byte chunks of it (chunk ``c = t + LK
+i`` for lane ``t`` of the group: a warp's load instruction reads whole 64-byte runs of ``32 / LK`` rows), and
+the ``G = 32 / LK`` lane groups of a warp take ``T`` consecutive keys each per step.  Per step a lane
+
+    loads K_j, V_j (T keys)          ld.global.nc.v4: 16-byte loads, all issued before the first use
+    s = q . k_j                      its E dims, then a butterfly over the LK lanes of the key
+    m_new = max(m_i, rowmax s)       a butterfly over the G groups: one running max per row per warp
+    acc, l_i *= exp2(m_i - m_new)    only when the max grew (a warp-uniform branch; exact: otherwise the
+                                     factor is 1), which after the first keys is rare
+    p = exp2(s - m_new); l_i += p; acc += p v_j
+
+so ``acc`` holds, per lane, its E dims of the group's keys, all relative to the warp's ``m_i``.  At the end
+the groups are summed (butterfly), the warps merged through shared memory (``m = max_w m_w``, ``l = sum_w l_w
+exp2(m_w - m)``, ``acc = sum_w acc_w exp2(m_w - m)``) and ``out = acc / l``, ``lse = (m + log2 l) ln 2``
+written (or the split's partial pair).  A row that sees no key gives ``out = 0``, ``lse = -inf``.
+
+Data are read as 32-bit words: two float16/bfloat16 values (``uint32`` views of the caller's arrays,
+unpacked exactly to float32) or one float32.  The simulator has no shuffles and no inline PTX: the butterflies
+go through a shared-memory scratch with two barriers per step (``make_xor_reduce``) and the vector loads read
+the array's memory directly (``_sim_loads``); every thread reaches every butterfly (block-uniform loops).
+"""
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from ._jit import SIMULATOR, device_function, kernel, kernel_factory
+from ._mma import primitives
+
+LOG2E = 1.4426950408889634   # 1 / ln(2): exp(x) = exp2(x * log2(e))
+LN2 = 0.6931471805599453     # ln(2): log(l) = log2(l) * ln(2)
+FULL_MASK = 0xFFFFFFFF       # every lane of the warp takes part in a shuffle
+KEY_ALIGN = 16               # split lengths and loop starts are multiples of this; page sizes must be too
+F32 = np.float32
+
+
+# ------------------------------------------------------------------------------------------------ loads
+def _gpu_loads():
+    """``ld_v4(ary, off)`` / ``ld_v1(ary, off)``: 4 (one 16-byte vector load) or 1 32-bit element(s) of a
+    uint32 or float32 array at flat element offset ``off`` from its first element, through the read-only
+    (non-coherent) path: the caches are not written during the kernel."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i64 = ir.IntType(64)
+
+    def make(n):
+        regs = ", ".join(f"${k}" for k in range(n))
+        ptx = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $%d; ld.global.nc%s.b32 %s, [ga]; }"
+               % (n, ".v4" if n == 4 else "", "{" + regs + "}" if n == 4 else "$0"))
+
+        @intrinsic
+        def ld(typingctx, ary, off):
+            dt = ary.dtype
+            ret = types.UniTuple(dt, n) if n > 1 else dt
+            sig = ret(ary, off)
+
+            def codegen(context, builder, signature, args):
+                aryty, offty = signature.args
+                arr = context.make_array(aryty)(context, builder, args[0])
+                o = builder.mul(context.cast(builder, args[1], offty, types.int64), ir.Constant(i64, 4))
+                addr = builder.add(builder.ptrtoint(arr.data, i64), o)
+                is_int = isinstance(aryty.dtype, types.Integer)
+                elt = ir.IntType(32) if is_int else ir.FloatType()
+                c = "r" if is_int else "f"
+                rty = ir.LiteralStructType([elt] * n) if n > 1 else elt
+                asm = ir.InlineAsm(ir.FunctionType(rty, [i64]), ptx, ",".join([f"={c}"] * n + ["l"]))
+                res = builder.call(asm, [addr])
+                if n == 1:
+                    return res
+                return context.make_tuple(builder, ret, [builder.extract_value(res, k) for k in range(n)])
+
+            return sig, codegen
+
+        return ld
+
+    return make(4), make(1)
+
+
+def _sim_loads():
+    """The simulator's loads: the same elements, read from the array's memory by flat offset."""
+
+    def flat(ary):
+        a = getattr(ary, "_ary", ary)                 # the simulator's array wraps a NumPy array
+        span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.strides)) // a.itemsize
+        return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,))
+
+    @device_function
+    def ld_v4(ary, off):
+        f = flat(ary)
+        return f[off], f[off + 1], f[off + 2], f[off + 3]
+
+    @device_function
+    def ld_v1(ary, off):
+        return flat(ary)[off]
+
+    return ld_v4, ld_v1
+
+
+_loads = []
+
+
+def loads():
+    if not _loads:
+        _loads.extend(_sim_loads() if SIMULATOR else _gpu_loads())
+    return tuple(_loads)
+
+
+# ------------------------------------------------------------------------------------------------ butterflies
+@lru_cache(maxsize=None)
+def make_xor_reduce(N, OFF_LO, OFF_HI, IS_MAX, NTHREADS):
+    """``reduce(vals, scratch)``: ``vals[n]`` (a local array of ``N``) combined (max or sum) over the lanes
+    ``lane ^ o`` for ``o = OFF_LO, 2 OFF_LO, .. < OFF_HI`` (powers of two): a butterfly, every lane ends with
+    the result.  GPU: ``shfl_xor``; simulator: through ``scratch`` (``NTHREADS * N`` values), two barriers a
+    step, so every thread of the block must call it."""
+    STEPS = []
+    o = OFF_LO
+    while o < OFF_HI:
+        STEPS.append(o)
+        o *= 2
+    NSTEPS = len(STEPS)
+    FIRST = OFF_LO
+
+    if not SIMULATOR:
+        @device_function
+        def reduce_gpu(vals, scratch):
+            off = FIRST
+            for _ in range(NSTEPS):
+                for n in range(N):
+                    y = cuda.shfl_xor_sync(FULL_MASK, vals[n], off)
+                    vals[n] = max(vals[n], y) if IS_MAX else vals[n] + y
+                off *= 2
+
+        return reduce_gpu
+
+    @device_function
+    def reduce_sim(vals, scratch):
+        tid = cuda.threadIdx.x
+        off = FIRST
+        for _ in range(NSTEPS):
+            for n in range(N):
+                scratch[tid * N + n] = vals[n]
+            cuda.syncthreads()
+            partner = tid ^ off
+            for n in range(N):
+                y = scratch[partner * N + n]
+                vals[n] = max(vals[n], y) if IS_MAX else vals[n] + y
+            cuda.syncthreads()
+            off *= 2
+
+    return reduce_sim
+
+
+# ------------------------------------------------------------------------------------------------ layout
+def lane_layout(head_dim, dtype_name, rows, vec16, e_budget):
+    """``(LK, CPL, CW, E)``: lanes per key row, 16-byte (or 4-byte) chunks per lane, words per chunk, float32
+    values per lane per row.  ``LK`` is the smallest power of two that keeps ``rows * E`` (q and acc values a
+    lane holds per row tile) within ``e_budget``, at most 32."""
+    epw = 2 if dtype_name in ("float16", "bfloat16") else 1
+    hw = head_dim // epw
+    cw = 4 if vec16 else 1
+    nch = -(-hw // cw)
+    lk = 1
+    while lk < 32 and rows * (-(-nch // lk)) * cw * epw > e_budget:
+        lk *= 2
+    cpl = -(-nch // lk)
+    return lk, cpl, cw, cpl * cw * epw
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQLENS, SPLIT,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI):
+    """Build the decode kernel: (kernel, threads per block).
+
+    ``ROWS`` query rows per block (rows ``(i, h)`` of one KV head, i-major), ``LK`` lanes per key row, ``T``
+    keys per lane group per step, ``NWARPS`` warps, ``VEC16`` the caches' rows allow 16-byte loads,
+    ``PAGED`` caches addressed through a block table, ``HAS_SEQLENS`` per-sequence lengths from an array (else
+    one length for all), ``SPLIT`` write the partial ``(out_s, lse_s)`` of a split instead of ``(out, lse)``.
+    """
+    SIXTEEN = DTYPE_NAME in ("float16", "bfloat16")
+    EPW = 2 if SIXTEEN else 1                 # values per 32-bit word
+    HW = HEAD_DIM // EPW                      # words per row (16-bit: HEAD_DIM is even, the API checks)
+    CW = 4 if VEC16 else 1                    # words per load
+    assert HW % CW == 0 and 32 % LK == 0
+    NCH = HW // CW                            # chunks per key row
+    CPL = -(-NCH // LK)                       # chunks per lane
+    EVEN_CH = NCH % LK == 0                   # every lane's chunks exist
+    WPL = CPL * CW                            # words per lane per key row
+    E = WPL * EPW                             # float32 values per lane per row
+    G = 32 // LK                              # key groups per warp
+    KPB = NWARPS * G * T                      # keys per block step
+    NTHREADS = 32 * NWARPS
+    HAS_MODS = HAS_SOFTCAP or HAS_ALIBI
+    NRT = ROWS * T
+    RE = ROWS * E                             # local-array sizes must be single constants
+    TW = T * WPL
+    SIM_SCRATCH = NTHREADS * max(ROWS * E, NRT, 2) if SIMULATOR else 1
+    ACC_SMEM = NWARPS * ROWS * HEAD_DIM       # the warps' accumulators, merged at the end
+    ZERO, ONE, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(1), F32(-np.inf), F32(LOG2E), F32(LN2)
+    W_DT = np.uint32 if SIXTEEN else F32    # the arrays' 32-bit element: two 16-bit values or one float32
+    ZW = W_DT(0)
+
+    ld_v4, ld_v1 = loads()
+    if SIXTEEN:
+        _, pack2, unpack2 = primitives(DTYPE_NAME)
+    sum_key = make_xor_reduce(NRT, 1, LK, False, NTHREADS)        # s over the LK lanes of a key row
+    max_groups = make_xor_reduce(ROWS, LK, 32, True, NTHREADS)    # row max over the warp's groups
+    sum_acc = make_xor_reduce(ROWS * E, LK, 32, False, NTHREADS)  # acc over the groups, at the end
+    sum_l = make_xor_reduce(ROWS, LK, 32, False, NTHREADS)
+
+    @device_function
+    def load_row(cache, base, t_l, words, o):
+        """This lane's words of one cache row (word offset ``base``) into ``words[o:o + WPL]``; missing chunks 0."""
+        for i in range(CPL):
+            c = t_l + LK * i
+            if EVEN_CH or c < NCH:
+                if CW == 4:
+                    words[o + i * 4], words[o + i * 4 + 1], words[o + i * 4 + 2], words[o + i * 4 + 3] = \
+                        ld_v4(cache, base + c * 4)
+                else:
+                    words[o + i] = ld_v1(cache, base + c)
+            else:
+                for u in range(CW):
+                    words[o + i * CW + u] = ZW
+
+    @device_function
+    def row_base(cache, block_table, b, hk, j, page):
+        """Word offset of key ``j``'s row of KV head ``hk`` in sequence ``b`` (through the block table)."""
+        st0 = cache.strides[0] // 4
+        st1 = cache.strides[1] // 4
+        st2 = cache.strides[2] // 4
+        if PAGED:
+            p = j // page
+            return block_table[b, p] * st0 + (j - p * page) * st1 + hk * st2
+        return b * st0 + j * st1 + hk * st2
+
+    @device_function
+    def to_floats(words, n, vals, o):
+        """Word ``n`` of ``words`` as float32 into ``vals[o], vals[o + 1]`` (16-bit) or ``vals[o]``."""
+        if SIXTEEN:
+            vals[o], vals[o + 1] = unpack2(words[n])
+        else:
+            vals[o] = F32(words[n])
+
+    @kernel
+    def decode(q, k_cache, v_cache, out, lse, out_s, lse_s, seqlens, base_len, seqlen_new, block_table, page,
+               group, n_row_tiles, n_splits, split_len, scale, softcap, left, right, alibi):
+        # (split, row tile, kv head, batch) of this block, split fastest
+        nheads_k = k_cache.shape[2]
+        sp = cuda.blockIdx.x % n_splits
+        rest = cuda.blockIdx.x // n_splits
+        rt = rest % n_row_tiles
+        rest = rest // n_row_tiles
+        hk = rest % nheads_k
+        b = rest // nheads_k
+        seqlen_q = q.shape[1]
+        tid = cuda.threadIdx.x
+        w = tid // 32
+        lane = tid - w * 32
+        g = lane // LK
+        t_l = lane - g * LK
+
+        n = (seqlens[b] if HAS_SEQLENS else base_len) + seqlen_new     # valid rows of this sequence
+        off = n - seqlen_q                                             # bottom-right alignment
+        nrows = group * seqlen_q
+        r0 = rt * ROWS
+        qi_first = r0 // group
+        qi_last = (min(r0 + ROWS, nrows) - 1) // group
+        lo = sp * split_len
+        hi = min(lo + split_len, n)
+        if HAS_WINDOW:                                 # keys no row of the tile may see are never loaded
+            if left >= 0:
+                lo = max(lo, qi_first + off - left)
+            if right >= 0:
+                hi = min(hi, qi_last + off + right + 1)
+        lo = max(lo, 0)
+        start = lo - lo % KEY_ALIGN                    # T keys of one lane group stay in one page
+        nsteps = (hi - start + KPB - 1) // KPB if hi > lo else 0
+
+        scratch = cuda.shared.array(SIM_SCRATCH, F32)            # butterflies' scratch (simulator only)
+        acc_smem = cuda.shared.array(ACC_SMEM, F32)             # (warp, row, dim)
+        ml_smem = cuda.shared.array((2, NWARPS, ROWS), F32)     # m_i, l_i per (warp, row)
+
+        q_reg = cuda.local.array(RE, F32)      # the lane's dims of each row's query (log2-scaled)
+        acc = cuda.local.array(RE, F32)
+        m_i = cuda.local.array(ROWS, F32)
+        l_i = cuda.local.array(ROWS, F32)
+        mx = cuda.local.array(ROWS, F32)
+        s = cuda.local.array(NRT, F32)
+        kw = cuda.local.array(TW, W_DT)
+        vw = cuda.local.array(TW, W_DT)
+        qw = cuda.local.array(WPL, W_DT)
+        fv = cuda.local.array(E, F32)
+        row_i = cuda.local.array(ROWS, np.int64)     # query index of each row (-1: past the last row)
+        slope = cuda.local.array(ROWS, F32)
+
+        fold = scale * LOG2E_T if not HAS_MODS else ONE
+        for r in range(ROWS):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
+            rr = r0 + r
+            qi = rr // group
+            h = hk * group + (rr - qi * group)
+            row_i[r] = qi if rr < nrows else -1
+            if HAS_ALIBI:
+                slope[r] = F32(alibi[min(b, alibi.shape[0] - 1), h]) if rr < nrows else ZERO
+            for i in range(CPL):
+                c = t_l + LK * i
+                for u in range(CW):
+                    wd = c * CW + u
+                    if rr < nrows and (EVEN_CH or c < NCH):
+                        qw[i * CW + u] = q[b, qi, h, wd]
+                    else:
+                        qw[i * CW + u] = ZW
+            for x in range(WPL):
+                to_floats(qw, x, fv, x * EPW)
+            for e in range(E):
+                q_reg[r * E + e] = fv[e] * fold
+                acc[r * E + e] = ZERO
+
+        for step in range(nsteps):
+            j0 = start + step * KPB + (w * G + g) * T
+            for t in range(T):                         # K and V of the T keys: every load in flight first
+                jj = max(min(j0 + t, hi - 1), 0)       # past the range: a valid row, masked below
+                base = row_base(k_cache, block_table, b, hk, jj, page)
+                load_row(k_cache, base, t_l, kw, t * WPL)
+                vbase = row_base(v_cache, block_table, b, hk, jj, page)
+                load_row(v_cache, vbase, t_l, vw, t * WPL)
+            for t in range(T):                         # s = q . k, this lane's dims
+                for x in range(WPL):
+                    to_floats(kw, t * WPL + x, fv, x * EPW)
+                for r in range(ROWS):
+                    a = ZERO
+                    for e in range(E):
+                        a += q_reg[r * E + e] * fv[e]
+                    s[r * T + t] = a
+            sum_key(s, scratch)                        # whole dot products, in every lane of the group
+            for r in range(ROWS):
+                i = row_i[r]
+                best = NEG_INF
+                for t in range(T):
+                    j = j0 + t
+                    x = s[r * T + t]
+                    if HAS_MODS:
+                        x = x * scale
+                        if HAS_SOFTCAP:
+                            x = softcap * math.tanh(x / softcap)
+                        if HAS_ALIBI:
+                            x -= slope[r] * F32(abs(i + off - j))
+                        x *= LOG2E_T
+                    ok = j >= lo and j < hi
+                    if HAS_WINDOW:
+                        rel = j - (i + off)
+                        if left >= 0:
+                            ok = ok and rel >= -left
+                        if right >= 0:
+                            ok = ok and rel <= right
+                    if not ok:
+                        x = NEG_INF
+                    s[r * T + t] = x
+                    best = max(best, x)
+                mx[r] = best
+            max_groups(mx, scratch)                    # the warp's row max over this step's keys
+            for r in range(ROWS):
+                m_new = max(m_i[r], mx[r])
+                if m_new > m_i[r]:                     # warp-uniform; exact: otherwise the factor is 1
+                    alpha = math.exp2(m_i[r] - m_new)  # exp2(-inf) = 0 for a row that saw nothing yet
+                    l_i[r] *= alpha
+                    for e in range(E):
+                        acc[r * E + e] *= alpha
+                    m_i[r] = m_new
+                m_use = m_i[r] if m_i[r] != NEG_INF else ZERO
+                for t in range(T):
+                    p = math.exp2(s[r * T + t] - m_use)
+                    s[r * T + t] = p
+                    l_i[r] += p
+            for t in range(T):                         # acc += p v
+                for x in range(WPL):
+                    to_floats(vw, t * WPL + x, fv, x * EPW)
+                for r in range(ROWS):
+                    p = s[r * T + t]
+                    for e in range(E):
+                        acc[r * E + e] += p * fv[e]
+
+        # the warp: sum the groups (same m_i); the block: merge the warps through shared memory
+        sum_acc(acc, scratch)
+        sum_l(l_i, scratch)
+        if g == 0:
+            for r in range(ROWS):
+                for i in range(CPL):
+                    c = t_l + LK * i
+                    if EVEN_CH or c < NCH:
+                        for x in range(CW * EPW):
+                            acc_smem[(w * ROWS + r) * HEAD_DIM + c * CW * EPW + x] = acc[r * E + i * CW * EPW + x]
+                if t_l == 0:
+                    ml_smem[0, w, r] = m_i[r]
+                    ml_smem[1, w, r] = l_i[r]
+        cuda.syncthreads()
+        for idx in range(tid, ROWS * HW, NTHREADS):
+            r = idx // HW
+            wd = idx - r * HW
+            rr = r0 + r
+            if rr < nrows:
+                qi = rr // group
+                h = hk * group + (rr - qi * group)
+                m = NEG_INF
+                for ww in range(NWARPS):
+                    m = max(m, ml_smem[0, ww, r])
+                m_use = m if m != NEG_INF else ZERO
+                l = ZERO
+                for ww in range(NWARPS):
+                    l += ml_smem[1, ww, r] * math.exp2(ml_smem[0, ww, r] - m_use)
+                inv_l = ZERO if l == ZERO else ONE / l   # no key seen: out = 0, lse = -inf
+                v0 = ZERO
+                v1 = ZERO
+                for ww in range(NWARPS):
+                    f = math.exp2(ml_smem[0, ww, r] - m_use)
+                    v0 += acc_smem[(ww * ROWS + r) * HEAD_DIM + wd * EPW] * f
+                    if SIXTEEN:
+                        v1 += acc_smem[(ww * ROWS + r) * HEAD_DIM + wd * EPW + 1] * f
+                v0 *= inv_l
+                v1 *= inv_l
+                row_lse = NEG_INF if l == ZERO else (m + math.log2(l)) * LN2_T
+                if SPLIT:
+                    out_s[sp, b, qi, h, wd * EPW] = v0
+                    if SIXTEEN:
+                        out_s[sp, b, qi, h, wd * EPW + 1] = v1
+                    if wd == 0:
+                        lse_s[sp, b, h, qi] = row_lse
+                else:
+                    if SIXTEEN:
+                        out[b, qi, h, wd] = pack2(v0, v1)
+                    else:
+                        out[b, qi, h, wd] = v0
+                    if wd == 0:
+                        lse[b, h, qi] = row_lse
+
+    return decode, NTHREADS
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_combine(DTYPE_NAME):
+    """The split-KV merge (``reference.combine_splits``): one thread per output word, grid-stride.
+
+    ``out_s (splits, batch, seqlen_q, nheads, headdim)`` and ``lse_s (splits, batch, nheads, seqlen_q)`` in
+    float32 -> ``out`` (words of the input format) and ``lse (batch, nheads, seqlen_q)``: ``lse = M + log
+    sum_s exp(lse_s - M)`` with ``M = max_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s``; a row that no
+    split saw keeps ``out = 0``, ``lse = -inf``.
+    """
+    SIXTEEN = DTYPE_NAME in ("float16", "bfloat16")
+    EPW = 2 if SIXTEEN else 1
+    NEG_INF, ZERO = F32(-np.inf), F32(0)
+    if SIXTEEN:
+        _, pack2, _ = primitives(DTYPE_NAME)
+
+    @kernel
+    def combine(out_s, lse_s, out, lse):
+        n_splits, batch, seqlen_q, nheads = out_s.shape[0], out_s.shape[1], out_s.shape[2], out_s.shape[3]
+        hw = out.shape[3]
+        total = batch * seqlen_q * nheads * hw
+        for idx in range(cuda.grid(1), total, cuda.gridsize(1)):
+            wd = idx % hw
+            row = idx // hw
+            h = row % nheads
+            qi = (row // nheads) % seqlen_q
+            b = row // (nheads * seqlen_q)
+            m = NEG_INF
+            for sp in range(n_splits):
+                m = max(m, lse_s[sp, b, h, qi])
+            v0 = ZERO
+            v1 = ZERO
+            row_lse = NEG_INF
+            if m != NEG_INF:
+                total_w = ZERO
+                for sp in range(n_splits):
+                    total_w += math.exp(lse_s[sp, b, h, qi] - m)
+                row_lse = m + math.log(total_w)
+                for sp in range(n_splits):
+                    f = math.exp(lse_s[sp, b, h, qi] - row_lse)   # exp(-inf) = 0: a split that saw no key
+                    if f > ZERO:
+                        v0 += f * out_s[sp, b, qi, h, wd * EPW]
+                        if SIXTEEN:
+                            v1 += f * out_s[sp, b, qi, h, wd * EPW + 1]
+            if SIXTEEN:
+                out[b, qi, h, wd] = pack2(v0, v1)
+            else:
+                out[b, qi, h, wd] = v0
+            if wd == 0:
+                lse[b, h, qi] = row_lse
+
+    return combine
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_append(PAGED, HAS_SEQLENS):
+    """The cache append (``reference.kvcache_append``): one thread per word of ``k_new``/``v_new``, grid-stride;
+    row ``r`` of sequence ``b`` goes to cache row ``cache_seqlens[b] + r`` (page ``block_table[b, row //
+    page]``, offset ``row % page`` when paged).  Works on any 32-bit view (16-bit pairs or float32)."""
+
+    @kernel
+    def append(k_new, v_new, k_cache, v_cache, seqlens, base_len, block_table, page):
+        batch, seqlen_new, nheads_k, hw = k_new.shape[0], k_new.shape[1], k_new.shape[2], k_new.shape[3]
+        total = batch * seqlen_new * nheads_k * hw
+        for idx in range(cuda.grid(1), total, cuda.gridsize(1)):
+            wd = idx % hw
+            rest = idx // hw
+            hk = rest % nheads_k
+            rest = rest // nheads_k
+            r = rest % seqlen_new
+            b = rest // seqlen_new
+            row = (seqlens[b] if HAS_SEQLENS else base_len) + r
+            if PAGED:
+                p = row // page
+                pg = block_table[b, p]
+                k_cache[pg, row - p * page, hk, wd] = k_new[b, r, hk, wd]
+                v_cache[pg, row - p * page, hk, wd] = v_new[b, r, hk, wd]
+            else:
+                k_cache[b, row, hk, wd] = k_new[b, r, hk, wd]
+                v_cache[b, row, hk, wd] = v_new[b, r, hk, wd]
+
+    return append

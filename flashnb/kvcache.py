@@ -1,0 +1,351 @@
+"""``flash_attn_with_kvcache``: attention of new query tokens over a KV cache, with the cache append, dense or
+paged caches and split-KV decoding (flash-decoding), following flash-attn's function of the same name.
+
+Layers as in ``api``: validate everything on the host (``_check``) -> choose the work split (``plan_decode``:
+row tiles, lanes per key, splits) -> launch ``kernels.decode``'s append, decode and combine kernels.
+The oracle is ``reference.attention_with_kvcache`` (docs/semantics.md, "KV cache").
+"""
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda
+
+from . import _arrays, _options
+from .kernels import decode as _decode
+from .kernels._jit import SIMULATOR, launch
+
+DTYPES = ("float16", "bfloat16", "float32")
+MAX_ROWS = 8                          # query rows (query tokens x GQA heads) per block: q and acc live in registers
+KEYS_PER_LANE = 2                     # T: keys per lane group per step (loads in flight per lane: 2 T rows' chunks)
+NWARPS = 2 if SIMULATOR else 4        # the simulator's grids stay small; two warps still exercise the warp merge
+E_BUDGET = 4 if SIMULATOR else 64     # q and acc values per lane per row tile (x ROWS): sets the lanes per key;
+                                      # tiny in the simulator so that its tiny head dims still split a key over lanes
+BLOCKS_PER_SM = 2                     # decode blocks resident per SM (registers): the slots the split count fills
+MAX_SPLITS = 128
+SIM_SMS = 2                           # the simulator's stand-in SM count: tiny problems still split
+APPEND_THREADS = 256
+
+
+class DecodePlan(NamedTuple):
+    rows: int            # ROWS: query rows per block
+    n_row_tiles: int
+    lanes_per_key: int   # LK
+    vec16: bool
+    n_splits: int
+    split_len: int       # keys per split, a multiple of KEY_ALIGN
+
+
+def num_splits_heuristic(blocks, slots, n_key_blocks, max_splits=MAX_SPLITS):
+    """flash-attn's ``num_splits_heuristic`` (csrc/flash_attn/flash_api.cpp) with the GPU's block *slots*
+    (SMs x resident blocks) for its SM count: no split when the blocks already nearly fill the slots; else
+    the fewest splits whose wave efficiency (waves / whole waves) is within 85% of the best, skipping split
+    counts that do not change the key blocks per split."""
+    if blocks >= 0.8 * slots:
+        return 1
+    max_splits = max(1, min(max_splits, slots, n_key_blocks))
+    eligible = lambda s: s == 1 or -(-n_key_blocks // s) != -(-n_key_blocks // (s - 1))
+    eff = {}
+    for s in range(1, max_splits + 1):
+        if eligible(s):
+            waves = blocks * s / slots
+            eff[s] = waves / math.ceil(waves)
+    best = max(eff.values())
+    return min(s for s, e in eff.items() if e >= 0.85 * best)
+
+
+_sm_counts = {}
+
+
+def sm_count():
+    """Multiprocessors of the current device (``SIM_SMS`` in the simulator)."""
+    if SIMULATOR:
+        return SIM_SMS
+    dev = cuda.get_current_device()
+    n = _sm_counts.get(dev.id)
+    if n is None:
+        n = _sm_counts[dev.id] = int(dev.MULTIPROCESSOR_COUNT)
+    return n
+
+
+def plan_decode(dtype_name, batch, nheads_k, group, seqlen_q, headdim, n_max, vec16, num_splits, slots=None):
+    """The decode kernel's work split for one call (``DecodePlan``)."""
+    nrows = group * seqlen_q
+    rows = 1
+    while rows < min(nrows, MAX_ROWS):
+        rows *= 2
+    n_row_tiles = -(-nrows // rows)
+    lk = _decode.lane_layout(headdim, dtype_name, rows, vec16, E_BUDGET)[0]
+    n_key_blocks = max(1, -(-n_max // _decode.KEY_ALIGN))
+    if num_splits == 0:
+        slots = sm_count() * BLOCKS_PER_SM if slots is None else slots
+        num_splits = num_splits_heuristic(batch * nheads_k * n_row_tiles, slots, n_key_blocks)
+    split_len = -(-n_key_blocks // min(num_splits, n_key_blocks)) * _decode.KEY_ALIGN
+    n_splits = max(1, -(-n_max // split_len))
+    return DecodePlan(rows, n_row_tiles, lk, vec16, n_splits, split_len)
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _to_host(x, name):
+    """A small integer array on the host: NumPy as is; CuPy, PyTorch and Numba arrays copied (a synchronising
+    copy of a few bytes)."""
+    if isinstance(x, np.ndarray):
+        return x
+    kind = _arrays.kind_of(x, name)
+    if kind.lib == "torch":
+        return x.detach().cpu().numpy()
+    if kind.lib == "cupy":
+        return x.get()
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    return cuda.as_cuda_array(x).copy_to_host()
+
+
+def _int_array(x, name, shape):
+    kind = _arrays.kind_of(x, name)
+    if kind.dtype != "int32":
+        raise TypeError(f"{name} must be an int32 array, got dtype {kind.dtype}")
+    if tuple(int(s) for s in x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    return kind
+
+
+class _Call(NamedTuple):
+    kind: object
+    batch: int
+    seqlen_q: int
+    nheads: int
+    headdim: int
+    nheads_k: int
+    seqlen_new: int
+    page: int            # rows per page (paged) or the dense cache's rows
+    capacity: int        # rows a sequence may hold
+    lens: np.ndarray     # cache_seqlens on the host (int64), before the append
+    uniform: int         # the one length when cache_seqlens is None or an int, else -1
+
+
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse):
+    """Every argument against the contract (docstring of ``flash_attn_with_kvcache``), before any launch."""
+    names = ("q", "k_cache", "v_cache")
+    kinds = [_arrays.kind_of(x, n) for x, n in zip((q, k_cache, v_cache), names)]
+    kind = kinds[0]
+    for kd, n in zip(kinds[1:], names[1:]):
+        if kd.lib != kind.lib:
+            raise TypeError(f"{n} is a {kd.lib} array but q is a {kind.lib} array; pass one kind")
+        if kd.dtype != kind.dtype:
+            raise TypeError(f"{n} has dtype {kd.dtype} but q has {kind.dtype}; pass one dtype")
+    if kind.dtype not in DTYPES:
+        raise TypeError(f"q has dtype {kind.dtype}; flash_attn_with_kvcache takes {', '.join(DTYPES)}")
+    for x, n in zip((q, k_cache, v_cache), names):
+        if len(x.shape) != 4:
+            raise ValueError(f"{n} must have 4 dimensions, got shape {tuple(x.shape)}")
+    batch, seqlen_q, nheads, headdim = map(int, q.shape)
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    cb, page, nheads_k, dk = map(int, k_cache.shape)
+    if dk != headdim:
+        raise ValueError(f"k_cache has head dim {dk} but q has head dim {headdim}")
+    if not 1 <= headdim <= _options.MAX_HEAD_DIM:
+        raise ValueError(f"head dim of q must be between 1 and {_options.MAX_HEAD_DIM}, got {headdim}")
+    if kind.dtype != "float32" and headdim % 2:
+        raise ValueError(f"head dim must be even for {kind.dtype} (the kernels read pairs as 32-bit words), got {headdim}")
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k_cache ({nheads_k})")
+    _arrays.check_device(q, "q")
+    for x, n in ((k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"), (v, "v"), (cache_seqlens, "cache_seqlens"),
+                 (block_table, "block_table")):
+        if x is not None and not isinstance(x, numbers.Integral):
+            _arrays.check_same_device(x, n, q)
+
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or neither)")
+    seqlen_new = 0
+    if k is not None:
+        for x, n in ((k, "k"), (v, "v")):
+            kd = _arrays.kind_of(x, n)
+            if kd.lib != kind.lib or kd.dtype != kind.dtype:
+                raise TypeError(f"{n} is a {kd.lib} {kd.dtype} array but q is a {kind.lib} {kind.dtype} array")
+            if len(x.shape) != 4 or int(x.shape[0]) != batch or int(x.shape[2]) != nheads_k or int(x.shape[3]) != headdim:
+                raise ValueError(f"{n} must have shape ({batch}, seqlen_new, {nheads_k}, {headdim}), got {tuple(x.shape)}")
+        if tuple(k.shape) != tuple(v.shape):
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        seqlen_new = int(k.shape[1])
+
+    if block_table is None:
+        if cb != batch:
+            raise ValueError(f"k_cache has batch {cb} but q has batch {batch} (a paged cache needs block_table)")
+        capacity, table = page, None
+    else:
+        kd = _arrays.kind_of(block_table, "block_table")
+        if kd.dtype != "int32":
+            raise TypeError(f"block_table must be an int32 array, got dtype {kd.dtype}")
+        if len(block_table.shape) != 2 or int(block_table.shape[0]) != batch:
+            raise ValueError(f"block_table must have shape ({batch}, pages_per_sequence), got {tuple(block_table.shape)}")
+        if page % _decode.KEY_ALIGN:
+            raise ValueError(f"the page size (k_cache.shape[1] = {page}) must be a multiple of "
+                             f"{_decode.KEY_ALIGN} (the decode kernel's key alignment)")
+        capacity = page * int(block_table.shape[1])
+        table = _to_host(block_table, "block_table")
+
+    uniform = -1
+    if cache_seqlens is None:
+        if seqlen_new > capacity:
+            raise ValueError(f"seqlen_new = {seqlen_new} exceeds the cache's {capacity} rows")
+        uniform = capacity - seqlen_new
+        lens = np.full(batch, uniform, np.int64)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        uniform = int(cache_seqlens)
+        lens = np.full(batch, uniform, np.int64)
+    else:
+        _int_array(cache_seqlens, "cache_seqlens", (batch,))
+        lens = _to_host(cache_seqlens, "cache_seqlens").astype(np.int64)
+    if np.any(lens < 0) or np.any(lens + seqlen_new > capacity):
+        b = int(np.argmax((lens < 0) | (lens + seqlen_new > capacity)))
+        raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {int(lens[b])} + {seqlen_new} is outside the cache's "
+                         f"0..{capacity} rows")
+    if table is not None:
+        num_pages = int(k_cache.shape[0])
+        for b in range(batch):
+            need = -(-int(lens[b] + seqlen_new) // page)
+            pages = table[b, :need]
+            if np.any(pages < 0) or np.any(pages >= num_pages):
+                raise ValueError(f"block_table[{b}, :{need}] (the pages sequence {b} touches) holds indices outside "
+                                 f"0..{num_pages - 1}: {pages.tolist()}")
+    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shape), got {num_splits!r}")
+    if not isinstance(return_softmax_lse, (bool, np.bool_)):
+        raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
+    return _Call(kind, batch, seqlen_q, nheads, headdim, nheads_k, seqlen_new, page, capacity, lens, uniform)
+
+
+# ------------------------------------------------------------------------------------------------ the call
+def _device_words(x, name, kind, stream):
+    """(device view the kernels read: uint32 words of 16-bit data or float32, device array to copy back to a
+    NumPy caller or None)."""
+    back = None
+    if isinstance(x, np.ndarray):
+        back = cuda.to_device(np.ascontiguousarray(x), stream=stream.numba)
+        d = back if SIMULATOR else _arrays.View.of(back)
+    elif kind.dtype == "float32":
+        d = _arrays.to_device(x, stream)
+    else:
+        d = _arrays.to_device_bits(x, stream)
+    if kind.dtype == "float32":
+        return d, back
+    w = _arrays.word_view(d)
+    if w is None:
+        raise ValueError(f"{name}: float16/bfloat16 arrays must have a contiguous head dimension (stride 1) and "
+                         f"4-byte aligned rows, got strides {tuple(d.strides)}")
+    return w, back
+
+
+def _dummy(ndim, dtype):
+    return _options._dummy(ndim, dtype)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, num_splits=0,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                            return_softmax_lse=False, stream=None):
+    """Attention of ``q`` over a KV cache, after appending ``k``/``v`` to it in place (flash-attn's conventions).
+
+    Arguments:
+        q: ``(batch, seqlen_q, nheads, headdim)``; seqlen_q 1 (decoding) to a few hundred (chunked prefill,
+            speculative decoding). float16, bfloat16 or float32 (the head dim even for 16-bit types, with a
+            contiguous head dimension).
+        k_cache, v_cache: dense ``(batch, seqlen_cache, nheads_k, headdim)``, or paged ``(num_pages, page_size,
+            nheads_k, headdim)`` with ``block_table``; ``nheads % nheads_k == 0`` (GQA/MQA).
+        k, v: ``(batch, seqlen_new, nheads_k, headdim)`` or None: written into the caches at rows
+            ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1`` of sequence ``b`` **in place** (the one
+            exception to "inputs are never written"; NumPy caches are copied to the device and back).
+            ``cache_seqlens`` itself is not updated (as in flash-attn).
+        cache_seqlens: int32 ``(batch,)`` array or an int: the rows each sequence holds before the append;
+            None: the whole cache (minus ``seqlen_new``). A device array is copied to the host once per call
+            (one synchronising copy of ``4 * batch`` bytes) to check ``0 <= cache_seqlens[b]`` and
+            ``cache_seqlens[b] + seqlen_new <= capacity``: pass an int or a NumPy array to avoid the sync.
+        block_table: int32 ``(batch, pages_per_sequence)`` page indices; the page size must be a multiple of 16.
+            The pages a sequence touches (its first ``ceil((cache_seqlens[b] + seqlen_new) / page_size)``
+            entries) must lie in ``0..num_pages - 1`` (checked on the host, a synchronising copy for a device table).
+        num_splits: split each sequence's keys over this many blocks (flash-decoding), combined exactly by a
+            second kernel; 0 chooses from batch x KV heads and the SM count (flash-attn's heuristic), 1 = none.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as ``flash_attention``
+            (docs/semantics.md); causal and windows are aligned to the bottom-right corner of each sequence's
+            ``cache_seqlens[b] + seqlen_new`` valid keys; alibi_slopes ``(nheads,)`` or ``(batch, nheads)``.
+        return_softmax_lse: also return ``lse`` ``(batch, nheads, seqlen_q)`` float32 (natural log).
+        stream: as ``flash_attention``.
+
+    Returns ``out`` (like ``q``) or ``(out, lse)``; a row that sees no key gives ``out = 0``, ``lse = -inf``.
+    """
+    c = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse)
+    kind = c.kind
+    launch_stream = _arrays.resolve_stream(stream, kind, q)
+    with _arrays.stream_scope(launch_stream, kind, q):
+        opts = _options.normalise(batch=c.batch, seqlen_q=c.seqlen_q, seqlen_k=max(c.capacity, 1), nheads=c.nheads,
+                                  headdim=c.headdim, acc=np.float32, stream=launch_stream,
+                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                  alibi_slopes=alibi_slopes, softcap=softcap)
+        q_w, _ = _device_words(q, "q", kind, launch_stream)
+        kc_w, kc_back = _device_words(k_cache, "k_cache", kind, launch_stream)
+        vc_w, vc_back = _device_words(v_cache, "v_cache", kind, launch_stream)
+        if c.uniform >= 0:
+            seqlens_d = _dummy(1, np.int32)
+        elif isinstance(cache_seqlens, np.ndarray):
+            seqlens_d = _arrays.to_device(np.ascontiguousarray(cache_seqlens), launch_stream)
+        else:
+            seqlens_d = _arrays.to_device(cache_seqlens, launch_stream)
+        table_d = _dummy(2, np.int32) if block_table is None else _arrays.to_device(block_table, launch_stream)
+        base_len = max(c.uniform, 0)
+
+        if k is not None and c.batch * c.seqlen_new * c.nheads_k > 0:
+            kn_w, _ = _device_words(k, "k", kind, launch_stream)
+            vn_w, _ = _device_words(v, "v", kind, launch_stream)
+            total = c.batch * c.seqlen_new * c.nheads_k * int(kn_w.shape[3])
+            launch(_decode.make_append(block_table is not None, c.uniform < 0),
+                   min(-(-total // APPEND_THREADS), 8192), APPEND_THREADS, launch_stream, 0,
+                   (kn_w, vn_w, kc_w, vc_w, seqlens_d, base_len, table_d, c.page))
+
+        out_ret, out_d = _arrays.empty_like_kind(kind, (c.batch, c.seqlen_q, c.nheads, c.headdim), kind.dtype, q,
+                                                 launch_stream, bits=True)
+        lse_ret, lse_d = _arrays.empty_like_kind(kind, (c.batch, c.nheads, c.seqlen_q), "float32", q, launch_stream)
+        out_w = out_d if kind.dtype == "float32" else _arrays.word_view(out_d)
+        if c.batch * c.seqlen_q * c.nheads > 0:
+            _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, block_table is not None, opts,
+                    int(num_splits), kind, q, launch_stream)
+        for back, host in ((kc_back, k_cache), (vc_back, v_cache)):
+            if back is not None and k is not None:
+                host[...] = back.copy_to_host(stream=launch_stream.numba)
+        out = _arrays.finish(kind, out_ret, out_d, launch_stream)
+        return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_softmax_lse else out
+
+
+def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, paged, opts, num_splits, kind, like,
+            stream):
+    """The decode kernel (and the combine, with splits) for a checked call."""
+    group = c.nheads // c.nheads_k
+    n_max = int(np.max(c.lens)) + c.seqlen_new
+    vec16 = _arrays.rows_aligned16(kc_w) and _arrays.rows_aligned16(vc_w)
+    p = plan_decode(kind.dtype, c.batch, c.nheads_k, group, c.seqlen_q, c.headdim, n_max, vec16, num_splits)
+    f = opts.flags
+    split = p.n_splits > 1
+    kern, threads = _decode.make_decode(kind.dtype, c.headdim, p.rows, p.lanes_per_key, KEYS_PER_LANE, NWARPS,
+                                        p.vec16, paged, c.uniform < 0, split, f.has_window, f.has_softcap,
+                                        f.has_alibi)
+    if split:
+        out_s = _arrays.scratch((p.n_splits, c.batch, c.seqlen_q, c.nheads, c.headdim), np.float32, kind, like,
+                                stream)
+        lse_s = _arrays.scratch((p.n_splits, c.batch, c.nheads, c.seqlen_q), np.float32, kind, like, stream)
+        if SIMULATOR and _arrays.POISON_OUTPUTS:        # a split block that forgets a row fails the tests
+            out_s.copy_to_device(np.full(out_s.shape, np.nan, np.float32))
+            lse_s.copy_to_device(np.full(lse_s.shape, np.nan, np.float32))
+    else:
+        out_s, lse_s = _dummy(5, np.float32), _dummy(4, np.float32)
+    grid = c.batch * c.nheads_k * p.n_row_tiles * p.n_splits
+    launch(kern, grid, threads, stream, 0,
+           (q_w, kc_w, vc_w, out_w, lse_d, out_s, lse_s, seqlens_d, base_len, c.seqlen_new, table_d, c.page, group,
+            p.n_row_tiles, p.n_splits, p.split_len, np.float32(opts.scale), np.float32(opts.softcap), opts.left,
+            opts.right, opts.alibi))
+    if split:
+        total = c.batch * c.seqlen_q * c.nheads * int(out_w.shape[3])
+        launch(_decode.make_combine(kind.dtype), min(-(-total // 128), 8192), 128, stream, 0,
+               (out_s, lse_s, out_w, lse_d))
