@@ -15,4 +15,4 @@ from .varlen import flash_attn_varlen_backward, flash_attn_varlen_func
 
 __version__ = "0.1.0"
 __all__ = ["BACKENDS", "flash_attention", "flash_attention_backward", "flash_attn_varlen_func",
-           "flash_attn_varlen_backward", "__version__"]
+           "flash_attn_varlen_backward", "flash_attn_with_kvcache", "__version__"]
