@@ -8,7 +8,7 @@ causal and windows aligned to its own bottom-right corner (docs/semantics.md; th
 
 The kernels are the dense ones built with ``VARLEN`` (``kernels/forward.py`` and the others): each (array
 of the packed batch) is handed to them as a ``(batch, total, nheads, headdim)`` view whose batch stride is 0
-(``_packed``), and each block slices its sequence's rows out of it with ``cu_seqlens`` (``_tiles.sequence_rows``),
+(``_packed``), and each block slices its sequence's rows out of it with ``cu_seqlens`` (``_tiles.sequence_span``),
 so that the kernel body sees a dense batch whose row ``i`` of sequence ``b`` is ``[b, i]``.  The grid runs over
 ``max_seqlen_q`` query tiles (``max_seqlen_k`` key tiles in the dK/dV kernel) x heads x sequences; a block whose
 tile starts past its sequence's end returns at once.  The backward's per-row steps (delta, the dQ cast) run on
@@ -270,7 +270,7 @@ def _shown(cu):
 
 def _packed(d, batch):
     """The kernels' ``(batch, *d.shape)`` view of device array ``d`` with batch stride 0: every sequence's
-    block sees the whole packed array and slices its own rows (``_tiles.sequence_rows``)."""
+    block sees the whole packed array and slices its own rows (``_tiles.sequence_span``)."""
     if _arrays.SIMULATOR:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         a = d._ary

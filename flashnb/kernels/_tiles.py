@@ -58,23 +58,16 @@ def packed_tile_head_batch(cu_seqlens, nheads):
 
 @device_function
 def sequence_span(cu_seqlens, b):
-    """(first row, rows) of sequence ``b`` of a packed batch: rows ``cu_seqlens[b] .. cu_seqlens[b + 1]``."""
+    """(first row, rows) of sequence ``b`` of a packed batch: rows ``cu_seqlens[b] .. cu_seqlens[b + 1]``.
+
+    A kernel then slices its sequence out of each packed array, a ``(batch, total, nheads, headdim)`` view
+    whose batch stride is 0 (``flashnb.varlen``): ``x[:, start:start + n]`` is ``(batch, n, nheads, headdim)``,
+    sequence ``b``'s row ``i`` at ``[b, i]`` as in a dense batch, so the body reads it unchanged and never past
+    the sequence (``[:, :, start:start + n]`` for the per-row ``(batch, nheads, total)`` lse, delta).  The slice
+    is written in the kernel: a device function may not return a view it made (no runtime on the device).
+    """
     start = cu_seqlens[b]
     return start, cu_seqlens[b + 1] - start
-
-
-@device_function
-def sequence_rows(x, start, n):
-    """Rows ``start .. start + n`` of a packed ``(batch, total, nheads, headdim)`` view whose batch stride is 0
-    (``varlen``): a ``(batch, n, nheads, headdim)`` view in which sequence ``b``'s row ``i`` is ``[b, i]``, the
-    layout of a dense batch, so a kernel body reads it unchanged (and never past the sequence)."""
-    return x[:, start:start + n]
-
-
-@device_function
-def sequence_cols(x, start, n):
-    """``sequence_rows`` of a packed ``(batch, nheads, total)`` per-row statistic (lse, delta)."""
-    return x[:, :, start:start + n]
 
 
 def padded(n):

@@ -33,7 +33,7 @@ from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import (U, tile_head_batch, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load,
-                     packed_tile_head_batch, padded, scratch_size, sequence_cols, sequence_rows, sequence_span)
+                     packed_tile_head_batch, padded, scratch_size, sequence_span)
 from .forward import LOG2E, make_window_helpers, tile_threads
 
 
@@ -215,10 +215,10 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
             if kt * BLOCK_K >= n_k:
                 return                                    # a key tile past its sequence: nothing to do
             q_start, n_q = sequence_span(cu_seqlens_q, b)
-            q, dout = sequence_rows(q, q_start, n_q), sequence_rows(dout, q_start, n_q)
-            lse2, delta = sequence_cols(lse2, q_start, n_q), sequence_cols(delta, q_start, n_q)
-            k, v = sequence_rows(k, k_start, n_k), sequence_rows(v, k_start, n_k)
-            dk, dv = sequence_rows(dk, k_start, n_k), sequence_rows(dv, k_start, n_k)
+            q, dout = q[:, q_start:q_start + n_q], dout[:, q_start:q_start + n_q]
+            lse2, delta = lse2[:, :, q_start:q_start + n_q], delta[:, :, q_start:q_start + n_q]
+            k, v = k[:, k_start:k_start + n_k], v[:, k_start:k_start + n_k]
+            dk, dv = dk[:, k_start:k_start + n_k], dv[:, k_start:k_start + n_k]
             off = n_k - n_q                               # bottom-right alignment per sequence
             dq_b, dq_row0 = 0, q_start                    # where query row i's dQ accumulates: [dq_b, dq_row0 + i]
         else:
@@ -368,10 +368,10 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
             if qt * BLOCK_Q >= n_q:
                 return                                    # a query tile past its sequence: nothing to do
             k_start, n_k = sequence_span(cu_seqlens_k, b)
-            q, dout = sequence_rows(q, q_start, n_q), sequence_rows(dout, q_start, n_q)
-            dq = sequence_rows(dq, q_start, n_q)
-            lse2, delta = sequence_cols(lse2, q_start, n_q), sequence_cols(delta, q_start, n_q)
-            k, v = sequence_rows(k, k_start, n_k), sequence_rows(v, k_start, n_k)
+            q, dout = q[:, q_start:q_start + n_q], dout[:, q_start:q_start + n_q]
+            dq = dq[:, q_start:q_start + n_q]
+            lse2, delta = lse2[:, :, q_start:q_start + n_q], delta[:, :, q_start:q_start + n_q]
+            k, v = k[:, k_start:k_start + n_k], v[:, k_start:k_start + n_k]
             off = n_k - n_q                               # bottom-right alignment per sequence
         else:
             qt, h, b = tile_head_batch((q.shape[1] + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])

@@ -35,7 +35,7 @@ from numba import cuda
 
 from ._jit import device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives
-from ._tiles import U, packed_tile_head_batch, sequence_cols, sequence_rows, sequence_span, tile_head_batch
+from ._tiles import U, packed_tile_head_batch, sequence_span, tile_head_batch
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
 from .forward_tc import make_async_tile_copy, tc_padded_words
@@ -420,10 +420,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             if kt * BLOCK_K >= n_k:
                 return                                    # a key tile past its sequence: nothing to do
             q_start, n_q = sequence_span(cu_seqlens_q, b)
-            q, dout = sequence_rows(q, q_start, n_q), sequence_rows(dout, q_start, n_q)
-            lse2, delta = sequence_cols(lse2, q_start, n_q), sequence_cols(delta, q_start, n_q)
-            k, v = sequence_rows(k, k_start, n_k), sequence_rows(v, k_start, n_k)
-            dk, dv = sequence_rows(dk, k_start, n_k), sequence_rows(dv, k_start, n_k)
+            q, dout = q[:, q_start:q_start + n_q], dout[:, q_start:q_start + n_q]
+            lse2, delta = lse2[:, :, q_start:q_start + n_q], delta[:, :, q_start:q_start + n_q]
+            k, v = k[:, k_start:k_start + n_k], v[:, k_start:k_start + n_k]
+            dk, dv = dk[:, k_start:k_start + n_k], dv[:, k_start:k_start + n_k]
             off = n_k - n_q                               # bottom-right alignment per sequence
             dq_b, dq_row0 = 0, q_start                    # where query row i's dQ accumulates: [dq_b, dq_row0 + i]
         else:

@@ -27,7 +27,7 @@ from numba import cuda
 from ._jit import device_function, kernel, kernel_factory
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import (U, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, packed_tile_head_batch,
-                     padded, scratch_size, sequence_cols, sequence_rows, sequence_span, tile_head_batch)
+                     padded, scratch_size, sequence_span, tile_head_batch)
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453    # ln(2): log(l) = log2(l) * ln(2)
@@ -136,7 +136,7 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
 
     ``VARLEN``: a packed batch (``flashnb.varlen``): q, k, v, out arrive as ``(batch, total, nheads, headdim)``
     views with batch stride 0 and lse as ``(batch, nheads, total_q)``; each block takes its sequence's rows
-    from ``cu_seqlens_q``, ``cu_seqlens_k`` (``sequence_rows``) and runs the same body (``off`` is then the
+    from ``cu_seqlens_q``, ``cu_seqlens_k`` (``_tiles.sequence_span``) and runs the same body (``off`` is then the
     sequence's own ``seqlen_k - seqlen_q``).  Without it the two arrays are unused and the code is the dense one.
     """
     ACC = np.dtype(ACC_NAME).type
@@ -183,9 +183,9 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
             if qt * BLOCK_Q >= n_q:
                 return                                    # a query tile past its sequence: nothing to do
             k_start, n_k = sequence_span(cu_seqlens_k, b)
-            q, out = sequence_rows(q, q_start, n_q), sequence_rows(out, q_start, n_q)
-            lse = sequence_cols(lse, q_start, n_q)
-            k, v = sequence_rows(k, k_start, n_k), sequence_rows(v, k_start, n_k)
+            q, out = q[:, q_start:q_start + n_q], out[:, q_start:q_start + n_q]
+            lse = lse[:, :, q_start:q_start + n_q]
+            k, v = k[:, k_start:k_start + n_k], v[:, k_start:k_start + n_k]
             off = n_k - n_q                               # bottom-right alignment per sequence
         else:
             qt, h, b = tile_head_batch((q.shape[1] + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])

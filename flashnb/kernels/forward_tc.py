@@ -35,8 +35,7 @@ from numba import cuda
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
-from ._tiles import (U, make_row_allreduce, packed_tile_head_batch, sequence_cols, sequence_rows, sequence_span,
-                     tile_head_batch)
+from ._tiles import U, make_row_allreduce, packed_tile_head_batch, sequence_span, tile_head_batch
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
 
 
@@ -359,9 +358,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             if qt * BLOCK_Q >= n_q:
                 return                                    # a query tile past its sequence: nothing to do
             k_start, n_k = sequence_span(cu_seqlens_k, b)
-            q, out = sequence_rows(q, q_start, n_q), sequence_rows(out, q_start, n_q)
-            lse = sequence_cols(lse, q_start, n_q)
-            k, v = sequence_rows(k, k_start, n_k), sequence_rows(v, k_start, n_k)
+            q, out = q[:, q_start:q_start + n_q], out[:, q_start:q_start + n_q]
+            lse = lse[:, :, q_start:q_start + n_q]
+            k, v = k[:, k_start:k_start + n_k], v[:, k_start:k_start + n_k]
             off = n_k - n_q                               # bottom-right alignment per sequence
         else:
             qt, h, b = tile_head_batch((q.shape[1] + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
