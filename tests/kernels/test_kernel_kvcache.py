@@ -1,0 +1,312 @@
+"""``flashnb.flash_attn_with_kvcache`` (kernels/decode.py) against the oracle ``reference.attention_with_kvcache``.
+
+Properties over random tiny problems: dense and paged caches (pages in random order, spare pages), with and
+without an append (``k``/``v``), ``cache_seqlens`` as an array, an int or None, one split, several and the
+automatic choice, MHA/GQA/MQA, seqlen_q 1-3, every option the oracle defines (causal and windows bottom-right
+per sequence, softcap, ALiBi, the scale), float32 and float16; outputs poisoned with NaN, split scratch too.
+The caches after the call must equal the oracle's appended copies bit for bit (rows outside the appended
+range unchanged) and the other inputs come back untouched.  Tolerances: ``kernel_harness`` per sequence (the
+dense oracle over that sequence's valid prefix: float32 1e-4 of the output scale plus score rounding, float16
+flash-attn's twice-the-float16-oracle rule).  Bad input: a ValueError/TypeError naming the argument before
+any launch, the caches unchanged.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+import flashnb
+import strategies as S
+from flashnb import kvcache
+from flashnb.kernels._jit import SIMULATOR
+from kernel_harness import Untouched, check_forward, examples, expected, poison_outputs  # noqa: F401 (fixture)
+from reference import varlen
+
+PAGE = 16                     # the smallest page the kernel takes (decode.KEY_ALIGN)
+MAX_ROWS_DENSE = 24 if SIMULATOR else 700
+
+
+@dataclasses.dataclass
+class Case:
+    q: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    k: np.ndarray | None
+    v: np.ndarray | None
+    cache_seqlens: object
+    block_table: np.ndarray | None
+    opts: dict
+    num_splits: int
+
+    def __repr__(self):
+        return (f"Case(q={self.q.dtype}{self.q.shape}, cache={self.k_cache.shape}, "
+                f"new={None if self.k is None else self.k.shape}, cache_seqlens={self.cache_seqlens!r}, "
+                f"paged={self.block_table is not None}, opts={ {k: (v if not isinstance(v, np.ndarray) else v.shape) for k, v in self.opts.items()} }, "
+                f"num_splits={self.num_splits})")
+
+
+@st.composite
+def cases(draw, dtypes=(np.float32, np.float16), paged=None, append=None, options=("causal", "window_size",
+          "softcap", "alibi_slopes", "softmax_scale")):
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    batch = draw(st.integers(1, 2))
+    nheads_k = draw(st.integers(1, 2))
+    group = draw(st.sampled_from((1, 2, 3)))
+    nheads = nheads_k * group
+    headdim = draw(st.sampled_from((2, 4, 6, 8) if dtype == np.float16 else (1, 3, 4, 8)))
+    seqlen_q = draw(st.integers(1, 3))
+    is_paged = draw(st.booleans()) if paged is None else paged
+    if is_paged:
+        per_seq = draw(st.integers(1, 2))
+        capacity = per_seq * PAGE
+    else:
+        capacity = draw(st.integers(1, MAX_ROWS_DENSE))
+    seqlen_new = draw(st.integers(1, min(3, capacity))) if (draw(st.booleans()) if append is None else append) else 0
+    lens = np.array([draw(st.integers(0, capacity - seqlen_new)) for _ in range(batch)], np.int32)
+    form = draw(st.sampled_from(("array", "int", "none")))
+    if form == "int":
+        lens[:] = lens[0]
+        cache_seqlens = int(lens[0])
+    elif form == "none":
+        lens[:] = capacity - seqlen_new
+        cache_seqlens = None
+    else:
+        cache_seqlens = lens
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    qscale = draw(st.sampled_from((1.0, 4.0)))
+    q = (rng.standard_normal((batch, seqlen_q, nheads, headdim)) * qscale).astype(dtype)
+    if is_paged:
+        num_pages = batch * per_seq + draw(st.integers(0, 2))                  # spare pages nobody uses
+        table = rng.permutation(num_pages)[:batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+        shape = (num_pages, PAGE, nheads_k, headdim)
+    else:
+        table = None
+        shape = (batch, capacity, nheads_k, headdim)
+    k_cache, v_cache = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    k = v = None
+    if seqlen_new:
+        k, v = (rng.standard_normal((batch, seqlen_new, nheads_k, headdim)).astype(dtype) for _ in range(2))
+    opts = {}
+    for name in draw(st.lists(st.sampled_from(options), unique=True, max_size=3)):
+        if name == "causal":
+            opts["causal"] = True
+        elif name == "window_size":
+            opts["window_size"] = (draw(st.integers(-1, 6)), draw(st.integers(-1, 3)))
+        elif name == "softcap":
+            opts["softcap"] = draw(st.sampled_from((0.5, 3.0)))
+        elif name == "alibi_slopes":
+            opts["alibi_slopes"] = rng.uniform(0.05, 1.0, (batch, nheads) if draw(st.booleans()) else (nheads,))
+        elif name == "softmax_scale":
+            opts["softmax_scale"] = draw(st.sampled_from((0.3, -0.7)))
+    num_splits = draw(st.sampled_from((0, 1, 2, 3)))
+    return Case(q, k_cache, v_cache, k, v, cache_seqlens, table, opts, num_splits)
+
+
+def _per_sequence_opts(opts, b):
+    o = dict(opts)
+    if "alibi_slopes" in o and np.ndim(o["alibi_slopes"]) == 2:
+        o["alibi_slopes"] = o["alibi_slopes"][b]
+    return o
+
+
+def _prefix(cache, table, b, n):
+    if table is None:
+        return cache[b, :n]
+    return varlen._pages(cache, table, b, n)
+
+
+def check_case(c: Case):
+    """One call against the oracle: out and lse per sequence (kernel_harness's bounds), caches bit-exact."""
+    oracle_lens = (np.full(c.q.shape[0], c.cache_seqlens, np.int32) if isinstance(c.cache_seqlens, int)
+                   else c.cache_seqlens)                      # the oracle takes an array (or None)
+    want_out, want_lse, want_kc, want_vc = varlen.attention_with_kvcache(
+        c.q, c.k_cache, c.v_cache, c.k, c.v, oracle_lens, c.block_table, **c.opts)
+    kc, vc = c.k_cache.copy(), c.v_cache.copy()
+    with Untouched(c.q, c.k, c.v, c.block_table, c.cache_seqlens, c.opts):
+        out, lse = flashnb.flash_attn_with_kvcache(c.q, kc, vc, c.k, c.v, cache_seqlens=c.cache_seqlens,
+                                                   block_table=c.block_table, num_splits=c.num_splits,
+                                                   return_softmax_lse=True, **c.opts)
+    np.testing.assert_array_equal(kc, want_kc, err_msg="k_cache after the append")
+    np.testing.assert_array_equal(vc, want_vc, err_msg="v_cache after the append")
+    assert out.shape == c.q.shape and out.dtype == c.q.dtype
+    assert lse.shape == (c.q.shape[0], c.q.shape[2], c.q.shape[1]) and lse.dtype == np.float32
+    batch, seqlen_q = c.q.shape[:2]
+    seqlen_new = 0 if c.k is None else c.k.shape[1]
+    capacity = c.k_cache.shape[1] * (1 if c.block_table is None else c.block_table.shape[1])
+    lens = np.broadcast_to(capacity - seqlen_new if c.cache_seqlens is None else np.asarray(c.cache_seqlens), (batch,))
+    for b in range(batch):
+        n = int(lens[b]) + seqlen_new
+        kb, vb = _prefix(want_kc, c.block_table, b, n), _prefix(want_vc, c.block_table, b, n)
+        p = S.Problem(c.q[b:b + 1], kb[None], vb[None], np.ones_like(c.q[b:b + 1]), _per_sequence_opts(c.opts, b), 1, 1)
+        exp = expected(p, backward=False)
+        np.testing.assert_array_equal(exp.out, want_out[b:b + 1])      # the harness's oracle is the KV-cache oracle's
+        check_forward(exp, out[b:b + 1], lse[b:b + 1], what=f"sequence {b} of {c!r}: ")
+
+
+@settings(max_examples=examples(14, 40))
+@given(c=cases())
+def test_kvcache_matches_oracle(c):
+    """Dense or paged, appended or not, any split count: out/lse within the harness bounds, caches exact."""
+    check_case(c)
+
+
+@settings(max_examples=examples(4, 15))
+@given(c=cases(paged=True, append=True, options=("causal",)))
+def test_paged_append_across_pages(c):
+    """Appends that may cross a page boundary, pages in random order with spare pages."""
+    check_case(c)
+
+
+def _decode_case(dtype=np.float32, batch=2, nheads=4, nheads_k=2, headdim=4, rows=20, lens=(0, 13), new=0,
+                 seed=0, paged=False):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, 1, nheads, headdim)).astype(dtype)
+    table = None
+    if paged:
+        per = -(-rows // PAGE)
+        table = np.arange(batch * per, dtype=np.int32).reshape(batch, per)[:, ::-1].copy()
+        shape = (batch * per, PAGE, nheads_k, headdim)
+    else:
+        shape = (batch, rows, nheads_k, headdim)
+    kc, vc = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    k = v = None
+    if new:
+        k, v = (rng.standard_normal((batch, new, nheads_k, headdim)).astype(dtype) for _ in range(2))
+    return Case(q, kc, vc, k, v, np.array(lens, np.int32), table, {}, 0)
+
+
+def test_empty_cache_rows_see_nothing():
+    """A sequence with no cached rows and no append: out 0, lse -inf (the other sequence is normal)."""
+    c = _decode_case(lens=(0, 13))
+    for splits in (1, 2):
+        c.num_splits = splits
+        check_case(c)
+    out, lse = flashnb.flash_attn_with_kvcache(c.q, c.k_cache, c.v_cache, cache_seqlens=c.cache_seqlens,
+                                               return_softmax_lse=True)
+    assert np.all(out[0] == 0) and np.all(np.isneginf(lse[0])) and np.all(np.isfinite(lse[1]))
+
+
+def test_window_masks_a_whole_split():
+    """A window that leaves the first split of every row empty: its (0, -inf) partial must not disturb the merge."""
+    c = _decode_case(lens=(20, 17), rows=24)
+    c.opts = dict(window_size=(3, 0))
+    c.num_splits = 2
+    check_case(c)
+
+
+def test_untouched_cache_rows_keep_nan():
+    """Rows past cache_seqlens + seqlen_new are never read: NaN there changes nothing."""
+    c = _decode_case(lens=(5, 9), rows=16, new=2, paged=True)
+    for cache in (c.k_cache, c.v_cache):
+        cache[0, 7:] = np.nan        # page 0: sequence 0's rows, 5 cached + 2 appended
+        cache[1, 11:] = np.nan       # page 1: sequence 1's rows, 9 cached + 2 appended
+    check_case(c)
+
+
+def test_split_count_choice():
+    """flash-attn's heuristic: no split when the blocks fill the GPU, else enough splits for >= 85% wave
+    efficiency; the splits cover every key in multiples of 16."""
+    assert kvcache.num_splits_heuristic(220, 264, 256) == 1                # >= 0.8 x the slots
+    assert kvcache.num_splits_heuristic(128, 264, 256) == 2              # the issue's shape on an H100: 256 blocks
+    assert kvcache.num_splits_heuristic(16, 264, 256) >= 13
+    assert kvcache.num_splits_heuristic(1, 264, 3) == 3                 # bounded by the key blocks
+    for n_max in (1, 15, 16, 17, 100, 4096, 32768):
+        for splits in (0, 1, 3, 7, 200):
+            p = kvcache.plan_decode("float16", 2, 8, 4, 1, 128, n_max, True, splits, slots=264)
+            assert p.split_len % 16 == 0 and p.n_splits * p.split_len >= n_max
+            assert (p.n_splits - 1) * p.split_len < max(n_max, 1)       # no split starts past the keys
+            assert p.rows == 4 and p.n_row_tiles == 1
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _bad(**changes):
+    c = _decode_case(new=1, paged=True, rows=32, lens=(3, 30))
+    args = dict(q=c.q, k_cache=c.k_cache, v_cache=c.v_cache, k=c.k, v=c.v, cache_seqlens=c.cache_seqlens,
+                block_table=c.block_table)
+    args.update(changes)
+    return args
+
+
+BAD = [
+    ("cache_seqlens", ValueError, dict(cache_seqlens=np.array([3, 32], np.int32))),       # 32 + 1 > 32 rows
+    ("cache_seqlens", ValueError, dict(cache_seqlens=np.array([-1, 3], np.int32))),
+    ("cache_seqlens", TypeError, dict(cache_seqlens=np.array([3, 3], np.int64))),
+    ("cache_seqlens", ValueError, dict(cache_seqlens=np.array([3], np.int32))),
+    ("cache_seqlens", ValueError, dict(cache_seqlens=40)),
+    ("block_table", ValueError, dict(block_table=np.array([[0, 1], [9, 2]], np.int32))),  # page 9 of 4
+    ("block_table", ValueError, dict(block_table=np.array([[0, 1], [-1, 2]], np.int32))),
+    ("block_table", TypeError, dict(block_table=np.array([[0, 1], [3, 2]], np.int64))),
+    ("block_table", ValueError, dict(block_table=np.array([[0, 1, 2, 3]], np.int32))),
+    ("page size", ValueError, dict(k_cache=np.zeros((8, 8, 2, 4), np.float32), v_cache=np.zeros((8, 8, 2, 4), np.float32))),
+    ("k and v", ValueError, dict(v=None)),
+    ("dtype", TypeError, dict(q=np.zeros((2, 1, 4, 4), np.float64))),
+    ("head dim", ValueError, dict(q=np.zeros((2, 1, 4, 8), np.float32))),
+    ("multiple", ValueError, dict(q=np.zeros((2, 1, 3, 4), np.float32))),
+    ("num_splits", ValueError, dict(num_splits=-1)),
+    ("k must have shape", ValueError, dict(k=np.zeros((2, 1, 1, 4), np.float32), v=np.zeros((2, 1, 1, 4), np.float32))),
+]
+
+
+@pytest.mark.parametrize("match, error, changes", BAD, ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(BAD)])
+def test_bad_input_is_refused_before_any_launch(match, error, changes):
+    args = _bad(**changes)
+    before = [np.array(a, copy=True) for a in (args["k_cache"], args["v_cache"])]
+    with pytest.raises(error, match=match):
+        flashnb.flash_attn_with_kvcache(**args)
+    for a, b in zip((args["k_cache"], args["v_cache"]), before):
+        np.testing.assert_array_equal(a, b, err_msg="a refused call wrote the cache")
+
+
+def test_seqlens_past_touched_pages_are_not_checked():
+    """Only the pages a sequence touches are checked: a garbage entry past them is allowed (as flash-attn)."""
+    c = _decode_case(paged=True, rows=32, lens=(3, 5))
+    c.block_table[:, 1] = 99
+    check_case(c)
+
+
+def test_odd_head_dim_float16_refused():
+    q = np.zeros((1, 1, 1, 3), np.float16)
+    cache = np.zeros((1, 4, 1, 3), np.float16)
+    with pytest.raises(ValueError, match="even"):
+        flashnb.flash_attn_with_kvcache(q, cache, cache)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_torch_decode_long_cache(dtype, paged):
+    """PyTorch CUDA tensors, the issue's head layout (8 KV heads, 4 query heads each, d = 128), 3000-4100 cached
+    keys, one new token appended, automatic splits: out against the oracle in float64 within flash-attn's rule."""
+    import torch
+    from kernel_harness import round_bf16
+    tdt = getattr(torch, dtype)
+    rng = np.random.default_rng(1)
+    batch, nheads, nheads_k, d, page = 2, 32, 8, 128, 256
+    lens = np.array([3000, 4095], np.int32)
+    capacity = 4352
+    q = rng.standard_normal((batch, 1, nheads, d)).astype(np.float32)
+    kn, vn = (rng.standard_normal((batch, 1, nheads_k, d)).astype(np.float32) for _ in range(2))
+    if paged:
+        per = capacity // page
+        table = rng.permutation(batch * per).reshape(batch, per).astype(np.int32)
+        shape = (batch * per, page, nheads_k, d)
+    else:
+        table, shape = None, (batch, capacity, nheads_k, d)
+    kc, vc = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    rnd = (lambda x: x.astype(np.float16).astype(np.float32)) if dtype == "float16" else round_bf16
+    q, kn, vn, kc, vc = (rnd(x) for x in (q, kn, vn, kc, vc))
+    dev = lambda x: torch.from_numpy(x).to("cuda", tdt)
+    tkc, tvc = dev(kc), dev(vc)
+    out, lse = flashnb.flash_attn_with_kvcache(dev(q), tkc, tvc, dev(kn), dev(vn), torch.from_numpy(lens).cuda(),
+                                               None if table is None else torch.from_numpy(table).cuda(),
+                                               causal=True, return_softmax_lse=True)
+    torch.cuda.synchronize()
+    want_out, want_lse, want_kc, _ = varlen.attention_with_kvcache(q, kc, vc, kn, vn, lens, table, causal=True)
+    np.testing.assert_array_equal(tkc.float().cpu().numpy(), want_kc)
+    got = out.float().cpu().numpy()
+    err = np.max(np.abs(got - want_out))
+    low = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[dtype] * np.max(np.abs(want_out))
+    assert err <= 4 * low, f"max |kernel - oracle| = {err:.3g}, 4 half-ulps of the output = {4 * low:.3g}"
+    np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=1e-4, rtol=0)
