@@ -82,7 +82,7 @@ def ring_attention_backward(dout_shards, q_shards, k_shards, v_shards, out_shard
     f64 = [[np.asarray(x, np.float64) for x in xs]
            for xs in (dout_shards, q_shards, k_shards, v_shards, out_shards, lse_shards)]
     dout_shards, q_shards, k_shards, v_shards, out_shards, lse_shards = f64
-    nheads, d = q_shards[0].shape[2], q_shards[0].shape[3]
+    d = q_shards[0].shape[3]
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
     dqs = [np.zeros(q.shape) for q in q_shards]
     # acc[r] is the (dk, dv) accumulator rank r holds: at step t it belongs to shard (r - t) mod P

@@ -1,0 +1,213 @@
+"""Ring attention on ``torch.distributed``: the autograd function, the ring loops, one block's kernels
+(the package docstring, ``flashnb.distributed``, says what it computes and how to call it)."""
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import api
+from ._schedule import LAYOUTS, block, positions
+
+__all__ = ["ring_attention", "shard", "unshard"]
+
+
+def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout="zigzag", return_lse=False,
+                   backend="auto"):
+    """This rank's rows of ``attention(q_full, k_full, v_full)`` for a sequence sharded over the ranks of
+    ``group`` (default: the whole world), differentiable in q, k, v.
+
+    q ``(batch, L, nheads, headdim)``, k and v ``(batch, L, nheads_k, headdim)``: this rank's ``L`` rows of the
+    sequence in ``layout`` (``shard`` makes them). Every rank passes the same shapes, dtype and options.
+    causal: query position ``i`` sees key position ``j <= i`` (global positions; queries and keys are the
+    same sequence). Returns ``out`` like q, or ``(out, lse)`` with lse ``(batch, nheads, L)`` float32
+    (float64 for float64 inputs).
+    """
+    world, rank = _ring_of(group)
+    _check(q, k, v, layout, world, causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    settings = (group, world, rank, layout, bool(causal), scale, backend)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _RingAttention.apply(q, k, v, settings)
+    else:
+        with torch.no_grad():
+            out, lse = _ring_forward(q, k, v, *settings)
+    return (out, lse) if return_lse else out
+
+
+def shard(x, group=None, layout="zigzag", dim=1):
+    """This rank's rows (along ``dim``) of the full tensor ``x``, in ``layout``; a contiguous copy."""
+    world, rank = _ring_of(group)
+    _check_layout(layout)
+    n = x.shape[dim]
+    if n % (world * (2 if layout == "zigzag" else 1)):
+        raise ValueError(f"x.shape[{dim}] = {n} must be a multiple of {2 if layout == 'zigzag' else 1} x the "
+                         f"world size {world} for the {layout} layout")
+    index = torch.tensor(positions(layout, rank, world, n // world), device=x.device)
+    return x.index_select(dim, index).contiguous()
+
+
+def unshard(x, group=None, layout="zigzag", dim=1):
+    """The full tensor from every rank's shard ``x`` (``all_gather``, rows put back in order)."""
+    world, _ = _ring_of(group)
+    _check_layout(layout)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    n = x.shape[dim]
+    order = np.argsort(np.concatenate([positions(layout, r, world, n) for r in range(world)]))
+    return torch.cat(parts, dim=dim).index_select(dim, torch.as_tensor(order, device=x.device))
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _ring_of(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("flashnb.distributed needs torch.distributed initialised (dist.init_process_group)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _check(q, k, v, layout, world, causal):
+    _check_layout(layout)
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d torch.Tensor (batch, seqlen, nheads, headdim)")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be one sequence's "
+                         "shards: one batch, one length, one head dim, k and v alike")
+    if causal and layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"the zigzag layout holds two chunks per rank: the shard length {q.shape[1]} must be even")
+    if world < 1:
+        raise ValueError("the process group is empty")
+
+
+# ------------------------------------------------------------------------------------------------ the ring
+def _exchange(tensors, group, world, rank):
+    """Start sending ``tensors`` to the next rank and receiving their like from the previous one:
+    ``(requests, received)``."""
+    received = [torch.empty_like(t) for t in tensors]
+    nxt, prev = _global_rank(group, (rank + 1) % world), _global_rank(group, (rank - 1) % world)
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prev, group) for r in received]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _global_rank(group, group_rank):
+    """P2POp takes peers by their rank in the world."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _wait(requests):
+    for r in requests:
+        r.wait()
+
+
+def _acc_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _ring_forward(q, k, v, group, world, rank, layout, causal, scale, backend):
+    """``(out, lse)`` of this rank's queries over every shard, merged step by step (``reference.ring``)."""
+    acc = _acc_dtype(q)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
+    kv = (k, v)
+    for step in range(world):
+        pending = _exchange(kv, group, world, rank) if step < world - 1 else None
+        rows = block(layout, causal, rank, (rank - step) % world, q.shape[1])
+        if rows is not None:
+            qs, ks, block_causal = rows
+            o, l = _attend(q[:, qs], kv[0][:, ks], kv[1][:, ks], block_causal, scale, backend)
+            _merge(out[:, qs], lse[:, :, qs], o, l)
+        if pending is not None:
+            _wait(pending[0])
+            kv = tuple(pending[1])
+    return out.to(q.dtype), lse
+
+
+def _merge(out, lse, o, l):
+    """``(out, lse) <- combine((out, lse), (o, l))`` in place (``reference.combine_splits`` for two parts)."""
+    new = torch.logaddexp(lse, l.to(lse.dtype))
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)       # rows nothing has reached yet
+    weight = lambda x: torch.exp(x - safe).transpose(1, 2).unsqueeze(-1)    # noqa: E731  (b, h, L) -> (b, L, h, 1)
+    out.mul_(weight(lse)).add_(o.to(out.dtype) * weight(l.to(lse.dtype)))
+    lse.copy_(new)
+
+
+def _ring_backward(dout, q, k, v, out, lse, group, world, rank, layout, causal, scale, backend):
+    """``(dq, dk, dv)``: each step's share from the final ``lse``; dK/dV accumulate while travelling with their
+    shard, one last hop brings them home (``reference.ring.ring_attention_backward``)."""
+    acc = _acc_dtype(q)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv, dkv, incoming = (k, v), None, None
+    for step in range(world):
+        pending = _exchange(kv, group, world, rank) if step < world - 1 else None
+        rows = block(layout, causal, rank, (rank - step) % world, q.shape[1])
+        shares = None
+        if rows is not None:
+            qs, ks, block_causal = rows
+            shares = _attend_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
+                                      lse[:, :, qs].contiguous(), block_causal, scale, backend)
+            dq[:, qs] += shares[0]
+        if incoming is None:
+            dkv = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]
+        else:
+            _wait(incoming[0])
+            dkv = incoming[1]
+        if shares is not None:
+            dkv[0][:, ks] += shares[1]
+            dkv[1][:, ks] += shares[2]
+        incoming = _exchange(dkv, group, world, rank) if world > 1 else ([], dkv)
+        if pending is not None:
+            _wait(pending[0])
+            kv = tuple(pending[1])
+    _wait(incoming[0])
+    dk, dv = incoming[1]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, settings):
+        out, lse = _ring_forward(q, k, v, *settings)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = settings
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.settings)
+        return dq, dk, dv, None
+
+
+# ------------------------------------------------------------------------------------------------ one block
+def _attend(q, k, v, causal, scale, backend):
+    """flashnb's forward of one block: ``(out, lse)`` (CPU tensors through NumPy, in the simulator)."""
+    if q.is_cuda:
+        return api.flash_attention(q, k, v, softmax_scale=scale, causal=causal, return_lse=True, backend=backend)
+    out, lse = api.flash_attention(*_numpy(q, k, v), softmax_scale=scale, causal=causal, return_lse=True,
+                                   backend=backend)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+def _attend_backward(dout, q, k, v, out, lse, causal, scale, backend):
+    """flashnb's backward of one block, from the final ``out`` and ``lse``: ``(dq, dk, dv)`` of the block."""
+    if q.is_cuda:
+        return api.flash_attention_backward(dout, q, k, v, out, lse.to(_acc_dtype(q)), softmax_scale=scale,
+                                            causal=causal, backend=backend)
+    grads = api.flash_attention_backward(*_numpy(dout, q, k, v, out), lse.to(_acc_dtype(q)).numpy(),
+                                         softmax_scale=scale, causal=causal, backend=backend)
+    return tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in grads)
+
+
+def _numpy(*tensors):
+    return tuple((t.detach().float() if t.dtype == torch.bfloat16 else t.detach()).numpy() for t in tensors)

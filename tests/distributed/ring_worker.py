@@ -1,0 +1,58 @@
+"""One rank of the gloo ring-attention check (tests/distributed/test_ring_gloo.py starts P of them).
+
+Every rank draws the same full q, k, v, dout from the seed, runs ``flashnb.distributed.ring_attention`` on its
+shard (CPU tensors: flashnb's kernels through NumPy, in the simulator where there is no GPU), and checks its
+rows of out, lse, dq, dk, dv against the float64 oracle of the whole sequence (``reference.attention`` /
+``attention_backward``), float32 inputs, a relative bound. Exit status 0 = every case passed on this rank.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import reference
+from flashnb.distributed import ring_attention, shard, unshard
+
+
+def check(case, seed, rank, world):
+    rng = np.random.default_rng(seed)
+    batch, seqlen, nheads, nheads_k, d = 1, case["seqlen"], case["nheads"], case["nheads_k"], case["headdim"]
+    q = rng.standard_normal((batch, seqlen, nheads, d)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, seqlen, nheads_k, d)).astype(np.float32) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    scale = float(rng.uniform(0.3, 1.0))
+    causal, layout = case["causal"], case["layout"]
+    want = reference.attention(q, k, v, causal=causal, softmax_scale=scale)
+    want_grads = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
+
+    cut = lambda x: shard(torch.from_numpy(x), layout=layout)                          # noqa: E731
+    qs, ks, vs = (cut(x).requires_grad_() for x in (q, k, v))
+    out, lse = ring_attention(qs, ks, vs, causal=causal, softmax_scale=scale, layout=layout, return_lse=True)
+    out.backward(cut(dout))
+    got = {"out": unshard(out.detach(), layout=layout), "lse": unshard(lse, layout=layout, dim=2),
+           "dq": unshard(qs.grad, layout=layout), "dk": unshard(ks.grad, layout=layout),
+           "dv": unshard(vs.grad, layout=layout)}
+    for name, ref in zip(("out", "lse", "dq", "dk", "dv"), (want[0], want[1]) + tuple(want_grads)):
+        g = got[name].numpy().astype(np.float64)
+        err = np.max(np.abs(g - ref)) / max(np.max(np.abs(ref)), 1e-30)
+        # float32 inputs and float32 accumulation over a few dozen terms: a few ulps of float32 relative to the
+        # largest entry (the kernels' own bound for float32 in tests/kernel_harness.py is of this order)
+        assert err < 2e-5, f"rank {rank}/{world} {case} seed {seed}: {name} relative error {err:.2e}"
+
+
+def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seed, cases = int(sys.argv[1]), json.loads(sys.argv[2])
+    try:
+        for i, case in enumerate(cases):
+            check(case, seed + i, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""flashnb.distributed.ring_attention end to end on CPU ranks: P processes joined by torch.distributed's gloo
+backend, each running flashnb's kernels (in the simulator where there is no GPU) on its shard, forward and
+backward, checked against the float64 oracle of the whole sequence (tests/distributed/ring_worker.py).
+The NCCL runs on GPUs are recorded in bench/results/ (python -m flashnb.distributed.bench)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="flashnb.distributed is built on torch.distributed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "distributed", "ring_worker.py")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ring(world, cases, timeout=240):
+    seed = int(np.random.default_rng().integers(0, 2**31))       # fresh data every run; the seed is reported
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, WORKER, str(seed), json.dumps(cases)], cwd=ROOT,
+                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outputs)) if p.returncode != 0]
+    assert not failed, f"seed {seed}: " + "\n".join(f"rank {r}:\n{o[-3000:]}" for r, o in failed)
+
+
+def test_two_ranks_every_layout_causal_and_gqa():
+    _run_ring(2, [dict(seqlen=16, nheads=2, nheads_k=2, headdim=8, causal=True, layout="zigzag"),
+                  dict(seqlen=16, nheads=2, nheads_k=1, headdim=8, causal=True, layout="contiguous"),
+                  dict(seqlen=12, nheads=2, nheads_k=1, headdim=8, causal=False, layout="zigzag")])
+
+
+def test_three_ranks_zigzag_causal():
+    _run_ring(3, [dict(seqlen=24, nheads=2, nheads_k=1, headdim=8, causal=True, layout="zigzag")])
