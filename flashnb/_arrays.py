@@ -178,9 +178,14 @@ def word_view(d):
     is not contiguous, a stride or base address that is not a multiple of 4 bytes.
     """
     shape, strides = tuple(d.shape), tuple(d.strides)
+    words = shape[:-1] + (shape[-1] // 2,)
+    if 0 in shape and shape[-1] % 2 == 0:              # nothing is read from it (its strides may be anything)
+        if SIMULATOR:
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+            return FakeCUDAArray(np.empty(words, np.uint32))
+        return View(0, words, c_strides(words, 4), _U32, None)
     if shape[-1] % 2 or strides[-1] != 2:
         return None
-    words = shape[:-1] + (shape[-1] // 2,)
     # a size-1 dimension's stride is never used: any multiple of 4 will do
     wstrides = tuple(4 if n == 1 else s for n, s in zip(shape[:-1], strides[:-1])) + (4,)
     if any(s % 4 for s in wstrides):
@@ -189,8 +194,6 @@ def word_view(d):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         ary = d._ary
         return FakeCUDAArray(ary.view(np.uint32)) if ary.ctypes.data % 4 == 0 else None
-    if 0 in shape:
-        return View(0, words, c_strides(words, 4), _U32, None)          # nothing is read from it
     if d.ptr % 4:
         return None
     return View(d.ptr, words, wstrides, _U32, d.owner)
