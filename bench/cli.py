@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--full", action="store_true",
                       help="flash-attn's sweep: 24 shapes, every implementation and pass (about 17 min on an H100)")
     mode.add_argument("--io", action="store_true", help="only the IO-model table (with measured times on a GPU)")
+    mode.add_argument("--decode", action="store_true",
+                      help="only the KV-cache decode table (bench/decode.py: batch 16, 32 query heads over 8 KV heads, "
+                           "d 128, 4k-32k keys, dense and paged, against SDPA and the HBM bound; needs a GPU)")
+    w.add_argument("--decode-sweep", action="store_true", help=argparse.SUPPRESS)   # --decode's tuning rows
     mode.add_argument("--host", action="store_true",
                       help="only the host time of one call (tiny float16 shape, back-to-back calls; needs a GPU)")
     w.add_argument("--list", action="store_true", help="list the implementations and whether they can run here")
@@ -235,6 +239,9 @@ def _io_cases(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.decode:
+        from bench.decode import main as decode_main
+        return decode_main(sys.argv[1:] if argv is None else list(argv))
     if args.plot:
         from bench.report import matplotlib_missing
         missing = matplotlib_missing()

@@ -1,0 +1,246 @@
+"""``python -m bench --decode``: decoding over a KV cache (issue 23's shape) against SDPA and the HBM bound.
+
+The shape: batch 16, one query token, 32 query heads over 8 KV heads, head dim 128, float16, 4k-32k cached
+keys, dense caches and paged ones (page 256, pages in random order).  Rows:
+
+* ``flashnb``: ``flashnb.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=N)`` (an int: no
+  synchronising copy of a device ``cache_seqlens``), split count chosen by the heuristic; paged calls pass
+  ``block_table`` as a CUDA tensor, which the call copies to the host to check the pages (a sync per call);
+  ``flashnb (seqlens tensor)``: the dense call with ``cache_seqlens`` a CUDA int32 tensor (its host copy).
+* ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` under one backend, with the 4 query heads
+  of a KV group packed as 4 query rows of that KV head (``q (16, 8, 4, 128)`` against ``k, v (16, 8, N,
+  128)``, no causal mask: one query token sees every key), so K and V are read once, as flashnb reads them;
+  ``sdpa-flash gqa``: the plain layout with ``enable_gqa=True`` where the backend takes it.
+* ``flash-attn``: ``flash_attn.flash_attn_with_kvcache`` where the package is installed.
+* ``HBM bound``: the bytes of K and V read once, over 3.0e12 B/s (GPU.md's measured HBM rate).
+
+Two times per row: ``GPU`` (median over calls of CUDA events around one call, L2 flushed before each) and
+``per call`` (host time included: ``CALLS`` back-to-back calls, one synchronisation, wall time / calls: what a
+decode loop pays when the host cannot run ahead).  Without a GPU (the simulator) it prints why and stops.
+``--decode-sweep`` adds flashnb rows at fixed split counts and two lane layouts (tuning records).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import sys
+import time
+
+BATCH, NHEADS, NHEADS_K, HEADDIM, PAGE = 16, 32, 8, 128, 256
+SEQLENS = (4096, 8192, 16384, 32768)
+HBM_BYTES_PER_S = 3.0e12
+REPS, CALLS, WARMUP = 30, 50, 3
+
+
+def hbm_bound_us(seqlen, batch=BATCH, nheads_k=NHEADS_K, headdim=HEADDIM, itemsize=2):
+    """Microseconds to read K and V once at ``HBM_BYTES_PER_S``."""
+    return 2 * batch * seqlen * nheads_k * headdim * itemsize / HBM_BYTES_PER_S * 1e6
+
+
+def _gpu_us(torch, fn, flush, reps=REPS):
+    """Median GPU time of one call (CUDA events), L2 flushed before each."""
+    times = []
+    for _ in range(reps):
+        flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _per_call_us(torch, fn, calls=CALLS):
+    """Wall time per call of back-to-back calls, host time included (best of 3 runs)."""
+    best = math.inf
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def _max_err(a, b):
+    return float((a.float() - b.float()).abs().max())
+
+
+def run(torch, seqlens=SEQLENS, sweep=False, log=print):
+    """The decode table's records: dict(case, impl, gpu_us, call_us, vs_hbm, note)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashnb
+
+    flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = flush_buf.zero_
+    group = NHEADS // NHEADS_K
+    try:
+        import flash_attn
+        fa = flash_attn.flash_attn_with_kvcache
+    except Exception as exc:                                  # noqa: BLE001 - reported as a note
+        fa, fa_why = None, f"flash-attn not importable ({type(exc).__name__})"
+    records = []
+    g = torch.Generator(device="cuda")
+    for n in seqlens:
+        g.manual_seed(n)
+        q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
+        kc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
+        vc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
+        # SDPA's layout, (batch, heads, seqlen, dim), contiguous: the same values
+        k_sdpa, v_sdpa = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+        q_packed = q.view(BATCH, NHEADS_K, group, HEADDIM)     # (b, kv head, the group's heads as rows, d)
+        q_sdpa = q.transpose(1, 2)                             # (b, 32 heads, 1, d)
+        bound = hbm_bound_us(n)
+        k_new, v_new = kc[:, n - 1:].clone(), vc[:, n - 1:].clone()    # the last row appended again: same values
+        lens_t = torch.full((BATCH,), n, dtype=torch.int32, device="cuda")
+        per = n // PAGE
+        perm = torch.randperm(BATCH * per, device="cuda", generator=g)
+        table = perm.view(BATCH, per).to(torch.int32)
+        kp = torch.empty(BATCH * per, PAGE, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16)
+        vp = torch.empty_like(kp)
+        kp[perm] = kc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
+        vp[perm] = vc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
+
+        ref = F.scaled_dot_product_attention(q_packed.float(), k_sdpa.float(), v_sdpa.float()).view(
+            BATCH, 1, NHEADS, HEADDIM)
+        impls = [
+            ("flashnb", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n)),
+            ("flashnb (seqlens tensor)", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens_t)),
+            ("flashnb +append", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=n - 1)),
+            ("flashnb", "paged", lambda: flashnb.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=n, block_table=table)),
+        ]
+        if sweep:
+            for splits in (1, 4, 8, 16):
+                impls.append((f"flashnb splits={splits}", "dense",
+                              lambda s=splits: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n, num_splits=s)))
+        sdpa = F.scaled_dot_product_attention
+        impls.append(("sdpa-flash", "dense", lambda: sdpa(q_packed, k_sdpa, v_sdpa), SDPBackend.FLASH_ATTENTION))
+        impls.append(("sdpa-cudnn", "dense", lambda: sdpa(q_packed, k_sdpa, v_sdpa), SDPBackend.CUDNN_ATTENTION))
+        impls.append(("sdpa-flash gqa", "dense", lambda: sdpa(q_sdpa, k_sdpa, v_sdpa, enable_gqa=True),
+                      SDPBackend.FLASH_ATTENTION))
+        if fa is not None:
+            impls.append(("flash-attn", "dense", lambda: fa(q, kc, vc, cache_seqlens=lens_t)))
+            impls.append(("flash-attn", "paged", lambda: fa(q, kp, vp, cache_seqlens=lens_t, block_table=table)))
+        elif n == seqlens[0]:
+            log(f"# not measured: {fa_why}")
+        for name, layout, fn, *backend in impls:
+            rec = dict(seqlen_k=n, layout=layout, impl=name, hbm_bound_us=round(bound, 1))
+            try:
+                ctx = sdpa_kernel(backend[0]) if backend else contextlib.nullcontext()   # entered once, not per call
+                with ctx:
+                    _measure(torch, fn, name, ref, flush, rec)
+            except Exception as exc:                          # noqa: BLE001 - one row's failure, reported
+                rec["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            records.append(rec)
+            log(_row(rec))
+        del kc, vc, kp, vp, k_sdpa, v_sdpa
+        torch.cuda.empty_cache()
+    if sweep:
+        records += _lane_sweep(torch, flush, log)
+    _speedups(records)
+    return records
+
+
+def _measure(torch, fn, name, ref, flush, rec):
+    """One row: the error against the float32 reference, the GPU time and the per-call time."""
+    out = fn()
+    torch.cuda.synchronize()
+    if name.startswith("sdpa"):
+        out = out.transpose(1, 2) if "gqa" in name else out.reshape(ref.shape)
+    rec["max_err"] = _max_err(out, ref)
+    for _ in range(WARMUP):
+        fn()
+    rec["gpu_us"] = _gpu_us(torch, fn, flush)
+    rec["call_us"] = _per_call_us(torch, fn)
+    rec["gpu_vs_hbm"] = rec["gpu_us"] / rec["hbm_bound_us"]
+
+
+def _lane_sweep(torch, flush, log):
+    """flashnb at other lane layouts (keys per lane T, values per lane budget): 4k and 32k, dense."""
+    import flashnb
+    from flashnb import kvcache
+    out = []
+    saved = kvcache.KEYS_PER_LANE, kvcache.E_BUDGET
+    try:
+        for t, e in ((4, 64), (4, 32)):
+            kvcache.KEYS_PER_LANE, kvcache.E_BUDGET = t, e
+            for n in (4096, 32768):
+                q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device="cuda", dtype=torch.float16)
+                kc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16)
+                vc = torch.randn_like(kc)
+                fn = lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n)
+                rec = dict(seqlen_k=n, layout="dense", impl=f"flashnb T={t} E={e}", hbm_bound_us=round(hbm_bound_us(n), 1))
+                try:
+                    fn()
+                    rec["gpu_us"] = _gpu_us(torch, fn, flush)
+                    rec["gpu_vs_hbm"] = rec["gpu_us"] / rec["hbm_bound_us"]
+                except Exception as exc:                      # noqa: BLE001
+                    rec["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                out.append(rec)
+                log(_row(rec))
+                del kc, vc
+    finally:
+        kvcache.KEYS_PER_LANE, kvcache.E_BUDGET = saved
+    return out
+
+
+def _speedups(records):
+    """``vs sdpa-flash``: SDPA flash's GPU time over the row's, same seqlen (dense baseline for both layouts)."""
+    base = {r["seqlen_k"]: r.get("gpu_us") for r in records if r["impl"] == "sdpa-flash"}
+    for r in records:
+        if r.get("gpu_us") and base.get(r["seqlen_k"]):
+            r["vs_sdpa_flash"] = base[r["seqlen_k"]] / r["gpu_us"]
+
+
+def _fmt(x, spec):
+    return "" if x is None else format(x, spec)
+
+
+COLUMNS = (("seqlen_k", "N", "d"), ("layout", "cache", "s"), ("impl", "impl", "s"), ("gpu_us", "GPU us", ".1f"),
+           ("call_us", "per call us", ".1f"), ("hbm_bound_us", "HBM bound us", ".1f"),
+           ("gpu_vs_hbm", "GPU / bound", ".2f"), ("vs_sdpa_flash", "vs sdpa-flash", ".2f"),
+           ("max_err", "max |err|", ".1e"), ("note", "note", "s"))
+
+
+def _row(rec):
+    return "  ".join(f"{title}={_fmt(rec.get(key), spec)}" for key, title, spec in COLUMNS if rec.get(key) is not None)
+
+
+def table(records):
+    """A markdown table of the records."""
+    lines = ["| " + " | ".join(t for _, t, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in records:
+        lines.append("| " + " | ".join(_fmt(r.get(k), s) for k, _, s in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Entry of ``python -m bench --decode``; the simulator (no GPU) only says why nothing is timed."""
+    from bench import env
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if env.use_simulator_if_no_gpu():
+        print("bench --decode: no CUDA device (or NUMBA_ENABLE_CUDASIM=1): decode timings need a GPU; nothing "
+              "measured. The kernels' correctness runs in the simulator: pytest tests/kernels/test_kernel_kvcache.py")
+        return 0
+    import torch
+    sweep = "--decode-sweep" in argv
+    header = env.header(argv, {"name": torch.cuda.get_device_name(0), "driver": env.driver_version(),
+                               "cuda_driver": env.driver_cuda_version()}, simulator=False)
+    for k, v in header.items():
+        print(f"# {k}: {v}")
+    print(f"# shape: batch {BATCH}, seqlen_q 1, {NHEADS} query heads over {NHEADS_K} KV heads, head dim {HEADDIM}, "
+          f"float16; paged caches: page {PAGE}, pages in random order")
+    print(f"# GPU us: median of {REPS} calls, CUDA events, L2 flushed before each; per call us: {CALLS} back-to-back "
+          f"calls, one sync, best of 3 (host time included); HBM bound: K and V bytes / {HBM_BYTES_PER_S:.1e} B/s")
+    records = run(torch, sweep=sweep, log=lambda s: print("# " + s, flush=True))
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
