@@ -26,9 +26,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import api
+from . import api, varlen
 
-__all__ = ["flash_attn_func", "scaled_dot_product_attention", "sdpa_patched", "supports_sdpa_call"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "sdpa_patched",
+           "supports_sdpa_call"]
 
 
 # ------------------------------------------------------------------------------------------------ flash-attn
@@ -60,6 +61,45 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     out, lse = _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, softmax_scale, causal,
                           window_size[0], window_size[1], softcap, block_mask_size, dropout_p, deterministic,
                           backend)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, *, backend="auto"):
+    """flash-attn's ``flash_attn_varlen_func``: attention of each sequence of a packed batch on its own,
+    differentiable in q, k, v.
+
+    q ``(total_q, nheads, headdim)``, k and v ``(total_k, nheads_k, headdim)``; sequence ``b`` is rows
+    ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of q (int32 tensors of ``batch + 1`` entries; likewise
+    ``cu_seqlens_k``); ``max_seqlen_q``, ``max_seqlen_k``: ints at least every sequence's length.  causal and
+    window_size are aligned to each sequence's bottom-right corner; alibi_slopes ``(nheads,)`` or ``(batch,
+    nheads)``.  dropout_p must be 0 (packed dropout is not defined: ValueError).  ``cu_seqlens`` are read on
+    the host before the launch (``flashnb.varlen``): a synchronisation where they live on the GPU.
+
+    Returns ``out`` like q; with ``return_attn_probs``, ``(out, softmax_lse, None)`` (lse ``(nheads, total_q)``).
+    """
+    if not isinstance(return_attn_probs, bool):
+        raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p is not defined for packed (varlen) batches (pass 0.0), got {dropout_p!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if alibi_slopes is not None and isinstance(alibi_slopes, Tensor) and alibi_slopes.requires_grad \
+            and torch.is_grad_enabled():
+        raise ValueError("alibi_slopes requires grad, but flashnb computes no gradient for alibi_slopes; "
+                         "pass alibi_slopes.detach()")
+    args = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), alibi_slopes, float(softmax_scale),
+            bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), bool(deterministic), backend)
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.flashnb.varlen_forward(q, k, v, *args)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _FlashAttentionVarlen.apply(q, k, v, args)
+    else:
+        with torch.no_grad():
+            out, lse = _varlen_forward_impl(q, k, v, *args)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -236,6 +276,56 @@ def _backward_impl(dout, q, k, v, out, lse, attn_mask, attn_bias, alibi_slopes, 
     return tuple(_from_numpy(g, q.dtype) for g in grads)
 
 
+class _FlashAttentionVarlen(torch.autograd.Function):
+    """``flash_attn_varlen_func``'s eager path, as ``_FlashAttention``'s."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        out, lse = _varlen_forward_impl(q, k, v, *args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = args
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_varlen_backward_impl(dout, q, k, v, out, lse, *ctx.args), None)
+
+
+def _varlen_options(alibi_slopes, scale, causal, left, right, softcap):
+    return dict(softmax_scale=scale, causal=causal, window_size=(left, right), alibi_slopes=alibi_slopes,
+                softcap=softcap)
+
+
+def _varlen_forward_impl(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scale, causal, left, right, softcap,
+                         deterministic, backend):
+    opts = _varlen_options(alibi_slopes, scale, causal, left, right, softcap)
+    if q.is_cuda:
+        return varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, backend=backend,
+                                             **opts)
+    out, lse = varlen.flash_attn_varlen_func(*_numpy(q, k, v, cu_q, cu_k), max_q, max_k, return_lse=True,
+                                             backend=backend, **_numpy_options(opts))
+    return _from_numpy(out, q.dtype), torch.from_numpy(lse)
+
+
+def _varlen_backward_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes, scale, causal, left,
+                          right, softcap, deterministic, backend):
+    opts = _varlen_options(alibi_slopes, scale, causal, left, right, softcap)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if q.is_cuda:
+        return varlen.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, backend=backend,
+                                                 deterministic=deterministic, **opts)
+    grads = varlen.flash_attn_varlen_backward(*_numpy(dout, q, k, v, out), lse.detach().numpy(),
+                                              *_numpy(cu_q, cu_k), max_q, max_k, backend=backend,
+                                              deterministic=deterministic, **_numpy_options(opts))
+    return tuple(_from_numpy(g, q.dtype) for g in grads)
+
+
 # CPU tensors (tests without a GPU): NumPy copies; bfloat16 as float32
 def _numpy(*tensors):
     return tuple(t.detach().float().numpy() if t.dtype == torch.bfloat16 else t.detach().numpy() for t in tensors)
@@ -300,3 +390,44 @@ def _op_backward(ctx, dout, dlse):
 
 
 _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# flash_attn_varlen_func under torch.compile: the output shapes are q's and (nheads, total_q), whatever the
+# sequences' lengths, so the fake implementations need no data
+@torch.library.custom_op("flashnb::varlen_forward", mutates_args=())
+def _varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                       alibi_slopes: Optional[Tensor], scale: float, causal: bool, left: int, right: int,
+                       softcap: float, deterministic: bool, backend: str) -> tuple[Tensor, Tensor]:
+    return _varlen_forward_impl(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scale, causal, left, right, softcap,
+                                deterministic, backend)
+
+
+@_varlen_forward_op.register_fake
+def _(q, k, v, *args):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
+
+
+@torch.library.custom_op("flashnb::varlen_backward", mutates_args=())
+def _varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
+                        cu_k: Tensor, max_q: int, max_k: int, alibi_slopes: Optional[Tensor], scale: float,
+                        causal: bool, left: int, right: int, softcap: float, deterministic: bool,
+                        backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _varlen_backward_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes, scale, causal,
+                                 left, right, softcap, deterministic, backend)
+
+
+@_varlen_backward_op.register_fake
+def _(dout, q, k, v, out, lse, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_op_backward(ctx, dout, dlse):
+    if dout is None:
+        return (None,) * (3 + len(ctx.args))
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashnb.varlen_backward(dout, q, k, v, out, lse, *ctx.args)
+    return (dq, dk, dv) + (None,) * len(ctx.args)
+
+
+_varlen_forward_op.register_autograd(_varlen_op_backward, setup_context=_setup_context)

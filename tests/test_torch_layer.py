@@ -90,3 +90,35 @@ def test_custom_ops_trace_without_graph_breaks():
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+
+
+def test_flash_attn_varlen_func_packed_sequences_and_gradients():
+    """flash-attn's varlen layout: each packed sequence attended on its own (bottom-right causal per sequence,
+    an empty sequence in the middle), out and lse against reference.attention_varlen, gradients against its
+    backward; under torch.compile the same through the flashnb::varlen_* custom ops."""
+    torch.manual_seed(4)
+    cu_q, cu_k = torch.tensor([0, 3, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 6, 8], dtype=torch.int32)
+    q, k, v = rnd(7, 2, 6), rnd(8, 1, 6), rnd(8, 1, 6)
+    dout = torch.randn(7, 2, 6, dtype=torch.float64)
+    out, lse, probs = ft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, causal=True, softcap=2.0,
+                                                return_attn_probs=True)
+    assert probs is None and lse.shape == (2, 7)
+    host = [x.detach().numpy() for x in (q, k, v)]
+    opts = dict(causal=True, softcap=2.0, softmax_scale=1 / math.sqrt(6))
+    want, want_lse = reference.attention_varlen(*host, cu_q.numpy(), cu_k.numpy(), **opts)
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-12, atol=1e-12)
+    want_grads = reference.attention_varlen_backward(dout.numpy(), *host, cu_q.numpy(), cu_k.numpy(), **opts)
+    for g, w in zip(grads(out, (q, k, v), dout), want_grads):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-10, atol=1e-12)
+
+    def loss(q, k, v):
+        return (ft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, causal=True, softcap=2.0) * dout).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    for g, w in zip(torch.autograd.grad(compiled(q, k, v), (q, k, v)), want_grads):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="dropout_p is not defined for packed"):
+        ft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, dropout_p=0.1)
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        ft.flash_attn_varlen_func(q, k, v, torch.tensor([0, 4, 3, 7], dtype=torch.int32), cu_k, 4, 5)
