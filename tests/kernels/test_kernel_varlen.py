@@ -298,3 +298,48 @@ def test_varlen_no_sequences_and_no_rows():
         assert out.shape == (0, 2, 4) and lse.shape == (2, 0)
         grads = flashnb.flash_attn_varlen_backward(q, q, q[:, :1], q[:, :1], out, lse, cu, cu, 0, 0)
         assert [g.shape for g in grads] == [(0, 2, 4), (0, 1, 4), (0, 1, 4)]
+
+
+# ------------------------------------------------------------------------------------------------ GPU, PyTorch
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_varlen_torch_cuda_each_sequence_is_its_dense_call_bit_for_bit(dtype_name, causal, headdim):
+    """On CUDA tensors (the tensor-core kernels, as training would call them): every sequence of a packed batch
+    of random lengths (one empty) gives the same bits as flash_attention on that sequence alone (out, lse, dK,
+    dV; dQ, summed with atomics in either order, within the float32 accumulator's rounding of the output), and
+    flashnb.torch.flash_attn_varlen_func's gradients are the backward's."""
+    torch = pytest.importorskip("torch")
+    import flashnb.torch as ft
+    gen = torch.Generator(device="cuda").manual_seed(headdim + causal)
+    dtype = getattr(torch, dtype_name)
+    lens_q = [700, 0, 1, 129, 1024, 77]
+    lens_k = [700, 5, 300, 129, 1100, 77]
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), 8, headdim, device="cuda", dtype=dtype, generator=gen, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, headdim, device="cuda", dtype=dtype, generator=gen, requires_grad=True)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+    out, lse, _ = ft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                            return_attn_probs=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    grads = flashnb.flash_attn_varlen_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, cu_q,
+                                               cu_k, max(lens_q), max(lens_k), causal=causal)
+    for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+        assert torch.equal(a, b) or name == "dq", f"{name}: the torch layer's gradient is not the backward's"
+    for b in range(len(lens_q)):
+        sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        sk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lens_q[b] == 0:
+            assert torch.all(dk[sk] == 0) and torch.all(dv[sk] == 0), f"sequence {b}: no queries, dK, dV must be 0"
+            continue
+        qs, ks, vs = (x.detach()[s][None] for x, s in ((q, sq), (k, sk), (v, sk)))
+        o, l = flashnb.flash_attention(qs, ks, vs, causal=causal, return_lse=True)
+        g = flashnb.flash_attention_backward(dout[sq][None], qs, ks, vs, o, l, causal=causal)
+        assert torch.equal(out.detach()[sq], o[0]), f"sequence {b}: out differs from its dense call"
+        assert torch.equal(lse[:, sq], l[0]), f"sequence {b}: lse differs from its dense call"
+        assert torch.equal(dk[sk], g[1][0]) and torch.equal(dv[sk], g[2][0]), f"sequence {b}: dK/dV differ"
+        tol = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+        torch.testing.assert_close(dq[sq], g[0][0], rtol=tol, atol=tol * float(g[0].abs().max()))
