@@ -42,6 +42,7 @@ examples:
   python -m bench --format json --output run.json --plot run.png
   python -m bench --io                              # only the IO-model table (measured on a GPU)
   python -m bench --host                            # only the host time of one call (tiny shape, launch path)
+  python -m bench --varlen                          # only the packed-batch table (varlen vs dense vs padded)
   python -m bench --list                            # which implementations this machine can run
 """
 
@@ -148,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="only the KV-cache decode table (bench/decode.py: batch 16, 32 query heads over 8 KV heads, "
                            "d 128, 4k-32k keys, dense and paged, against SDPA and the HBM bound; needs a GPU)")
     w.add_argument("--decode-sweep", action="store_true", help=argparse.SUPPRESS)   # --decode's tuning rows
+    mode.add_argument("--varlen", action="store_true",
+                      help="only the packed-batch (varlen) table (bench/varlen.py: random lengths, 16k tokens, d 64 "
+                           "and 128, causal or not, fwd and fwd+bwd, against the dense kernels on the same tokens and "
+                           "padding to the longest with flashnb and SDPA flash; needs a GPU)")
     mode.add_argument("--host", action="store_true",
                       help="only the host time of one call (tiny float16 shape, back-to-back calls; needs a GPU)")
     w.add_argument("--list", action="store_true", help="list the implementations and whether they can run here")
@@ -242,6 +247,9 @@ def main(argv=None) -> int:
     if args.decode:
         from bench.decode import main as decode_main
         return decode_main(sys.argv[1:] if argv is None else list(argv))
+    if args.varlen:
+        from bench.varlen import main as varlen_main
+        return varlen_main(sys.argv[1:] if argv is None else list(argv))
     if args.plot:
         from bench.report import matplotlib_missing
         missing = matplotlib_missing()
