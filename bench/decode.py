@@ -167,7 +167,7 @@ def _lane_sweep(torch, flush, log):
     out = []
     saved = kvcache.KEYS_PER_LANE, kvcache.E_BUDGET
     try:
-        for t, e in ((4, 64), (4, 32)):
+        for t, e in ((4, 32), (2, 32)):
             kvcache.KEYS_PER_LANE, kvcache.E_BUDGET = t, e
             for n in (4096, 32768):
                 q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device="cuda", dtype=torch.float16)

@@ -19,12 +19,12 @@ Work split inside a decode block (SIMT, float32 arithmetic; FA2's online softmax
 i`` for lane ``t`` of the group: a warp's load instruction reads whole 64-byte runs of ``32 / LK`` rows), and
 the ``G = 32 / LK`` lane groups of a warp take ``T`` consecutive keys each per step.  Per step a lane
 
-    loads K_j, V_j (T keys)          ld.global.nc.v4: 16-byte loads, all issued before the first use
-    s = q . k_j                      its E dims, then a butterfly over the LK lanes of the key
+    s = q . k_j                      its E dims (K_j loaded by the previous step, ld.global.nc.v4: 16-byte
+                                     loads), then a butterfly over the LK lanes of the key; K_{j+1} loads start
     m_new = max(m_i, rowmax s)       a butterfly over the G groups: one running max per row per warp
     acc, l_i *= exp2(m_i - m_new)    only when the max grew (a warp-uniform branch; exact: otherwise the
                                      factor is 1), which after the first keys is rare
-    p = exp2(s - m_new); l_i += p; acc += p v_j
+    p = exp2(s - m_new); l_i += p; acc += p v_j; V_{j+1} loads start
 
 so ``acc`` holds, per lane, its E dims of the group's keys, all relative to the warp's ``m_i``.  At the end
 the groups are summed (butterfly), the warps merged through shared memory (``m = max_w m_w``, ``l = sum_w l_w
@@ -174,13 +174,14 @@ def make_xor_reduce(N, OFF_LO, OFF_HI, IS_MAX, NTHREADS):
 def lane_layout(head_dim, dtype_name, rows, vec16, e_budget):
     """``(LK, CPL, CW, E)``: lanes per key row, 16-byte (or 4-byte) chunks per lane, words per chunk, float32
     values per lane per row.  ``LK`` is the smallest power of two that keeps ``rows * E`` (q and acc values a
-    lane holds per row tile) within ``e_budget``, at most 32."""
+    lane holds per row tile) within ``e_budget`` and ``E`` within half of it (one row: the K/V words of a key
+    grow with E too; E = 64 spilled at head dim 128), at most 32."""
     epw = 2 if dtype_name in ("float16", "bfloat16") else 1
     hw = head_dim // epw
     cw = 4 if vec16 else 1
     nch = -(-hw // cw)
     lk = 1
-    while lk < 32 and rows * (-(-nch // lk)) * cw * epw > e_budget:
+    while lk < 32 and (rows * (-(-nch // lk)) * cw * epw > e_budget or (-(-nch // lk)) * cw * epw > e_budget // 2):
         lk *= 2
     cpl = -(-nch // lk)
     return lk, cpl, cw, cpl * cw * epw
@@ -254,6 +255,14 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
             p = j // page
             return block_table[b, p] * st0 + (j - p * page) * st1 + hk * st2
         return b * st0 + j * st1 + hk * st2
+
+    @device_function
+    def load_keys(cache, block_table, b, hk, j0, hi, page, t_l, words):
+        """This lane's words of the T cache rows ``j0 ..`` into ``words``; a key at or past ``hi`` reads row
+        ``hi - 1`` instead (a valid row; the key is masked), so no load leaves the sequence's valid rows."""
+        for t in range(T):
+            jj = max(min(j0 + t, hi - 1), 0)
+            load_row(cache, row_base(cache, block_table, b, hk, jj, page), t_l, words, t * WPL)
 
     @device_function
     def to_floats(words, n, vals, o):
@@ -339,14 +348,14 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                 q_reg[r * E + e] = fv[e] * fold
                 acc[r * E + e] = ZERO
 
+        # software pipeline: K_{j+1} is loaded once S_j is computed, V_{j+1} once P_j V_j is: the loads of the
+        # next step are in flight during this step's arithmetic, in the same registers
+        j_lane = start + (w * G + g) * T              # this lane group's first key of step 0
+        if nsteps > 0:
+            load_keys(k_cache, block_table, b, hk, j_lane, hi, page, t_l, kw)
+            load_keys(v_cache, block_table, b, hk, j_lane, hi, page, t_l, vw)
         for step in range(nsteps):
-            j0 = start + step * KPB + (w * G + g) * T
-            for t in range(T):                         # K and V of the T keys: every load in flight first
-                jj = max(min(j0 + t, hi - 1), 0)       # past the range: a valid row, masked below
-                base = row_base(k_cache, block_table, b, hk, jj, page)
-                load_row(k_cache, base, t_l, kw, t * WPL)
-                vbase = row_base(v_cache, block_table, b, hk, jj, page)
-                load_row(v_cache, vbase, t_l, vw, t * WPL)
+            j0 = j_lane + step * KPB
             for t in range(T):                         # s = q . k, this lane's dims
                 for x in range(WPL):
                     to_floats(kw, t * WPL + x, fv, x * EPW)
@@ -355,6 +364,8 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     for e in range(E):
                         a += q_reg[r * E + e] * fv[e]
                     s[r * T + t] = a
+            if step + 1 < nsteps:
+                load_keys(k_cache, block_table, b, hk, j0 + KPB, hi, page, t_l, kw)
             sum_key(s, scratch)                        # whole dot products, in every lane of the group
             for r in range(ROWS):
                 i = row_i[r]
@@ -402,6 +413,8 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     p = s[r * T + t]
                     for e in range(E):
                         acc[r * E + e] += p * fv[e]
+            if step + 1 < nsteps:
+                load_keys(v_cache, block_table, b, hk, j0 + KPB, hi, page, t_l, vw)
 
         # the warp: sum the groups (same m_i); the block: merge the warps through shared memory
         sum_acc(acc, scratch)
