@@ -38,11 +38,18 @@ def hbm_bound_us(seqlen, batch=BATCH, nheads_k=NHEADS_K, headdim=HEADDIM, itemsi
     return 2 * batch * seqlen * nheads_k * headdim * itemsize / HBM_BYTES_PER_S * 1e6
 
 
+SLEEP_CYCLES = 3_000_000   # ~1.5 ms of GPU clock: the host enqueues a call while the GPU still sleeps
+
+
 def _gpu_us(torch, fn, flush, reps=REPS):
-    """Median GPU time of one call (CUDA events), L2 flushed before each."""
+    """Median GPU time of one call (CUDA events), L2 flushed before each.  A sleep kernel sits between the
+    flush and the start event, so the host's work of the call (its Python, flashnb's checks) happens while the
+    GPU is busy and the events bracket the GPU's work only; a call that synchronises inside (a device
+    ``cache_seqlens`` or ``block_table`` copied to the host) still shows its host time after that sync."""
     times = []
     for _ in range(reps):
         flush()
+        torch.cuda._sleep(SLEEP_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -50,6 +57,32 @@ def _gpu_us(torch, fn, flush, reps=REPS):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def _kernel_us(torch, fn, flush, reps=10):
+    """Mean over calls of the summed durations of the call's kernels (the profiler's CUPTI records: Numba's
+    launches included), the flush's kernels left out; None where the profiler records no kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(prof):
+        cuda_type = torch.autograd.DeviceType.CUDA
+        return [e for e in prof.events() if e.device_type == cuda_type]
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush()
+        torch.cuda.synchronize()
+    flush_names = {e.name for e in kernels(prof)}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush()
+            fn()
+        torch.cuda.synchronize()
+    ks = [e for e in kernels(prof) if e.name not in flush_names]
+    if not ks:
+        return None, ""
+    total = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) for e in ks)
+    names = sorted({e.name.split("(")[0][:40] for e in ks})
+    return total / reps, ", ".join(names)
 
 
 def _per_call_us(torch, fn, calls=CALLS):
@@ -106,7 +139,7 @@ def run(torch, seqlens=SEQLENS, sweep=False, log=print):
         kp[perm] = kc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
         vp[perm] = vc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
 
-        ref = F.scaled_dot_product_attention(q_packed.float(), k_sdpa.float(), v_sdpa.float()).view(
+        ref = F.scaled_dot_product_attention(q_packed.float(), k_sdpa.float(), v_sdpa.float()).reshape(
             BATCH, 1, NHEADS, HEADDIM)
         impls = [
             ("flashnb", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n)),
@@ -158,6 +191,10 @@ def _measure(torch, fn, name, ref, flush, rec):
     rec["gpu_us"] = _gpu_us(torch, fn, flush)
     rec["call_us"] = _per_call_us(torch, fn)
     rec["gpu_vs_hbm"] = rec["gpu_us"] / rec["hbm_bound_us"]
+    try:
+        rec["kernel_us"], rec["kernels"] = _kernel_us(torch, fn, flush)
+    except Exception as exc:                                  # noqa: BLE001 - the profiler is a second opinion
+        rec["kernels"] = f"profiler: {type(exc).__name__}"
 
 
 def _lane_sweep(torch, flush, log):
@@ -165,36 +202,39 @@ def _lane_sweep(torch, flush, log):
     import flashnb
     from flashnb import kvcache
     out = []
-    saved = kvcache.KEYS_PER_LANE, kvcache.E_BUDGET
+    saved = kvcache.KEYS_PER_LANE, kvcache.E_BUDGET, kvcache.STAGES
     try:
-        for t, e in ((4, 32), (2, 32)):
-            kvcache.KEYS_PER_LANE, kvcache.E_BUDGET = t, e
+        for stages, t, e in ((0, 2, 64), (3, 2, 64), (4, 4, 32)):
+            kvcache.KEYS_PER_LANE, kvcache.E_BUDGET, kvcache.STAGES = t, e, stages
             for n in (4096, 32768):
                 q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device="cuda", dtype=torch.float16)
                 kc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16)
                 vc = torch.randn_like(kc)
                 fn = lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n)
-                rec = dict(seqlen_k=n, layout="dense", impl=f"flashnb T={t} E={e}", hbm_bound_us=round(hbm_bound_us(n), 1))
+                rec = dict(seqlen_k=n, layout="dense", impl=f"flashnb stages={stages} T={t} E={e}",
+                           hbm_bound_us=round(hbm_bound_us(n), 1))
                 try:
                     fn()
                     rec["gpu_us"] = _gpu_us(torch, fn, flush)
                     rec["gpu_vs_hbm"] = rec["gpu_us"] / rec["hbm_bound_us"]
+                    rec["kernel_us"], rec["kernels"] = _kernel_us(torch, fn, flush)
                 except Exception as exc:                      # noqa: BLE001
                     rec["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
                 out.append(rec)
                 log(_row(rec))
                 del kc, vc
     finally:
-        kvcache.KEYS_PER_LANE, kvcache.E_BUDGET = saved
+        kvcache.KEYS_PER_LANE, kvcache.E_BUDGET, kvcache.STAGES = saved
     return out
 
 
 def _speedups(records):
     """``vs sdpa-flash``: SDPA flash's GPU time over the row's, same seqlen (dense baseline for both layouts)."""
-    base = {r["seqlen_k"]: r.get("gpu_us") for r in records if r["impl"] == "sdpa-flash"}
-    for r in records:
-        if r.get("gpu_us") and base.get(r["seqlen_k"]):
-            r["vs_sdpa_flash"] = base[r["seqlen_k"]] / r["gpu_us"]
+    for key, out in (("gpu_us", "vs_sdpa_flash"), ("kernel_us", "kernels_vs_sdpa")):
+        base = {r["seqlen_k"]: r.get(key) for r in records if r["impl"] == "sdpa-flash"}
+        for r in records:
+            if r.get(key) and base.get(r["seqlen_k"]):
+                r[out] = base[r["seqlen_k"]] / r[key]
 
 
 def _fmt(x, spec):
@@ -202,9 +242,9 @@ def _fmt(x, spec):
 
 
 COLUMNS = (("seqlen_k", "N", "d"), ("layout", "cache", "s"), ("impl", "impl", "s"), ("gpu_us", "GPU us", ".1f"),
-           ("call_us", "per call us", ".1f"), ("hbm_bound_us", "HBM bound us", ".1f"),
+           ("kernel_us", "kernels us", ".1f"), ("call_us", "per call us", ".1f"), ("hbm_bound_us", "HBM bound us", ".1f"),
            ("gpu_vs_hbm", "GPU / bound", ".2f"), ("vs_sdpa_flash", "vs sdpa-flash", ".2f"),
-           ("max_err", "max |err|", ".1e"), ("note", "note", "s"))
+           ("kernels_vs_sdpa", "kernels vs sdpa-flash", ".2f"), ("max_err", "max |err|", ".1e"), ("note", "note", "s"), ("kernels", "kernels", "s"))
 
 
 def _row(rec):
@@ -235,7 +275,9 @@ def main(argv=None) -> int:
         print(f"# {k}: {v}")
     print(f"# shape: batch {BATCH}, seqlen_q 1, {NHEADS} query heads over {NHEADS_K} KV heads, head dim {HEADDIM}, "
           f"float16; paged caches: page {PAGE}, pages in random order")
-    print(f"# GPU us: median of {REPS} calls, CUDA events, L2 flushed before each; per call us: {CALLS} back-to-back "
+    print(f"# GPU us: median of {REPS} calls, CUDA events after a {SLEEP_CYCLES}-cycle sleep kernel (the host "
+          f"enqueues meanwhile), L2 flushed before each; kernels us: the call's kernel durations from the "
+          f"profiler (CUPTI), mean of 10; per call us: {CALLS} back-to-back "
           f"calls, one sync, best of 3 (host time included); HBM bound: K and V bytes / {HBM_BYTES_PER_S:.1e} B/s")
     records = run(torch, sweep=sweep, log=lambda s: print("# " + s, flush=True))
     print(table(records))

@@ -5,6 +5,7 @@ Layers as in ``api``: validate everything on the host (``_check``) -> choose the
 row tiles, lanes per key, splits) -> launch ``kernels.decode``'s append, decode and combine kernels.
 The oracle is ``reference.attention_with_kvcache`` (docs/semantics.md, "KV cache").
 """
+import functools
 import math
 import numbers
 from typing import NamedTuple
@@ -24,6 +25,7 @@ E_BUDGET = 4 if SIMULATOR else 64     # q and acc values per lane per row tile (
                                       # tiny in the simulator so that its tiny head dims still split a key over lanes
 BLOCKS_PER_SM = 2                     # decode blocks resident per SM (registers): the slots the split count fills
 MAX_SPLITS = 128
+STAGES = 4                            # K/V tiles staged through shared memory, STAGES - 1 steps ahead (0: registers)
 SIM_SMS = 2                           # the simulator's stand-in SM count: tiny problems still split
 APPEND_THREADS = 256
 
@@ -69,6 +71,7 @@ def sm_count():
     return n
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_decode(dtype_name, batch, nheads_k, group, seqlen_q, headdim, n_max, vec16, num_splits, slots=None):
     """The decode kernel's work split for one call (``DecodePlan``)."""
     nrows = group * seqlen_q
@@ -241,6 +244,32 @@ def _device_words(x, name, kind, stream):
     return w, back
 
 
+_options_cache = {}
+
+
+def _normalised(c, stream, softmax_scale, causal, window_size, alibi_slopes, softcap):
+    """``_options.normalise`` for this call; without ALiBi slopes (the one option that is an array) the result
+    depends only on plain values and is kept per key (a decode loop repeats the same options every step)."""
+    def norm():
+        return _options.normalise(batch=c.batch, seqlen_q=c.seqlen_q, seqlen_k=max(c.capacity, 1), nheads=c.nheads,
+                                  headdim=c.headdim, acc=np.float32, stream=stream, softmax_scale=softmax_scale,
+                                  causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                                  softcap=softcap)
+    if alibi_slopes is not None or not isinstance(window_size, tuple):
+        return norm()
+    values = (softmax_scale, causal, *window_size, softcap, c.batch, c.seqlen_q, c.capacity, c.nheads, c.headdim)
+    key = tuple((type(x), x) for x in values)         # causal=1 must not hit causal=True's entry
+    try:
+        opts = _options_cache.get(key)
+    except TypeError:                                  # an unhashable value: validate it the long way
+        return norm()
+    if opts is None:
+        opts = norm()
+        if len(_options_cache) < 4096:
+            _options_cache[key] = opts
+    return opts
+
+
 def _dummy(ndim, dtype):
     return _options._dummy(ndim, dtype)
 
@@ -281,10 +310,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     kind = c.kind
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
-        opts = _options.normalise(batch=c.batch, seqlen_q=c.seqlen_q, seqlen_k=max(c.capacity, 1), nheads=c.nheads,
-                                  headdim=c.headdim, acc=np.float32, stream=launch_stream,
-                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                  alibi_slopes=alibi_slopes, softcap=softcap)
+        opts = _normalised(c, launch_stream, softmax_scale, causal, window_size, alibi_slopes, softcap)
         q_w, _ = _device_words(q, "q", kind, launch_stream)
         kc_w, kc_back = _device_words(k_cache, "k_cache", kind, launch_stream)
         vc_w, vc_back = _device_words(v_cache, "v_cache", kind, launch_stream)
@@ -328,9 +354,9 @@ def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, page
     p = plan_decode(kind.dtype, c.batch, c.nheads_k, group, c.seqlen_q, c.headdim, n_max, vec16, num_splits)
     f = opts.flags
     split = p.n_splits > 1
-    kern, threads = _decode.make_decode(kind.dtype, c.headdim, p.rows, p.lanes_per_key, KEYS_PER_LANE, NWARPS,
-                                        p.vec16, paged, c.uniform < 0, split, f.has_window, f.has_softcap,
-                                        f.has_alibi)
+    kern, threads, shared = _decode.make_decode(kind.dtype, c.headdim, p.rows, p.lanes_per_key, KEYS_PER_LANE,
+                                                NWARPS, p.vec16, paged, c.uniform < 0, split, f.has_window,
+                                                f.has_softcap, f.has_alibi, STAGES)
     if split:
         out_s = _arrays.scratch((p.n_splits, c.batch, c.seqlen_q, c.nheads, c.headdim), np.float32, kind, like,
                                 stream)
@@ -341,7 +367,7 @@ def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, page
     else:
         out_s, lse_s = _dummy(5, np.float32), _dummy(4, np.float32)
     grid = c.batch * c.nheads_k * p.n_row_tiles * p.n_splits
-    launch(kern, grid, threads, stream, 0,
+    launch(kern, grid, threads, stream, shared,
            (q_w, kc_w, vc_w, out_w, lse_d, out_s, lse_s, seqlens_d, base_len, c.seqlen_new, table_d, c.page, group,
             p.n_row_tiles, p.n_splits, p.split_len, np.float32(opts.scale), np.float32(opts.softcap), opts.left,
             opts.right, opts.alibi))

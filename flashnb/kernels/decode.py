@@ -43,7 +43,7 @@ import numpy as np
 from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
-from ._mma import primitives
+from ._mma import SMEM_ALIGN, memory_primitives, primitives
 
 LOG2E = 1.4426950408889634   # 1 / ln(2): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453     # ln(2): log(l) = log2(l) * ln(2)
@@ -125,6 +125,71 @@ def loads():
     return tuple(_loads)
 
 
+def _gpu_staging():
+    """``ld_shared_v4(smem, i)``: words ``i .. i + 3`` of a 1-D shared array (16-byte aligned) as one
+    ``ld.shared.v4``; ``wait_groups(n)``: ``cp.async.wait_group n`` for ``n`` in 0..7 (numba-cuda has neither)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i32 = ir.IntType(32)
+
+    @intrinsic
+    def ld_shared_v4(typingctx, ary, i):
+        dt = ary.dtype
+        ret = types.UniTuple(dt, 4)
+        sig = ret(ary, i)
+
+        def codegen(context, builder, signature, args):
+            aryty, ity = signature.args
+            arr = context.make_array(aryty)(context, builder, args[0])
+            base = builder.ptrtoint(builder.addrspacecast(arr.data, ir.PointerType(arr.data.type.pointee, 3)), i32)
+            off = builder.mul(builder.trunc(context.cast(builder, args[1], ity, types.uint64), i32), ir.Constant(i32, 4))
+            is_int = isinstance(aryty.dtype, types.Integer)
+            elt, c = (i32, "r") if is_int else (ir.FloatType(), "f")
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([elt] * 4), [i32]),
+                               "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", f"={c},={c},={c},={c},r", side_effect=True)
+            res = builder.call(asm, [builder.add(base, off)])
+            return context.make_tuple(builder, ret, [builder.extract_value(res, k) for k in range(4)])
+
+        return sig, codegen
+
+    waits = []
+    for n in range(8):
+        def make(n=n):
+            @intrinsic
+            def wait(typingctx):
+                def codegen(context, builder, signature, args):
+                    builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {n};", "",
+                                              side_effect=True), [])
+                    return context.get_dummy_value()
+                return types.void(), codegen
+            return wait
+        waits.append(make())
+    return ld_shared_v4, waits
+
+
+def _sim_staging():
+    @device_function
+    def ld_shared_v4(ary, i):
+        return ary[i], ary[i + 1], ary[i + 2], ary[i + 3]
+
+    @device_function
+    def nothing():
+        pass
+
+    return ld_shared_v4, [nothing] * 8
+
+
+_staging = []
+
+
+def staging():
+    if not _staging:
+        _staging.extend(_sim_staging() if SIMULATOR else _gpu_staging())
+    return tuple(_staging)
+
+
 # ------------------------------------------------------------------------------------------------ butterflies
 @lru_cache(maxsize=None)
 def make_xor_reduce(N, OFF_LO, OFF_HI, IS_MAX, NTHREADS):
@@ -191,13 +256,16 @@ def lane_layout(head_dim, dtype_name, rows, vec16, e_budget):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQLENS, SPLIT,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI):
-    """Build the decode kernel: (kernel, threads per block).
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, STAGES=0):
+    """Build the decode kernel: (kernel, threads per block, dynamic shared bytes).
 
     ``ROWS`` query rows per block (rows ``(i, h)`` of one KV head, i-major), ``LK`` lanes per key row, ``T``
     keys per lane group per step, ``NWARPS`` warps, ``VEC16`` the caches' rows allow 16-byte loads,
     ``PAGED`` caches addressed through a block table, ``HAS_SEQLENS`` per-sequence lengths from an array (else
     one length for all), ``SPLIT`` write the partial ``(out_s, lse_s)`` of a split instead of ``(out, lse)``.
+    ``STAGES``: 0 reads K and V straight into registers (16-byte loads, the next step's in flight during
+    this step's arithmetic); ``STAGES >= 2`` stages each step's K and V tiles (``KPB`` keys) through shared
+    memory with ``cp.async``, ``STAGES - 1`` steps ahead: more bytes in flight per SM than registers hold.
     """
     SIXTEEN = DTYPE_NAME in ("float16", "bfloat16")
     EPW = 2 if SIXTEEN else 1                 # values per 32-bit word
@@ -218,11 +286,22 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     TW = T * WPL
     SIM_SCRATCH = NTHREADS * max(ROWS * E, NRT, 2) if SIMULATOR else 1
     ACC_SMEM = NWARPS * ROWS * HEAD_DIM       # the warps' accumulators, merged at the end
+    STAGED = STAGES > 0
+    TILE_W = KPB * HW                         # words of one staged K (or V) tile
+    STAGE_W = 2 * TILE_W                      # a stage: K tile, then V tile
+    SHARED_BYTES = STAGES * STAGE_W * 4
+    NCOPIES = KPB * NCH                       # cp.async copies per tile
+    assert not STAGED or STAGES >= 2
     ZERO, ONE, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(1), F32(-np.inf), F32(LOG2E), F32(LN2)
     W_DT = np.uint32 if SIXTEEN else F32    # the arrays' 32-bit element: two 16-bit values or one float32
     ZW = W_DT(0)
+    W_NP = np.dtype(W_DT)
 
     ld_v4, ld_v1 = loads()
+    mem = memory_primitives()
+    cp_copy, commit = mem["cp_async16" if CW == 4 else "cp_async4"], mem["cp_async_commit"]
+    ld_shared_v4, waits = staging()
+    wait_stage = waits[max(STAGES - 2, 0)]   # this step's group done, the STAGES - 2 later ones may still fly
     if SIXTEEN:
         _, pack2, unpack2 = primitives(DTYPE_NAME)
     sum_key = make_xor_reduce(NRT, 1, LK, False, NTHREADS)        # s over the LK lanes of a key row
@@ -263,6 +342,33 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         for t in range(T):
             jj = max(min(j0 + t, hi - 1), 0)
             load_row(cache, row_base(cache, block_table, b, hk, jj, page), t_l, words, t * WPL)
+
+    @device_function
+    def issue_stage(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, buf):
+        """Start the cp.async copies of the K and V rows ``key0 .. key0 + KPB - 1`` into ``stage[buf:]``
+        (rows past ``hi`` copy row ``hi - 1``: valid memory, masked later); the block's threads share them."""
+        for idx in range(cuda.threadIdx.x, NCOPIES, NTHREADS):
+            kk = idx // NCH
+            c = idx - kk * NCH
+            jj = max(min(key0 + kk, hi - 1), 0)
+            d = buf + kk * HW + c * CW
+            cp_copy(stage, d, k_cache, row_base(k_cache, block_table, b, hk, jj, page) + c * CW, 4 * CW)
+            cp_copy(stage, d + TILE_W, v_cache, row_base(v_cache, block_table, b, hk, jj, page) + c * CW, 4 * CW)
+
+    @device_function
+    def read_stage(stage, buf, kk, t_l, words, o):
+        """This lane's words of staged row ``kk`` (a tile at ``stage[buf:]``) into ``words[o:o + WPL]``."""
+        for i in range(CPL):
+            c = t_l + LK * i
+            if EVEN_CH or c < NCH:
+                if CW == 4:
+                    words[o + i * 4], words[o + i * 4 + 1], words[o + i * 4 + 2], words[o + i * 4 + 3] = \
+                        ld_shared_v4(stage, buf + kk * HW + c * 4)
+                else:
+                    words[o + i] = stage[buf + kk * HW + c]
+            else:
+                for u in range(CW):
+                    words[o + i * CW + u] = ZW
 
     @device_function
     def to_floats(words, n, vals, o):
@@ -350,12 +456,30 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
 
         # software pipeline: K_{j+1} is loaded once S_j is computed, V_{j+1} once P_j V_j is: the loads of the
         # next step are in flight during this step's arithmetic, in the same registers
-        j_lane = start + (w * G + g) * T              # this lane group's first key of step 0
-        if nsteps > 0:
+        kk0 = (w * G + g) * T                          # this lane group's first key within a step
+        j_lane = start + kk0
+        if STAGED:
+            stage = cuda.shared.array(0, W_NP, alignment=SMEM_ALIGN)   # STAGES x (K tile, V tile)
+            for s0 in range(STAGES - 1):
+                if s0 < nsteps:
+                    issue_stage(k_cache, v_cache, block_table, b, hk, start + s0 * KPB, hi, page, stage, s0 * STAGE_W)
+                commit()                               # one group per stage, empty or not: the count stays exact
+        elif nsteps > 0:
             load_keys(k_cache, block_table, b, hk, j_lane, hi, page, t_l, kw)
             load_keys(v_cache, block_table, b, hk, j_lane, hi, page, t_l, vw)
         for step in range(nsteps):
             j0 = j_lane + step * KPB
+            if STAGED:
+                wait_stage()
+                cuda.syncthreads()                     # every thread's copies of this step landed; step - 1's
+                nxt = step + STAGES - 1                # readers are done with the buffer refilled here
+                if nxt < nsteps:
+                    issue_stage(k_cache, v_cache, block_table, b, hk, start + nxt * KPB, hi, page, stage,
+                                (nxt % STAGES) * STAGE_W)
+                commit()
+                buf = (step % STAGES) * STAGE_W
+                for t in range(T):
+                    read_stage(stage, buf, kk0 + t, t_l, kw, t * WPL)
             for t in range(T):                         # s = q . k, this lane's dims
                 for x in range(WPL):
                     to_floats(kw, t * WPL + x, fv, x * EPW)
@@ -364,7 +488,7 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     for e in range(E):
                         a += q_reg[r * E + e] * fv[e]
                     s[r * T + t] = a
-            if step + 1 < nsteps:
+            if not STAGED and step + 1 < nsteps:
                 load_keys(k_cache, block_table, b, hk, j0 + KPB, hi, page, t_l, kw)
             sum_key(s, scratch)                        # whole dot products, in every lane of the group
             for r in range(ROWS):
@@ -406,6 +530,9 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     p = math.exp2(s[r * T + t] - m_use)
                     s[r * T + t] = p
                     l_i[r] += p
+            if STAGED:
+                for t in range(T):
+                    read_stage(stage, buf + TILE_W, kk0 + t, t_l, vw, t * WPL)
             for t in range(T):                         # acc += p v
                 for x in range(WPL):
                     to_floats(vw, t * WPL + x, fv, x * EPW)
@@ -413,7 +540,7 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     p = s[r * T + t]
                     for e in range(E):
                         acc[r * E + e] += p * fv[e]
-            if step + 1 < nsteps:
+            if not STAGED and step + 1 < nsteps:
                 load_keys(v_cache, block_table, b, hk, j0 + KPB, hi, page, t_l, vw)
 
         # the warp: sum the groups (same m_i); the block: merge the warps through shared memory
@@ -469,7 +596,7 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     if wd == 0:
                         lse[b, h, qi] = row_lse
 
-    return decode, NTHREADS
+    return decode, NTHREADS, SHARED_BYTES
 
 
 @lru_cache(maxsize=None)
