@@ -250,7 +250,6 @@ def _small():
     (dict(attn_bias=np.ones((7, 5))), ValueError, "attn_bias is not defined for packed"),
     (dict(block_mask=np.ones((1, 1), bool)), ValueError, "block_mask is not defined for packed"),
     (dict(alibi_slopes=np.ones((3, 2))), ValueError, r"alibi_slopes must have shape \(2,\) or \(2, 2\)"),
-    (dict(backend="tensorcore"), ValueError, "float16 and bfloat16 inputs only"),
 ])
 def test_varlen_bad_input_raises_before_any_launch(change, error, message, monkeypatch):
     """Each malformed argument: the error names it, and no kernel was launched (none may read out of bounds)."""
@@ -272,6 +271,15 @@ def test_varlen_bad_input_raises_before_any_launch(change, error, message, monke
     with pytest.raises(error, match=message):
         flashnb.flash_attn_varlen_backward(out, *positional[:3], out, lse, *positional[3:], **kw)
     assert not launched
+
+
+def test_varlen_backend_refusal_is_the_dense_calls():
+    """backend="tensorcore" on what the tensor cores cannot serve (float64) raises the planner's ValueError."""
+    q, k, v, cu_q, cu_k = (x.astype(np.float64) if x.dtype == np.float32 else x for x in _small())
+    with pytest.raises(ValueError, match="backend='tensorcore' cannot serve this call"):
+        flashnb.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, backend="tensorcore")
+    with pytest.raises(ValueError, match="backend='tensorcore' cannot serve this call"):
+        flashnb.flash_attn_varlen_backward(q, q, k, v, q, np.zeros((2, 7)), cu_q, cu_k, 4, 5, backend="tensorcore")
 
 
 @pytest.mark.parametrize("name, value, error, message", [
