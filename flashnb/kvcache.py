@@ -39,6 +39,7 @@ class DecodePlan(NamedTuple):
     split_len: int       # keys per split, a multiple of KEY_ALIGN
 
 
+@functools.lru_cache(maxsize=4096)
 def num_splits_heuristic(blocks, slots, n_key_blocks, max_splits=MAX_SPLITS):
     """flash-attn's ``num_splits_heuristic`` (csrc/flash_attn/flash_api.cpp) with the GPU's block *slots*
     (SMs x resident blocks) for its SM count: no split when the blocks already nearly fill the slots; else
