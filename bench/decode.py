@@ -38,6 +38,7 @@ def hbm_bound_us(seqlen, batch=BATCH, nheads_k=NHEADS_K, headdim=HEADDIM, itemsi
     return 2 * batch * seqlen * nheads_k * headdim * itemsize / HBM_BYTES_PER_S * 1e6
 
 
+SWEEP = ((0, 2, 64), (3, 2, 64))   # (STAGES, KEYS_PER_LANE, E_BUDGET) of --decode-sweep's extra rows
 SLEEP_CYCLES = 3_000_000   # ~1.5 ms of GPU clock: the host enqueues a call while the GPU still sleeps
 
 
@@ -80,7 +81,7 @@ def _kernel_us(torch, fn, flush, reps=10):
     ks = [e for e in kernels(prof) if e.name not in flush_names]
     if not ks:
         return None, ""
-    total = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) for e in ks)
+    total = sum(e.time_range.elapsed_us() for e in ks)           # a kernel's own start-to-end on the GPU
     names = sorted({e.name.split("(")[0][:40] for e in ks})
     return total / reps, ", ".join(names)
 
@@ -148,7 +149,7 @@ def run(torch, seqlens=SEQLENS, sweep=False, log=print):
             ("flashnb", "paged", lambda: flashnb.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=n, block_table=table)),
         ]
         if sweep:
-            for splits in (1, 4, 8, 16):
+            for splits in (1, 4, 8):
                 impls.append((f"flashnb splits={splits}", "dense",
                               lambda s=splits: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n, num_splits=s)))
         sdpa = F.scaled_dot_product_attention
@@ -204,7 +205,7 @@ def _lane_sweep(torch, flush, log):
     out = []
     saved = kvcache.KEYS_PER_LANE, kvcache.E_BUDGET, kvcache.STAGES
     try:
-        for stages, t, e in ((0, 2, 64), (3, 2, 64), (4, 4, 32)):
+        for stages, t, e in SWEEP:
             kvcache.KEYS_PER_LANE, kvcache.E_BUDGET, kvcache.STAGES = t, e, stages
             for n in (4096, 32768):
                 q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device="cuda", dtype=torch.float16)
@@ -259,6 +260,35 @@ def table(records):
     return "\n".join(lines)
 
 
+def precompile(part, torch):
+    """Compile part ``part`` (0-3) of the kernels ``run`` uses into flashnb's disk cache, on small inputs of the
+    same specialisations (contiguous float16, head dim 128, 4 query heads per KV head, batch 16 x 8 KV heads:
+    the same split decision), so that parallel processes compile while the tests run."""
+    import flashnb
+    from flashnb import kvcache
+    n = 512
+    q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device="cuda", dtype=torch.float16)
+    kc, vc = (torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16) for _ in range(2))
+    per = n // PAGE
+    kp, vp = (x.view(BATCH * per, PAGE, NHEADS_K, HEADDIM) for x in (kc, vc))
+    table = torch.arange(BATCH * per, device="cuda", dtype=torch.int32).view(BATCH, per)
+    lens_t = torch.full((BATCH,), n, dtype=torch.int32, device="cuda")
+    call = flashnb.flash_attn_with_kvcache
+    if part == 0:
+        call(q, kc, vc, cache_seqlens=n)
+        call(q, kp, vp, cache_seqlens=n, block_table=table)
+    elif part == 1:
+        call(q, kc, vc, cache_seqlens=lens_t)
+        call(q, kc, vc, cache_seqlens=n, num_splits=1)
+    else:
+        if part == 2:
+            call(q, kc, vc, kc[:, n - 1:].clone(), vc[:, n - 1:].clone(), cache_seqlens=n - 1)
+        for stages, t, e in SWEEP[part - 2::2]:
+            kvcache.STAGES, kvcache.KEYS_PER_LANE, kvcache.E_BUDGET = stages, t, e
+            call(q, kc, vc, cache_seqlens=n)
+    torch.cuda.synchronize()
+
+
 def main(argv=None) -> int:
     """Entry of ``python -m bench --decode``; the simulator (no GPU) only says why nothing is timed."""
     from bench import env
@@ -268,6 +298,9 @@ def main(argv=None) -> int:
               "measured. The kernels' correctness runs in the simulator: pytest tests/kernels/test_kernel_kvcache.py")
         return 0
     import torch
+    if "--precompile" in argv:
+        precompile(int(argv[argv.index("--precompile") + 1]), torch)
+        return 0
     sweep = "--decode-sweep" in argv
     header = env.header(argv, {"name": torch.cuda.get_device_name(0), "driver": env.driver_version(),
                                "cuda_driver": env.driver_cuda_version()}, simulator=False)
