@@ -16,8 +16,9 @@ the packed rows as one sequence of ``total_q`` rows.
 
 ``cu_seqlens`` are checked on the host before anything is launched (int32, 1-D, from 0, never decreasing, the
 last entry the total, ``max_seqlen`` no shorter than any sequence): device arrays are copied to the host once
-per call for that (a synchronisation with their stream), and the kernels read a device copy of the checked
-values, so no block ever indexes outside its arrays.
+per call for that (a synchronisation with their stream).  The kernels read the checked values: the caller's
+own CUDA tensor where it is a contiguous one on q's device, else a device copy of the host values; so no
+block ever indexes outside its arrays.
 """
 import numbers
 
@@ -59,7 +60,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
         opts, call = _setup(kind, q, (batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads_k, headdim),
-                            total_q, cu_q, cu_k, launch_stream, block_q, block_k, backend, False,
+                            total_q, (cu_seqlens_q, cu_q), (cu_seqlens_k, cu_k), launch_stream, block_q, block_k,
+                            backend, False,
                             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                             alibi_slopes=alibi_slopes, softcap=softcap)
         p, words = api._planned(plan.forward, call, (q, k, v), ("q", "k", "v"), launch_stream, backward=False)
@@ -102,7 +104,8 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
         opts, call = _setup(kind, q, (batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads_k, headdim),
-                            total_q, cu_q, cu_k, launch_stream, block_q, block_k, backend, bool(deterministic),
+                            total_q, (cu_seqlens_q, cu_q), (cu_seqlens_k, cu_k), launch_stream, block_q, block_k,
+                            backend, bool(deterministic),
                             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                             alibi_slopes=alibi_slopes, softcap=softcap)
         p, words = api._planned(plan.backward, call, (dout, q, k, v, out), ("dout", "q", "k", "v", "out"),
@@ -157,11 +160,24 @@ def _backward_launches(p, dout, q, k, v, out, lse, dq, dk, dv, opts, stream, kin
 
 def _setup(kind, q, dims, total_q, cu_q, cu_k, stream, block_q, block_k, backend, deterministic, **options):
     """``api._setup`` with the longest sequences as the lengths (the options' window bound, the grid's tiles),
-    the checked ``cu_seqlens`` on the device, and the plan's ``Call`` marked packed (``total_q``)."""
+    the checked ``cu_seqlens`` (``cu_q``, ``cu_k``: (as given, checked host copy)) on the device, and the plan's
+    ``Call`` marked packed (``total_q``)."""
     opts, call = api._setup(kind, q, dims, stream, block_q, block_k, backend, deterministic, **options)
-    opts.cu_seqlens_q = _arrays.to_device(cu_q, stream)
-    opts.cu_seqlens_k = _arrays.to_device(cu_k, stream)
+    opts.cu_seqlens_q = _on_device(*cu_q, kind, q, stream)
+    opts.cu_seqlens_k = _on_device(*cu_k, kind, q, stream)
     return opts, call._replace(total_q=total_q)
+
+
+def _on_device(given, checked, kind, like, stream):
+    """The kernels' int32 view of checked ``cu_seqlens``: the caller's own array where it is a contiguous CUDA
+    tensor on q's device (the values just checked), else a copy of the checked host values -- through PyTorch's
+    caching allocator for PyTorch calls (no cudaMalloc / cudaFree per call), else Numba's."""
+    torch = _arrays.torch
+    if torch is not None and isinstance(given, torch.Tensor) and kind.lib == "torch":
+        if given.is_cuda and given.is_contiguous() and given.device == like.device:
+            return _arrays.to_device(given, stream)
+        return _arrays.to_device(torch.from_numpy(checked).to(like.device, non_blocking=True), stream)
+    return _arrays.to_device(checked, stream)
 
 
 def _refuse(dropout_p, attn_mask, attn_bias, block_mask):
