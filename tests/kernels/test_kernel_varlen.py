@@ -82,7 +82,7 @@ def packed_problems(draw, *, backend="simt", dtypes=(np.float64, np.float32, np.
         headdim = draw(st.sampled_from(HEADDIMS))
     if lengths is None:
         batch = draw(st.integers(1, MAX_BATCH))
-        length = st.one_of(st.just(0), st.integers(1, MAX_LEN))
+        length = st.integers(0, MAX_LEN)                 # 0 among them: Hypothesis favours the bounds
         lens_q = draw(st.lists(length, min_size=batch, max_size=batch))
         lens_k = draw(st.one_of(st.just(lens_q), st.lists(length, min_size=batch, max_size=batch)))
     else:
@@ -162,7 +162,7 @@ def _forward_backward_match_oracle(p: Packed):
 
 
 # the pinned examples: no queries and 4 keys, 5 queries and no keys, nothing, 3 queries and 7 keys
-@settings(max_examples=examples(5, 25))
+@settings(max_examples=examples(8, 25))
 @given(p=packed_problems())
 @example(p=Packed(*(np.linspace(-1, 1, n * 2 * 3).reshape(n, 2, 3) for n in (8, 11, 11, 8)),
                   np.array([0, 0, 5, 5, 8], np.int32), np.array([0, 4, 4, 4, 11], np.int32),
@@ -176,7 +176,7 @@ def test_varlen_simt_matches_oracle(p):
     _forward_backward_match_oracle(p)
 
 
-@settings(max_examples=examples(3, 15))
+@settings(max_examples=examples(5, 15))
 @given(p=packed_problems(backend="tensorcore", dtypes=(np.float16,)))
 @example(p=Packed(*(np.linspace(-2, 2, n * 2 * 4).reshape(n, 2, 4).astype(np.float16) for n in (8, 11, 11, 8)),
                   np.array([0, 0, 5, 5, 8], np.int32), np.array([0, 4, 4, 4, 11], np.int32),
