@@ -357,7 +357,9 @@ def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, page
     split = p.n_splits > 1
     kern, threads, shared = _decode.make_decode(kind.dtype, c.headdim, p.rows, p.lanes_per_key, KEYS_PER_LANE,
                                                 NWARPS, p.vec16, paged, c.uniform < 0, split, f.has_window,
-                                                f.has_softcap, f.has_alibi, STAGES)
+                                                f.has_softcap, f.has_alibi,
+                                                _decode.stages_that_fit(STAGES, kind.dtype, c.headdim,
+                                                                        p.lanes_per_key, KEYS_PER_LANE, NWARPS))
     if split:
         out_s = _arrays.scratch((p.n_splits, c.batch, c.seqlen_q, c.nheads, c.headdim), np.float32, kind, like,
                                 stream)

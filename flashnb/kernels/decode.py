@@ -252,6 +252,18 @@ def lane_layout(head_dim, dtype_name, rows, vec16, e_budget):
     return lk, cpl, cw, cpl * cw * epw
 
 
+def stages_that_fit(stages, dtype_name, head_dim, lk, t, nwarps, max_bytes=96 * 1024):
+    """``stages``, lowered (to 2 at least) until the staged K/V tiles take at most ``max_bytes`` of shared
+    memory: two blocks of the default shape still fit an SM (one row of a 256-wide head would ask 128 KB)."""
+    if stages == 0:
+        return 0
+    words = (head_dim * (2 if dtype_name in ("float16", "bfloat16") else 4)) // 4
+    stage_bytes = 2 * nwarps * (32 // lk) * t * words * 4
+    while stages > 2 and stages * stage_bytes > max_bytes:
+        stages -= 1
+    return stages
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 @lru_cache(maxsize=None)
 @kernel_factory
@@ -290,7 +302,13 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     TILE_W = KPB * HW                         # words of one staged K (or V) tile
     STAGE_W = 2 * TILE_W                      # a stage: K tile, then V tile
     SHARED_BYTES = STAGES * STAGE_W * 4
+    STATIC_BYTES = 4 * (SIM_SCRATCH + ACC_SMEM + 2 * NWARPS * ROWS)
+    if STAGED and SHARED_BYTES <= 48 * 1024 < SHARED_BYTES + STATIC_BYTES:
+        # static + dynamic above 48 KB needs the opt-in that launch makes only for dynamic bytes above 48 KB
+        SHARED_BYTES = 48 * 1024 + 16
     NCOPIES = KPB * NCH                       # cp.async copies per tile
+    NPASS = -(-NCOPIES // NTHREADS)           # copies per thread per tile
+    EVEN_PASS = NCOPIES % NTHREADS == 0
     assert not STAGED or STAGES >= 2
     ZERO, ONE, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(1), F32(-np.inf), F32(LOG2E), F32(LN2)
     W_DT = np.uint32 if SIXTEEN else F32    # the arrays' 32-bit element: two 16-bit values or one float32
@@ -346,14 +364,42 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     @device_function
     def issue_stage(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, buf):
         """Start the cp.async copies of the K and V rows ``key0 .. key0 + KPB - 1`` into ``stage[buf:]``
-        (rows past ``hi`` copy row ``hi - 1``: valid memory, masked later); the block's threads share them."""
-        for idx in range(cuda.threadIdx.x, NCOPIES, NTHREADS):
+        (rows past ``hi`` copy row ``hi - 1``: valid memory, masked later); the block's threads share them.
+
+        The sources' offsets first, then the copies: a paged cache costs one division per stage (``key0``'s
+        page; a later key's page is stepped to, ``page >= 16``) and one block-table load per copy pass, all
+        independent, so their latencies overlap (a cp.async is an opaque asm statement: a load after one is
+        not moved before it).  ``key0 < hi`` (a step that exists), so ``key0 <= jj < key0 + KPB``."""
+        kst0, kst1, kst2 = k_cache.strides[0] // 4, k_cache.strides[1] // 4, k_cache.strides[2] // 4
+        vst0, vst1, vst2 = v_cache.strides[0] // 4, v_cache.strides[1] // 4, v_cache.strides[2] // 4
+        koff = cuda.local.array(NPASS, np.int64)
+        voff = cuda.local.array(NPASS, np.int64)
+        p0 = key0 // page if PAGED else 0
+        r0 = key0 - p0 * page
+        for pp in range(NPASS):
+            idx = cuda.threadIdx.x + pp * NTHREADS
             kk = idx // NCH
             c = idx - kk * NCH
-            jj = max(min(key0 + kk, hi - 1), 0)
-            d = buf + kk * HW + c * CW
-            cp_copy(stage, d, k_cache, row_base(k_cache, block_table, b, hk, jj, page) + c * CW, 4 * CW)
-            cp_copy(stage, d + TILE_W, v_cache, row_base(v_cache, block_table, b, hk, jj, page) + c * CW, 4 * CW)
+            jj = min(key0 + kk, hi - 1)
+            if PAGED:
+                pi = p0
+                row = r0 + (jj - key0)
+                while row >= page:
+                    row -= page
+                    pi += 1
+                pg = block_table[b, pi]
+                koff[pp] = pg * kst0 + row * kst1 + hk * kst2 + c * CW
+                voff[pp] = pg * vst0 + row * vst1 + hk * vst2 + c * CW
+            else:
+                koff[pp] = b * kst0 + jj * kst1 + hk * kst2 + c * CW
+                voff[pp] = b * vst0 + jj * vst1 + hk * vst2 + c * CW
+        for pp in range(NPASS):
+            idx = cuda.threadIdx.x + pp * NTHREADS
+            if EVEN_PASS or idx < NCOPIES:
+                kk = idx // NCH
+                d = buf + kk * HW + (idx - kk * NCH) * CW
+                cp_copy(stage, d, k_cache, koff[pp], 4 * CW)
+                cp_copy(stage, d + TILE_W, v_cache, voff[pp], 4 * CW)
 
     @device_function
     def read_stage(stage, buf, kk, t_l, words, o):
