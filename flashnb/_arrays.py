@@ -172,19 +172,24 @@ _U32 = np.dtype(np.uint32)
 
 
 def word_view(d):
-    """A ``uint32`` view of a 16-bit device array, two neighbours of the last axis per word; no copy.
+    """A ``uint32`` view of a 16-bit device array, two neighbours of the last axis per word (of a 32-bit one, each
+    value's bits); no copy.
 
-    None where the layout does not allow it: an odd last axis, a last axis that
+    None where the layout does not allow it: an odd last axis (16-bit), a last axis that
     is not contiguous, a stride or base address that is not a multiple of 4 bytes.
     """
     shape, strides = tuple(d.shape), tuple(d.strides)
-    words = shape[:-1] + (shape[-1] // 2,)
-    if 0 in shape and shape[-1] % 2 == 0:              # nothing is read from it (its strides may be anything)
+    item = np.dtype(d.dtype).itemsize
+    if item not in (2, 4):
+        return None
+    per = 4 // item                                    # values per word: 2 or 1
+    words = shape[:-1] + (shape[-1] // per,)
+    if 0 in shape and shape[-1] % per == 0:            # nothing is read from it (its strides may be anything)
         if SIMULATOR:
             from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
             return FakeCUDAArray(np.empty(words, np.uint32))
         return View(0, words, c_strides(words, 4), _U32, None)
-    if shape[-1] % 2 or strides[-1] != 2:
+    if shape[-1] % per or strides[-1] != item:
         return None
     # a size-1 dimension's stride is never used: any multiple of 4 will do
     wstrides = tuple(4 if n == 1 else s for n, s in zip(shape[:-1], strides[:-1])) + (4,)

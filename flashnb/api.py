@@ -15,7 +15,7 @@ from .kernels._tiles import np_acc
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), attn_mask=None,
                     attn_bias=None, alibi_slopes=None, softcap=0.0, block_mask=None, block_mask_size=(128, 128),
                     dropout_p=0.0, seed=0, return_lse=False, block_q=None, block_k=None, deterministic=False,
-                    stream=None, backend="auto"):
+                    stream=None, backend="auto", precision="highest"):
     """Exact attention ``softmax(q k^T * softmax_scale [+ options]) v`` without materialising the scores.
 
     Arguments (flash-attn's layout; docs/semantics.md defines every option):
@@ -44,6 +44,10 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
             dimension, compute capability >= 8.0, tiles >= 16; anything else raises ValueError saying why).
             The backward's "auto" takes the tensor cores under the same conditions plus
             deterministic=False and, above head dim 128, block_k <= 64 (see flash_attention_backward).
+            float32 on the tensor cores: the forward only (tf32 operands, compute capability >= 8.0).
+        precision: float32 on the tensor cores, as ``torch.set_float32_matmul_precision``: "highest" (the
+            default: each operand split into two tf32 parts, three products, float32's accuracy; docs/api.md
+            has the error tables) or "high" (one tf32 product: about 3 decimal digits); other dtypes ignore it.
 
     Returns ``out`` (like ``q``), or ``(out, lse)``, as the same kind of array as ``q``.
     Copies: NumPy inputs are copied to the device and the results back; the tensor-core
@@ -58,19 +62,21 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     return _dispatch.cached_call(
         "forward", (q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask),
         (softmax_scale, causal, window_size, softcap, block_mask_size, dropout_p, seed, return_lse, block_q,
-         block_k, backend),
-        lambda: _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend),
+         block_k, backend, precision),
+        lambda: _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, precision),
         cacheable=stream is None and type(dropout_p) in (int, float) and dropout_p == 0)
 
 
-def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend):
+def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, precision="highest"):
     """``flash_attention``'s full path: validate, plan, allocate, launch."""
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     plan.check_backend(backend)
+    plan.check_precision(precision)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
         opts, call = _setup(kind, q, (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), launch_stream,
                             block_q, block_k, backend, False, **options)
+        call = call._replace(precision=precision)
         p, words = _planned(plan.forward, call, (q, k, v), ("q", "k", "v"), launch_stream, backward=False)
         lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), p.acc, q, launch_stream)
         out_shape = (batch, seqlen_q, nheads, headdim)

@@ -37,7 +37,8 @@ class Call(NamedTuple):
     aligned)`` of its 16-bit arrays
     (``api`` probes it only where ``wants_words`` says so), else None.  ``total_q``: a packed (varlen) batch's
     total query rows (``flashnb.varlen``; ``seqlen_q``, ``seqlen_k`` are then the longest sequence's and the
-    kernels are built with ``VARLEN``), None for a dense batch."""
+    kernels are built with ``VARLEN``), None for a dense batch.  ``precision``: float32 on the tensor cores,
+    ``"highest"`` (3xTF32) or ``"high"`` (one tf32 product); the other dtypes ignore it."""
     dtype: str
     batch: int
     seqlen_q: int
@@ -53,6 +54,7 @@ class Call(NamedTuple):
     deterministic: bool = False
     layout: Optional[tuple] = None
     total_q: Optional[int] = None
+    precision: str = "highest"
 
 
 class Launch(NamedTuple):
@@ -110,6 +112,14 @@ def check_backend(backend):
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
 
 
+PRECISIONS = ("highest", "high")
+
+
+def check_precision(precision):
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
 # ------------------------------------------------------------------------------------------------ plans
 def wants_words(call, backward=False):
     """Whether the tensor cores may serve the call, so that ``api`` should make the word views and probe the
@@ -162,9 +172,9 @@ def _forward_tc_launch(call, bq, bk):
     if _empty(call, False):
         return None
     d = call.headdim
-    mt = tc_m_tiles(bq, d)
-    kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, tc_q_in_smem(mt, d),
-                                            *_flag_args(call.flags), call.positive_scale, **_varlen(call))
+    mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
+    kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
+                                            *_flag_args(call.flags), call.positive_scale, **_varlen(call), **extra)
     check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {d}")
     return Launch(kern, _query_tiles(call, bq), threads, shared)
 
@@ -257,12 +267,14 @@ def _tc_choice(call, backward):
     """(tiles, refusal): the tensor-core kernel's tiles for the call, and why it cannot serve it (None if it can,
     the layout aside); the checks in the order the caller reads them."""
     refusal = tensorcore_refusal(call.dtype, call.headdim, call.block_q, call.block_k)
+    if refusal is None and backward and call.dtype == "float32":
+        refusal = "its backward computes float16 and bfloat16 inputs only (float32's runs on the SIMT kernels)"
     if refusal is not None or call.backend == "simt":
         return None, refusal
     d = call.headdim
     if not backward:
-        tq, tk = default_tc_tiles(d, call.block_q, call.block_k)
-        return (tq, tk), shared_refusal(tc_shared_bytes(tq, tk, d),
+        tq, tk = default_tc_tiles(d, call.block_q, call.block_k, call.dtype, call.precision)
+        return (tq, tk), shared_refusal(tc_shared_bytes(tq, tk, d, call.dtype, call.precision),
                                         f"its forward with block_q={tq}, block_k={tk}, head dim {d}")
     tq, tk = default_tc_bwd_tiles(d, call.block_q, call.block_k)
     threads = tc_bwd_threads(tq, tk, d)
@@ -279,15 +291,15 @@ def _tc_choice(call, backward):
 
 def tensorcore_refusal(dtype, headdim, block_q, block_k):
     """Why the tensor-core kernels cannot serve a call (None if they can), from its dtype, head dim and tiles."""
-    if dtype not in ("float16", "bfloat16"):
-        return f"it computes float16 and bfloat16 inputs only, got {dtype}"
-    if headdim % 2:
+    if dtype not in ("float16", "bfloat16", "float32"):
+        return f"it computes float16, bfloat16 and float32 (forward) inputs only, got {dtype}"
+    if headdim % 2 and dtype != "float32":
         return f"it needs an even head dim (pairs of values per 32-bit word), got {headdim}"
     for value, name in ((block_q, "block_q"), (block_k, "block_k")):
         if value is not None and value < 16:
             return f"{name} must be a multiple of 16 (the mma tile), got {value}"
     if not SIMULATOR and compute_capability() < (8, 0):
-        return "mma.sync on float16/bfloat16 needs compute capability 8.0 or newer"
+        return "mma.sync on float16/bfloat16/tf32 needs compute capability 8.0 or newer"
     return None
 
 
@@ -372,7 +384,8 @@ def _fitting(candidates, limit, shared_bytes):
 # Tensor-core tiles: BLOCK_Q = 16 x m-tiles per warp (tc_m_tiles) x warps, BLOCK_K a multiple of 16.
 # Each head-dim class: the measured tiles (docs/notes/tensorcore.md), then the fallback where a device's shared
 # memory per block is smaller than the H100's (compute capability 8.6 / 8.9: 99 KB).
-_TC_TILES = ((64, ((128, 64),)), (128, ((128, 64), (64, 64))), (256, ((128, 32), (64, 32))))
+_TC_TILES = ((64, ((128, 64),)), (128, ((128, 64), (64, 64))), (256, ((128, 32), (64, 32))),
+             (512, ((64, 32), (64, 16), (32, 16))))          # (512: float32 at head dims 129-256)
 _TC_SIM_TILES = (16, 16)
 
 # (BLOCK_Q, BLOCK_K) of the dK/dV kernel, BLOCK_K / (16 tc_bwd_key_tiles) x tc_bwd_dim_split warps: the
@@ -397,28 +410,46 @@ def _tc_candidates(table, headdim, block_q, block_k):
     return candidates
 
 
-def default_tc_tiles(headdim, block_q=None, block_k=None):
+def default_tc_tiles(headdim, block_q=None, block_k=None, dtype="float16", precision="highest"):
     """The tensor-core forward's (block_q, block_k): the caller's where given, else the first candidate that fits
-    the device's shared memory per block (``_tc_candidates``)."""
+    the device's shared memory per block (``_tc_candidates``; float32 by its head dim in 16-bit words)."""
     if block_q and block_k:
         return block_q, block_k
     if SIMULATOR:
         return block_q or _TC_SIM_TILES[0], block_k or _TC_SIM_TILES[1]
-    return _default_tc_tiles(headdim, shared_limit(), block_q, block_k)
+    return _default_tc_tiles(headdim, shared_limit(), block_q, block_k, dtype, precision)
 
 
 @lru_cache(maxsize=None)
-def _default_tc_tiles(headdim, limit, block_q=None, block_k=None):
+def _default_tc_tiles(headdim, limit, block_q=None, block_k=None, dtype="float16", precision="highest"):
     d = headdim + headdim % 2
-    return _fitting(_tc_candidates(_TC_TILES, headdim, block_q, block_k), limit,
-                    lambda bq, bk: tc_shared_bytes(bq, bk, d))
+    return _fitting(_tc_candidates(_TC_TILES, _words16(headdim, dtype), block_q, block_k), limit,
+                    lambda bq, bk: tc_shared_bytes(bq, bk, d, dtype, precision))
 
 
-def tc_shared_bytes(block_q, block_k, headdim):
+def tc_shared_bytes(block_q, block_k, headdim, dtype="float16", precision="highest"):
     """Dynamic shared memory per block of the tensor-core forward (the options do not change it)."""
-    mt = tc_m_tiles(block_q, headdim)
-    return make_forward_tc(block_q, block_k, headdim, "float16", True, mt, tc_q_in_smem(mt, headdim),
-                           *([False] * 7))[1]
+    mt, qs, extra = _tc_forward_variant(block_q, headdim, dtype, precision)
+    return make_forward_tc(block_q, block_k, headdim, dtype if dtype == "float32" else "float16", True, mt, qs,
+                           *([False] * 7), **extra)[1]
+
+
+def _words16(headdim, dtype):
+    """The head dim a 16-bit row of the same words would have: the measure of a row's registers and shared
+    memory in the tensor-core kernels (a float32 row takes twice a 16-bit row's)."""
+    return 2 * headdim if dtype == "float32" else headdim
+
+
+def _tc_forward_variant(block_q, headdim, dtype, precision):
+    """(m-tiles per warp, Q in shared memory, the factory's float32 keywords) of the tensor-core forward: the
+    16-bit kernels' choices at the head dim of the same words; 3xTF32 keeps Q in shared memory (its big and
+    small parts, split once), which registers would not hold."""
+    dw = _words16(headdim, dtype)
+    mt = tc_m_tiles(block_q, dw)
+    if dtype != "float32":
+        return mt, tc_q_in_smem(mt, dw), {}
+    split = precision == "highest"
+    return mt, split or tc_q_in_smem(mt, dw), {"TF32X3": split}
 
 
 def default_tc_bwd_tiles(headdim, block_q=None, block_k=None):

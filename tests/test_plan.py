@@ -39,8 +39,10 @@ TABLE = [
     (dict(dtype="bfloat16", headdim=128), ("tensorcore", 128, 64), ("tensorcore", 64, 128)),
     (dict(headdim=128, block_q=64), ("tensorcore", 64, 64), ("tensorcore", 64, 128)),
     (dict(headdim=64, block_q=32, block_k=32), ("tensorcore", 32, 32), ("tensorcore", 32, 32)),
-    (dict(dtype="float32", headdim=64), ("simt", 64, 64), ("simt", 64, 64)),
-    (dict(dtype="float32", headdim=128), ("simt", 64, 32), ("simt", 64, 32)),
+    # float32: the forward on tf32 tensor cores (tiles of the 16-bit head dim of the same words, 3xTF32's Q
+    # halves in shared memory), the backward on SIMT
+    (dict(dtype="float32", headdim=64), ("tensorcore", 128, 64), ("simt", 64, 64)),
+    (dict(dtype="float32", headdim=128), ("tensorcore", 64, 32), ("simt", 64, 32)),
     (dict(dtype="float64", headdim=64), ("simt", 64, 32), ("simt", 64, 32)),
     (dict(headdim=63), ("simt", 64, 64), ("simt", 64, 64)),                         # odd head dim
     (dict(headdim=64, block_k=8), ("simt", 64, 8), ("simt", 64, 8)),                 # a tile below 16
@@ -62,7 +64,7 @@ def test_backend_and_tiles_on_the_h100(device, kw, fwd, bwd):
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(dtype="float32"), "float16 and bfloat16 inputs only, got float32"),
+    (dict(dtype="float64"), "float16, bfloat16 and float32 \\(forward\\) inputs only, got float64"),
     (dict(headdim=63), "even head dim"),
     (dict(block_q=8), "block_q must be a multiple of 16"),
     (dict(block_k=8), "block_k must be a multiple of 16"),
@@ -83,6 +85,9 @@ def test_tensorcore_backward_refusals(device):
     with pytest.raises(ValueError, match="block_k=128 at head dim 160 needs 512 threads"):
         plan.backward(call(headdim=160, block_k=128, backend="tensorcore"))
     assert plan.forward(call(backend="tensorcore", deterministic=True)).backend == "tensorcore"
+    with pytest.raises(ValueError, match="its backward computes float16 and bfloat16 inputs only"):
+        plan.backward(call(dtype="float32", backend="tensorcore"))
+    assert plan.forward(call(dtype="float32", backend="tensorcore")).backend == "tensorcore"
 
 
 def test_older_devices(device):
@@ -143,6 +148,8 @@ def test_wants_words_only_where_the_tensor_cores_may_serve(device):
     assert plan.wants_words(call(layout=None))
     assert plan.wants_words(call(layout=None), backward=True)
     assert not plan.wants_words(call(layout=None, backend="simt"))
-    assert not plan.wants_words(call(dtype="float32", layout=None))
+    assert not plan.wants_words(call(dtype="float64", layout=None))
+    assert plan.wants_words(call(dtype="float32", layout=None))
+    assert not plan.wants_words(call(dtype="float32", layout=None), backward=True)
     assert plan.wants_words(call(layout=None, deterministic=True))
     assert not plan.wants_words(call(layout=None, deterministic=True), backward=True)

@@ -34,7 +34,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function
 
-FORMATS = {"float16": "f16", "bfloat16": "bf16"}   # PTX type of the 16-bit operands
+FORMATS = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}   # PTX type of the operands
 
 
 def _gpu_primitives(fmt):
@@ -43,7 +43,8 @@ def _gpu_primitives(fmt):
     from numba.cuda.extending import intrinsic
 
     i32, f32 = ir.IntType(32), ir.FloatType()
-    mma_ptx = (f"mma.sync.aligned.m16n8k16.row.col.f32.{fmt}.{fmt}.f32 "
+    shape = "m16n8k8" if fmt == "tf32" else "m16n8k16"     # tf32: 8 values of k in the same 4 + 2 registers
+    mma_ptx = (f"mma.sync.aligned.{shape}.row.col.f32.{fmt}.{fmt}.f32 "
                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
     RET = types.UniTuple(types.float32, 4)
 
@@ -62,6 +63,9 @@ def _gpu_primitives(fmt):
             return context.make_tuple(builder, RET, [builder.extract_value(res, i) for i in range(4)])
 
         return sig, codegen
+
+    if fmt == "tf32":
+        return mma, None, None
 
     @intrinsic
     def pack2(typingctx, lo, hi):
@@ -266,7 +270,47 @@ def float_to_bits(x, fmt):
     return np.where(np.isnan(x), np.uint32(0x7FC0), rounded & 0xFFFF).astype(np.uint32)
 
 
+# m16n8k8 with 32-bit (tf32) operands: a[0] = A[g, t], a[1] = A[g + 8, t], a[2] = A[g, t + 4], a[3] = A[g + 8, t + 4];
+# b[0] = B[t, g], b[1] = B[t + 4, g]; c as above.  In 32-bit words these are the 16-bit layouts' words.
+_R8, _K8 = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
+A8_LANE, A8_REG = (_R8 % 8) * 4 + _K8 % 4, _R8 // 8 + 2 * (_K8 // 4)
+_KB, _NB = np.meshgrid(np.arange(8), np.arange(8), indexing="ij")
+B8_LANE, B8_REG = _NB * 4 + _KB % 4, _KB // 4
+TF32_MASK = np.uint32(0xFFFFE000)          # a tf32 operand is a float32 of which the tensor cores read 19 bits
+
+
+def tf32_values(words):
+    """float64 values of uint32 ``words`` read as tf32 operands (float32 bits, the low 13 ignored)."""
+    return (np.asarray(words, dtype=np.uint32) & TF32_MASK).view(np.float32).astype(np.float64)
+
+
+def _sim_tf32_mma():
+    @device_function
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        frag_a = cuda.shared.array((MAX_WARPS, 32, 4), U32_DT)
+        frag_b = cuda.shared.array((MAX_WARPS, 32, 2), U32_DT)
+        frag_c = cuda.shared.array((MAX_WARPS, 32, 4), F32_DT)
+        tid = cuda.threadIdx.x
+        w, lane = tid // 32, tid % 32
+        frag_a[w, lane, 0], frag_a[w, lane, 1], frag_a[w, lane, 2], frag_a[w, lane, 3] = a0, a1, a2, a3
+        frag_b[w, lane, 0], frag_b[w, lane, 1] = b0, b1
+        frag_c[w, lane, 0], frag_c[w, lane, 1], frag_c[w, lane, 2], frag_c[w, lane, 3] = c0, c1, c2, c3
+        cuda.syncthreads()
+        if lane == 0:
+            a = tf32_values(frag_a[w][A8_LANE, A8_REG])                          # 16 x 8
+            b = tf32_values(frag_b[w][B8_LANE, B8_REG])                          # 8 x 8
+            frag_c[w][C_LANE, C_REG] = (a @ b + frag_c[w][C_LANE, C_REG]).astype(np.float32)   # products exact
+        cuda.syncthreads()
+        d0, d1, d2, d3 = frag_c[w, lane, 0], frag_c[w, lane, 1], frag_c[w, lane, 2], frag_c[w, lane, 3]
+        cuda.syncthreads()
+        return d0, d1, d2, d3
+
+    return mma, None, None
+
+
 def _sim_primitives(fmt):
+    if fmt == "tf32":
+        return _sim_tf32_mma()
 
     @device_function
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -373,7 +417,9 @@ def memory_primitives():
 
 
 def primitives(dtype_name):
-    """``(mma, pack2, unpack2)`` for ``"float16"`` or ``"bfloat16"`` operands (GPU intrinsics, or simulator twins)."""
+    """``(mma, pack2, unpack2)`` for ``"float16"`` or ``"bfloat16"`` operands (GPU intrinsics, or simulator twins);
+    for ``"float32"``, ``(mma, None, None)``: ``m16n8k8`` on tf32 operands (``tf32_primitives`` rounds and
+    splits them)."""
     if dtype_name not in _cache:
         fmt = FORMATS[dtype_name]
         _cache[dtype_name] = _sim_primitives(fmt) if SIMULATOR else _gpu_primitives(fmt)
@@ -401,3 +447,72 @@ def make_mma_pair(dtype_name):
         _pairs[dtype_name] = pair
     return _pairs[dtype_name]
 
+
+
+def tf32_primitives():
+    """Rounding and splitting for tf32 operands, integer and float work only, as a dict of device functions:
+
+    * ``round_bits(w)``: float32 bits ``w`` rounded to tf32 (nearest, ties away from zero: ``cvt.rna.tf32.f32``'s
+      rule) by adding half of the 13 dropped bits and clearing them;
+    * ``split_bits(w)``: ``(big, small)``, ``big = round_bits(w)`` and ``small`` the tf32 rounding of
+      ``x - big`` (exact in float32), so that ``x = big + small`` to about 2**-22 relative: the operands of
+      3xTF32 (``a b ~ a_small b_big + a_big b_small + a_big b_big``);
+    * ``round_value(x)``, ``split_value(x)``: the same from a float32 value; ``as_bits(x)``: its bits.
+
+    Magnitudes within 2**-12 of float32's largest round to infinity (attention's operands are far from it).
+    """
+    if "tf32" not in _cache:
+        if SIMULATOR:
+            @device_function
+            def as_float(w):
+                return np.array([w], dtype=np.uint32).view(np.float32)[0]
+
+            @device_function
+            def as_bits(x):
+                return np.array([x], dtype=np.float32).view(np.uint32)[0]
+        else:
+            as_float, as_bits = _gpu_bitcasts()
+
+        @device_function
+        def round_bits(w):
+            return np.uint32((w + np.uint32(0x1000)) & TF32_MASK)
+
+        @device_function
+        def split_bits(w):
+            big = round_bits(w)
+            return big, round_bits(as_bits(as_float(w) - as_float(big)))
+
+        @device_function
+        def round_value(x):
+            return round_bits(as_bits(x))
+
+        @device_function
+        def split_value(x):
+            return split_bits(as_bits(x))
+
+        _cache["tf32"] = dict(round_bits=round_bits, split_bits=split_bits, round_value=round_value,
+                              split_value=split_value, as_bits=as_bits)
+    return _cache["tf32"]
+
+
+def _gpu_bitcasts():
+    """``as_float(uint32) -> float32`` and ``as_bits(float32) -> uint32``: LLVM bitcasts (no instruction)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def as_float(typingctx, w):
+        def codegen(context, builder, signature, args):
+            v = context.cast(builder, args[0], signature.args[0], types.uint32)
+            return builder.bitcast(v, ir.FloatType())
+        return types.float32(w), codegen
+
+    @intrinsic
+    def as_bits(typingctx, x):
+        def codegen(context, builder, signature, args):
+            v = context.cast(builder, args[0], signature.args[0], types.float32)
+            return builder.bitcast(v, ir.IntType(32))
+        return types.uint32(x), codegen
+
+    return as_float, as_bits

@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
-from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives
+from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, packed_tile_head_batch, sequence_span, tile_head_batch
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
@@ -93,7 +93,7 @@ def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False):
+                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False, TF32X3=True):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -106,26 +106,43 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     32-bit compares, ``MASK32``.)  ``VARLEN``: a packed batch, as in ``forward.make_forward`` (the word
     views' batch stride is 0, so the K/V base offsets ``b * strides[0]`` vanish and the slices carry the rows).
 
+    ``DTYPE_NAME="float32"``: the same kernel on tf32 tensor cores (``mma.m16n8k8``; a word is one value, and
+    ``m16n8k8``'s tf32 fragments are, in words, ``m16n8k16``'s 16-bit ones, so Q's and K's fragments come as
+    before).  ``TF32X3`` (``precision="highest"``): each operand split into a tf32 part and a tf32 residual,
+    three products per mma (``a_small b_big + a_big b_small + a_big b_big``, about float32's accuracy); K_j and
+    V_j are split once per tile into a second shared buffer, Q once (registers, or its shared tile), P in
+    registers.  Without it (``precision="high"``): one product, Q and P rounded to tf32, K and V truncated by
+    the tensor cores.  P V takes P straight from S's accumulators with the keys of an 8-key k-step permuted
+    (key ``2t`` as k index ``t``, ``2t + 1`` as ``t + 4``), the same permutation on V's rows, which come by
+    plain 32-bit loads (no ldmatrix transpose for 32-bit values).
+
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
     epilogue ``store_out_lse``.
     """
-    assert BLOCK_Q % (16 * MT) == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % 2 == 0
+    TF32 = DTYPE_NAME == "float32"
+    SPLIT = TF32 and TF32X3                  # 3xTF32: big and small parts of every operand
+    VALS = 1 if TF32 else 2                  # values per 32-bit word
+    assert BLOCK_Q % (16 * MT) == 0 and BLOCK_K % 16 == 0 and HEAD_DIM % VALS == 0
     NWARPS = BLOCK_Q // (16 * MT)            # each warp owns MT m-tiles of 16 query rows
     NTHREADS = 32 * NWARPS
     ROWS = 2 * MT                            # query rows per thread: (m-tile, fragment half)
-    D_PAD = -(-HEAD_DIM // 16) * 16          # head dim padded to the mma's k
-    HEAD_WORDS = HEAD_DIM // 2               # words of one row in global memory
-    D_WORDS = D_PAD // 2                     # words of one row in shared memory
-    KSTEPS_D = D_PAD // 16                   # k-steps of Q K^T
+    HEAD_WORDS = HEAD_DIM // VALS            # words of one row in global memory
+    # words of one row in shared memory: a k-step of the mma reads 8, and P V's n-tiles (8 values) go in pairs
+    D_WORDS = -(-HEAD_WORDS // (8 * (3 - VALS))) * 8 * (3 - VALS)
+    D_PAD = D_WORDS * VALS                   # head dim padded to the mma's k
+    KSTEPS_D = D_WORDS // 8                  # k-steps of Q K^T
     NT_K = BLOCK_K // 8                      # n-tiles of S (8 keys each)
-    KSTEPS_K = BLOCK_K // 16                 # k-steps of P V
+    KSTEPS_K = BLOCK_K // (8 * VALS)         # k-steps of P V (16 keys each, tf32: 8)
     NT_D = D_PAD // 8                        # n-tiles of the output (8 dims each)
     STRIDE = tc_padded_words(D_WORDS)        # words per key row of a K or V tile in shared memory
     TILE = BLOCK_K * STRIDE                  # words of one K (or V) tile
     V_OFF = TILE                             # buffer s: K at s * 2 TILE, V at s * 2 TILE + V_OFF
     Q_OFF = 4 * TILE                         # two buffers of (K_j, V_j), then the Q tile if Q_SMEM
-    SMEM_WORDS = Q_OFF + (BLOCK_Q * STRIDE if Q_SMEM else 0)
+    Q_WORDS = BLOCK_Q * STRIDE if Q_SMEM else 0
+    SMALL = Q_OFF + Q_WORDS                  # SPLIT: the small parts of K_j, V_j (one buffer), then of Q
+    SMALL_Q = SMALL + 2 * TILE
+    SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else SMALL
     SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
     CW = 4 if VEC16 else 1                   # words per cp.async
@@ -144,6 +161,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
 
     _, pack2, _ = primitives(DTYPE_NAME)
     mma_pair = make_mma_pair(DTYPE_NAME)
+    tf32 = tf32_primitives()
+    split_bits, round_bits, split_value, round_value, as_bits = (
+        tf32[name] for name in ("split_bits", "round_bits", "split_value", "round_value", "as_bits"))
     mem = memory_primitives()
     cp_async = mem["cp_async16"] if VEC16 else mem["cp_async4"]
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
@@ -157,14 +177,28 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
     @device_function
-    def load_q_frags(q, b, h, row0, seqlen_q, t, q_reg, m):
-        """Q's a fragments of m-tile ``m`` (rows ``row0``, ``row0 + 8``) straight from global memory (read once)."""
+    def load_q_frags(q, b, h, row0, seqlen_q, t, q_reg, q_small, m):
+        """Q's a fragments of m-tile ``m`` (rows ``row0``, ``row0 + 8``) straight from global memory (read once);
+        tf32: rounded, or (``SPLIT``) split into ``q_reg`` and ``q_small``."""
         for ks in range(KSTEPS_D):
             for half in range(2):
                 c = ks * 8 + t + 4 * half
                 for r in range(2):
                     i = row0 + 8 * r
-                    q_reg[m, ks, 2 * half + r] = q[U(b), U(i), U(h), U(c)] if (i < seqlen_q and c < HEAD_WORDS) else W0
+                    w = q[U(b), U(i), U(h), U(c)] if (i < seqlen_q and c < HEAD_WORDS) else W0
+                    if SPLIT:
+                        q_reg[m, ks, 2 * half + r], q_small[m, ks, 2 * half + r] = split_bits(w)
+                    elif TF32:
+                        q_reg[m, ks, 2 * half + r] = round_bits(w)
+                    else:
+                        q_reg[m, ks, 2 * half + r] = w
+
+    @device_function
+    def split_smem(smem, src, dst, nwords):
+        """SPLIT: ``smem[src:src + nwords]`` -> its tf32 big parts in place and its small parts at ``dst``, by
+        the whole block (the caller synchronises before and after)."""
+        for i in range(cuda.threadIdx.x, nwords, NTHREADS):
+            smem[src + i], smem[dst + i] = split_bits(smem[src + i])
 
     # cp.async work split: thread tid copies chunk column (tid % CHUNKS) of rows tid // CHUNKS + i ROW_STEP,
     # a compile-time trip count (no remainder loop) when the chunks divide evenly among the threads
@@ -211,9 +245,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     # ---- the steps of one key tile, on this thread's fragments: element e of (m-tile m, n-tile n) is query
     # row0 + 16 m + 8 (e >> 1) and key k0 + 8 n + 2 t + (e & 1) (m16n8k16's accumulator layout)
     @device_function
-    def score_tile(smem, base, q_reg, q_frag, q_lane, k_lane, s_reg):
+    def score_tile(smem, base, q_reg, q_small, q_frag, q_frag_s, q_lane, k_lane, s_reg):
         """S = Q K_j^T: per k-step, Q's a fragments of every m-tile (registers, or ldmatrix from the shared Q
-        tile), then per ldmatrix of K two n-tiles (16 keys) fed to every m-tile."""
+        tile), then per ldmatrix of K two n-tiles (16 keys) fed to every m-tile (``SPLIT``: the small parts'
+        products first, then the big parts')."""
         for m in range(MT):
             for n in range(NT_K):
                 for e in range(4):
@@ -223,11 +258,21 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 if Q_SMEM:
                     q_frag[m, 0], q_frag[m, 1], q_frag[m, 2], q_frag[m, 3] = ldmatrix_x4(
                         smem, U(q_lane + 16 * m * STRIDE + 8 * ks))
+                    if SPLIT:
+                        q_frag_s[m, 0], q_frag_s[m, 1], q_frag_s[m, 2], q_frag_s[m, 3] = ldmatrix_x4(
+                            smem, U(q_lane - Q_OFF + SMALL_Q + 16 * m * STRIDE + 8 * ks))
                 else:
                     for e in range(4):
                         q_frag[m, e] = q_reg[m, ks, e]
+                        if SPLIT:
+                            q_frag_s[m, e] = q_small[m, ks, e]
             for n in range(0, NT_K, 2):
                 b0, b1, b2, b3 = ldmatrix_x4(smem, U(base + 8 * n * STRIDE + 8 * ks + k_lane))
+                if SPLIT:
+                    s0, s1, s2, s3 = ldmatrix_x4(smem, U(SMALL + 8 * n * STRIDE + 8 * ks + k_lane))
+                    for m in range(MT):
+                        mma_pair(q_frag_s, m, b0, b1, b2, b3, s_reg, n)
+                        mma_pair(q_frag, m, s0, s1, s2, s3, s_reg, n)
                 for m in range(MT):
                     mma_pair(q_frag, m, b0, b1, b2, b3, s_reg, n)
 
@@ -316,6 +361,33 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     acc[m, n, 2 * r + 1] *= alpha
 
     @device_function
+    def pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc):
+        """acc += P V_j on tf32 operands: k-step kk is S's n-tile kk (8 keys), key ``2t + e`` of it taken as k
+        index ``t + 4 e`` both in P's a fragment (S's accumulators as they are) and in V's b fragments (rows
+        ``2t``, ``2t + 1`` at column ``g`` of each output n-tile: two 32-bit loads per n-tile, conflict-free as
+        2 STRIDE = 8 or 24 mod 32 words)."""
+        for kk in range(KSTEPS_K):
+            for m in range(MT):
+                for e in range(4):
+                    x = s_reg[m, kk, (e % 2) * 2 + e // 2]      # a0..a3 = S[g, 2t], S[g+8, 2t], S[g, 2t+1], S[g+8, 2t+1]
+                    if SPLIT:
+                        p_reg[m, e], p_small[m, e] = split_value(x)
+                    else:
+                        p_reg[m, e] = round_value(x)
+            row = v_word + 8 * kk * STRIDE
+            for n in range(0, NT_D, 2):
+                at = base + V_OFF + row + 8 * n
+                b0, b1, b2, b3 = smem[at], smem[at + STRIDE], smem[at + 8], smem[at + STRIDE + 8]
+                if SPLIT:
+                    at = SMALL + TILE + row + 8 * n
+                    s0, s1, s2, s3 = smem[at], smem[at + STRIDE], smem[at + 8], smem[at + STRIDE + 8]
+                    for m in range(MT):
+                        mma_pair(p_small, m, b0, b1, b2, b3, acc, n)
+                        mma_pair(p_reg, m, s0, s1, s2, s3, acc, n)
+                for m in range(MT):
+                    mma_pair(p_reg, m, b0, b1, b2, b3, acc, n)
+
+    @device_function
     def pv_tile(smem, base, v_lane, s_reg, p_reg, acc):
         """acc += P V_j: P's a fragments are S's accumulators of n-tiles 2kk, 2kk + 1, packed; one
         ldmatrix.trans gives V's b fragments of two output n-tiles, used by every m-tile."""
@@ -342,9 +414,16 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     l = l_i[2 * m + r]
                     inv_l = ZERO if l == ZERO else F32(1) / l
                     for n in range(NT_D):
-                        c = 4 * n + t
-                        if c < HEAD_WORDS:
-                            out[U(b), U(i), U(h), U(c)] = pack2(acc[m, n, 2 * r] * inv_l, acc[m, n, 2 * r + 1] * inv_l)
+                        if TF32:
+                            for e in range(2):
+                                c = 8 * n + 2 * t + e
+                                if c < HEAD_WORDS:
+                                    out[U(b), U(i), U(h), U(c)] = as_bits(acc[m, n, 2 * r + e] * inv_l)
+                        else:
+                            c = 4 * n + t
+                            if c < HEAD_WORDS:
+                                out[U(b), U(i), U(h), U(c)] = pack2(acc[m, n, 2 * r] * inv_l,
+                                                                    acc[m, n, 2 * r + 1] * inv_l)
                     if t == 0:
                         lse[b, h, i] = NEG_INF if l == ZERO else (m_i[2 * m + r] + math.log2(l)) * LN2_T
 
@@ -385,9 +464,13 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         mi = lane // 8
         k_lane = (8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
         v_lane = V_OFF + (8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
+        v_word = 2 * t * STRIDE + g                                 # tf32: this lane's V word of a k-step
 
         q_reg = cuda.local.array((MT if not Q_SMEM else 1, KSTEPS_D, 4), np.uint32)   # Q's a fragments (registers)
+        q_small = cuda.local.array((MT if SPLIT and not Q_SMEM else 1, KSTEPS_D, 4), np.uint32)   # their small parts
         q_frag = cuda.local.array((MT, 4), np.uint32)           # Q's a fragments of one k-step
+        q_frag_s = cuda.local.array((MT, 4), np.uint32)         # their small parts (SPLIT)
+        p_small = cuda.local.array((MT, 4), np.uint32)          # P's small parts (SPLIT)
         s_reg = cuda.local.array((MT, NT_K, 4), F32)             # S, then P, of the key tile
         p_reg = cuda.local.array((MT, 4), np.uint32)             # P's a fragments of one k-step
         acc = cuda.local.array((MT, NT_D, 4), F32)               # O_i, unnormalised
@@ -402,7 +485,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 for e in range(4):
                     acc[m, n, e] = ZERO
             if not Q_SMEM:
-                load_q_frags(q, b, h, row0 + 16 * m, seqlen_q, t, q_reg, m)
+                load_q_frags(q, b, h, row0 + 16 * m, seqlen_q, t, q_reg, q_small, m)
         # this lane's ldmatrix row of Q's a fragments (m-tile 0): matrices (rows +0 | +8) x (words +0 | +4)
         q_lane = Q_OFF + (16 * MT * warp + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         k_base = (b * k.strides[0] + hk * k.strides[2]) // 4      # strides are in bytes, 4 per word
@@ -418,6 +501,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                        smem, Q_OFF)
             start_kv_copy(k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, smem, 0)
         buf = 0
+        first = True                                         # (SPLIT, Q_SMEM: Q's tile is split with the first K/V)
         while kt < kt_hi:
             k0 = kt * BLOCK_K
             kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
@@ -430,8 +514,14 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 wait_all()
             cuda.syncthreads()                               # everyone's copies of K_j, V_j have landed
             base = buf * 2 * TILE
+            if SPLIT:                                        # K_j, V_j (and Q once) -> big and small parts
+                if Q_SMEM and first:
+                    split_smem(smem, Q_OFF, SMALL_Q, Q_WORDS)
+                split_smem(smem, base, SMALL, 2 * TILE)
+                first = False
+                cuda.syncthreads()
 
-            score_tile(smem, base, q_reg, q_frag, q_lane, k_lane, s_reg)                 # S = Q K_j^T
+            score_tile(smem, base, q_reg, q_small, q_frag, q_frag_s, q_lane, k_lane, s_reg)   # S = Q K_j^T
             if WINDOW_ONLY and need_mask:                                                  # S <- mask(S * scale)
                 window_mask_tile(s_reg, row0, k0, t, seqlen_q, seqlen_k, off, left, right, scale_log2)
             elif not WINDOW_ONLY and (HAS_MODS or need_mask):
@@ -441,7 +531,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 scale_tile(s_reg, scale_log2)
             online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,   # m_i, l_i, P
                            drop_threshold, drop_scale, seed_lo, seed_hi)
-            pv_tile(smem, base, v_lane, s_reg, p_reg, acc)                                # acc += P V_j
+            if TF32:                                                                       # acc += P V_j
+                pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc)
+            else:
+                pv_tile(smem, base, v_lane, s_reg, p_reg, acc)
             cuda.syncthreads()                               # every warp is done with buffer buf
             buf = 1 - buf
             kt = kn

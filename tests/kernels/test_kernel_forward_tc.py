@@ -280,12 +280,15 @@ def _data(dtype, headdim, seqlen=20):
 
 
 def test_auto_picks_tensor_cores_for_float16_and_simt_otherwise(monkeypatch):
-    """backend="auto": float16 with an even head dim and default tiles -> tensor cores; else SIMT."""
+    """backend="auto": float16 with an even head dim, or float32, and default tiles -> tensor cores; else SIMT."""
     calls = []
     monkeypatch.setattr(plan, "forward", _spy(plan.forward, lambda made: calls.append(made.backend)))
-    flashnb.flash_attention(*_data(np.float16, 8))
-    assert calls == ["tensorcore"], "float16, head dim 8: the tensor-core kernel was not used"
-    for dtype, headdim, tiles in ((np.float32, 8, {}), (np.float16, 7, {}), (np.float16, 8, dict(block_k=8))):
+    for dtype, headdim in ((np.float16, 8), (np.float32, 8), (np.float32, 7)):
+        calls.clear()
+        flashnb.flash_attention(*_data(dtype, headdim))
+        assert calls == ["tensorcore"], f"{np.dtype(dtype).name}, head dim {headdim}: the tensor cores were not used"
+    for dtype, headdim, tiles in ((np.float64, 8, {}), (np.float16, 7, {}), (np.float16, 8, dict(block_k=8)),
+                                  (np.float32, 8, dict(block_q=8))):
         calls.clear()
         flashnb.flash_attention(*_data(dtype, headdim), **tiles)
         assert calls == ["simt"], f"{np.dtype(dtype).name}, head dim {headdim}, {tiles}: expected the SIMT kernel"
@@ -306,8 +309,7 @@ def test_auto_picks_the_tensor_core_backward_unless_deterministic(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype, headdim, extra, why", [
-    (np.float32, 8, {}, "float16 and bfloat16"),
-    (np.float64, 8, {}, "float16 and bfloat16"),
+    (np.float64, 8, {}, "float16, bfloat16 and float32"),
     (np.float16, 7, {}, "even head dim"),
     (np.float16, 8, dict(block_q=8), "block_q"),
     (np.float16, 8, dict(block_k=4), "block_k"),

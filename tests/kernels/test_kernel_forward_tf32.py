@@ -1,0 +1,107 @@
+"""float32 on the tensor cores (kernels/forward_tc.py with ``DTYPE_NAME="float32"``) against the float64 oracle.
+
+* ``precision="highest"`` (3xTF32): the float32 bound of kernel_harness (the SIMT kernels' own), and the issue's
+  rule: the error against the float64 oracle at most twice that of the SIMT kernels (float32 on the CUDA cores)
+  on the same inputs, plus a floor of a few float32 ulps of the output's scale.
+* ``precision="high"`` (one tf32 product): its own bound, the float32 one with tf32's unit roundoff.  Q and P
+  are rounded to tf32 (relative error <= 2**-11), K and V truncated by the tensor cores (<= 2**-10): a score
+  is off by at most ``(2**-11 + 2**-10) s_dot`` (plus float32 accumulation), and ``out = P V`` by at most
+  ``(2**-11 + 2**-10)`` of its scale on top of what the scores' errors do to P; the floor is twice that.
+
+In the simulator the tf32 ``mma`` is its shared-memory twin (the low 13 bits of each operand dropped, as the
+tensor cores do), so the kernel code under test is the GPU's.  Every option, grouped-query heads, windows.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import flashnb
+import strategies as S
+from flashnb import plan
+from flashnb.kernels._jit import SIMULATOR
+from kernel_harness import (EPS32, check_forward, examples, expected, kernel_forward, kernel_problems,
+                            poison_outputs, rel_bound)  # noqa: F401
+
+if SIMULATOR:
+    TILES = st.sampled_from([(16, 16), (32, 16), (None, None)])
+    HEADDIMS = (1, 3, 4, 8, 12, 16)
+    MAX_SEQLEN = 36
+else:
+    TILES = st.tuples(st.sampled_from([None, 32, 64, 128]), st.sampled_from([None, 16, 32, 64]))
+    HEADDIMS = (1, 8, 33, 64, 80, 128, 256)
+    MAX_SEQLEN = None
+
+TF32_EPS = 2.0 ** -10                   # truncation's relative error; rounding's is half of it
+
+
+def problems(**kw):
+    return kernel_problems(dtypes=(np.float32,), tiles=TILES, headdims=HEADDIMS, max_seqlen=MAX_SEQLEN, **kw)
+
+
+def _simt_error(p, ref):
+    out = flashnb.flash_attention(p.q, p.k, p.v, **p.opts, backend="simt")
+    return float(np.max(np.abs(np.asarray(out, np.float64) - ref), initial=0.0)), out
+
+
+@settings(max_examples=examples(8, 25))
+@given(p=problems())
+def test_highest_within_twice_the_simt_error(p):
+    exp = expected(p, backward=False)
+    out, lse = kernel_forward(p, backend="tensorcore", precision="highest")
+    check_forward(exp, out, lse)                                  # the float32 bound
+    fin = np.isfinite(exp.out)
+    simt_err, _ = _simt_error(p, exp.out)
+    err = float(np.max(np.abs(np.asarray(out, np.float64) - exp.out)[fin], initial=0.0))
+    floor = 8 * EPS32 * exp.mags["out"] + 4 * np.finfo(np.float32).tiny
+    assert err <= 2 * simt_err + floor, f"3xTF32 error {err:.3g} > 2 x SIMT's {simt_err:.3g} + {floor:.3g}"
+
+
+def _high_expected(p):
+    """The float32 Expected with tf32's bound: scores off by (2**-11 + 2**-10) s_dot, out by as much of its
+    scale, twice that as the floor."""
+    exp = expected(p, backward=False)
+    unit = 2.0 ** -11 + TF32_EPS
+    score_err = unit * exp.mags["s_dot"] + EPS32 * ((p.headdim + 2) * exp.mags["s_dot"] + 4 * exp.mags["s_add"])
+    exp.rel = rel_bound(np.float32, p.headdim, exp.mags) + 2 * unit + 2 * score_err
+    return exp
+
+
+@settings(max_examples=examples(6, 25))
+@given(p=problems())
+def test_high_within_the_tf32_bound(p):
+    out, lse = kernel_forward(p, backend="tensorcore", precision="high")
+    check_forward(_high_expected(p), out, lse)
+
+
+@pytest.mark.parametrize("option", sorted(S.ALL_OPTIONS))
+@settings(max_examples=examples(2, 8))
+@given(data=st.data())
+def test_highest_each_option_alone(option, data):
+    p = data.draw(problems(options={option}, required={option}), label="problem")
+    out, lse = kernel_forward(p, backend="tensorcore")
+    check_forward(expected(p, backward=False), out, lse)
+
+
+@settings(max_examples=examples(2, 8))
+@given(p=problems(required=S.ALL_OPTIONS))
+def test_high_every_option_at_once(p):
+    out, lse = kernel_forward(p, backend="tensorcore", precision="high")
+    check_forward(_high_expected(p), out, lse)
+
+
+def test_precision_is_checked_and_the_backward_refuses_float32_on_tensor_cores():
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((1, 4, 1, 8)).astype(np.float32) for _ in range(3))
+    with pytest.raises(ValueError, match="precision"):
+        flashnb.flash_attention(q, k, v, precision="medium")
+    out, lse = flashnb.flash_attention(q, k, v, return_lse=True, backend="tensorcore")
+    with pytest.raises(ValueError, match="float16 and bfloat16 inputs only"):
+        flashnb.flash_attention_backward(q, q, k, v, out, lse, backend="tensorcore")
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("precision", plan.PRECISIONS)
+def test_default_tiles_fit_the_h100(headdim, precision):
+    """float32's tiles: the 16-bit table at the head dim of the same words, the first candidate that fits."""
+    bq, bk = plan._default_tc_tiles(headdim, 227 * 1024, None, None, "float32", precision)
+    assert plan.tc_shared_bytes(bq, bk, headdim, "float32", precision) <= 227 * 1024
