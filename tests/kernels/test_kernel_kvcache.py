@@ -204,6 +204,18 @@ def test_untouched_cache_rows_keep_nan():
     check_case(c)
 
 
+def test_chunked_prefill_rows_over_several_tiles():
+    """A prompt chunk: 12 new tokens appended and attended causally (24 query rows of a KV head: three row tiles
+    of 8), paged, over a cache that already holds 9 rows, with 2 splits."""
+    rng = np.random.default_rng(5)
+    batch, nheads, nheads_k, d, sq = 1, 4, 2, 4, 12
+    table = np.array([[1, 0]], np.int32)
+    kc, vc = (rng.standard_normal((2, PAGE, nheads_k, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((batch, sq, nheads, d)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, sq, nheads_k, d)).astype(np.float32) for _ in range(2))
+    check_case(Case(q, kc, vc, k, v, np.array([9], np.int32), table, dict(causal=True), 2))
+
+
 def test_split_count_choice():
     """flash-attn's heuristic: no split when the blocks fill the GPU, else enough splits for >= 85% wave
     efficiency; the splits cover every key in multiples of 16."""
