@@ -43,6 +43,7 @@ examples:
   python -m bench --io                              # only the IO-model table (measured on a GPU)
   python -m bench --host                            # only the host time of one call (tiny shape, launch path)
   python -m bench --varlen                          # only the packed-batch table (varlen vs dense vs padded)
+  python -m bench --decode                          # only the KV-cache decode table (vs SDPA, the HBM bound)
   python -m bench --list                            # which implementations this machine can run
 """
 
