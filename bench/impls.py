@@ -174,9 +174,10 @@ def _flashnb_options(case: Case) -> dict:
 
 
 def flashnb_impl(flashnb, backend: str | None, precision: str | None = None) -> Impl:
-    """``precision``: float32's on the tensor cores (``flashnb-auto-high``: one tf32 product); the backward
-    keeps ``backend="auto"`` there (float32's backward runs on SIMT)."""
-    name = f"flashnb-{backend or 'default'}" + (f"-{precision}" if precision else "")
+    """``precision``: float32 on the tensor cores, ``flashnb-tf32-highest`` (3xTF32) or ``flashnb-tf32-high``
+    (one tf32 product): the forward with ``backend="tensorcore"``, the backward with "auto" (float32's backward
+    runs on SIMT)."""
+    name = f"flashnb-tf32-{precision}" if precision else f"flashnb-{backend or 'default'}"
 
     def calls(case: Case):
         fwd_kw = dict(_flashnb_options(case), return_lse=True)
@@ -184,7 +185,7 @@ def flashnb_impl(flashnb, backend: str | None, precision: str | None = None) -> 
         if backend is not None and accepts(flashnb.flash_attention, "backend"):
             fwd_kw["backend"] = backend
         if backend is not None and accepts(flashnb.flash_attention_backward, "backend"):
-            bwd_kw["backend"] = backend
+            bwd_kw["backend"] = "auto" if precision else backend
         if precision is not None:
             fwd_kw["precision"] = precision
         return fwd_kw, bwd_kw
@@ -355,8 +356,8 @@ def all_impls(libs: Libraries) -> list[Impl]:
         if accepts(fnb.flash_attention, "backend"):
             backends = ("auto",) + backends          # "auto": what a caller gets without choosing
         impls += [flashnb_impl(fnb, b) for b in backends]
-        if accepts(fnb.flash_attention, "precision"):
-            impls.append(flashnb_impl(fnb, "auto", "high"))       # float32: one tf32 product
+        if accepts(fnb.flash_attention, "precision"):          # float32 on the tensor cores
+            impls += [flashnb_impl(fnb, "tensorcore", p) for p in ("highest", "high")]
     else:
         why = libs.why_not.get("flashnb") or "flashnb has no flash_attention / flash_attention_backward yet"
         impls.append(Impl("flashnb", "flashnb", None, unavailable=why))

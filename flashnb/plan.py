@@ -269,6 +269,11 @@ def _tc_choice(call, backward):
     refusal = tensorcore_refusal(call.dtype, call.headdim, call.block_q, call.block_k)
     if refusal is None and backward and call.dtype == "float32":
         refusal = "its backward computes float16 and bfloat16 inputs only (float32's runs on the SIMT kernels)"
+    if refusal is None and call.dtype == "float32" and call.backend == "auto":
+        # measured on the H100 (bench/results/h100-tf32-2026-11-25.md): 3xTF32 is 1.4x the SIMT kernels' speed at
+        # head dim 64 but slower at 128, and 4-16x their error (the tensor cores' float32 accumulation); so
+        # float32 stays on SIMT unless the caller asks for the tensor cores
+        refusal = "float32 runs on the tensor cores only when asked for (backend='tensorcore')"
     if refusal is not None or call.backend == "simt":
         return None, refusal
     d = call.headdim

@@ -39,10 +39,10 @@ TABLE = [
     (dict(dtype="bfloat16", headdim=128), ("tensorcore", 128, 64), ("tensorcore", 64, 128)),
     (dict(headdim=128, block_q=64), ("tensorcore", 64, 64), ("tensorcore", 64, 128)),
     (dict(headdim=64, block_q=32, block_k=32), ("tensorcore", 32, 32), ("tensorcore", 32, 32)),
-    # float32: the forward on tf32 tensor cores (tiles of the 16-bit head dim of the same words, 3xTF32's Q
-    # halves in shared memory), the backward on SIMT
-    (dict(dtype="float32", headdim=64), ("tensorcore", 128, 64), ("simt", 64, 64)),
-    (dict(dtype="float32", headdim=128), ("tensorcore", 64, 32), ("simt", 64, 32)),
+    # float32: SIMT unless the tensor cores are asked for; then the forward on tf32 tensor cores (tiles of the
+    # 16-bit head dim of the same words, 3xTF32's Q halves in shared memory)
+    (dict(dtype="float32", headdim=64), ("simt", 64, 64), ("simt", 64, 64)),
+    (dict(dtype="float32", headdim=128), ("simt", 64, 32), ("simt", 64, 32)),
     (dict(dtype="float64", headdim=64), ("simt", 64, 32), ("simt", 64, 32)),
     (dict(headdim=63), ("simt", 64, 64), ("simt", 64, 64)),                         # odd head dim
     (dict(headdim=64, block_k=8), ("simt", 64, 8), ("simt", 64, 8)),                 # a tile below 16
@@ -88,6 +88,9 @@ def test_tensorcore_backward_refusals(device):
     with pytest.raises(ValueError, match="its backward computes float16 and bfloat16 inputs only"):
         plan.backward(call(dtype="float32", backend="tensorcore"))
     assert plan.forward(call(dtype="float32", backend="tensorcore")).backend == "tensorcore"
+    for d, tiles in ((64, (128, 64)), (128, (64, 32))):
+        f = plan.forward(call(dtype="float32", headdim=d, backend="tensorcore"))
+        assert (f.block_q, f.block_k) == tiles
 
 
 def test_older_devices(device):
@@ -149,7 +152,8 @@ def test_wants_words_only_where_the_tensor_cores_may_serve(device):
     assert plan.wants_words(call(layout=None), backward=True)
     assert not plan.wants_words(call(layout=None, backend="simt"))
     assert not plan.wants_words(call(dtype="float64", layout=None))
-    assert plan.wants_words(call(dtype="float32", layout=None))
-    assert not plan.wants_words(call(dtype="float32", layout=None), backward=True)
+    assert not plan.wants_words(call(dtype="float32", layout=None))
+    assert plan.wants_words(call(dtype="float32", layout=None, backend="tensorcore"))
+    assert not plan.wants_words(call(dtype="float32", layout=None, backend="tensorcore"), backward=True)
     assert plan.wants_words(call(layout=None, deterministic=True))
     assert not plan.wants_words(call(layout=None, deterministic=True), backward=True)
