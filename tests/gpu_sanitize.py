@@ -34,7 +34,8 @@ OPTION_SETS = {
 
 
 DTYPES = {"float16": (np.float16, ("tensorcore", "simt")), "bfloat16": ("bfloat16", ("tensorcore",)),
-          "float32": (np.float32, ("simt",)), "float64": (np.float64, ("simt",))}
+          "float32": (np.float32, ("simt", "tensorcore:highest", "tensorcore:high")), "float64": (np.float64, ("simt",))}
+# "tensorcore:PRECISION": float32's forward on tf32 tensor cores (its backward is the SIMT one, run above)
 
 
 def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES)):
@@ -52,10 +53,16 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES)):
                     opts = dict(attn_mask=rng.random((1, 2, sq, sk)) < 0.8, attn_bias=rng.standard_normal((1, 1, sq, sk)))
                 for backend in backends:
                     arrays = _cast((q, k, v, dout), dtype)
-                    out, lse = flashnb.flash_attention(*arrays[:3], return_lse=True, backend=backend, **opts)
+                    backend, _, precision = backend.partition(":")
+                    extra = dict(precision=precision) if precision else {}
+                    out, lse = flashnb.flash_attention(*arrays[:3], return_lse=True, backend=backend, **opts, **extra)
                     ref, _ = reference.attention(*(_host(x) for x in arrays[:3]), **opts)
                     err = float(np.max(np.abs(_host(out) - ref)))
                     assert err < 0.05, f"{dtype} d={d} {name} {backend}: forward error {err}"
+                    if precision:
+                        print(f"ok float32 d={d} {name} tensorcore precision={precision} (forward)", flush=True)
+                        checked += 1
+                        continue
                     # the backward of the same backend: tensor cores (atomic dQ), or SIMT with atomic
                     # and deterministic dQ
                     if backend == "simt":
