@@ -361,11 +361,14 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     acc[m, n, 2 * r + 1] *= alpha
 
     @device_function
-    def pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc):
+    def pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc, part):
         """acc += P V_j on tf32 operands: k-step kk is S's n-tile kk (8 keys), key ``2t + e`` of it taken as k
         index ``t + 4 e`` both in P's a fragment (S's accumulators as they are) and in V's b fragments (rows
         ``2t``, ``2t + 1`` at column ``g`` of each output n-tile: two 32-bit loads per n-tile, conflict-free as
-        2 STRIDE = 8 or 24 mod 32 words)."""
+        2 STRIDE = 8 or 24 mod 32 words).  ``SPLIT``: a k-step's three products go into a zeroed partial
+        ``part``, added to ``acc`` by ordinary (round-to-nearest) float32 adds: the tensor cores' float32
+        accumulation does not round to nearest, and adding every key's products of a row into ``acc`` itself
+        cost 4-16x the SIMT kernels' error (bench/results/h100-tf32-2026-11-25.md)."""
         for kk in range(KSTEPS_K):
             for m in range(MT):
                 for e in range(4):
@@ -382,10 +385,18 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     at = SMALL + TILE + row + 8 * n
                     s0, s1, s2, s3 = smem[at], smem[at + STRIDE], smem[at + 8], smem[at + STRIDE + 8]
                     for m in range(MT):
-                        mma_pair(p_small, m, b0, b1, b2, b3, acc, n)
-                        mma_pair(p_reg, m, s0, s1, s2, s3, acc, n)
-                for m in range(MT):
-                    mma_pair(p_reg, m, b0, b1, b2, b3, acc, n)
+                        for j in range(2):
+                            for e in range(4):
+                                part[m, j, e] = ZERO
+                        mma_pair(p_small, m, b0, b1, b2, b3, part, 0)
+                        mma_pair(p_reg, m, s0, s1, s2, s3, part, 0)
+                        mma_pair(p_reg, m, b0, b1, b2, b3, part, 0)
+                        for j in range(2):
+                            for e in range(4):
+                                acc[m, n + j, e] += part[m, j, e]
+                else:
+                    for m in range(MT):
+                        mma_pair(p_reg, m, b0, b1, b2, b3, acc, n)
 
     @device_function
     def pv_tile(smem, base, v_lane, s_reg, p_reg, acc):
@@ -471,6 +482,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         q_frag = cuda.local.array((MT, 4), np.uint32)           # Q's a fragments of one k-step
         q_frag_s = cuda.local.array((MT, 4), np.uint32)         # their small parts (SPLIT)
         p_small = cuda.local.array((MT, 4), np.uint32)          # P's small parts (SPLIT)
+        part = cuda.local.array((MT, 2, 4), F32)                 # a k-step's P V products (SPLIT)
         s_reg = cuda.local.array((MT, NT_K, 4), F32)             # S, then P, of the key tile
         p_reg = cuda.local.array((MT, 4), np.uint32)             # P's a fragments of one k-step
         acc = cuda.local.array((MT, NT_D, 4), F32)               # O_i, unnormalised
@@ -532,7 +544,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,   # m_i, l_i, P
                            drop_threshold, drop_scale, seed_lo, seed_hi)
             if TF32:                                                                       # acc += P V_j
-                pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc)
+                pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc, part)
             else:
                 pv_tile(smem, base, v_lane, s_reg, p_reg, acc)
             cuda.syncthreads()                               # every warp is done with buffer buf
