@@ -224,25 +224,28 @@ def _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, c
         return _forward_impl(q, k, v, *args)
 
 
-class _FlashAttention(torch.autograd.Function):
-    """The eager path: autograd's bookkeeping (~7 us a call) without the custom op's dispatch (~15 us more)."""
+def attention_function(name, forward_impl, backward_impl, doc):
+    """An ``autograd.Function`` ``name`` over ``forward_impl(q, k, v, *args) -> (out, lse)`` and
+    ``backward_impl(dout, q, k, v, out, lse, *args) -> (dq, dk, dv)``, applied as ``.apply(q, k, v, args)`` (the
+    options as one argument: less for apply to inspect). lse is not differentiable and its gradient stays None
+    (no zeros made for it); a backward whose ``dout`` is None (out took no part) returns None for all."""
 
-    @staticmethod
     def forward(ctx, q, k, v, args):
-        out, lse = _forward_impl(q, k, v, *args)
+        out, lse = forward_impl(q, k, v, *args)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = args
         ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)      # lse's gradient stays None (no zeros made for it)
+        ctx.set_materialize_grads(False)
         return out, lse
 
-    @staticmethod
     def backward(ctx, dout, dlse):
-        if dout is None:                      # out took no part in what is differentiated
+        if dout is None:
             return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None
+        return (*backward_impl(dout, q, k, v, out, lse, *ctx.args), None)
+
+    return type(name, (torch.autograd.Function,), {"__doc__": doc, "forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward)})
 
 
 def _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap, bm_q, bm_k,
@@ -274,26 +277,6 @@ def _backward_impl(dout, q, k, v, out, lse, attn_mask, attn_bias, alibi_slopes, 
     grads = api.flash_attention_backward(*_numpy(dout, q, k, v, out), lse.detach().numpy(), backend=backend,
                                          deterministic=deterministic, **_numpy_options(opts))
     return tuple(_from_numpy(g, q.dtype) for g in grads)
-
-
-class _FlashAttentionVarlen(torch.autograd.Function):
-    """``flash_attn_varlen_func``'s eager path, as ``_FlashAttention``'s."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, args):
-        out, lse = _varlen_forward_impl(q, k, v, *args)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = args
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        if dout is None:
-            return None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*_varlen_backward_impl(dout, q, k, v, out, lse, *ctx.args), None)
 
 
 def _varlen_options(alibi_slopes, scale, causal, left, right, softcap):
@@ -337,6 +320,14 @@ def _numpy_options(opts):
 
 def _from_numpy(a, dtype):
     return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+
+
+_FlashAttention = attention_function(
+    "_FlashAttention", _forward_impl, _backward_impl,
+    "The eager path: autograd's bookkeeping (~7 us a call) without the custom op's dispatch (~15 us more).")
+_FlashAttentionVarlen = attention_function(
+    "_FlashAttentionVarlen", _varlen_forward_impl, _varlen_backward_impl,
+    "``flash_attn_varlen_func``'s eager path, as ``_FlashAttention``'s.")
 
 
 # ------------------------------------------------------------------------------------------------ custom ops

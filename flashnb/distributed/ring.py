@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .. import api
+from ..torch import attention_function
 from ._schedule import LAYOUTS, block, positions
 
 __all__ = ["ring_attention", "shard", "unshard"]
@@ -170,23 +171,12 @@ def _ring_backward(dout, q, k, v, out, lse, group, world, rank, layout, causal, 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, settings):
-        out, lse = _ring_forward(q, k, v, *settings)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = settings
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return out, lse
+def _ring_backward_rows(dout, q, k, v, out, lse, *settings):
+    return _ring_backward(dout.contiguous(), q, k, v, out, lse, *settings)
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        if dout is None:
-            return None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.settings)
-        return dq, dk, dv, None
+
+_RingAttention = attention_function("_RingAttention", _ring_forward, _ring_backward_rows,
+                                    "ring_attention's autograd: the ring forward, the ring backward.")
 
 
 # ------------------------------------------------------------------------------------------------ one block

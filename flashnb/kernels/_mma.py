@@ -284,7 +284,10 @@ def tf32_values(words):
     return (np.asarray(words, dtype=np.uint32) & TF32_MASK).view(np.float32).astype(np.float64)
 
 
-def _sim_tf32_mma():
+def _sim_mma(operands):
+    """The simulator's ``mma``: the warp's fragments meet in shared memory, lane 0 multiplies in float64
+    (products of 16-bit or tf32 values are exact), each lane takes its part of D.  ``operands(frag_a,
+    frag_b)``: the warp's A and B matrices (float64) from its 32 x 4 and 32 x 2 fragment words."""
     @device_function
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         frag_a = cuda.shared.array((MAX_WARPS, 32, 4), U32_DT)
@@ -297,42 +300,22 @@ def _sim_tf32_mma():
         frag_c[w, lane, 0], frag_c[w, lane, 1], frag_c[w, lane, 2], frag_c[w, lane, 3] = c0, c1, c2, c3
         cuda.syncthreads()
         if lane == 0:
-            a = tf32_values(frag_a[w][A8_LANE, A8_REG])                          # 16 x 8
-            b = tf32_values(frag_b[w][B8_LANE, B8_REG])                          # 8 x 8
-            frag_c[w][C_LANE, C_REG] = (a @ b + frag_c[w][C_LANE, C_REG]).astype(np.float32)   # products exact
-        cuda.syncthreads()
-        d0, d1, d2, d3 = frag_c[w, lane, 0], frag_c[w, lane, 1], frag_c[w, lane, 2], frag_c[w, lane, 3]
-        cuda.syncthreads()
-        return d0, d1, d2, d3
-
-    return mma, None, None
-
-
-def _sim_primitives(fmt):
-    if fmt == "tf32":
-        return _sim_tf32_mma()
-
-    @device_function
-    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        # the warp's fragments meet in shared memory; lane 0 multiplies; each lane takes its part
-        frag_a = cuda.shared.array((MAX_WARPS, 32, 4), U32_DT)
-        frag_b = cuda.shared.array((MAX_WARPS, 32, 2), U32_DT)
-        frag_c = cuda.shared.array((MAX_WARPS, 32, 4), F32_DT)
-        tid = cuda.threadIdx.x
-        w, lane = tid // 32, tid % 32
-        frag_a[w, lane, 0], frag_a[w, lane, 1], frag_a[w, lane, 2], frag_a[w, lane, 3] = a0, a1, a2, a3
-        frag_b[w, lane, 0], frag_b[w, lane, 1] = b0, b1
-        frag_c[w, lane, 0], frag_c[w, lane, 1], frag_c[w, lane, 2], frag_c[w, lane, 3] = c0, c1, c2, c3
-        cuda.syncthreads()
-        if lane == 0:
-            a = halves_to_float(frag_a[w][A_LANE, A_REG], A_HALF, fmt)            # 16 x 16
-            b = halves_to_float(frag_b[w][B_LANE, B_REG], B_HALF, fmt)            # 16 x 8
-            d = (a @ b + frag_c[w][C_LANE, C_REG]).astype(np.float32)            # 16-bit products are exact
-            frag_c[w][C_LANE, C_REG] = d
+            a, b = operands(frag_a[w], frag_b[w])
+            frag_c[w][C_LANE, C_REG] = (a @ b + frag_c[w][C_LANE, C_REG]).astype(np.float32)
         cuda.syncthreads()
         d0, d1, d2, d3 = frag_c[w, lane, 0], frag_c[w, lane, 1], frag_c[w, lane, 2], frag_c[w, lane, 3]
         cuda.syncthreads()                                   # read before the next call overwrites
         return d0, d1, d2, d3
+
+    return mma
+
+
+def _sim_primitives(fmt):
+    if fmt == "tf32":                                        # A 16 x 8, B 8 x 8
+        return _sim_mma(lambda fa, fb: (tf32_values(fa[A8_LANE, A8_REG]), tf32_values(fb[B8_LANE, B8_REG]))), \
+            None, None
+    mma = _sim_mma(lambda fa, fb: (halves_to_float(fa[A_LANE, A_REG], A_HALF, fmt),          # A 16 x 16
+                                   halves_to_float(fb[B_LANE, B_REG], B_HALF, fmt)))         # B 16 x 8
 
     @device_function
     def pack2(lo, hi):
