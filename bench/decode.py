@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 
+from bench.report import record_line, record_table
+
 BATCH, NHEADS, NHEADS_K, HEADDIM, PAGE = 16, 32, 8, 128, 256
 SEQLENS = (4096, 8192, 16384, 32768)
 HBM_BYTES_PER_S = 3.0e12
@@ -238,10 +240,6 @@ def _speedups(records):
                 r[out] = base[r["seqlen_k"]] / r[key]
 
 
-def _fmt(x, spec):
-    return "" if x is None else format(x, spec)
-
-
 COLUMNS = (("seqlen_k", "N", "d"), ("layout", "cache", "s"), ("impl", "impl", "s"), ("gpu_us", "GPU us", ".1f"),
            ("kernel_us", "kernels us", ".1f"), ("call_us", "per call us", ".1f"), ("hbm_bound_us", "HBM bound us", ".1f"),
            ("gpu_vs_hbm", "GPU / bound", ".2f"), ("vs_sdpa_flash", "vs sdpa-flash", ".2f"),
@@ -249,15 +247,12 @@ COLUMNS = (("seqlen_k", "N", "d"), ("layout", "cache", "s"), ("impl", "impl", "s
 
 
 def _row(rec):
-    return "  ".join(f"{title}={_fmt(rec.get(key), spec)}" for key, title, spec in COLUMNS if rec.get(key) is not None)
+    return record_line(rec, COLUMNS)
 
 
 def table(records):
     """A markdown table of the records."""
-    lines = ["| " + " | ".join(t for _, t, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in records:
-        lines.append("| " + " | ".join(_fmt(r.get(k), s) for k, _, s in COLUMNS) + " |")
-    return "\n".join(lines)
+    return record_table(records, COLUMNS)
 
 
 def precompile(part, torch):

@@ -92,6 +92,25 @@ class Section:
 
 # ---- derived tables -------------------------------------------------------------------------
 
+def record_line(rec: dict, columns) -> str:
+    """One record as ``title=value`` pairs, for the progress log of the sections with their own tables
+    (``columns``: ``(key, title, format spec)``; absent values left out)."""
+    return "  ".join(f"{title}={_spec(rec.get(key), spec)}" for key, title, spec in columns
+                     if rec.get(key) is not None)
+
+
+def record_table(records: list[dict], columns) -> str:
+    """The records as a markdown table of ``columns`` (``(key, title, format spec)``; absent values empty)."""
+    lines = ["| " + " | ".join(t for _, t, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in records:
+        lines.append("| " + " | ".join(_spec(r.get(k), s) for k, _, s in columns) + " |")
+    return "\n".join(lines)
+
+
+def _spec(x, spec):
+    return "" if x is None else format(x, spec)
+
+
 def case_key(rec: dict) -> tuple:
     return tuple(rec[k] for k in CASE_KEYS)
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import statistics
 import sys
 
+from bench.report import record_line, record_table
+
 TOKENS, HIDDEN, MIN_LEN, MAX_LEN, SEED = 16384, 2048, 128, 4096, 0
 HEADDIMS, CAUSAL = (64, 128), (False, True)
 REPS, WARMUP = 20, 3
@@ -179,20 +181,14 @@ COLUMNS = (("headdim", "d", "d"), ("causal", "causal", ""), ("impl", "impl", "s"
            ("vs_varlen_fwdbwd", "fwd+bwd vs varlen", ".2f"), ("max_err", "max |err|", ".1e"), ("note", "note", "s"))
 
 
-def _fmt(x, spec):
-    return "" if x is None else format(x, spec)
-
 
 def _row(rec):
-    return "  ".join(f"{title}={_fmt(rec.get(key), spec)}" for key, title, spec in COLUMNS if rec.get(key) is not None)
+    return record_line(rec, COLUMNS)
 
 
 def table(records):
     """A markdown table of the records."""
-    lines = ["| " + " | ".join(t for _, t, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in records:
-        lines.append("| " + " | ".join(_fmt(r.get(k), s) for k, _, s in COLUMNS) + " |")
-    return "\n".join(lines)
+    return record_table(records, COLUMNS)
 
 
 def main(argv=None) -> int:

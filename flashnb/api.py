@@ -135,16 +135,7 @@ def _backward(dout, q, k, v, out, lse, options, block_q, block_k, deterministic,
     plan.check_backend(backend)
     for x, name, shape in ((dout, "dout", tuple(q.shape)), (out, "out", tuple(q.shape)),
                            (lse, "lse", (batch, nheads, seqlen_q))):
-        kd = _arrays.kind_of(x, name)
-        if kd.lib != kind.lib:
-            raise TypeError(f"{name} is a {kd.lib} array but q is a {kind.lib} array; pass one kind")
-        if tuple(int(s) for s in x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-        if name != "lse" and kd.dtype != kind.dtype:
-            raise TypeError(f"{name} has dtype {kd.dtype} but q has {kind.dtype}; pass one dtype")
-        if name == "lse" and kd.dtype not in ("float32", "float64"):
-            raise TypeError(f"lse must be float32 or float64, got {kd.dtype}")
-        _arrays.check_same_device(x, name, q)
+        check_like(x, name, shape, kind, q)
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     launch_stream = _arrays.resolve_stream(stream, kind, q)
@@ -176,6 +167,20 @@ def _backward(dout, q, k, v, out, lse, options, block_q, block_k, deterministic,
                 ret.copy_(_torch_from(kernel_view))
             result.append(_arrays.finish(kind, ret, view, launch_stream))
         return tuple(result)
+
+
+def check_like(x, name, shape, kind, q):
+    """``dout``, ``out``, ``lse`` of a backward call: q's kind, the expected shape, a fitting dtype, q's device."""
+    kd = _arrays.kind_of(x, name)
+    if kd.lib != kind.lib:
+        raise TypeError(f"{name} is a {kd.lib} array but q is a {kind.lib} array; pass one kind")
+    if tuple(int(s) for s in x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    if name != "lse" and kd.dtype != kind.dtype:
+        raise TypeError(f"{name} has dtype {kd.dtype} but q has {kind.dtype}; pass one dtype")
+    if name == "lse" and kd.dtype not in ("float32", "float64"):
+        raise TypeError(f"lse must be float32 or float64, got {kd.dtype}")
+    _arrays.check_same_device(x, name, q)
 
 
 def _backward_launches(p, dout, q, k, v, out, lse, dq, dk, dv, opts, stream, kind, like):

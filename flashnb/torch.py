@@ -372,15 +372,18 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _op_backward(ctx, dout, dlse):
-    if dout is None:
-        return (None,) * (3 + len(ctx.args))
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashnb.backward(dout, q, k, v, out, lse, *ctx.args)
-    return (dq, dk, dv) + (None,) * len(ctx.args)
+def _op_backward(backward_op):
+    """The autograd formula of a forward custom op whose gradients ``backward_op(dout, q, k, v, out, lse, *args)``
+    computes (``_setup_context`` saved them)."""
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return (None,) * (3 + len(ctx.args))
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*backward_op(dout, q, k, v, out, lse, *ctx.args), *(None,) * len(ctx.args))
+    return backward
 
 
-_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+_forward_op.register_autograd(_op_backward(torch.ops.flashnb.backward), setup_context=_setup_context)
 
 
 # flash_attn_varlen_func under torch.compile: the output shapes are q's and (nheads, total_q), whatever the
@@ -413,12 +416,4 @@ def _(dout, q, k, v, out, lse, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _varlen_op_backward(ctx, dout, dlse):
-    if dout is None:
-        return (None,) * (3 + len(ctx.args))
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashnb.varlen_backward(dout, q, k, v, out, lse, *ctx.args)
-    return (dq, dk, dv) + (None,) * len(ctx.args)
-
-
-_varlen_forward_op.register_autograd(_varlen_op_backward, setup_context=_setup_context)
+_varlen_forward_op.register_autograd(_op_backward(torch.ops.flashnb.varlen_backward), setup_context=_setup_context)

@@ -96,7 +96,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     plan.check_backend(backend)
     for x, name, shape in ((dout, "dout", tuple(q.shape)), (out, "out", tuple(q.shape)),
                            (lse, "lse", (nheads, total_q))):
-        _check_like(x, name, shape, kind, q)
+        api.check_like(x, name, shape, kind, q)
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
@@ -217,20 +217,6 @@ def check_packed(q, k, v):
     if not 1 <= headdim <= _options.MAX_HEAD_DIM:
         raise ValueError(f"head dim of q must be between 1 and {_options.MAX_HEAD_DIM}, got {headdim}")
     return kinds[0], total_q, total_k, nheads, nheads_k, headdim
-
-
-def _check_like(x, name, shape, kind, q):
-    """``dout``, ``out``, ``lse`` of a backward call: q's kind, the expected shape, a fitting dtype."""
-    kd = _arrays.kind_of(x, name)
-    if kd.lib != kind.lib:
-        raise TypeError(f"{name} is a {kd.lib} array but q is a {kind.lib} array; pass one kind")
-    if tuple(int(s) for s in x.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-    if name != "lse" and kd.dtype != kind.dtype:
-        raise TypeError(f"{name} has dtype {kd.dtype} but q has {kind.dtype}; pass one dtype")
-    if name == "lse" and kd.dtype not in ("float32", "float64"):
-        raise TypeError(f"lse must be float32 or float64, got {kd.dtype}")
-    _arrays.check_same_device(x, name, q)
 
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
