@@ -1,0 +1,302 @@
+"""Hopper's warpgroup MMA (``wgmma.mma_async``, sm_90a) for the tensor-core forward, and its simulator twin.
+
+A warpgroup (4 consecutive warps, 128 threads) computes ``D (64 x N, float32) += A (64 x 16 k) B (16 k x N)``
+per instruction; B always, and A optionally, come from shared memory through 64-bit *matrix descriptors*
+(start address, two strides, the swizzle mode).  Only what the forward needs is here:
+
+* ``wgmma_ss``: A and B from shared memory, both "K-major" (contiguous along k): ``S = Q K_j^T`` with the
+  Q tile and the K tile stored row by row;
+* ``wgmma_rs``: A from registers (P, packed from S's accumulators: the register fragments of A are those of
+  ``mma.m16n8k16``, one 16-row block per warp), B from shared memory "MN-major" (contiguous along n):
+  ``acc += P V_j`` with the V tile stored row by row, as K's.
+
+Every operand tile uses one layout, the **128-byte swizzle**: the tile is cut into blocks of 64 columns
+(128 bytes of 16-bit values); block ``c // 64`` holds rows of 128 bytes, row ``r`` at byte ``128 r``, and
+its 16-byte chunk ``j`` (columns ``8 j .. 8 j + 7`` of the block) stored at chunk position ``j ^ (r % 8)``.
+The hardware applies that XOR to address bits 4-6 from bits 7-9, so a tile starts on a 1024-byte boundary
+(``SMEM_ALIGN``).  In PTX's terms (ISA, "Shared Memory Matrix Layout", canonical layouts with
+``T = 8`` 16-bit values per 16 bytes):
+
+    K-major,  128B swizzle: ((8, m), (T, 2k)) : ((8T, SBO), (1, T))     SBO = 1024 (8 rows of 128 bytes)
+    MN-major, 128B swizzle: ((T, 8, m), (8, k)) : ((1, T, LBO), (8T, SBO))
+                            LBO = the byte stride of 64-column blocks, SBO = 1024 (8 k-rows)
+
+so a k-step of 16 columns of a K-major tile starts 32 bytes further in its 128-byte rows (4 k-steps per
+block, then the next block), and a k-step of 16 rows of an MN-major tile starts 16 rows (2048 bytes) further.
+``swizzled_offset`` is the layout for the copies that fill the tiles; the k-step start offsets are
+compile-time constants of each primitive, added to the descriptor inside its one ``asm`` block.
+
+Each primitive is one inline-PTX block: ``wgmma.fence``, the k-steps' ``wgmma.mma_async``, ``commit_group``,
+``wait_group 0``; it returns with its accumulators final, so the compiler never sees registers that the
+tensor cores are still writing (the price: no overlap of one product with the next inside a warpgroup; the
+warp scheduler still overlaps warpgroups and blocks).  Shared memory written by ordinary stores or
+``cp.async`` must be made visible to the tensor cores' (async) proxy before it is read: each writer runs
+``fence_proxy_async`` after its copies land and before the barrier that precedes the product.
+
+The simulator twin reads the same shared bytes through the same address arithmetic (canonical offset, then
+the XOR on absolute address bits), so CI checks the kernels' layouts and descriptors against the rule the
+hardware applies; one thread's accumulators are its own rows and columns (the layout of ``mma``'s m16n8
+accumulators, per warp: row ``16 w + g (+ 8)``, columns ``8 j + 2 t (+ 1)`` for ``j < N / 8``).  ``wgmma_rs``
+gathers A's rows from the 4 lanes of a quad through a shared scratch, with barriers.
+"""
+import numpy as np
+from numba import cuda
+
+from ._jit import SIMULATOR, device_function
+from ._mma import FORMATS, halves_to_float
+
+SWIZZLE_BYTES = 128          # a row of a swizzled block: 64 16-bit values
+BLOCK_COLS = 64
+ATOM_BYTES = 1024            # 8 rows of 128 bytes: the pattern's period (the tiles' alignment)
+SMEM_ALIGN = None if SIMULATOR else ATOM_BYTES
+MAX_THREADS = 512
+
+
+def chunk_offset(rows, r, c):
+    """Byte offset of the 16-byte chunk holding 16-bit columns ``c .. c + 7`` (``c % 8 == 0``) of row ``r`` in a
+    swizzled tile of ``rows`` rows (blocks of 64 columns, ``rows * 128`` bytes each).  ``swizzled_offset`` is
+    the same as a device function."""
+    return (c >> 6) * rows * SWIZZLE_BYTES + r * SWIZZLE_BYTES + ((((c & 63) >> 3) ^ (r & 7)) << 4)
+
+
+swizzled_offset = device_function(chunk_offset)
+
+
+def k_major_steps(rows, ksteps):
+    """Start offsets (bytes) of the k-steps (16 columns each) of a K-major swizzled tile of ``rows`` rows."""
+    return tuple((16 * ks // BLOCK_COLS) * rows * SWIZZLE_BYTES + 32 * (ks % (BLOCK_COLS // 16)) for ks in range(ksteps))
+
+
+def mn_major_steps(ksteps):
+    """Start offsets (bytes) of the k-steps (16 rows each) of an MN-major swizzled tile."""
+    return tuple(16 * SWIZZLE_BYTES * ks for ks in range(ksteps))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The GPU: one inline-PTX block per product
+# ------------------------------------------------------------------------------------------------------------
+def _descriptor_bits(lbo, sbo):
+    """The descriptor's fields other than the start address: LBO and SBO (16-byte units), 128-byte swizzle."""
+    return ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62)
+
+
+def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    NACC = N // 2
+    KSTEPS = len(b_steps)
+    shape = f"m64n{N}k16.f32.{fmt}.{fmt}"
+    acc_list = "{" + ", ".join(f"${i}" for i in range(NACC)) + "}"
+    x = 2 * NACC          # first input after the accumulators and their tied inputs (which are numbered too)
+    if kind == "ss":
+        ins_ptx = f"${x}", f"${x + 1}"               # A's and B's descriptors (k-step 0)
+        flag = x + 2
+    else:
+        flag = x + 1 + 4 * KSTEPS                   # B's descriptor, then 4 A registers per k-step
+    # scale-d is a predicate: p (accumulate into acc, or not) for the first k-step, q (true) for the others
+    lines = ["{", ".reg .b64 da, db;", ".reg .pred p, q;", f"setp.ne.b32 p, ${flag}, 0;", "setp.eq.b32 q, 0, 0;",
+             "wgmma.fence.sync.aligned;"]
+    for ks in range(KSTEPS):
+        scale_d = "p" if ks == 0 else "q"
+        if kind == "ss":
+            lines.append(f"add.s64 da, {ins_ptx[0]}, {a_steps[ks] >> 4};")
+            lines.append(f"add.s64 db, {ins_ptx[1]}, {b_steps[ks] >> 4};")
+            lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, da, db, {scale_d}, 1, 1, 0, {trans_b};")
+        else:
+            a = x + 1 + 4 * ks
+            lines.append(f"add.s64 db, ${x}, {b_steps[ks] >> 4};")
+            lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, {{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, "
+                         f"db, {scale_d}, 1, 1, {trans_b};")
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    ptx = " ".join(lines)
+    a_bits, b_bits = _descriptor_bits(a_lbo, 1024), _descriptor_bits(b_lbo, 1024)
+
+    def descriptor(builder, smem_base, off, bits):
+        addr = builder.add(smem_base, off)
+        start = builder.zext(builder.lshr(builder.and_(addr, ir.Constant(i32, 0x3FFFF)), ir.Constant(i32, 4)), i64)
+        return builder.or_(start, ir.Constant(i64, bits))
+
+    def shared_base(context, builder, aryty, aryval):
+        ary = context.make_array(aryty)(context, builder, aryval)
+        return builder.ptrtoint(builder.addrspacecast(ary.data, ir.PointerType(ary.data.type.pointee, 3)), i32)
+
+    def acc_pointers(context, builder, aryty, aryval):
+        ary = context.make_array(aryty)(context, builder, aryval)
+        return [builder.gep(ary.data, [ir.Constant(i64, i)]) for i in range(NACC)]
+
+    def run(context, builder, acc_ptrs, extra_types, extra_vals, accumulate):
+        accs = [builder.load(p) for p in acc_ptrs]
+        cons = ",".join(["=f"] * NACC + [str(i) for i in range(NACC)] + extra_types + ["r"])
+        fnty = ir.FunctionType(ir.LiteralStructType([f32] * NACC), [f32] * NACC + [v.type for v in extra_vals] + [i32])
+        res = builder.call(ir.InlineAsm(fnty, ptx, cons, side_effect=True), accs + extra_vals + [accumulate])
+        for i, p in enumerate(acc_ptrs):
+            builder.store(builder.extract_value(res, i), p)
+
+    if kind == "ss":
+        @intrinsic
+        def wgmma_ss(typingctx, acc, smem, a_off, b_off, accumulate):
+            """acc (N/2 float32 a thread) = A B (+ acc if ``accumulate``): A at byte ``a_off``, B at ``b_off`` of
+            the shared array ``smem`` (K-major, swizzled tiles)."""
+            sig = types.void(acc, smem, a_off, b_off, accumulate)
+
+            def codegen(context, builder, signature, args):
+                tys = signature.args
+                base = shared_base(context, builder, tys[1], args[1])
+                offs = [builder.trunc(context.cast(builder, v, t, types.uint64), i32) for v, t in
+                        zip(args[2:4], tys[2:4])]
+                da, db = descriptor(builder, base, offs[0], a_bits), descriptor(builder, base, offs[1], b_bits)
+                flag = context.cast(builder, args[4], tys[4], types.int32)
+                run(context, builder, acc_pointers(context, builder, tys[0], args[0]), ["l", "l"], [da, db], flag)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return wgmma_ss
+
+    @intrinsic
+    def wgmma_rs(typingctx, acc, a_regs, smem, b_off, accumulate):
+        """acc (N/2 float32 a thread) = A B (+ acc if ``accumulate``): A's fragments in ``a_regs`` (4 uint32 words
+        per k-step, ``mma.m16n8k16``'s a fragments of this warp's 16 rows), B at byte ``b_off`` of ``smem``."""
+        sig = types.void(acc, a_regs, smem, b_off, accumulate)
+
+        def codegen(context, builder, signature, args):
+            tys = signature.args
+            base = shared_base(context, builder, tys[2], args[2])
+            off = builder.trunc(context.cast(builder, args[3], tys[3], types.uint64), i32)
+            db = descriptor(builder, base, off, b_bits)
+            regs = context.make_array(tys[1])(context, builder, args[1])
+            a_vals = [builder.load(builder.gep(regs.data, [ir.Constant(i64, i)])) for i in range(4 * KSTEPS)]
+            flag = context.cast(builder, args[4], tys[4], types.int32)
+            run(context, builder, acc_pointers(context, builder, tys[0], args[0]), ["l"] + ["r"] * (4 * KSTEPS),
+                [db] + a_vals, flag)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return wgmma_rs
+
+
+def _gpu_fence_proxy_async():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def fence_proxy_async(typingctx):
+        """Make this thread's writes to shared memory visible to the tensor cores' (async) proxy."""
+        def codegen(context, builder, signature, args):
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "fence.proxy.async.shared::cta;", "",
+                                      side_effect=True), [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    return fence_proxy_async
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The simulator: the same addresses, read from the shared array's bytes
+# ------------------------------------------------------------------------------------------------------------
+def _swizzle(addr):
+    """The 128-byte swizzle on absolute shared addresses: bits 4-6 ^= bits 7-9."""
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def operand_values(words, start, rows, cols, major, lbo, fmt):
+    """float64 ``rows x cols`` operand of one k-step read the hardware's way from the shared array ``words``
+    (uint32) at byte ``start``: K-major (``rows`` = M or N, ``cols`` = 16 k) or MN-major (``rows`` = 16 k,
+    ``cols`` = N)."""
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    if major == "k":
+        off = (r % 8) * 128 + (r // 8) * ATOM_BYTES + (c % 8) * 2 + (c // 8) * 16
+    else:
+        off = (c % 8) * 2 + ((c // 8) % 8) * 16 + (c // 64) * lbo + (r % 8) * 128 + (r // 8) * ATOM_BYTES
+    addr = _swizzle(start + off)
+    return halves_to_float(np.asarray(words)[addr >> 2], (addr >> 1) & 1, fmt)
+
+
+def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
+    NACC = N // 2
+    KSTEPS = len(b_steps)
+    j, e = np.meshgrid(np.arange(N // 8), np.arange(4), indexing="ij")
+    ACC_ROW, ACC_COL = (8 * (e // 2)).reshape(-1), (8 * j + e % 2).reshape(-1)   # + (16 w + g, 2 t)
+
+    def b_operand(smem, b_off, ks):
+        if trans_b:
+            return operand_values(smem, b_off + b_steps[ks], 16, N, "mn", b_lbo, fmt)
+        return operand_values(smem, b_off + b_steps[ks], N, 16, "k", b_lbo, fmt).T
+
+    def store(acc, rows_a, b, accumulate, w, g, t):
+        """This thread's accumulators from A's rows ``16 w + g``, ``+ 8`` (``rows_a``: 2 x 16 KSTEPS) and B."""
+        d = rows_a @ b                                     # 2 x N
+        flat = acc.reshape(-1) if hasattr(acc, "reshape") else acc
+        for i in range(NACC):
+            v = d[ACC_ROW[i] // 8, ACC_COL[i] + 2 * t]
+            flat[i] = np.float32(v + (flat[i] if accumulate else 0.0))
+
+    if kind == "ss":
+        @device_function
+        def wgmma_ss(acc, smem, a_off, b_off, accumulate):
+            tid = cuda.threadIdx.x
+            w, lane = (tid // 32) % 4, tid % 32
+            g, t = lane // 4, lane % 4
+            a = np.concatenate([operand_values(smem, a_off + a_steps[ks], 64, 16, "k", a_lbo, fmt)
+                                for ks in range(KSTEPS)], axis=1)
+            b = np.concatenate([b_operand(smem, b_off, ks) for ks in range(KSTEPS)], axis=0)
+            store(acc, a[[16 * w + g, 16 * w + g + 8]], b, accumulate, w, g, t)
+
+        return wgmma_ss
+
+    U32 = np.dtype(np.uint32)
+
+    @device_function
+    def wgmma_rs(acc, a_regs, smem, b_off, accumulate):
+        frags = cuda.shared.array((MAX_THREADS, 4 * KSTEPS), U32)
+        tid = cuda.threadIdx.x
+        w, lane = (tid // 32) % 4, tid % 32
+        g, t = lane // 4, lane % 4
+        for i in range(4 * KSTEPS):
+            frags[tid, i] = a_regs.reshape(-1)[i] if hasattr(a_regs, "reshape") else a_regs[i]
+        cuda.syncthreads()
+        quad = tid - t                                      # lane 4 g of this warp
+        rows = np.zeros((2, 16 * KSTEPS))
+        for tt in range(4):
+            for ks in range(KSTEPS):
+                for reg in range(4):                       # reg: (row g | g + 8) x (cols 2t | 2t + 8)
+                    word = frags[quad + tt, 4 * ks + reg]
+                    col = 16 * ks + 2 * tt + 8 * (reg // 2)
+                    rows[reg % 2, col:col + 2] = halves_to_float(np.array([word, word]), np.array([0, 1]), fmt)
+        cuda.syncthreads()
+        b = np.concatenate([b_operand(smem, b_off, ks) for ks in range(KSTEPS)], axis=0)
+        store(acc, rows, b, accumulate, w, g, t)
+
+    return wgmma_rs
+
+
+@device_function
+def _sim_fence_proxy_async():
+    pass
+
+
+_cache = {}
+
+
+def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0):
+    """``wgmma_ss(acc, smem, a_off, b_off, accumulate)`` (``kind="ss"``) or ``wgmma_rs(acc, a_regs, smem, b_off,
+    accumulate)`` (``"rs"``) for one product shape: ``m64nNk16`` on ``dtype_name`` operands, the k-steps' start
+    offsets (bytes, from the operands' ``*_off``) ``a_steps`` / ``b_steps``, the LBO of MN-major operands,
+    ``trans_b`` 1 for an MN-major B.  ``acc``: a local float32 array of ``N / 2`` values (any shape, C order)."""
+    key = (kind, dtype_name, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b)
+    if key not in _cache:
+        make = _sim_wgmma if SIMULATOR else _gpu_wgmma
+        _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, FORMATS[dtype_name])
+    return _cache[key]
+
+
+def fence_proxy_async():
+    """``fence.proxy.async.shared::cta`` (nothing to do in the simulator)."""
+    if "fence" not in _cache:
+        _cache["fence"] = _sim_fence_proxy_async if SIMULATOR else _gpu_fence_proxy_async()
+    return _cache["fence"]
