@@ -4,6 +4,12 @@ paged caches and split-KV decoding (flash-decoding), following flash-attn's func
 Layers as in ``api``: validate everything on the host (``_check``) -> choose the work split (``plan_decode``:
 row tiles, lanes per key, splits) -> launch ``kernels.decode``'s append, decode and combine kernels.
 The oracle is ``reference.attention_with_kvcache`` (docs/semantics.md, "KV cache").
+
+``cache_seqlens`` and ``block_table`` held on the host (NumPy arrays, CPU PyTorch tensors, an int) are checked
+here, before any launch; held in device memory they go to the kernels as they are, with no copy back and no
+synchronisation (a decode step stays asynchronous and capturable in a CUDA graph), and the kernels check
+what they read (``decode.make_sequence_check``): a sequence with an out-of-range entry gets NaN rows and no
+append.
 """
 import functools
 import math
@@ -73,14 +79,18 @@ def sm_count():
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_decode(dtype_name, batch, nheads_k, group, seqlen_q, headdim, n_max, vec16, num_splits, slots=None):
-    """The decode kernel's work split for one call (``DecodePlan``)."""
+def plan_decode(dtype_name, batch, nheads_k, group, seqlen_q, headdim, n_max, vec16, num_splits, slots=None,
+                e_budget=None):
+    """The decode kernel's work split for one call (``DecodePlan``): ``n_max`` the longest sequence's rows
+    (after the append), ``slots`` the GPU's block slots, ``e_budget`` the lanes' value budget (None: the
+    module's ``sm_count() x BLOCKS_PER_SM`` and ``E_BUDGET``; ``_attend`` passes them, so that a setting
+    changed between calls is not hidden by the cache)."""
     nrows = group * seqlen_q
     rows = 1
     while rows < min(nrows, MAX_ROWS):
         rows *= 2
     n_row_tiles = -(-nrows // rows)
-    lk = _decode.lane_layout(headdim, dtype_name, rows, vec16, E_BUDGET)[0]
+    lk = _decode.lane_layout(headdim, dtype_name, rows, vec16, E_BUDGET if e_budget is None else e_budget)[0]
     n_key_blocks = max(1, -(-n_max // _decode.KEY_ALIGN))
     if num_splits == 0:
         slots = sm_count() * BLOCKS_PER_SM if slots is None else slots
@@ -91,28 +101,29 @@ def plan_decode(dtype_name, batch, nheads_k, group, seqlen_q, headdim, n_max, ve
 
 
 # ------------------------------------------------------------------------------------------------ validation
-def _to_host(x, name):
-    """A small integer array on the host: NumPy as is; CuPy, PyTorch and Numba arrays copied (a synchronising
-    copy of a few bytes)."""
+def _on_host(x):
+    """``x`` as a NumPy array when the caller holds it on the host (a NumPy array, a CPU PyTorch tensor), else
+    None: an array in device memory, never copied back (the kernels check its entries)."""
     if isinstance(x, np.ndarray):
         return x
-    kind = _arrays.kind_of(x, name)
-    if kind.lib == "torch":
-        return x.detach().cpu().numpy()
-    if kind.lib == "cupy":
-        return x.get()
-    if hasattr(x, "copy_to_host"):
-        return x.copy_to_host()
-    return cuda.as_cuda_array(x).copy_to_host()
+    torch = _arrays.torch
+    if torch is not None and isinstance(x, torch.Tensor) and not x.is_cuda:
+        return x.detach().numpy()
+    return None
 
 
-def _int_array(x, name, shape):
-    kind = _arrays.kind_of(x, name)
-    if kind.dtype != "int32":
-        raise TypeError(f"{name} must be an int32 array, got dtype {kind.dtype}")
-    if tuple(int(s) for s in x.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-    return kind
+def _metadata(x, name, shape):
+    """An int32 metadata array checked for dtype and shape (``shape`` entries None: any size): (its NumPy
+    copy when on the host, else None; what the kernels get: the NumPy array or the device array)."""
+    host = _on_host(x)
+    dtype = host.dtype.name if host is not None else _arrays.kind_of(x, name).dtype
+    if dtype != "int32":
+        raise TypeError(f"{name} must be an int32 array, got dtype {dtype}")
+    got = tuple(int(n) for n in x.shape)
+    if len(got) != len(shape) or any(want is not None and n != want for n, want in zip(got, shape)):
+        want = ", ".join("n" if w is None else str(w) for w in shape)
+        raise ValueError(f"{name} must have shape ({want}{',' if len(shape) == 1 else ''}), got {got}")
+    return host, (host if host is not None else x)
 
 
 class _Call(NamedTuple):
@@ -125,8 +136,10 @@ class _Call(NamedTuple):
     seqlen_new: int
     page: int            # rows per page (paged) or the dense cache's rows
     capacity: int        # rows a sequence may hold
-    lens: np.ndarray     # cache_seqlens on the host (int64), before the append
+    n_max: int           # the most rows a sequence holds after the append: the capacity when only the device knows
     uniform: int         # the one length when cache_seqlens is None or an int, else -1
+    seqlens: object      # cache_seqlens as the kernels get it: a NumPy or device array (None when uniform)
+    table: object        # block_table as the kernels get it: a NumPy or device array, or None (dense)
 
 
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse):
@@ -180,20 +193,15 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, re
     if block_table is None:
         if cb != batch:
             raise ValueError(f"k_cache has batch {cb} but q has batch {batch} (a paged cache needs block_table)")
-        capacity, table = page, None
+        capacity, table_h, table = page, None, None
     else:
-        kd = _arrays.kind_of(block_table, "block_table")
-        if kd.dtype != "int32":
-            raise TypeError(f"block_table must be an int32 array, got dtype {kd.dtype}")
-        if len(block_table.shape) != 2 or int(block_table.shape[0]) != batch:
-            raise ValueError(f"block_table must have shape ({batch}, pages_per_sequence), got {tuple(block_table.shape)}")
+        table_h, table = _metadata(block_table, "block_table", (batch, None))
         if page % _decode.KEY_ALIGN:
             raise ValueError(f"the page size (k_cache.shape[1] = {page}) must be a multiple of "
                              f"{_decode.KEY_ALIGN} (the decode kernel's key alignment)")
         capacity = page * int(block_table.shape[1])
-        table = _to_host(block_table, "block_table")
 
-    uniform = -1
+    uniform, seqlens = -1, None
     if cache_seqlens is None:
         if seqlen_new > capacity:
             raise ValueError(f"seqlen_new = {seqlen_new} exceeds the cache's {capacity} rows")
@@ -203,25 +211,28 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, re
         uniform = int(cache_seqlens)
         lens = np.full(batch, uniform, np.int64)
     else:
-        _int_array(cache_seqlens, "cache_seqlens", (batch,))
-        lens = _to_host(cache_seqlens, "cache_seqlens").astype(np.int64)
-    if np.any(lens < 0) or np.any(lens + seqlen_new > capacity):
+        lens, seqlens = _metadata(cache_seqlens, "cache_seqlens", (batch,))
+        if lens is not None:
+            lens = lens.astype(np.int64)
+    if lens is not None and (np.any(lens < 0) or np.any(lens + seqlen_new > capacity)):
         b = int(np.argmax((lens < 0) | (lens + seqlen_new > capacity)))
         raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {int(lens[b])} + {seqlen_new} is outside the cache's "
                          f"0..{capacity} rows")
-    if table is not None:
+    if table_h is not None and lens is not None:     # else the kernels check the pages they would touch
         num_pages = int(k_cache.shape[0])
         for b in range(batch):
             need = -(-int(lens[b] + seqlen_new) // page)
-            pages = table[b, :need]
+            pages = table_h[b, :need]
             if np.any(pages < 0) or np.any(pages >= num_pages):
                 raise ValueError(f"block_table[{b}, :{need}] (the pages sequence {b} touches) holds indices outside "
                                  f"0..{num_pages - 1}: {pages.tolist()}")
+    n_max = capacity if lens is None else (int(np.max(lens)) + seqlen_new if batch else 0)
     if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shape), got {num_splits!r}")
     if not isinstance(return_softmax_lse, (bool, np.bool_)):
         raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
-    return _Call(kind, batch, seqlen_q, nheads, headdim, nheads_k, seqlen_new, page, capacity, lens, uniform)
+    return _Call(kind, batch, seqlen_q, nheads, headdim, nheads_k, seqlen_new, page, capacity, n_max, uniform,
+                 seqlens, table)
 
 
 # ------------------------------------------------------------------------------------------------ the call
@@ -291,12 +302,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             exception to "inputs are never written"; NumPy caches are copied to the device and back).
             ``cache_seqlens`` itself is not updated (as in flash-attn).
         cache_seqlens: int32 ``(batch,)`` array or an int: the rows each sequence holds before the append;
-            None: the whole cache (minus ``seqlen_new``). A device array is copied to the host once per call
-            (one synchronising copy of ``4 * batch`` bytes) to check ``0 <= cache_seqlens[b]`` and
-            ``cache_seqlens[b] + seqlen_new <= capacity``: pass an int or a NumPy array to avoid the sync.
+            None: the whole cache (minus ``seqlen_new``). Each must satisfy ``0 <= cache_seqlens[b]`` and
+            ``cache_seqlens[b] + seqlen_new <= capacity`` (the dense cache's rows, or page_size x
+            pages_per_sequence).
         block_table: int32 ``(batch, pages_per_sequence)`` page indices; the page size must be a multiple of 16.
             The pages a sequence touches (its first ``ceil((cache_seqlens[b] + seqlen_new) / page_size)``
-            entries) must lie in ``0..num_pages - 1`` (checked on the host, a synchronising copy for a device table).
+            entries) must lie in ``0..num_pages - 1``; entries past them are never read.
+
+        Where the metadata lives decides who checks it. On the host (an int, a NumPy array, a CPU PyTorch
+        tensor): checked before any launch, a ValueError naming the entry. In device memory (a CUDA tensor,
+        CuPy or Numba array): never copied back (no synchronisation: a decode loop stays asynchronous and
+        CUDA-graph capturable); the kernels check every entry they read, and a sequence with an entry out of
+        range gets no append and NaN in all its ``out`` and ``lse`` rows, while the other sequences are
+        computed as usual and no memory outside the caches' valid rows is read or written. With a device
+        ``cache_seqlens`` the split count assumes the longest possible sequence (the capacity), as flash-attn.
         num_splits: split each sequence's keys over this many blocks (flash-decoding), combined exactly by a
             second kernel; 0 chooses from batch x KV heads and the SM count (flash-attn's heuristic), 1 = none.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as ``flash_attention``
@@ -315,30 +334,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         q_w, _ = _device_words(q, "q", kind, launch_stream)
         kc_w, kc_back = _device_words(k_cache, "k_cache", kind, launch_stream)
         vc_w, vc_back = _device_words(v_cache, "v_cache", kind, launch_stream)
-        if c.uniform >= 0:
-            seqlens_d = _dummy(1, np.int32)
-        elif isinstance(cache_seqlens, np.ndarray):
-            seqlens_d = _arrays.to_device(np.ascontiguousarray(cache_seqlens), launch_stream)
-        else:
-            seqlens_d = _arrays.to_device(cache_seqlens, launch_stream)
-        table_d = _dummy(2, np.int32) if block_table is None else _arrays.to_device(block_table, launch_stream)
+        seqlens_d = _dummy(1, np.int32) if c.seqlens is None else _arrays.to_device(c.seqlens, launch_stream)
+        table_d = _dummy(2, np.int32) if c.table is None else _arrays.to_device(c.table, launch_stream)
         base_len = max(c.uniform, 0)
 
         if k is not None and c.batch * c.seqlen_new * c.nheads_k > 0:
             kn_w, _ = _device_words(k, "k", kind, launch_stream)
             vn_w, _ = _device_words(v, "v", kind, launch_stream)
-            total = c.batch * c.seqlen_new * c.nheads_k * int(kn_w.shape[3])
-            launch(_decode.make_append(block_table is not None, c.uniform < 0),
-                   min(-(-total // APPEND_THREADS), 8192), APPEND_THREADS, launch_stream, 0,
-                   (kn_w, vn_w, kc_w, vc_w, seqlens_d, base_len, table_d, c.page))
+            per_seq = c.seqlen_new * c.nheads_k * int(kn_w.shape[3])       # words of one sequence's new rows
+            blocks_per_seq = max(1, min(-(-per_seq // APPEND_THREADS), 8192 // c.batch))
+            launch(_decode.make_append(c.table is not None, c.seqlens is not None),
+                   c.batch * blocks_per_seq, APPEND_THREADS, launch_stream, 0,
+                   (kn_w, vn_w, kc_w, vc_w, seqlens_d, base_len, table_d, c.page, blocks_per_seq))
 
         out_ret, out_d = _arrays.empty_like_kind(kind, (c.batch, c.seqlen_q, c.nheads, c.headdim), kind.dtype, q,
                                                  launch_stream, bits=True)
         lse_ret, lse_d = _arrays.empty_like_kind(kind, (c.batch, c.nheads, c.seqlen_q), "float32", q, launch_stream)
         out_w = out_d if kind.dtype == "float32" else _arrays.word_view(out_d)
         if c.batch * c.seqlen_q * c.nheads > 0:
-            _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, block_table is not None, opts,
-                    int(num_splits), kind, q, launch_stream)
+            _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts, int(num_splits), kind, q,
+                    launch_stream)
         for back, host in ((kc_back, k_cache), (vc_back, v_cache)):
             if back is not None and k is not None:
                 host[...] = back.copy_to_host(stream=launch_stream.numba)
@@ -346,17 +361,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_softmax_lse else out
 
 
-def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, paged, opts, num_splits, kind, like,
-            stream):
+def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts, num_splits, kind, like, stream):
     """The decode kernel (and the combine, with splits) for a checked call."""
     group = c.nheads // c.nheads_k
-    n_max = int(np.max(c.lens)) + c.seqlen_new
     vec16 = _arrays.rows_aligned16(kc_w) and _arrays.rows_aligned16(vc_w)
-    p = plan_decode(kind.dtype, c.batch, c.nheads_k, group, c.seqlen_q, c.headdim, n_max, vec16, num_splits)
+    p = plan_decode(kind.dtype, c.batch, c.nheads_k, group, c.seqlen_q, c.headdim, c.n_max, vec16, num_splits,
+                    slots=sm_count() * BLOCKS_PER_SM, e_budget=E_BUDGET)
     f = opts.flags
     split = p.n_splits > 1
     kern, threads, shared = _decode.make_decode(kind.dtype, c.headdim, p.rows, p.lanes_per_key, KEYS_PER_LANE,
-                                                NWARPS, p.vec16, paged, c.uniform < 0, split, f.has_window,
+                                                NWARPS, p.vec16, c.table is not None, c.seqlens is not None, split,
+                                                f.has_window,
                                                 f.has_softcap, f.has_alibi,
                                                 _decode.stages_that_fit(STAGES, kind.dtype, c.headdim,
                                                                         p.lanes_per_key, KEYS_PER_LANE, NWARPS))

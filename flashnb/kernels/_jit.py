@@ -104,7 +104,7 @@ def c_strides(shape, itemsize):
 LAUNCHED = {}    # id -> (kernel, threads, dynamic shared bytes) of every kernel launched: resource reports
 _compiled = {}   # (kernel, argument key) -> (Numba's overload or a DiskKernel, struct format, words of values,
                  #                            parameter offsets)
-_handles = {}    # (overload or DiskKernel, CUDA context) -> kernel handle (a CUkernel)
+_handles = {}    # (overload or DiskKernel, CUDA context) -> (kernel handle (a CUkernel), its static shared bytes)
 _shared = {}     # (kernel handle, device) -> dynamic shared bytes allowed
 _capability = {} # CUDA context -> compute capability of its device
 _shared_limit = {}  # CUDA context -> dynamic shared bytes a block of its device may opt into
@@ -113,7 +113,8 @@ RECORDING = threading.local()  # .recorder: set while flashnb._dispatch records 
 
 def launch(kern, grid, block, stream, shared_bytes, args):
     """Launch ``kern`` on a 1-D ``grid`` of 1-D ``block``s on ``stream`` (an ``_arrays.Stream``) with
-    ``shared_bytes`` of dynamic shared memory (above 48 KB the kernel's limit is raised first).
+    ``shared_bytes`` of dynamic shared memory (the kernel's limit is raised first where its static shared
+    memory and these bytes together pass 48 KB).
 
     ``args``: ``View``s, Numba device arrays, Python ints (int64), NumPy float32 / float64 scalars.
     """
@@ -130,10 +131,12 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     overload, fmt, nwords, offsets = entry
     drv = _driver()
     context = current_context()
-    handle = _handles.get((overload, context))
-    if handle is None:                                         # Numba's, or the disk cache's cubin, loaded
-        handle = _handles[overload, context] = kernel_handle(entry, context)
-    if shared_bytes > 48 * 1024:
+    cached = _handles.get((overload, context))
+    if cached is None:                                         # Numba's, or the disk cache's cubin, loaded
+        handle = kernel_handle(entry, context)
+        cached = _handles[overload, context] = (handle, static_shared_bytes(handle))
+    handle, static_bytes = cached
+    if shared_bytes + static_bytes > 48 * 1024:
         _allow_shared(handle, shared_bytes)
     LAUNCHED[id(kern)] = (kern, block, shared_bytes)
     buf = np.empty(nwords + len(offsets), np.uint64)           # values, then a pointer to each parameter
@@ -467,11 +470,24 @@ def _driver():
     return driver
 
 
-def _allow_shared(handle, nbytes):
-    """Allow ``nbytes`` (> 48 KB) of dynamic shared memory for the kernel ``handle`` on the current device.
+def static_shared_bytes(handle):
+    """Bytes of static shared memory (``cuda.shared.array`` of a constant shape) the kernel ``handle`` declares."""
+    drv = _driver()
+    err, device = drv.cuCtxGetDevice()
+    if err == drv.CUresult.CUDA_SUCCESS:
+        err, nbytes = drv.cuKernelGetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, handle,
+                                               device)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuKernelGetAttribute(SHARED_SIZE_BYTES) failed: {err}")
+    return int(nbytes)
 
-    CUDA refuses a launch asking for more than 48 KB of dynamic shared memory
-    unless the kernel's ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` attribute was raised first.
+
+def _allow_shared(handle, nbytes):
+    """Allow ``nbytes`` of dynamic shared memory for the kernel ``handle`` on the current device.
+
+    CUDA refuses a launch whose static and dynamic shared memory together pass 48 KB unless the kernel's
+    ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` attribute was raised to the dynamic bytes first (``launch`` calls this
+    then; the attribute's default is 48 KB less the static bytes).
     """
     drv = _driver()
     err, device = drv.cuCtxGetDevice()

@@ -14,6 +14,12 @@ so the kernel is bound by HBM bandwidth, not arithmetic.  Three kernels:
 * ``make_combine``: ``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s`` (the split-KV merge,
   ``reference.combine_splits``); skipped when there is one split.
 
+Metadata the host could not check (a ``cache_seqlens`` or ``block_table`` in device memory: copying it back
+would cost a synchronisation per call) is checked where it is read (``make_sequence_check``): a sequence whose
+``cache_seqlens[b]`` lies outside ``0 .. capacity - seqlen_new``, or whose rows ``0 .. cache_seqlens[b] +
+seqlen_new - 1`` sit on a block-table entry outside ``0 .. num_pages - 1``, gets no append and NaN in every
+``out``/``lse`` row (the combine keeps a split's NaN), and no cache row outside the pool is ever touched.
+
 Work split inside a decode block (SIMT, float32 arithmetic; FA2's online softmax, Algorithm 1 lines 8-10):
 ``LK`` consecutive lanes share one key row, each lane owning ``CPL`` 16-byte chunks of it (chunk ``c = t + LK
 i`` for lane ``t`` of the group: a warp's load instruction reads whole 64-byte runs of ``32 / LK`` rows), and
@@ -264,6 +270,36 @@ def stages_that_fit(stages, dtype_name, head_dim, lk, t, nwarps, max_bytes=96 * 
     return stages
 
 
+# ------------------------------------------------------------------------------------------------ metadata
+@lru_cache(maxsize=None)
+def make_sequence_check(PAGED, HAS_SEQLENS):
+    """``rows(seqlens, base_len, seqlen_new, block_table, k_cache, b, page)``: the rows sequence ``b`` holds
+    after the append (``cache_seqlens[b] + seqlen_new``, or ``base_len + seqlen_new`` without an array), or
+    -1 when its metadata is out of range: ``cache_seqlens[b] < 0``, more rows than the cache's capacity
+    (``page x pages per sequence`` when paged, the dense cache's rows otherwise), or a block-table entry of
+    those rows (``block_table[b, :ceil(rows / page)]``) outside ``0 .. num_pages - 1``.  Paged: the block's
+    threads share the entries and agree through a barrier, so every thread of the block must call it."""
+
+    @device_function
+    def rows(seqlens, base_len, seqlen_new, block_table, k_cache, b, page):
+        n0 = seqlens[b] if HAS_SEQLENS else base_len
+        n = n0 + seqlen_new
+        capacity = page * block_table.shape[1] if PAGED else k_cache.shape[1]
+        ok = (n0 >= 0 and n <= capacity) if HAS_SEQLENS else True
+        if PAGED:                                    # this thread's share of the entries, then the block's verdict
+            num_pages = k_cache.shape[0]
+            bad = 0
+            n_pages = (n + page - 1) // page if ok else 0
+            for p in range(cuda.threadIdx.x, n_pages, cuda.blockDim.x):
+                pg = block_table[b, p]
+                if pg < 0 or pg >= num_pages:
+                    bad = 1
+            ok = ok and cuda.syncthreads_or(bad) == 0
+        return n if ok else -1
+
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 @lru_cache(maxsize=None)
 @kernel_factory
@@ -302,15 +338,11 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     TILE_W = KPB * HW                         # words of one staged K (or V) tile
     STAGE_W = 2 * TILE_W                      # a stage: K tile, then V tile
     SHARED_BYTES = STAGES * STAGE_W * 4
-    STATIC_BYTES = 4 * (SIM_SCRATCH + ACC_SMEM + 2 * NWARPS * ROWS)
-    if STAGED and SHARED_BYTES <= 48 * 1024 < SHARED_BYTES + STATIC_BYTES:
-        # static + dynamic above 48 KB needs the opt-in that launch makes only for dynamic bytes above 48 KB
-        SHARED_BYTES = 48 * 1024 + 16
     NCOPIES = KPB * NCH                       # cp.async copies per tile
     NPASS = -(-NCOPIES // NTHREADS)           # copies per thread per tile
     EVEN_PASS = NCOPIES % NTHREADS == 0
     assert not STAGED or STAGES >= 2
-    ZERO, ONE, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(1), F32(-np.inf), F32(LOG2E), F32(LN2)
+    ZERO, ONE, NEG_INF, NAN, LOG2E_T, LN2_T = F32(0), F32(1), F32(-np.inf), F32(np.nan), F32(LOG2E), F32(LN2)
     W_DT = np.uint32 if SIXTEEN else F32    # the arrays' 32-bit element: two 16-bit values or one float32
     ZW = W_DT(0)
     W_NP = np.dtype(W_DT)
@@ -324,6 +356,7 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         _, pack2, unpack2 = primitives(DTYPE_NAME)
     sum_key = make_xor_reduce(NRT, 1, LK, False, NTHREADS)        # s over the LK lanes of a key row
     max_groups = make_xor_reduce(ROWS, LK, 32, True, NTHREADS)    # row max over the warp's groups
+    sequence_rows = make_sequence_check(PAGED, HAS_SEQLENS)
     sum_acc = make_xor_reduce(ROWS * E, LK, 32, False, NTHREADS)  # acc over the groups, at the end
     sum_l = make_xor_reduce(ROWS, LK, 32, False, NTHREADS)
 
@@ -442,7 +475,10 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         g = lane // LK
         t_l = lane - g * LK
 
-        n = (seqlens[b] if HAS_SEQLENS else base_len) + seqlen_new     # valid rows of this sequence
+        n = sequence_rows(seqlens, base_len, seqlen_new, block_table, k_cache, b, page)   # valid rows
+        bad = n < 0                                    # metadata out of range: no key read, NaN written
+        if bad:
+            n = 0
         off = n - seqlen_q                                             # bottom-right alignment
         nrows = group * seqlen_q
         r0 = rt * ROWS
@@ -628,6 +664,8 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                 v0 *= inv_l
                 v1 *= inv_l
                 row_lse = NEG_INF if l == ZERO else (m + math.log2(l)) * LN2_T
+                if bad:
+                    v0 = v1 = row_lse = NAN
                 if SPLIT:
                     out_s[sp, b, qi, h, wd * EPW] = v0
                     if SIXTEEN:
@@ -653,11 +691,12 @@ def make_combine(DTYPE_NAME):
     ``out_s (splits, batch, seqlen_q, nheads, headdim)`` and ``lse_s (splits, batch, nheads, seqlen_q)`` in
     float32 -> ``out`` (words of the input format) and ``lse (batch, nheads, seqlen_q)``: ``lse = M + log
     sum_s exp(lse_s - M)`` with ``M = max_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s``; a row that no
-    split saw keeps ``out = 0``, ``lse = -inf``.
+    split saw keeps ``out = 0``, ``lse = -inf``; a row with a NaN ``lse_s`` (a sequence whose metadata the
+    decode kernel refused) gets NaN.
     """
     SIXTEEN = DTYPE_NAME in ("float16", "bfloat16")
     EPW = 2 if SIXTEEN else 1
-    NEG_INF, ZERO = F32(-np.inf), F32(0)
+    NEG_INF, ZERO, NAN = F32(-np.inf), F32(0), F32(np.nan)
     if SIXTEEN:
         _, pack2, _ = primitives(DTYPE_NAME)
 
@@ -673,12 +712,17 @@ def make_combine(DTYPE_NAME):
             qi = (row // nheads) % seqlen_q
             b = row // (nheads * seqlen_q)
             m = NEG_INF
+            refused = False
             for sp in range(n_splits):
-                m = max(m, lse_s[sp, b, h, qi])
+                x = lse_s[sp, b, h, qi]
+                refused = refused or math.isnan(x)
+                m = max(m, x)
             v0 = ZERO
             v1 = ZERO
             row_lse = NEG_INF
-            if m != NEG_INF:
+            if refused:
+                v0 = v1 = row_lse = NAN
+            elif m != NEG_INF:
                 total_w = ZERO
                 for sp in range(n_splits):
                     total_w += math.exp(lse_s[sp, b, h, qi] - m)
@@ -702,22 +746,29 @@ def make_combine(DTYPE_NAME):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_append(PAGED, HAS_SEQLENS):
-    """The cache append (``reference.kvcache_append``): one thread per word of ``k_new``/``v_new``, grid-stride;
-    row ``r`` of sequence ``b`` goes to cache row ``cache_seqlens[b] + r`` (page ``block_table[b, row //
-    page]``, offset ``row % page`` when paged).  Works on any 32-bit view (16-bit pairs or float32)."""
+    """The cache append (``reference.kvcache_append``): ``blocks_per_seq`` blocks per sequence, one thread per
+    word of its ``k_new``/``v_new`` rows, block-stride; row ``r`` of sequence ``b`` goes to cache row
+    ``cache_seqlens[b] + r`` (page ``block_table[b, row // page]``, offset ``row % page`` when paged).  A
+    sequence whose metadata is out of range (``make_sequence_check``) is not written at all.  Works on any
+    32-bit view (16-bit pairs or float32)."""
+    sequence_rows = make_sequence_check(PAGED, HAS_SEQLENS)
 
     @kernel
-    def append(k_new, v_new, k_cache, v_cache, seqlens, base_len, block_table, page):
-        batch, seqlen_new, nheads_k, hw = k_new.shape[0], k_new.shape[1], k_new.shape[2], k_new.shape[3]
-        total = batch * seqlen_new * nheads_k * hw
-        for idx in range(cuda.grid(1), total, cuda.gridsize(1)):
+    def append(k_new, v_new, k_cache, v_cache, seqlens, base_len, block_table, page, blocks_per_seq):
+        seqlen_new, nheads_k, hw = k_new.shape[1], k_new.shape[2], k_new.shape[3]
+        b = cuda.blockIdx.x // blocks_per_seq
+        n = sequence_rows(seqlens, base_len, seqlen_new, block_table, k_cache, b, page)
+        if n < 0:
+            return
+        first = n - seqlen_new                       # the sequence's first new row
+        total = seqlen_new * nheads_k * hw
+        stride = blocks_per_seq * cuda.blockDim.x
+        for idx in range((cuda.blockIdx.x - b * blocks_per_seq) * cuda.blockDim.x + cuda.threadIdx.x, total, stride):
             wd = idx % hw
             rest = idx // hw
             hk = rest % nheads_k
-            rest = rest // nheads_k
-            r = rest % seqlen_new
-            b = rest // seqlen_new
-            row = (seqlens[b] if HAS_SEQLENS else base_len) + r
+            r = rest // nheads_k
+            row = first + r
             if PAGED:
                 p = row // page
                 pg = block_table[b, p]

@@ -8,13 +8,16 @@ The caches after the call must equal the oracle's appended copies bit for bit (r
 range unchanged) and the other inputs come back untouched.  Tolerances: ``kernel_harness`` per sequence (the
 dense oracle over that sequence's valid prefix: float32 1e-4 of the output scale plus score rounding, float16
 flash-attn's twice-the-float16-oracle rule).  Bad input: a ValueError/TypeError naming the argument before
-any launch, the caches unchanged.
+any launch, the caches unchanged.  ``cache_seqlens`` / ``block_table`` in device memory (``cuda.to_device``)
+are not checked on the host: the same results as on the host, and out-of-range entries give NaN rows for
+exactly those sequences, no append for them, and no other cache memory changed.
 """
 import dataclasses
 
 import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
+from numba import cuda
 
 import flashnb
 import strategies as S
@@ -116,19 +119,40 @@ def _prefix(cache, table, b, n):
     return varlen._pages(cache, table, b, n)
 
 
-def check_case(c: Case):
+def on_device(x):
+    """A metadata array moved to device memory (a Numba device array): the kernels, not the host, check it."""
+    return cuda.to_device(x) if isinstance(x, np.ndarray) else x
+
+
+def call(c: Case, kc, vc, device=False):
+    """``flash_attn_with_kvcache`` on the case, the caches ``kc``/``vc`` appended in place; ``device``: the
+    metadata arrays passed in device memory."""
+    meta = on_device if device else (lambda x: x)
+    return flashnb.flash_attn_with_kvcache(c.q, kc, vc, c.k, c.v, cache_seqlens=meta(c.cache_seqlens),
+                                           block_table=meta(c.block_table), num_splits=c.num_splits,
+                                           return_softmax_lse=True, **c.opts)
+
+
+def oracle(c: Case):
+    """The KV-cache oracle on the case: (out, lse, k_cache, v_cache after the append)."""
+    lens = (np.full(c.q.shape[0], c.cache_seqlens, np.int32) if isinstance(c.cache_seqlens, int)
+            else c.cache_seqlens)                             # the oracle takes an array (or None)
+    return varlen.attention_with_kvcache(c.q, c.k_cache, c.v_cache, c.k, c.v, lens, c.block_table, **c.opts)
+
+
+def check_case(c: Case, device=False):
     """One call against the oracle: out and lse per sequence (kernel_harness's bounds), caches bit-exact."""
-    oracle_lens = (np.full(c.q.shape[0], c.cache_seqlens, np.int32) if isinstance(c.cache_seqlens, int)
-                   else c.cache_seqlens)                      # the oracle takes an array (or None)
-    want_out, want_lse, want_kc, want_vc = varlen.attention_with_kvcache(
-        c.q, c.k_cache, c.v_cache, c.k, c.v, oracle_lens, c.block_table, **c.opts)
+    want_out, _, want_kc, want_vc = oracle(c)
     kc, vc = c.k_cache.copy(), c.v_cache.copy()
     with Untouched(c.q, c.k, c.v, c.block_table, c.cache_seqlens, c.opts):
-        out, lse = flashnb.flash_attn_with_kvcache(c.q, kc, vc, c.k, c.v, cache_seqlens=c.cache_seqlens,
-                                                   block_table=c.block_table, num_splits=c.num_splits,
-                                                   return_softmax_lse=True, **c.opts)
+        out, lse = call(c, kc, vc, device)
     np.testing.assert_array_equal(kc, want_kc, err_msg="k_cache after the append")
     np.testing.assert_array_equal(vc, want_vc, err_msg="v_cache after the append")
+    check_outputs(c, out, lse, want_out, want_kc, want_vc)
+
+
+def check_outputs(c: Case, out, lse, want_out, want_kc, want_vc):
+    """out and lse of each sequence against the harness's oracle over its valid prefix (of the appended caches)."""
     assert out.shape == c.q.shape and out.dtype == c.q.dtype
     assert lse.shape == (c.q.shape[0], c.q.shape[2], c.q.shape[1]) and lse.dtype == np.float32
     batch, seqlen_q = c.q.shape[:2]
@@ -282,6 +306,103 @@ def test_odd_head_dim_float16_refused():
     cache = np.zeros((1, 4, 1, 3), np.float16)
     with pytest.raises(ValueError, match="even"):
         flashnb.flash_attn_with_kvcache(q, cache, cache)
+
+
+# ------------------------------------------------------------------------------------------------ device metadata
+@settings(max_examples=examples(5, 8))
+@given(c=cases(options=("causal", "window_size", "alibi_slopes")))
+def test_device_metadata_matches_oracle(c):
+    """``cache_seqlens`` / ``block_table`` in device memory: checked by the kernels, not the host, and the split
+    count planned for the cache's capacity: still the oracle's results, caches exact."""
+    check_case(c, device=True)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_device_metadata_gives_the_host_paths_bits(paged):
+    """One split: the same kernels over the same keys as with the metadata on the host, so the same bits."""
+    c = _decode_case(paged=paged, rows=32, lens=(3, 29), new=2)
+    c.num_splits = 1
+    runs = []
+    for device in (False, True):
+        kc, vc = c.k_cache.copy(), c.v_cache.copy()
+        runs.append((*call(c, kc, vc, device), kc, vc))
+    for what, host, dev in zip(("out", "lse", "k_cache", "v_cache"), *runs):
+        np.testing.assert_array_equal(dev, host, err_msg=what)
+
+
+REFUSED_LENS = (5, 31, 20, 17, 9, -3)    # rows cached; two new rows each; 32 rows a sequence (2 pages of 16)
+
+
+def _refused_case(dtype, paged, splits):
+    """Six sequences whose metadata (meant for device memory) is partly out of range.  Dense: sequence 1
+    (31 + 2 rows > 32) and 5 (-3 rows).  Paged, also: sequence 2's second page (where its new rows go) is one
+    past the pool, sequence 3's first page is -1 (its new rows go to its good second page); sequence 4's unused
+    second entry is garbage (allowed: never read).  Returns (case, the sequences that must come out NaN)."""
+    c = _decode_case(dtype, batch=6, nheads=2, nheads_k=1, rows=32, lens=REFUSED_LENS, new=2, seed=7, paged=paged)
+    c.num_splits = splits
+    if not paged:
+        return c, [1, 5]
+    num_pages = c.k_cache.shape[0]
+    c.block_table[2, 1] = num_pages
+    c.block_table[3, 0] = -1
+    c.block_table[4, 1] = 99
+    return c, [1, 2, 3, 5]
+
+
+@pytest.mark.parametrize("dtype, paged, splits", [(np.float32, True, 1), (np.float16, True, 2), (np.float32, False, 2)])
+def test_bad_device_metadata_gives_nan_for_exactly_those_sequences(dtype, paged, splits):
+    """Entries out of range in device memory: NaN in every out/lse row of those sequences (through the combine
+    too), no append for them, the other sequences the oracle's, and the caches unchanged outside the good
+    sequences' new rows (no read or write out of range: a wild page index would fault or corrupt)."""
+    c, bad = _refused_case(dtype, paged, splits)
+    good = [b for b in range(c.q.shape[0]) if b not in bad]
+    kc, vc = c.k_cache.copy(), c.v_cache.copy()
+    out, lse = call(c, kc, vc, device=True)
+    assert np.all(np.isnan(out[bad])) and np.all(np.isnan(lse[bad]))
+
+    sub = dataclasses.replace(c, q=c.q[good], k=c.k[good], v=c.v[good], cache_seqlens=c.cache_seqlens[good])
+    if paged:
+        sub.block_table = c.block_table[good]
+    else:
+        sub.k_cache, sub.v_cache = c.k_cache[good], c.v_cache[good]
+    want_out, _, sub_kc, sub_vc = oracle(sub)                 # the good sequences alone, appended
+    want_kc, want_vc = sub_kc, sub_vc                         # paged: the whole pool
+    if not paged:                                             # dense: their rows back in the whole batch's caches
+        want_kc, want_vc = c.k_cache.copy(), c.v_cache.copy()
+        want_kc[good], want_vc[good] = sub_kc, sub_vc
+    np.testing.assert_array_equal(kc, want_kc, err_msg="k_cache: only the good sequences' new rows may change")
+    np.testing.assert_array_equal(vc, want_vc, err_msg="v_cache: only the good sequences' new rows may change")
+    check_outputs(sub, out[good], lse[good], want_out, sub_kc, sub_vc)
+
+
+def test_bad_host_metadata_still_raises():
+    """The same metadata on the host: a ValueError before any launch, naming the first bad entry, caches unchanged."""
+    for paged, match in ((False, r"cache_seqlens\[1\]"), (True, r"cache_seqlens\[1\]")):
+        c, _ = _refused_case(np.float32, paged, 1)
+        kc, vc = c.k_cache.copy(), c.v_cache.copy()
+        with pytest.raises(ValueError, match=match):
+            call(c, kc, vc)
+        np.testing.assert_array_equal(kc, c.k_cache)
+        np.testing.assert_array_equal(vc, c.v_cache)
+    c.cache_seqlens = np.array([5, 30, 20, 17, 9, 0], np.int32)              # lengths in range: now the pages
+    with pytest.raises(ValueError, match=r"block_table\[2, :2\]"):
+        call(c, c.k_cache.copy(), c.v_cache.copy())
+
+
+def test_cpu_torch_metadata_is_checked_on_the_host():
+    """CPU PyTorch tensors count as host metadata: checked before any launch; valid ones give the NumPy results."""
+    torch = pytest.importorskip("torch")
+    c, _ = _refused_case(np.float32, True, 1)
+    args = dict(cache_seqlens=torch.from_numpy(c.cache_seqlens), block_table=torch.from_numpy(c.block_table))
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\]"):
+        flashnb.flash_attn_with_kvcache(c.q, c.k_cache.copy(), c.v_cache.copy(), c.k, c.v, **args)
+    c = _decode_case(paged=True, rows=32, lens=(3, 29), new=2)
+    kc, vc = c.k_cache.copy(), c.v_cache.copy()
+    out = flashnb.flash_attn_with_kvcache(c.q, kc, vc, c.k, c.v, cache_seqlens=torch.from_numpy(c.cache_seqlens),
+                                          block_table=torch.from_numpy(c.block_table))
+    want_out, _, want_kc, _ = oracle(c)
+    np.testing.assert_array_equal(kc, want_kc)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
