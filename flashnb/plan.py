@@ -27,7 +27,7 @@ from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
 from .kernels.forward import LOG2E, make_forward, tile_threads
 from .kernels.forward_tc import make_forward_tc
 
-BACKENDS = ("simt", "tensorcore")
+BACKENDS = ("simt", "tensorcore", "wgmma")
 
 
 class Call(NamedTuple):
@@ -154,9 +154,9 @@ def _use_tensor_cores(call, refusal):
     if refusal is None and call.backend != "simt":
         assert call.layout is not None, "api probes the layout where wants_words says so"
         refusal = _layout_refusal(call.layout)
-    if call.backend == "tensorcore" and refusal is not None:
-        raise ValueError(f"backend='tensorcore' cannot serve this call: {refusal}")
-    return refusal is None and call.backend in ("auto", "tensorcore")
+    if call.backend in ("tensorcore", "wgmma") and refusal is not None:
+        raise ValueError(f"backend={call.backend!r} cannot serve this call: {refusal}")
+    return refusal is None and call.backend in ("auto", "tensorcore", "wgmma")
 
 
 def _acc(dtype):
@@ -172,7 +172,10 @@ def _forward_tc_launch(call, bq, bk):
     if _empty(call, False):
         return None
     d = call.headdim
-    mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
+    if call.backend == "wgmma":
+        mt, qs, extra = 1, True, {"WGMMA": True}
+    else:
+        mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
                                             *_flag_args(call.flags), call.positive_scale, **_varlen(call), **extra)
     check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {d}")
@@ -274,9 +277,15 @@ def _tc_choice(call, backward):
         # head dim 64 but slower at 128, and 4-16x their error (the tensor cores' float32 accumulation); so
         # float32 stays on SIMT unless the caller asks for the tensor cores
         refusal = "float32 runs on the tensor cores only when asked for (backend='tensorcore')"
+    if refusal is None and call.backend == "wgmma" and not backward:
+        refusal = wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout)
     if refusal is not None or call.backend == "simt":
         return None, refusal
     d = call.headdim
+    if call.backend == "wgmma" and not backward:
+        tq, tk = default_wgmma_tiles(d, call.block_q, call.block_k)
+        return (tq, tk), shared_refusal(wgmma_shared_bytes(tq, tk, d),
+                                        f"its Hopper forward with block_q={tq}, block_k={tk}, head dim {d}")
     if not backward:
         tq, tk = default_tc_tiles(d, call.block_q, call.block_k, call.dtype, call.precision)
         return (tq, tk), shared_refusal(tc_shared_bytes(tq, tk, d, call.dtype, call.precision),
@@ -306,6 +315,42 @@ def tensorcore_refusal(dtype, headdim, block_q, block_k):
     if not SIMULATOR and compute_capability() < (8, 0):
         return "mma.sync on float16/bfloat16/tf32 needs compute capability 8.0 or newer"
     return None
+
+
+def wgmma_refusal(dtype, headdim, block_q, block_k, layout):
+    """Why the Hopper forward (``backend="wgmma"``) cannot serve a call (None if it can); its backward is the
+    tensor-core one."""
+    if dtype not in ("float16", "bfloat16"):
+        return f"its forward computes float16 and bfloat16 inputs only, got {dtype}"
+    if headdim % 8 or headdim > 256:
+        return f"it needs a head dim that is a multiple of 8 (16-byte rows) up to 256, got {headdim}"
+    if block_q is not None and block_q % 64:
+        return f"block_q must be a multiple of 64 (a warpgroup's rows), got {block_q}"
+    if layout is not None and layout[0] is None and not layout[1]:
+        return "its copies need every row 16-byte aligned"
+    if not SIMULATOR and compute_capability() != (9, 0):
+        return "wgmma needs compute capability 9.0 (sm_90a)"
+    return None
+
+
+# (BLOCK_Q, BLOCK_K) of the Hopper forward per head-dim class: two warpgroups of 64 query rows; the keys as many
+# as S's registers (BLOCK_K / 2 a thread) and two stages of K and V in shared memory allow
+_WGMMA_TILES = ((64, (128, 128)), (128, (128, 128)), (256, (128, 64)))
+_WGMMA_SIM_TILES = (64, 16)
+
+
+def default_wgmma_tiles(headdim, block_q=None, block_k=None):
+    """The Hopper forward's (block_q, block_k): the caller's where given, else the head-dim class's."""
+    if SIMULATOR:
+        bq, bk = _WGMMA_SIM_TILES
+    else:
+        bq, bk = next(tiles for max_d, tiles in _WGMMA_TILES if headdim <= max_d)
+    return block_q or bq, block_k or bk
+
+
+def wgmma_shared_bytes(block_q, block_k, headdim):
+    """Dynamic shared memory per block of the Hopper forward."""
+    return make_forward_tc(block_q, block_k, headdim, "float16", True, 1, True, *([False] * 7), WGMMA=True)[1]
 
 
 def _layout_refusal(layout):

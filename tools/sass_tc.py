@@ -1,9 +1,10 @@
 """The tensor-core forward's resources and SASS for sm_90, compiled on a machine with no GPU.
 
-    python -m tools.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1]
+    python -m tools.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1] [WGMMA=1]
     python -m tools.sass_tc --pass bwd BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [DSPLIT=] [MTK=] [SHARE=] [DEFER_DQ=]
 
-(``--pass bwd``: the tensor-core dK/dV kernel, ``make_dkdv_tc``, with the defaults ``plan.backward`` picks)
+(``--pass bwd``: the tensor-core dK/dV kernel, ``make_dkdv_tc``, with the defaults ``plan.backward`` picks;
+``WGMMA=1``: the Hopper forward, ``MT=1``, Q in shared memory, compiled for sm_90a)
 
 prints ptxas's registers, spills and stack frame, the SASS opcode counts, and the straight-line runs of 40 or
 more instructions (split at branches and branch targets) with their most frequent opcodes; the PTX, cubin and
@@ -27,14 +28,16 @@ def compile_forward(bq, bk, d, options, out_dir, ptx_version):
     from flashnb.kernels.forward_tc import make_forward_tc
 
     causal = options.pop("causal", 0) == 1
-    mt = options.pop("MT", plan.tc_m_tiles(bq, d))
-    qs = bool(options.pop("QS", plan.tc_q_in_smem(mt, d)))
+    wgmma = options.get("WGMMA", 0) == 1
+    mt = options.pop("MT", 1 if wgmma else plan.tc_m_tiles(bq, d))
+    qs = bool(options.pop("QS", wgmma or plan.tc_q_in_smem(mt, d)))
     fold = bool(options.pop("FOLD", 1))
     kern, shared, threads = make_forward_tc(bq, bk, d, "float16", True, mt, qs, causal, *([False] * 6), fold,
                                             **{k: bool(v) for k, v in options.items()})
     u4 = types.Array(types.uint32, 4, "C")
     sig = (u4, u4, u4, u4, types.Array(types.float32, 3, "C"), types.int64, types.int64) + _OPTION_TYPES()
-    return _build(kern, sig, shared, threads, os.path.join(out_dir, f"forward_{bq}_{bk}_{d}"), ptx_version)
+    return _build(kern, sig, shared, threads, os.path.join(out_dir, f"forward_{bq}_{bk}_{d}"), ptx_version,
+                  arch="sm_90a" if wgmma else "sm_90")
 
 
 def compile_backward(bq, bk, d, options, out_dir, ptx_version):
@@ -78,14 +81,15 @@ def _OPTION_TYPES():
             types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"))               # cu_seqlens_q, _k
 
 
-def _build(kern, sig, shared, threads, stem, ptx_version):
-    """PTX (numba-cuda), cubin (ptxas) and SASS (cuobjdump) of ``kern`` at ``sig``, kept at ``stem``.*."""
+def _build(kern, sig, shared, threads, stem, ptx_version, arch="sm_90"):
+    """PTX (numba-cuda), cubin (ptxas) and SASS (cuobjdump) of ``kern`` at ``sig``, kept at ``stem``.*
+    (``arch="sm_90a"`` for kernels holding wgmma)."""
     from numba import cuda
-    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0, "a") if arch == "sm_90a" else (9, 0))
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     with open(stem + ".ptx", "w") as f:
         f.write(re.sub(r"\.version \d+\.\d+", f".version {ptx_version}", ptx))
-    info = subprocess.run(["ptxas", "-arch=sm_90", "-v", "-o", stem + ".cubin", stem + ".ptx"],
+    info = subprocess.run(["ptxas", f"-arch={arch}", "-v", "-o", stem + ".cubin", stem + ".ptx"],
                           capture_output=True, text=True, check=True).stderr
     sass = subprocess.run(["cuobjdump", "-sass", stem + ".cubin"], capture_output=True, text=True, check=True).stdout
     with open(stem + ".sass", "w") as f:

@@ -36,6 +36,8 @@ from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, packed_tile_head_batch, sequence_span, tile_head_batch
+from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_wgmma,
+                     mn_major_steps, swizzled_offset)
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
 
 
@@ -91,9 +93,47 @@ def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
 
 
 @lru_cache(maxsize=None)
+def make_swizzled_tile_copy(NROWS, ROW_WORDS, HEAD_WORDS, NTHREADS):
+    """``make_async_tile_copy``'s ``copy`` into a 128-byte-swizzled tile (``_wgmma``: blocks of 64 columns,
+    ``NROWS`` rows of 128 bytes each, chunk ``j`` of row ``r`` at chunk ``j ^ (r % 8)``), 16 bytes per cp.async.
+    A whole tile of unpadded rows: thread ``tid`` copies chunk ``tid % CHUNKS`` of rows ``tid // CHUNKS + i
+    ROW_STEP``; ``ROW_STEP`` a multiple of 8, so the chunk's swizzled place is the same in every row it copies
+    and its shared offset steps by ``ROW_STEP`` rows."""
+    CHUNKS = ROW_WORDS // 4
+    cp_async = memory_primitives()["cp_async16"]
+    ROW_STEP = NTHREADS // CHUNKS
+    FAST = ROW_WORDS == HEAD_WORDS and NTHREADS % CHUNKS == 0 and ROW_STEP % 8 == 0 and NROWS % ROW_STEP == 0
+    ITERS = NROWS // ROW_STEP if FAST else 0
+    ROW_WORDS_SMEM = SWIZZLE_BYTES // 4
+
+    @device_function
+    def copy(src, src_base, src_row, row0, nrows, smem, dst):
+        if FAST and nrows >= NROWS:
+            r0 = cuda.threadIdx.x // CHUNKS
+            c = cuda.threadIdx.x - r0 * CHUNKS
+            d = U(dst + swizzled_offset(NROWS, r0, 8 * c) // 4)
+            s = src_base + (row0 + r0) * src_row + 4 * c
+            for it in range(ITERS):
+                cp_async(smem, d + U(it * ROW_STEP * ROW_WORDS_SMEM), src, s, 16)
+                s += ROW_STEP * src_row
+            return
+        for idx in range(cuda.threadIdx.x, NROWS * CHUNKS, NTHREADS):
+            r = idx // CHUNKS
+            c = idx - r * CHUNKS
+            ok = r < nrows and 4 * c < HEAD_WORDS
+            row = row0 + r if ok else row0             # a zero fill still names a valid source address
+            col = 4 * c if ok else 0
+            cp_async(smem, U(dst + swizzled_offset(NROWS, r, 8 * c) // 4), src, src_base + row * src_row + col,
+                     16 if ok else 0)
+
+    return copy
+
+
+@lru_cache(maxsize=None)
 @kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False, TF32X3=True):
+                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False, TF32X3=True,
+                    WGMMA=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -116,6 +156,13 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     (key ``2t`` as k index ``t``, ``2t + 1`` as ``t + 4``), the same permutation on V's rows, which come by
     plain 32-bit loads (no ldmatrix transpose for 32-bit values).
 
+    ``WGMMA`` (compute capability 9.0, 16-bit inputs): the two products by Hopper's warpgroup MMA
+    (``_wgmma``): each warpgroup of 4 warps owns 64 query rows (``MT = 1``: per warp the same 16 rows and the
+    same accumulator fragments as ``mma``'s, so masks, softmax and epilogue are unchanged); ``S = Q K_j^T``
+    with Q and K_j from shared memory, ``acc += P V_j`` with P from registers (S's accumulators, packed) and
+    V_j from shared memory.  Q, K_j and V_j are stored 128-byte swizzled (``make_swizzled_tile_copy``) with
+    the head dim padded to 64, and ``fence.proxy.async`` hands each landed tile to the tensor cores.
+
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
     epilogue ``store_out_lse``.
@@ -128,14 +175,18 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     NTHREADS = 32 * NWARPS
     ROWS = 2 * MT                            # query rows per thread: (m-tile, fragment half)
     HEAD_WORDS = HEAD_DIM // VALS            # words of one row in global memory
-    # words of one row in shared memory: a k-step of the mma reads 8, and P V's n-tiles (8 values) go in pairs
-    D_WORDS = -(-HEAD_WORDS // (8 * (3 - VALS))) * 8 * (3 - VALS)
+    # words of one row in shared memory: a k-step of the mma reads 8, and P V's n-tiles (8 values) go in pairs;
+    # WGMMA: whole swizzled blocks of 64 values (32 words)
+    D_ALIGN = 32 if WGMMA else 8 * (3 - VALS)
+    D_WORDS = -(-HEAD_WORDS // D_ALIGN) * D_ALIGN
     D_PAD = D_WORDS * VALS                   # head dim padded to the mma's k
     KSTEPS_D = D_WORDS // 8                  # k-steps of Q K^T
     NT_K = BLOCK_K // 8                      # n-tiles of S (8 keys each)
     KSTEPS_K = BLOCK_K // (8 * VALS)         # k-steps of P V (16 keys each, tf32: 8)
     NT_D = D_PAD // 8                        # n-tiles of the output (8 dims each)
-    STRIDE = tc_padded_words(D_WORDS)        # words per key row of a K or V tile in shared memory
+    if WGMMA:
+        assert MT == 1 and Q_SMEM and not TF32 and VEC16 and NWARPS % 4 == 0 and BLOCK_K % 16 == 0
+    STRIDE = D_WORDS if WGMMA else tc_padded_words(D_WORDS)   # words per key row of a K or V tile (WGMMA: swizzled)
     TILE = BLOCK_K * STRIDE                  # words of one K (or V) tile
     V_OFF = TILE                             # buffer s: K at s * 2 TILE, V at s * 2 TILE + V_OFF
     Q_OFF = 4 * TILE                         # two buffers of (K_j, V_j), then the Q tile if Q_SMEM
@@ -145,6 +196,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else SMALL
     SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
+    TILE_ALIGN = WG_ALIGN if WGMMA else SMEM_ALIGN   # the swizzle's 1024-byte atoms start on its boundaries
+    P_ALL = 4 * KSTEPS_K if WGMMA else 1
     CW = 4 if VEC16 else 1                   # words per cp.async
     CHUNKS = D_WORDS // CW                   # cp.async copies per key row
     HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI
@@ -169,6 +222,12 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
     exp2 = mem["exp2_ftz"]
+    if WGMMA:   # S = Q K_j^T: both K-major; P V_j: V_j MN-major (its 64-column blocks BLOCK_K rows apart)
+        wgmma_qk = make_wgmma("ss", DTYPE_NAME, BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D),
+                              k_major_steps(BLOCK_K, KSTEPS_D))
+        wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), mn_major_steps(KSTEPS_K),
+                              b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1)
+        fence_async = fence_proxy_async()
     # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
     quad_max = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=False)
@@ -202,12 +261,15 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
 
     # cp.async work split: thread tid copies chunk column (tid % CHUNKS) of rows tid // CHUNKS + i ROW_STEP,
     # a compile-time trip count (no remainder loop) when the chunks divide evenly among the threads
-    EVEN_COPY = NTHREADS % CHUNKS == 0 and BLOCK_K % (NTHREADS // CHUNKS) == 0
+    EVEN_COPY = NTHREADS % CHUNKS == 0 and BLOCK_K % (NTHREADS // CHUNKS) == 0 and not WGMMA
     ROW_STEP = NTHREADS // CHUNKS if EVEN_COPY else 0
     ITERS = BLOCK_K // ROW_STEP if EVEN_COPY else 0
     FULL_ROWS = D_WORDS == HEAD_WORDS        # no padding words: every chunk of a key row is in the source
 
-    copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
+    if WGMMA:
+        copy_kv = make_swizzled_tile_copy(BLOCK_K, D_WORDS, HEAD_WORDS, NTHREADS)
+    else:
+        copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
 
     @device_function
     def start_kv_copy(k, v, k_base, v_base, k_row, v_row, k0, seqlen_k, smem, base):
@@ -238,7 +300,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             copy_kv(v, v_base, v_row, k0, nrows, smem, base + V_OFF)
         cp_async_commit()
 
-    copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
+    if WGMMA:
+        copy_q = make_swizzled_tile_copy(BLOCK_Q, D_WORDS, HEAD_WORDS, NTHREADS)
+    else:
+        copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
 
     next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
@@ -414,6 +479,17 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     mma_pair(p_reg, m, b0, b1, b2, b3, acc, n)
 
     @device_function
+    def pv_tile_wgmma(smem, base, s_reg, p_all, acc):
+        """acc += P V_j by the warpgroup: P's a fragments of every k-step (16 keys: S's n-tiles 2 kk, 2 kk + 1,
+        packed as in ``pv_tile``) in registers, V_j from its swizzled shared tile."""
+        for kk in range(KSTEPS_K):
+            p_all[4 * kk + 0] = pack2(s_reg[0, 2 * kk, 0], s_reg[0, 2 * kk, 1])
+            p_all[4 * kk + 1] = pack2(s_reg[0, 2 * kk, 2], s_reg[0, 2 * kk, 3])
+            p_all[4 * kk + 2] = pack2(s_reg[0, 2 * kk + 1, 0], s_reg[0, 2 * kk + 1, 1])
+            p_all[4 * kk + 3] = pack2(s_reg[0, 2 * kk + 1, 2], s_reg[0, 2 * kk + 1, 3])
+        wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
+
+    @device_function
     def store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q):
         """out = acc / l_i (rounded to the input format), lse = (m_i + log2 l_i) ln 2; l_i summed over the quad
         first.  A row that saw no key (l_i = 0) gets out = 0, lse = -inf."""
@@ -467,7 +543,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
         scale_log2 = F32(scale) * LOG2E_T
 
-        smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)   # [buffer][K_j | V_j][key][word], then Q
+        smem = cuda.shared.array(0, U32_DT, alignment=TILE_ALIGN)   # [buffer][K_j | V_j][key][word], then Q
         scratch = cuda.shared.array(0, F32_DT)[SMEM_WORDS:SMEM_WORDS + SCRATCH]
         # ldmatrix row addresses of this lane (lane l names row l % 8 of matrix l // 8):
         # K: matrices (keys +0 | +8) x (words +0 | +4) -> b0, b1 of n-tiles n, n + 1
@@ -485,6 +561,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         part = cuda.local.array((MT, 2, 4), F32)                 # a k-step's P V products (SPLIT)
         s_reg = cuda.local.array((MT, NT_K, 4), F32)             # S, then P, of the key tile
         p_reg = cuda.local.array((MT, 4), np.uint32)             # P's a fragments of one k-step
+        p_all = cuda.local.array(P_ALL, np.uint32)              # WGMMA: P's a fragments of every k-step
+        q_bytes = 4 * Q_OFF + (warp // 4) * 64 * SWIZZLE_BYTES   # WGMMA: this warpgroup's 64 rows of the Q tile
         acc = cuda.local.array((MT, NT_D, 4), F32)               # O_i, unnormalised
         m_i = cuda.local.array(ROWS, F32)  # row 2 m + r: running max (base-2 units)
         l_i = cuda.local.array(ROWS, F32)  # per-thread partial row sums, reduced over the quad at the end
@@ -524,6 +602,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 wait_prev()
             else:
                 wait_all()
+            if WGMMA:
+                fence_async()                                # ... made visible to the tensor cores
             cuda.syncthreads()                               # everyone's copies of K_j, V_j have landed
             base = buf * 2 * TILE
             if SPLIT:                                        # K_j, V_j (and Q once) -> big and small parts
@@ -533,7 +613,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 first = False
                 cuda.syncthreads()
 
-            score_tile(smem, base, q_reg, q_small, q_frag, q_frag_s, q_lane, k_lane, s_reg)   # S = Q K_j^T
+            if WGMMA:                                                                      # S = Q K_j^T
+                wgmma_qk(s_reg, smem, q_bytes, 4 * base, 0)
+            else:
+                score_tile(smem, base, q_reg, q_small, q_frag, q_frag_s, q_lane, k_lane, s_reg)
             if WINDOW_ONLY and need_mask:                                                  # S <- mask(S * scale)
                 window_mask_tile(s_reg, row0, k0, t, seqlen_q, seqlen_k, off, left, right, scale_log2)
             elif not WINDOW_ONLY and (HAS_MODS or need_mask):
@@ -543,7 +626,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 scale_tile(s_reg, scale_log2)
             online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,   # m_i, l_i, P
                            drop_threshold, drop_scale, seed_lo, seed_hi)
-            if TF32:                                                                       # acc += P V_j
+            if WGMMA:                                                                      # acc += P V_j
+                pv_tile_wgmma(smem, base, s_reg, p_all, acc)
+            elif TF32:
                 pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc, part)
             else:
                 pv_tile(smem, base, v_lane, s_reg, p_reg, acc)

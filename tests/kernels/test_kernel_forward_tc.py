@@ -228,15 +228,15 @@ def _from_words(w):
     return np.stack([lo, hi], axis=-1).reshape(w.shape[:-1] + (2 * w.shape[-1],)).astype(np.uint32).view(np.float32)
 
 
-def _bf16_forward(p):
-    """(out, lse) of the bfloat16 tensor-core forward, out as float32 values."""
+def _bf16_forward(p, backend="tensorcore"):
+    """(out, lse) of the bfloat16 tensor-core forward (or ``backend``'s), out as float32 values."""
     if not SIMULATOR:
         torch = pytest.importorskip("torch")
         q, k, v = (torch.as_tensor(x, device="cuda").to(torch.bfloat16) for x in (p.q, p.k, p.v))
         opts = {n: (torch.as_tensor(x, device="cuda") if isinstance(x, np.ndarray) else x) for n, x in p.opts.items()}
         # through the harness: explicit tiles the API refuses for shared memory are a rejected example
         out, lse = _launch(flashnb.flash_attention, p, (q, k, v),
-                           dict(return_lse=True, backend="tensorcore", block_q=p.block_q, block_k=p.block_k, **opts))
+                           dict(return_lse=True, backend=backend, block_q=p.block_q, block_k=p.block_k, **opts))
         assert out.dtype == torch.bfloat16
         return out.float().cpu().numpy(), lse.cpu().numpy()
     from numba import cuda
@@ -247,7 +247,7 @@ def _bf16_forward(p):
     lse = cuda.to_device(np.full((p.batch, p.nheads, p.seqlen_q), np.nan, np.float32))
     words = [cuda.to_device(_words(x)) for x in (p.q, p.k, p.v)]
     call = plan.Call("bfloat16", p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.k.shape[2],
-                     p.headdim, opts.flags, plan.tc_positive_scale(opts.scale), p.block_q, p.block_k, "tensorcore",
+                     p.headdim, opts.flags, plan.tc_positive_scale(opts.scale), p.block_q, p.block_k, backend,
                      layout=(None, all(_arrays.rows_aligned16(w) for w in words)))
     made = plan.forward(call)
     assert made.backend == "tensorcore"
@@ -262,6 +262,66 @@ def test_tc_bfloat16_within_twice_bfloat16_oracle_error(p):
     p = _bf16_problem(p)
     out, lse = _bf16_forward(p)
     check_forward_bf16(p, out, lse)
+
+
+# ------------------------------------------------------------------------------------ Hopper (backend="wgmma")
+# The same kernel with both products by warpgroups (``WGMMA``, kernels/_wgmma.py): 64 query rows per warpgroup,
+# head dims that are multiples of 8 (padded to 64 in the swizzled tiles), key tiles of 16 to 128.  In the
+# simulator the wgmma twin reads the swizzled shared tiles through the hardware's address rule.
+if SIMULATOR:
+    WG_TILES = st.sampled_from([(64, 16), (64, 32), (None, None)])
+    WG_HEADDIMS = (8, 16, 24, 40, 64)
+else:
+    WG_TILES = st.tuples(st.sampled_from([None, 64, 128]), st.sampled_from([None, 16, 64, 128]))
+    WG_HEADDIMS = (8, 32, 64, 72, 96, 128, 192, 256)
+
+
+def wg_problems(dtype=np.float16, **kw):
+    return kernel_problems(dtypes=(dtype,), tiles=WG_TILES, headdims=WG_HEADDIMS, max_seqlen=TC_MAX_SEQLEN, **kw)
+
+
+def _wgmma_forward_matches_oracle(p):
+    built = []
+    real = plan.make_forward_tc
+    plan.make_forward_tc = lambda *a, **kw: (built.append(kw), real(*a, **kw))[1]
+    try:
+        out, lse = kernel_forward(p, backend="wgmma")
+    finally:
+        plan.make_forward_tc = real
+    check_forward(expected(p, backward=False), out, lse)
+    assert not built or built[-1].get("WGMMA"), "backend='wgmma' ran another forward"
+
+
+@settings(max_examples=examples(4, 25))
+@given(p=wg_problems())
+def test_wgmma_float16_within_twice_float16_oracle_error(p):
+    """backend="wgmma", float16, any options: flash-attn's rule, as the mma.sync kernel."""
+    _wgmma_forward_matches_oracle(p)
+
+
+@settings(max_examples=examples(2, 12))
+@given(p=wg_problems(required=S.ALL_OPTIONS))
+def test_wgmma_every_option_at_once(p):
+    _wgmma_forward_matches_oracle(p)
+
+
+@settings(max_examples=examples(2, 12))
+@given(p=wg_problems(dtype=np.float32, scale=10.0))
+def test_wgmma_bfloat16_within_twice_bfloat16_oracle_error(p):
+    p = _bf16_problem(p)
+    out, lse = _bf16_forward(p, backend="wgmma")
+    check_forward_bf16(p, out, lse)
+
+
+@pytest.mark.parametrize("dtype,headdim,tiles,match", [
+    (np.float32, 16, {}, "float16 and bfloat16"),
+    (np.float16, 12, {}, "multiple of 8"),
+    (np.float16, 16, dict(block_q=32), "block_q must be a multiple of 64"),
+    (np.float16, 16, dict(block_k=8), "block_k must be a multiple of 16")])
+def test_wgmma_refusals(dtype, headdim, tiles, match):
+    """What the Hopper forward cannot serve is refused before any launch, naming why."""
+    with pytest.raises(ValueError, match="backend='wgmma'.*" + match):
+        flashnb.flash_attention(*_data(dtype, headdim), backend="wgmma", **tiles)
 
 
 # ------------------------------------------------------------------------------------ behaviour
