@@ -173,7 +173,7 @@ def _forward_tc_launch(call, bq, bk):
         return None
     d = call.headdim
     if call.backend == "wgmma":
-        mt, qs, extra = 1, True, {"WGMMA": True}
+        mt, qs, extra = 1, True, {"WGMMA": True, "PINGPONG": wgmma_pingpong(bq)}
     else:
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
@@ -346,6 +346,14 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None):
     else:
         bq, bk = next(tiles for max_d, tiles in _WGMMA_TILES if headdim <= max_d)
     return block_q or bq, block_k or bk
+
+
+def wgmma_pingpong(block_q):
+    """Whether the Hopper forward's two warpgroups take turns at the tensor cores (``PINGPONG``)."""
+    return block_q == 128 and WGMMA_PINGPONG
+
+
+WGMMA_PINGPONG = False
 
 
 def wgmma_shared_bytes(block_q, block_k, headdim):

@@ -2,11 +2,14 @@
 
     python -m tools.tune_tc [--dtype float16] [--seqlens 4096] [--configs 64=64:64,128:64;128=64:64]
     python -m tools.tune_tc --pass bwd [--configs 64=32:64,64:64;128=16:64;256=32:64:2] [--ablate dq-sync]
+    python -m tools.tune_tc --backend wgmma [--configs 64=128:128:1,128:128:0;128=128:64:1]
 
 ``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K[, warps per 16 keys: the
 head-dim split[, m-tiles of 16 keys per warp[, S^T shared]]]); the forward runs at
 its default tiles; the table has the backward's time alone and forward+backward against
-SDPA's FlashAttention-2 forward+backward.
+SDPA's FlashAttention-2 forward+backward.  ``--backend wgmma``: the Hopper forward, configurations
+(BLOCK_Q, BLOCK_K[, ping-pong: 1 = the warpgroups take turns, ``plan.wgmma_pingpong``]), and SDPA's cuDNN
+backend timed beside FlashAttention-2.
 
 For each head dim and (BLOCK_Q, BLOCK_K): the forward's error against a float64
 PyTorch computation on a small problem, then its time (calls queued between
@@ -31,13 +34,13 @@ from tools.tune_simt import _check as _check_grads
 from tools.tune_simt import _fwd_flops, _resources, _time
 
 
-def _check(dtype, d, bq, bk, causal):
+def _check(dtype, d, bq, bk, causal, backend="tensorcore"):
     """Max |out - float64| relative to max |float64| at a small shape."""
     import torch
     import flashnb
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 300, 3, d, device="cuda", dtype=dtype) for _ in range(3))
-    out = flashnb.flash_attention(q, k, v, causal=causal, block_q=bq, block_k=bk, backend="tensorcore")
+    out = flashnb.flash_attention(q, k, v, causal=causal, block_q=bq, block_k=bk, backend=backend)
     ref = torch.nn.functional.scaled_dot_product_attention(*(x.double().transpose(1, 2) for x in (q, k, v)),
                                                            is_causal=causal).transpose(1, 2)
     return float((out.double() - ref).abs().max() / ref.abs().max())
@@ -48,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--seqlens", default="4096")
     ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
+    ap.add_argument("--backend", choices=("tensorcore", "wgmma"), default="tensorcore")
     ap.add_argument("--ablate", default="", help="with --pass bwd: comma list of variants to time besides the "
                     "shipped kernel: scalar-red (dQ by scalar atomics instead of red.global.add.v2.f32), dq-pairs=N "
                     "(dQ in units of 16 x 16N: make_dkdv_tc's DQ_NP), dq-sync (each item's dQ after a second "
@@ -75,11 +79,11 @@ def main(argv=None):
         print(tabulate(rows, headers="keys"))
         _resources()
         return
-    saved = plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale
+    saved = plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale, plan.wgmma_pingpong
     try:
-        rows = _sweep_fwd(args, dtype, *saved)
+        rows = _sweep_fwd(args, dtype, *saved[:3])
     finally:
-        plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale = saved
+        plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale, plan.wgmma_pingpong = saved
     print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; ratio = SDPA FlashAttention-2 time / "
           "flashnb time (>1: flashnb faster)")
     print(tabulate(rows, headers="keys"))
@@ -97,14 +101,17 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
         d = int(d)
         for cfg in (tuple(map(int, p.split(":"))) for p in pairs.split(",")):
             bq, bk = cfg[:2]
-            mt = cfg[2] if len(cfg) > 2 else default_mt(bq, d)
-            qs = bool(cfg[3]) if len(cfg) > 3 else default_qs(mt, d)
-            fold = bool(cfg[4]) if len(cfg) > 4 else True
+            wg = args.backend == "wgmma"
+            mt = 1 if wg else (cfg[2] if len(cfg) > 2 else default_mt(bq, d))
+            qs = True if wg else (bool(cfg[3]) if len(cfg) > 3 else default_qs(mt, d))
+            fold = bool(cfg[4]) if len(cfg) > 4 and not wg else True
+            pp = bool(cfg[2]) if wg and len(cfg) > 2 else plan.wgmma_pingpong(bq)
             plan.tc_m_tiles = lambda block_q, headdim, mt=mt: mt          # the variant under test
             plan.tc_q_in_smem = lambda m_tiles, headdim, qs=qs: qs
             plan.tc_positive_scale = lambda scale, fold=fold: fold and positive_scale(scale)
+            plan.wgmma_pingpong = lambda block_q, pp=pp: pp
             for causal in (False, True):
-                err = _check(dtype, d, bq, bk, causal)
+                err = _check(dtype, d, bq, bk, causal, args.backend)
                 for n in map(int, args.seqlens.split(",")):
                     b, h = max(1, 16384 // n), 2048 // d
                     sets = [tuple(torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(3))
@@ -112,19 +119,23 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
 
                     def fwd(q, k, v):
                         return flashnb.flash_attention(q, k, v, causal=causal, block_q=bq, block_k=bk,
-                                                       return_lse=True, backend="tensorcore")
+                                                       return_lse=True, backend=args.backend)
 
-                    def sdpa(q, k, v):
-                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    def sdpa(q, k, v, which=SDPBackend.FLASH_ATTENTION):
+                        with sdpa_kernel(which):
                             return torch.nn.functional.scaled_dot_product_attention(
                                 *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
 
                     f = _fwd_flops(b, h, n, d, causal)
                     t_f, t_s = _time(fwd, sets), _time(sdpa, sets)
-                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", mt=mt, q_smem=int(qs), fold=int(fold),
-                                     causal=causal, N=n, rel_err=f"{err:.1e}",
-                                     fwd_ms=round(t_f, 3), tflops=round(f / t_f / 1e9, 1),
-                                     fa2_tflops=round(f / t_s / 1e9, 1), ratio=round(t_s / t_f, 3)))
+                    row = dict(d=d, tiles=f"{bq}x{bk}", mt=mt, q_smem=int(qs), fold=int(fold), causal=causal, N=n,
+                               rel_err=f"{err:.1e}", fwd_ms=round(t_f, 3), tflops=round(f / t_f / 1e9, 1),
+                               fa2_tflops=round(f / t_s / 1e9, 1), ratio=round(t_s / t_f, 3))
+                    if wg:
+                        t_c = _time(lambda q, k, v: sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION), sets)
+                        row = dict(row, pingpong=int(pp), cudnn_tflops=round(f / t_c / 1e9, 1),
+                                   vs_cudnn=round(t_c / t_f, 3))
+                    rows.append(row)
                     print(rows[-1], file=sys.stderr, flush=True)
     return rows
 
