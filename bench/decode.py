@@ -3,10 +3,10 @@
 The shape: batch 16, one query token, 32 query heads over 8 KV heads, head dim 128, float16, 4k-32k cached
 keys, dense caches and paged ones (page 256, pages in random order).  Rows:
 
-* ``flashnb``: ``flashnb.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=N)`` (an int: no
-  synchronising copy of a device ``cache_seqlens``), split count chosen by the heuristic; paged calls pass
-  ``block_table`` as a CUDA tensor, which the call copies to the host to check the pages (a sync per call);
-  ``flashnb (seqlens tensor)``: the dense call with ``cache_seqlens`` a CUDA int32 tensor (its host copy).
+* ``flashnb``: ``flashnb.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=N)``, split count chosen
+  by the heuristic; paged calls pass ``block_table`` as a CUDA tensor; ``flashnb (seqlens tensor)``: the dense
+  call with ``cache_seqlens`` a CUDA int32 tensor.  Device metadata is checked by the kernels, never copied
+  to the host (no sync; before 2026-11-26 each such call synchronised on a host copy).
 * ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` under one backend, with the 4 query heads
   of a KV group packed as 4 query rows of that KV head (``q (16, 8, 4, 128)`` against ``k, v (16, 8, N,
   128)``, no causal mask: one query token sees every key), so K and V are read once, as flashnb reads them;
@@ -18,6 +18,14 @@ Two times per row: ``GPU`` (median over calls of CUDA events around one call, L2
 ``per call`` (host time included: ``CALLS`` back-to-back calls, one synchronisation, wall time / calls: what a
 decode loop pays when the host cannot run ahead).  Without a GPU (the simulator) it prints why and stops.
 ``--decode-sweep`` adds flashnb rows at fixed split counts and two lane layouts (tuning records).
+
+``python -m bench.decode --variants [SPEC ...]`` (A/B of kernel candidates, dense caches): per cache length the
+default flashnb, flashnb under each SPEC (comma-separated ``NAME=INT`` settings of ``flashnb.kvcache``, e.g.
+``LEAN=1,STAGES=6``; none given: ``VARIANTS``), flashnb reading SDPA's layout (``(batch, heads, keys, dim)``
+storage seen through a transposed view: the same bytes SDPA reads), the device-metadata rows (``seqlens
+tensor``, ``paged``), SDPA FlashAttention-2 on its layout and on the cache's (``(batch, keys, heads, dim)``
+storage, transposed), with ``kernels vs default`` (the default's kernel time over the row's).
+``--seqlens 4096,32768`` limits the lengths.
 """
 from __future__ import annotations
 
@@ -41,6 +49,11 @@ def hbm_bound_us(seqlen, batch=BATCH, nheads_k=NHEADS_K, headdim=HEADDIM, itemsi
 
 
 SWEEP = ((0, 2, 64), (3, 2, 64))   # (STAGES, KEYS_PER_LANE, E_BUDGET) of --decode-sweep's extra rows
+VARIANTS = (                        # --variants' candidates (flashnb.kvcache settings), each against the default
+    "LEAN=1",                                                    # fewer instructions per key (make_decode's LEAN)
+    "LEAN=1,E_BUDGET=32,BLOCKS_PER_SM=3,STAGES=6",               # 16 lanes a key, 164 registers: 12 warps an SM
+    "LEAN=1,NWARPS=8,BLOCKS_PER_SM=1",                           # one 8-warp block an SM: no split, no combine
+)
 SLEEP_CYCLES = 3_000_000   # ~1.5 ms of GPU clock: the host enqueues a call while the GPU still sleeps
 
 
@@ -231,6 +244,95 @@ def _lane_sweep(torch, flush, log):
     return out
 
 
+def parse_variant(spec):
+    """``"NAME=INT,NAME=INT"`` -> {NAME: int}, each NAME an int (or bool) setting of ``flashnb.kvcache``."""
+    from flashnb import kvcache
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, value = item.partition("=")
+        if not name.isupper() or not isinstance(getattr(kvcache, name, None), int):
+            raise ValueError(f"--variants: {name!r} is not an int setting of flashnb.kvcache")
+        out[name] = int(value)
+    return out
+
+
+@contextlib.contextmanager
+def settings(overrides):
+    """``flashnb.kvcache``'s module settings changed for the duration (read by every call)."""
+    from flashnb import kvcache
+    saved = {k: getattr(kvcache, k) for k in overrides}
+    try:
+        for k, v in overrides.items():
+            setattr(kvcache, k, type(saved[k])(v))
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(kvcache, k, v)
+
+
+def run_variants(torch, variants, seqlens=SEQLENS, log=print):
+    """The A/B table: dense decode at each length, the default against each variant, the layouts, SDPA."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashnb
+
+    specs = [(spec, parse_variant(spec)) for spec in variants]
+    flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = flush_buf.zero_
+    group = NHEADS // NHEADS_K
+    sdpa = F.scaled_dot_product_attention
+    call = flashnb.flash_attn_with_kvcache
+    records = []
+    g = torch.Generator(device="cuda")
+    for n in seqlens:
+        g.manual_seed(n)
+        q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
+        kc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
+        vc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
+        k_sdpa, v_sdpa = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+        q_packed = q.view(BATCH, NHEADS_K, group, HEADDIM)
+        lens_t = torch.full((BATCH,), n, dtype=torch.int32, device="cuda")
+        per = n // PAGE
+        perm = torch.randperm(BATCH * per, device="cuda", generator=g)
+        table = perm.view(BATCH, per).to(torch.int32)
+        kp = torch.empty(BATCH * per, PAGE, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16)
+        vp = torch.empty_like(kp)
+        kp[perm] = kc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
+        vp[perm] = vc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
+        ref = F.scaled_dot_product_attention(q_packed.float(), k_sdpa.float(), v_sdpa.float()).reshape(
+            BATCH, 1, NHEADS, HEADDIM)
+        rows = [("flashnb", "dense", {}, lambda: call(q, kc, vc, cache_seqlens=n))]
+        rows += [(f"flashnb {spec}", "dense", o, lambda: call(q, kc, vc, cache_seqlens=n)) for spec, o in specs]
+        rows += [
+            ("flashnb (sdpa layout)", "dense", {},
+             lambda: call(q, k_sdpa.transpose(1, 2), v_sdpa.transpose(1, 2), cache_seqlens=n)),
+            ("flashnb (seqlens tensor)", "dense", {}, lambda: call(q, kc, vc, cache_seqlens=lens_t)),
+            ("flashnb", "paged", {}, lambda: call(q, kp, vp, cache_seqlens=lens_t, block_table=table)),
+            ("sdpa-flash", "dense", SDPBackend.FLASH_ATTENTION, lambda: sdpa(q_packed, k_sdpa, v_sdpa)),
+            ("sdpa-flash (cache layout)", "dense", SDPBackend.FLASH_ATTENTION,
+             lambda: sdpa(q_packed, kc.transpose(1, 2), vc.transpose(1, 2))),
+        ]
+        for name, layout, how, fn in rows:
+            rec = dict(seqlen_k=n, layout=layout, impl=name, hbm_bound_us=round(hbm_bound_us(n), 1))
+            try:
+                ctx = settings(how) if isinstance(how, dict) else sdpa_kernel(how)
+                with ctx:
+                    _measure(torch, fn, name, ref, flush, rec)
+            except Exception as exc:                          # noqa: BLE001 - one row's failure, reported
+                rec["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            records.append(rec)
+            log(_row(rec))
+        del kc, vc, kp, vp, k_sdpa, v_sdpa
+        torch.cuda.empty_cache()
+    _speedups(records)
+    base = {r["seqlen_k"]: r.get("kernel_us") for r in records if r["impl"] == "flashnb" and r["layout"] == "dense"}
+    for r in records:
+        if r.get("kernel_us") and base.get(r["seqlen_k"]) and r["impl"].startswith("flashnb"):
+            r["kernels_vs_default"] = base[r["seqlen_k"]] / r["kernel_us"]
+    return records
+
+
 def _speedups(records):
     """``vs sdpa-flash``: SDPA flash's GPU time over the row's, same seqlen (dense baseline for both layouts)."""
     for key, out in (("gpu_us", "vs_sdpa_flash"), ("kernel_us", "kernels_vs_sdpa")):
@@ -243,7 +345,8 @@ def _speedups(records):
 COLUMNS = (("seqlen_k", "N", "d"), ("layout", "cache", "s"), ("impl", "impl", "s"), ("gpu_us", "GPU us", ".1f"),
            ("kernel_us", "kernels us", ".1f"), ("call_us", "per call us", ".1f"), ("hbm_bound_us", "HBM bound us", ".1f"),
            ("gpu_vs_hbm", "GPU / bound", ".2f"), ("vs_sdpa_flash", "vs sdpa-flash", ".2f"),
-           ("kernels_vs_sdpa", "kernels vs sdpa-flash", ".2f"), ("max_err", "max |err|", ".1e"), ("note", "note", "s"), ("kernels", "kernels", "s"))
+           ("kernels_vs_sdpa", "kernels vs sdpa-flash", ".3f"), ("kernels_vs_default", "kernels vs default", ".3f"),
+           ("max_err", "max |err|", ".1e"), ("note", "note", "s"), ("kernels", "kernels", "s"))
 
 
 def _row(rec):
@@ -297,6 +400,18 @@ def main(argv=None) -> int:
         precompile(int(argv[argv.index("--precompile") + 1]), torch)
         return 0
     sweep = "--decode-sweep" in argv
+    variants, seqlens = None, SEQLENS
+    if "--seqlens" in argv:
+        seqlens = tuple(int(x) for x in argv[argv.index("--seqlens") + 1].split(","))
+    if "--variants" in argv:
+        i = argv.index("--variants") + 1
+        specs = []
+        while i < len(argv) and not argv[i].startswith("--"):
+            specs.append(argv[i])
+            i += 1
+        variants = tuple(specs) or VARIANTS
+        for spec in variants:
+            parse_variant(spec)                               # a typo fails before any GPU work
     header = env.header(argv, {"name": torch.cuda.get_device_name(0), "driver": env.driver_version(),
                                "cuda_driver": env.driver_cuda_version()}, simulator=False)
     for k, v in header.items():
@@ -307,7 +422,12 @@ def main(argv=None) -> int:
           f"enqueues meanwhile), L2 flushed before each; kernels us: the call's kernel durations from the "
           f"profiler (CUPTI), mean of 10; per call us: {CALLS} back-to-back "
           f"calls, one sync, best of 3 (host time included); HBM bound: K and V bytes / {HBM_BYTES_PER_S:.1e} B/s")
-    records = run(torch, sweep=sweep, log=lambda s: print("# " + s, flush=True))
+    log = lambda s: print("# " + s, flush=True)                   # noqa: E731
+    if variants is not None:
+        print(f"# variants (flashnb.kvcache settings, each against the default): {'; '.join(variants)}")
+        records = run_variants(torch, variants, seqlens, log=log)
+    else:
+        records = run(torch, seqlens=seqlens, sweep=sweep, log=log)
     print(table(records))
     return 0
 

@@ -32,6 +32,10 @@ E_BUDGET = 4 if SIMULATOR else 64     # q and acc values per lane per row tile (
 BLOCKS_PER_SM = 2                     # decode blocks resident per SM (registers): the slots the split count fills
 MAX_SPLITS = 128
 STAGES = 4                            # K/V tiles staged through shared memory, STAGES - 1 steps ahead (0: registers)
+STAGE_BYTES_PER_SM = 192 * 1024       # the stages' shared memory of the BLOCKS_PER_SM blocks of an SM, together
+LEAN = False                          # decode.make_decode's LEAN candidate (fewer instructions per step)
+# The settings above are read at every call: ``python -m bench.decode --variants "LEAN=1,STAGES=6" ...`` times
+# other values against these (bench/decode.py), with no code edit.
 SIM_SMS = 2                           # the simulator's stand-in SM count: tiny problems still split
 APPEND_THREADS = 256
 
@@ -369,12 +373,11 @@ def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts
                     slots=sm_count() * BLOCKS_PER_SM, e_budget=E_BUDGET)
     f = opts.flags
     split = p.n_splits > 1
+    stages = _decode.stages_that_fit(STAGES, kind.dtype, c.headdim, p.lanes_per_key, KEYS_PER_LANE, NWARPS,
+                                     STAGE_BYTES_PER_SM // BLOCKS_PER_SM)
     kern, threads, shared = _decode.make_decode(kind.dtype, c.headdim, p.rows, p.lanes_per_key, KEYS_PER_LANE,
                                                 NWARPS, p.vec16, c.table is not None, c.seqlens is not None, split,
-                                                f.has_window,
-                                                f.has_softcap, f.has_alibi,
-                                                _decode.stages_that_fit(STAGES, kind.dtype, c.headdim,
-                                                                        p.lanes_per_key, KEYS_PER_LANE, NWARPS))
+                                                f.has_window, f.has_softcap, f.has_alibi, stages, bool(LEAN))
     if split:
         out_s = _arrays.scratch((p.n_splits, c.batch, c.seqlen_q, c.nheads, c.headdim), np.float32, kind, like,
                                 stream)

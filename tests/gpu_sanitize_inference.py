@@ -1,20 +1,28 @@
 """The packed-batch (varlen) and KV-cache kernels once each, small, for ``compute-sanitizer`` (not a pytest module).
 
-    compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_inference.py
-    compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_inference.py
-    compute-sanitizer --tool synccheck python3 tests/gpu_sanitize_inference.py
+    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache]      # once without the tool: fills the disk cache
+    compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_inference.py kvcache
+    compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_inference.py kvcache
+    compute-sanitizer --tool synccheck python3 tests/gpu_sanitize_inference.py kvcache
 
-Varlen: forward and backward, SIMT and tensor cores, float16, causal or not, sequences of unequal lengths with
-an empty one and lengths that are not multiples of the tiles. KV cache: float16 and bfloat16, dense and paged,
-with and without an append, one split and several (the combine kernel), decoding (one query) and a chunk of
-queries. Each result is compared with the oracle loosely (the property suites hold them to tight bounds):
-this run is about memory and synchronisation errors.
+(no argument: both parts).  Varlen: forward and backward, SIMT and tensor cores, float16, causal or not,
+sequences of unequal lengths with an empty one and lengths that are not multiples of the tiles.  KV cache
+(``KVCACHE``): float16 and bfloat16; dense and paged caches; ``cache_seqlens`` and ``block_table`` in device
+memory (checked by the kernels), as an int, and out of range (the kernels must refuse those sequences without
+a stray read or write: NaN rows, no append); with and without an append; one split and several (the combine);
+decoding (one query) and a chunk of 12 queries over several row tiles; the decode candidates of
+``bench.decode --variants`` (LEAN, 16 lanes a key with 6 stages, 8 warps); 3 stages (48 KB of dynamic shared
+memory over 8 KB of static: ``_jit.launch``'s opt-in).  Each result is compared with the oracle loosely (the
+property suites hold them to tight bounds): this run is about memory and synchronisation errors.
 """
+import sys
+
 import numpy as np
 import torch
 
 import flashnb
 import reference
+from flashnb import kvcache as kv
 
 
 def varlen(rng):
@@ -38,37 +46,74 @@ def varlen(rng):
                 print(f"ok varlen d={d} causal={causal} {backend}", flush=True)
 
 
+F16, BF16 = torch.float16, torch.bfloat16
+KVCACHE = [  # (dtype, paged, seqlens: "tensor" | "int" | "bad", seqlen_q, new, splits, kvcache settings)
+    (F16, False, "bad", 1, 1, 3, {}),                    # dense decode, append, split + combine; sequence 0 refused
+    (F16, True, "bad", 1, 1, 3, {}),                     # paged, the same; sequences 0 and 2 refused
+    (F16, True, "tensor", 1, 1, 1, {}),                  # paged decode and append, one split
+    (BF16, True, "tensor", 12, 12, 3, {}),               # chunked prefill: 48 rows in 6 tiles, paged, split
+    (BF16, False, "int", 1, 0, 0, {}),                   # bfloat16 decode, no metadata array, automatic split
+    (F16, False, "int", 1, 0, 0, {"STAGES": 3}),         # 48 KB dynamic + 8 KB static shared memory
+    # bench.decode's candidates, as its --variants rows compile them (an int length; the same splitting)
+    (F16, False, "int", 1, 0, 0, {"LEAN": 1}),
+    (F16, False, "int", 1, 0, 0, {"LEAN": 1, "E_BUDGET": 32, "BLOCKS_PER_SM": 3, "STAGES": 6}),
+    (F16, False, "int", 1, 0, 1, {"LEAN": 1, "NWARPS": 8, "BLOCKS_PER_SM": 1}),
+]
+
+
 def kvcache(rng):
     batch, heads, heads_k, d, rows, page = 3, 8, 2, 128, 700, 256
-    for dtype in (torch.float16, torch.bfloat16):
-        for paged in (False, True):
-            for seqlen_q, new in ((1, 1), (1, 0), (12, 12)):
-                for splits in (1, 3):
-                    q = rng.standard_normal((batch, seqlen_q, heads, d))
-                    if paged:
-                        pages = -(-rows // page)
-                        kc, vc = (rng.standard_normal((batch * pages, page, heads_k, d)) for _ in range(2))
-                        table = rng.permutation(batch * pages).reshape(batch, pages).astype(np.int32)
-                    else:
-                        kc, vc = (rng.standard_normal((batch, rows, heads_k, d)) for _ in range(2))
-                        table = None
-                    lens = np.array([0, 333, rows - max(new, 1)], np.int32)
-                    kn, vn = ((rng.standard_normal((batch, new, heads_k, d)),) * 2) if new else (None, None)
-                    ref, _, _, _ = reference.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
-                                                                    block_table=table, causal=True)
-                    t = lambda x: None if x is None else torch.as_tensor(x, device="cuda").to(dtype)  # noqa: E731
-                    out = flashnb.flash_attn_with_kvcache(
-                        t(q), t(kc), t(vc), t(kn), t(vn), cache_seqlens=torch.as_tensor(lens, device="cuda"),
-                        block_table=None if table is None else torch.as_tensor(table, device="cuda"),
-                        num_splits=splits, causal=True)
-                    err = float((out.double().cpu() - torch.as_tensor(ref)).abs().max())
-                    assert err < 0.1, f"kvcache {dtype} paged={paged} q={seqlen_q} new={new} splits={splits}: {err}"
-                    print(f"ok kvcache {dtype} paged={paged} seqlen_q={seqlen_q} new={new} splits={splits}",
-                          flush=True)
+    pages = -(-rows // page)
+    for dtype, paged, seqlens, seqlen_q, new, splits, kv_settings in KVCACHE:
+        q = rng.standard_normal((batch, seqlen_q, heads, d))
+        if paged:
+            kc, vc = (rng.standard_normal((batch * pages + 1, page, heads_k, d)) for _ in range(2))
+            table = rng.permutation(batch * pages + 1)[:batch * pages].reshape(batch, pages).astype(np.int32)
+            capacity = pages * page
+        else:
+            kc, vc = (rng.standard_normal((batch, rows, heads_k, d)) for _ in range(2))
+            table, capacity = None, rows
+        mid = capacity // 2
+        lens = np.array([0, mid, capacity - max(new, 1)], np.int32)
+        bad = []
+        if seqlens == "int":
+            lens[:] = mid
+        if seqlens == "bad":                             # sequence 0: too long; paged, sequence 2: a page past the pool
+            lens[0], bad = capacity, [0]
+            if paged:
+                table[2, pages - 1], bad = batch * pages + 1, [0, 2]
+        kn, vn = ((rng.standard_normal((batch, new, heads_k, d)),) * 2) if new else (None, None)
+        good = [b for b in range(batch) if b not in bad]
+        ref, _, _, _ = reference.attention_with_kvcache(
+            q[good], kc if paged else kc[good], vc if paged else vc[good], None if kn is None else kn[good],
+            None if vn is None else vn[good], cache_seqlens=lens[good], block_table=None if table is None else table[good],
+            causal=True)
+        t = lambda x: None if x is None else torch.as_tensor(x, device="cuda").to(dtype)  # noqa: E731
+        saved = {k: getattr(kv, k) for k in kv_settings}
+        try:
+            for k, v in kv_settings.items():
+                setattr(kv, k, type(saved[k])(v))
+            out = flashnb.flash_attn_with_kvcache(
+                t(q), t(kc), t(vc), t(kn), t(vn),
+                cache_seqlens=mid if seqlens == "int" else torch.as_tensor(lens, device="cuda"),
+                block_table=None if table is None else torch.as_tensor(table, device="cuda"),
+                num_splits=splits, causal=True)
+        finally:
+            for k, v in saved.items():
+                setattr(kv, k, v)
+        out = out.double().cpu()
+        what = f"kvcache {dtype} paged={paged} seqlens={seqlens} q={seqlen_q} new={new} splits={splits} {kv_settings}"
+        err = float((out[good] - torch.as_tensor(ref)).abs().max())
+        assert err < 0.1, f"{what}: {err}"
+        assert bool(out[bad].isnan().all()), f"{what}: the refused sequences {bad} are not NaN"
+        print(f"ok {what}", flush=True)
 
 
 if __name__ == "__main__":
+    parts = sys.argv[1:] or ["varlen", "kvcache"]
     rng = np.random.default_rng(0)
-    varlen(rng)
-    kvcache(rng)
+    if "varlen" in parts:
+        varlen(rng)
+    if "kvcache" in parts:
+        kvcache(rng)
     print("done", flush=True)

@@ -260,7 +260,8 @@ def lane_layout(head_dim, dtype_name, rows, vec16, e_budget):
 
 def stages_that_fit(stages, dtype_name, head_dim, lk, t, nwarps, max_bytes=96 * 1024):
     """``stages``, lowered (to 2 at least) until the staged K/V tiles take at most ``max_bytes`` of shared
-    memory: two blocks of the default shape still fit an SM (one row of a 256-wide head would ask 128 KB)."""
+    memory: the blocks meant to share an SM still fit it (``kvcache`` passes its share of the SM: 96 KB for two
+    blocks; one row of a 256-wide head at the default shape would ask 128 KB)."""
     if stages == 0:
         return 0
     words = (head_dim * (2 if dtype_name in ("float16", "bfloat16") else 4)) // 4
@@ -304,7 +305,7 @@ def make_sequence_check(PAGED, HAS_SEQLENS):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQLENS, SPLIT,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, STAGES=0):
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, STAGES=0, LEAN=False):
     """Build the decode kernel: (kernel, threads per block, dynamic shared bytes).
 
     ``ROWS`` query rows per block (rows ``(i, h)`` of one KV head, i-major), ``LK`` lanes per key row, ``T``
@@ -314,6 +315,12 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     ``STAGES``: 0 reads K and V straight into registers (16-byte loads, the next step's in flight during
     this step's arithmetic); ``STAGES >= 2`` stages each step's K and V tiles (``KPB`` keys) through shared
     memory with ``cp.async``, ``STAGES - 1`` steps ahead: more bytes in flight per SM than registers hold.
+    ``LEAN`` (a candidate, measured against the default by ``bench.decode --variants``): fewer instructions
+    per step for the same arithmetic -- each thread's cp.async sources of a dense cache hoisted out of the
+    loop (a stage that lies wholly before ``hi`` costs one multiply-add per tile and an add per copy; only
+    the last stage clamps), ``exp2`` as one ``ex2.approx.ftz`` (``_mma.exp2_ftz``: no denormal fix-up
+    around it), the key-range mask only on the first and last steps, one warp-uniform rescale branch for
+    all rows, and the stage ring stepped instead of taken modulo ``STAGES``.
     """
     SIXTEEN = DTYPE_NAME in ("float16", "bfloat16")
     EPW = 2 if SIXTEEN else 1                 # values per 32-bit word
@@ -341,6 +348,9 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     NCOPIES = KPB * NCH                       # cp.async copies per tile
     NPASS = -(-NCOPIES // NTHREADS)           # copies per thread per tile
     EVEN_PASS = NCOPIES % NTHREADS == 0
+    ROWS_PER_PASS = NTHREADS // NCH if NTHREADS % NCH == 0 else 0   # tile rows one copy pass covers
+    FAST_COPY = LEAN and STAGED and not PAGED and ROWS_PER_PASS > 0 and EVEN_PASS
+    RING_W = STAGES * STAGE_W
     assert not STAGED or STAGES >= 2
     ZERO, ONE, NEG_INF, NAN, LOG2E_T, LN2_T = F32(0), F32(1), F32(-np.inf), F32(np.nan), F32(LOG2E), F32(LN2)
     W_DT = np.uint32 if SIXTEEN else F32    # the arrays' 32-bit element: two 16-bit values or one float32
@@ -354,6 +364,12 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     wait_stage = waits[max(STAGES - 2, 0)]   # this step's group done, the STAGES - 2 later ones may still fly
     if SIXTEEN:
         _, pack2, unpack2 = primitives(DTYPE_NAME)
+    if LEAN:
+        exp2 = mem["exp2_ftz"]
+    else:
+        @device_function
+        def exp2(x):
+            return math.exp2(x)
     sum_key = make_xor_reduce(NRT, 1, LK, False, NTHREADS)        # s over the LK lanes of a key row
     max_groups = make_xor_reduce(ROWS, LK, 32, True, NTHREADS)    # row max over the warp's groups
     sequence_rows = make_sequence_check(PAGED, HAS_SEQLENS)
@@ -433,6 +449,29 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                 d = buf + kk * HW + (idx - kk * NCH) * CW
                 cp_copy(stage, d, k_cache, koff[pp], 4 * CW)
                 cp_copy(stage, d + TILE_W, v_cache, voff[pp], 4 * CW)
+
+    @device_function
+    def copy_sources(k_cache, v_cache, b, hk):
+        """``FAST_COPY``: (K offset, V offset) of this thread's first copy of a stage that starts at key 0 (row
+        ``tid // NCH`` of the tile, chunk ``tid % NCH``), the offsets' step per copy pass (``ROWS_PER_PASS``
+        rows) and the copy's place in a staged tile."""
+        kk = cuda.threadIdx.x // NCH
+        c = cuda.threadIdx.x - kk * NCH
+        kst1, vst1 = k_cache.strides[1] // 4, v_cache.strides[1] // 4
+        k_src = b * (k_cache.strides[0] // 4) + kk * kst1 + hk * (k_cache.strides[2] // 4) + c * CW
+        v_src = b * (v_cache.strides[0] // 4) + kk * vst1 + hk * (v_cache.strides[2] // 4) + c * CW
+        return k_src, v_src, ROWS_PER_PASS * kst1, ROWS_PER_PASS * vst1, kk * HW + c * CW
+
+    @device_function
+    def issue_whole_stage(k_cache, v_cache, key0, stage, buf, k_src, v_src, k_pass, v_pass, dst):
+        """``FAST_COPY``: the copies of a stage whose rows ``key0 .. key0 + KPB - 1`` all lie before ``hi``
+        (nothing to clamp): one multiply-add per tile, then a constant step per pass."""
+        k_off = k_src + key0 * (k_cache.strides[1] // 4)
+        v_off = v_src + key0 * (v_cache.strides[1] // 4)
+        for pp in range(NPASS):
+            d = buf + dst + pp * ROWS_PER_PASS * HW
+            cp_copy(stage, d, k_cache, k_off + pp * k_pass, 4 * CW)
+            cp_copy(stage, d + TILE_W, v_cache, v_off + pp * v_pass, 4 * CW)
 
     @device_function
     def read_stage(stage, buf, kk, t_l, words, o):
@@ -540,11 +579,20 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         # next step are in flight during this step's arithmetic, in the same registers
         kk0 = (w * G + g) * T                          # this lane group's first key within a step
         j_lane = start + kk0
+        k_src, v_src, k_pass, v_pass, dst = (copy_sources(k_cache, v_cache, b, hk) if FAST_COPY
+                                             else (0, 0, 0, 0, 0))
+        buf = 0                                        # LEAN: the stage read this step, the one refilled
+        fill = (STAGES - 1) * STAGE_W
         if STAGED:
             stage = cuda.shared.array(0, W_NP, alignment=SMEM_ALIGN)   # STAGES x (K tile, V tile)
             for s0 in range(STAGES - 1):
                 if s0 < nsteps:
-                    issue_stage(k_cache, v_cache, block_table, b, hk, start + s0 * KPB, hi, page, stage, s0 * STAGE_W)
+                    key0 = start + s0 * KPB
+                    if FAST_COPY and key0 + KPB <= hi:
+                        issue_whole_stage(k_cache, v_cache, key0, stage, s0 * STAGE_W, k_src, v_src, k_pass,
+                                          v_pass, dst)
+                    else:
+                        issue_stage(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, s0 * STAGE_W)
                 commit()                               # one group per stage, empty or not: the count stays exact
         elif nsteps > 0:
             load_keys(k_cache, block_table, b, hk, j_lane, hi, page, t_l, kw)
@@ -555,11 +603,16 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                 wait_stage()
                 cuda.syncthreads()                     # every thread's copies of this step landed; step - 1's
                 nxt = step + STAGES - 1                # readers are done with the buffer refilled here
+                if not LEAN:
+                    fill = (nxt % STAGES) * STAGE_W
+                    buf = (step % STAGES) * STAGE_W
                 if nxt < nsteps:
-                    issue_stage(k_cache, v_cache, block_table, b, hk, start + nxt * KPB, hi, page, stage,
-                                (nxt % STAGES) * STAGE_W)
+                    key0 = start + nxt * KPB
+                    if FAST_COPY and key0 + KPB <= hi:
+                        issue_whole_stage(k_cache, v_cache, key0, stage, fill, k_src, v_src, k_pass, v_pass, dst)
+                    else:
+                        issue_stage(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, fill)
                 commit()
-                buf = (step % STAGES) * STAGE_W
                 for t in range(T):
                     read_stage(stage, buf, kk0 + t, t_l, kw, t * WPL)
             for t in range(T):                         # s = q . k, this lane's dims
@@ -573,6 +626,8 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
             if not STAGED and step + 1 < nsteps:
                 load_keys(k_cache, block_table, b, hk, j0 + KPB, hi, page, t_l, kw)
             sum_key(s, scratch)                        # whole dot products, in every lane of the group
+            step0 = start + step * KPB                 # LEAN: a step inside [lo, hi) needs no range mask
+            edge = not LEAN or HAS_WINDOW or step0 < lo or step0 + KPB > hi
             for r in range(ROWS):
                 i = row_i[r]
                 best = NEG_INF
@@ -586,30 +641,45 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                         if HAS_ALIBI:
                             x -= slope[r] * F32(abs(i + off - j))
                         x *= LOG2E_T
-                    ok = j >= lo and j < hi
-                    if HAS_WINDOW:
-                        rel = j - (i + off)
-                        if left >= 0:
-                            ok = ok and rel >= -left
-                        if right >= 0:
-                            ok = ok and rel <= right
-                    if not ok:
-                        x = NEG_INF
+                    if edge:
+                        ok = j >= lo and j < hi
+                        if HAS_WINDOW:
+                            rel = j - (i + off)
+                            if left >= 0:
+                                ok = ok and rel >= -left
+                            if right >= 0:
+                                ok = ok and rel <= right
+                        if not ok:
+                            x = NEG_INF
                     s[r * T + t] = x
                     best = max(best, x)
                 mx[r] = best
             max_groups(mx, scratch)                    # the warp's row max over this step's keys
+            if LEAN:                                   # one warp-uniform branch for the rows' rescales
+                grew = False
+                for r in range(ROWS):
+                    grew = grew or mx[r] > m_i[r]
+                if grew:
+                    for r in range(ROWS):
+                        m_new = max(m_i[r], mx[r])
+                        alpha = exp2(m_i[r] - m_new) if m_new > m_i[r] else ONE   # exact 1: the max stayed
+                        l_i[r] *= alpha
+                        for e in range(E):
+                            acc[r * E + e] *= alpha
+                        m_i[r] = m_new
+            else:
+                for r in range(ROWS):
+                    m_new = max(m_i[r], mx[r])
+                    if m_new > m_i[r]:                 # warp-uniform; exact: otherwise the factor is 1
+                        alpha = exp2(m_i[r] - m_new)   # exp2(-inf) = 0 for a row that saw nothing yet
+                        l_i[r] *= alpha
+                        for e in range(E):
+                            acc[r * E + e] *= alpha
+                        m_i[r] = m_new
             for r in range(ROWS):
-                m_new = max(m_i[r], mx[r])
-                if m_new > m_i[r]:                     # warp-uniform; exact: otherwise the factor is 1
-                    alpha = math.exp2(m_i[r] - m_new)  # exp2(-inf) = 0 for a row that saw nothing yet
-                    l_i[r] *= alpha
-                    for e in range(E):
-                        acc[r * E + e] *= alpha
-                    m_i[r] = m_new
                 m_use = m_i[r] if m_i[r] != NEG_INF else ZERO
                 for t in range(T):
-                    p = math.exp2(s[r * T + t] - m_use)
+                    p = exp2(s[r * T + t] - m_use)
                     s[r * T + t] = p
                     l_i[r] += p
             if STAGED:
@@ -624,6 +694,9 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                         acc[r * E + e] += p * fv[e]
             if not STAGED and step + 1 < nsteps:
                 load_keys(v_cache, block_table, b, hk, j0 + KPB, hi, page, t_l, vw)
+            if LEAN:                                   # the ring steps on: this stage is refilled next
+                fill = buf
+                buf = buf + STAGE_W if buf + STAGE_W < RING_W else 0
 
         # the warp: sum the groups (same m_i); the block: merge the warps through shared memory
         sum_acc(acc, scratch)

@@ -21,6 +21,7 @@ from numba import cuda
 
 import flashnb
 import strategies as S
+from bench import decode as bench_decode
 from flashnb import kvcache
 from flashnb.kernels._jit import SIMULATOR
 from kernel_harness import Untouched, check_forward, examples, expected, poison_outputs  # noqa: F401 (fixture)
@@ -403,6 +404,50 @@ def test_cpu_torch_metadata_is_checked_on_the_host():
     want_out, _, want_kc, _ = oracle(c)
     np.testing.assert_array_equal(kc, want_kc)
     np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ candidates
+def simulator_settings(spec):
+    """A ``bench.decode --variants`` candidate (``flashnb.kvcache`` settings timed against the default on the
+    GPU) as the simulator runs it: half the warps (its default is 2, the GPU's 4) and E_BUDGET = 16, with which
+    its tiny head dims take 2 lanes per key and 64-key steps, so that the LEAN kernel's hoisted copies (whole
+    stages of a dense cache) and its steps without the range mask run."""
+    values = bench_decode.parse_variant(spec)
+    if "NWARPS" in values:
+        values["NWARPS"] //= 2
+    values["E_BUDGET"] = 16
+    return values
+
+
+LONG = [  # (dtype, head dim, group, rows, lens, new, paged, splits, options): several whole 64-key steps
+    (np.float16, 16, 1, 300, (290, 17), 2, False, 0, {}),
+    (np.float32, 8, 1, 300, (250, 131), 1, True, 2, {}),
+    (np.float16, 16, 2, 300, (297, 100), 3, True, 1, dict(window_size=(70, 0))),
+]
+
+
+def _long_case(dtype, d, group, rows, lens, new, paged, splits, opts):
+    c = _decode_case(dtype, batch=len(lens), nheads=group, nheads_k=1, headdim=d, rows=rows, lens=lens, new=new,
+                     seed=3, paged=paged)
+    c.num_splits, c.opts = splits, dict(opts)
+    return c
+
+
+@pytest.mark.parametrize("case", LONG, ids=["dense-f16", "paged-f32", "paged-window-f16"])
+def test_lean_decode_matches_oracle(case, monkeypatch):
+    """The LEAN decode kernel: dense whole stages through the hoisted copy offsets (the last one clamped),
+    interior steps without the range mask, the window's steps with it, paged stages the generic way."""
+    for name, value in simulator_settings("LEAN=1").items():
+        monkeypatch.setattr(kvcache, name, value)
+    check_case(_long_case(*case))
+
+
+@pytest.mark.parametrize("spec", [v for v in bench_decode.VARIANTS if v != "LEAN=1"])
+def test_decode_variants_match_oracle(spec, monkeypatch):
+    """The other candidates of ``bench.decode --variants`` (more stages and blocks, twice the warps)."""
+    for name, value in simulator_settings(spec).items():
+        monkeypatch.setattr(kvcache, name, value)
+    check_case(_long_case(*LONG[0]))
 
 
 # ------------------------------------------------------------------------------------------------ GPU
