@@ -172,7 +172,7 @@ def _forward_tc_launch(call, bq, bk):
     if _empty(call, False):
         return None
     d = call.headdim
-    if call.backend == "wgmma":
+    if _hopper(call):
         mt, qs, extra = 1, True, {"WGMMA": True, "PINGPONG": wgmma_pingpong(bq)}
     else:
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
@@ -277,12 +277,12 @@ def _tc_choice(call, backward):
         # head dim 64 but slower at 128, and 4-16x their error (the tensor cores' float32 accumulation); so
         # float32 stays on SIMT unless the caller asks for the tensor cores
         refusal = "float32 runs on the tensor cores only when asked for (backend='tensorcore')"
-    if refusal is None and call.backend == "wgmma" and not backward:
+    if refusal is None and call.backend == "wgmma" and not backward:      # ("auto" falls back to mma.sync)
         refusal = wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout)
     if refusal is not None or call.backend == "simt":
         return None, refusal
     d = call.headdim
-    if call.backend == "wgmma" and not backward:
+    if not backward and _hopper(call):
         tq, tk = default_wgmma_tiles(d, call.block_q, call.block_k)
         return (tq, tk), shared_refusal(wgmma_shared_bytes(tq, tk, d),
                                         f"its Hopper forward with block_q={tq}, block_k={tk}, head dim {d}")
@@ -346,6 +346,19 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None):
     else:
         bq, bk = next(tiles for max_d, tiles in _WGMMA_TILES if headdim <= max_d)
     return block_q or bq, block_k or bk
+
+
+def _hopper(call):
+    """Whether a forward the tensor cores serve runs the Hopper kernel: asked for, or "auto" on compute capability
+    9.0 (``WGMMA_AUTO``) where it can serve the call (else "auto" keeps the mma.sync forward); never "auto" in the
+    simulator, whose suites choose the kernel they test."""
+    if call.backend == "wgmma":
+        return True
+    return (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR and call.dtype != "float32"
+            and wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout) is None)
+
+
+WGMMA_AUTO = False
 
 
 def wgmma_pingpong(block_q):
