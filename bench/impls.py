@@ -175,9 +175,10 @@ def _flashnb_options(case: Case) -> dict:
 
 def flashnb_impl(flashnb, backend: str | None, precision: str | None = None) -> Impl:
     """``precision``: float32 on the tensor cores, ``flashnb-tf32-highest`` (3xTF32) or ``flashnb-tf32-high``
-    (one tf32 product): the forward with ``backend="tensorcore"``, the backward with "auto" (float32's backward
-    runs on SIMT)."""
+    (one tf32 product): forward and backward with ``backend="tensorcore"`` at that precision (a flashnb whose
+    backward takes no ``precision`` runs its backward with "auto", on SIMT)."""
     name = f"flashnb-tf32-{precision}" if precision else f"flashnb-{backend or 'default'}"
+    bwd_precision = precision is not None and accepts(flashnb.flash_attention_backward, "precision")
 
     def calls(case: Case):
         fwd_kw = dict(_flashnb_options(case), return_lse=True)
@@ -185,9 +186,11 @@ def flashnb_impl(flashnb, backend: str | None, precision: str | None = None) -> 
         if backend is not None and accepts(flashnb.flash_attention, "backend"):
             fwd_kw["backend"] = backend
         if backend is not None and accepts(flashnb.flash_attention_backward, "backend"):
-            bwd_kw["backend"] = "auto" if precision else backend
+            bwd_kw["backend"] = "auto" if precision and not bwd_precision else backend
         if precision is not None:
             fwd_kw["precision"] = precision
+        if bwd_precision:
+            bwd_kw["precision"] = precision
         return fwd_kw, bwd_kw
 
     def make(case: Case, data: CaseData, pass_: str):

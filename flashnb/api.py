@@ -44,7 +44,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
             dimension, compute capability >= 8.0, tiles >= 16; anything else raises ValueError saying why).
             The backward's "auto" takes the tensor cores under the same conditions plus
             deterministic=False and, above head dim 128, block_k <= 64 (see flash_attention_backward).
-            float32 on the tensor cores: the forward only (tf32 operands, compute capability >= 8.0).
+            float32 on the tensor cores: tf32 operands, compute capability >= 8.0 (``precision``).
         precision: float32 on the tensor cores, as ``torch.set_float32_matmul_precision``: "highest" (the
             default: each operand split into two tf32 parts, three products, float32's accuracy; docs/api.md
             has the error tables) or "high" (one tf32 product: about 3 decimal digits); other dtypes ignore it.
@@ -106,7 +106,7 @@ def _forward_launch(p, q, k, v, out, lse, opts, stream):
 def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                              attn_mask=None, attn_bias=None, alibi_slopes=None, softcap=0.0, block_mask=None,
                              block_mask_size=(128, 128), dropout_p=0.0, seed=0, block_q=None, block_k=None,
-                             deterministic=False, stream=None, backend="auto"):
+                             deterministic=False, stream=None, backend="auto", precision="highest"):
     """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)`` for ``out, lse = flash_attention(..., return_lse=True)``.
 
     The same options as the forward (they must match the forward call). ``dk``, ``dv`` are summed over
@@ -117,6 +117,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     (float16/bfloat16, even head dims, tiles >= 16, block_k <= 64 above head dim 128, atomic dQ),
     refusing with a ValueError what it cannot serve; "simt" the SIMT one; "auto" the tensor-core
     backward where it can serve the call, else the SIMT one (``deterministic=True`` always runs on SIMT).
+    float32 runs on SIMT unless ``backend="tensorcore"``; there ``precision`` ("highest": 3xTF32, or "high": one
+    tf32 product, as ``flash_attention`` takes it) chooses the tensor cores' precision, independently of the
+    forward's.
     """
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, attn_mask=attn_mask,
                    attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
@@ -124,15 +127,18 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     return _dispatch.cached_call(
         "backward", (dout, q, k, v, out, lse, attn_mask, attn_bias, alibi_slopes, block_mask),
         (softmax_scale, causal, window_size, softcap, block_mask_size, dropout_p, seed, block_q, block_k,
-         deterministic, backend),
-        lambda: _backward(dout, q, k, v, out, lse, options, block_q, block_k, deterministic, stream, backend),
+         deterministic, backend, precision),
+        lambda: _backward(dout, q, k, v, out, lse, options, block_q, block_k, deterministic, stream, backend,
+                          precision),
         cacheable=stream is None and type(dropout_p) in (int, float) and dropout_p == 0)
 
 
-def _backward(dout, q, k, v, out, lse, options, block_q, block_k, deterministic, stream, backend):
+def _backward(dout, q, k, v, out, lse, options, block_q, block_k, deterministic, stream, backend,
+              precision="highest"):
     """``flash_attention_backward``'s full path."""
     kind, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _options.check_qkv(q, k, v)
     plan.check_backend(backend)
+    plan.check_precision(precision)
     for x, name, shape in ((dout, "dout", tuple(q.shape)), (out, "out", tuple(q.shape)),
                            (lse, "lse", (batch, nheads, seqlen_q))):
         check_like(x, name, shape, kind, q)
@@ -142,6 +148,7 @@ def _backward(dout, q, k, v, out, lse, options, block_q, block_k, deterministic,
     with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
         opts, call = _setup(kind, q, (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), launch_stream,
                             block_q, block_k, backend, bool(deterministic), **options)
+        call = call._replace(precision=precision)
         p, words = _planned(plan.backward, call, (dout, q, k, v, out), ("dout", "q", "k", "v", "out"), launch_stream,
                             backward=True)
         shapes = ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),

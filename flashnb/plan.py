@@ -23,7 +23,7 @@ from .kernels._jit import SIMULATOR, compute_capability, shared_limit
 from .kernels._tiles import np_acc
 from .kernels.backward import (CAST_THREADS, PREPROCESS_THREADS, cast_grid, make_cast, make_dkdv, make_dq,
                                make_preprocess, preprocess_grid, preprocess_threads)
-from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
+from .kernels.backward_tc import make_cast_tc, make_dkdv_tc, make_preprocess_tf32
 from .kernels.forward import LOG2E, make_forward, tile_threads
 from .kernels.forward_tc import make_forward_tc
 
@@ -229,19 +229,34 @@ def _cast_launch(kern, n):
 def _backward_tc_plan(call, bq, bk):
     if _empty(call, True):
         return BackwardPlan(call, "tensorcore", bq, bk, "float32", None, None, True, None)
-    d, words = call.headdim, call.headdim // 2
+    d, words = call.headdim, call.headdim // (1 if call.dtype == "float32" else 2)
     dkdv = None
     if call.seqlen_k > 0:
+        split, mtk, share = _tc_bwd_layout(bq, bk, d, call.dtype)
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
-                                             tc_bwd_dim_split(bq, bk, d), _red2(), MTK=tc_bwd_key_tiles(bq, bk, d),
-                                             SHARE=tc_bwd_share(bq, bk, d), **_varlen(call))
+                                             split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
+                                             **_tf32_keywords(call.dtype, call.precision))
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     cast = None
     if call.seqlen_q > 0:
         cast = _cast_launch(make_cast_tc(call.dtype), _rows(call)[0] * _rows(call)[1] * call.nheads * words)
-    return BackwardPlan(call, "tensorcore", bq, bk, "float32", _preprocess_launch(call, "float32", call.dtype),
-                        dkdv, True, cast)
+    if call.dtype == "float32":                      # dO, O as float32 words
+        preprocess = None
+        if call.seqlen_q > 0:
+            tc = preprocess_threads(d)
+            batch, rows = _rows(call)
+            preprocess = Launch(make_preprocess_tf32(tc), preprocess_grid(rows, call.nheads, batch, tc),
+                                PREPROCESS_THREADS, 0)
+    else:
+        preprocess = _preprocess_launch(call, "float32", call.dtype)
+    return BackwardPlan(call, "tensorcore", bq, bk, "float32", preprocess, dkdv, True, cast)
+
+
+def _tf32_keywords(dtype, precision):
+    """The tensor-core factories' float32 keyword: ``TF32X3`` for ``precision="highest"`` (none for 16-bit inputs,
+    so that their kernels keep one cache key)."""
+    return {"TF32X3": precision == "highest"} if dtype == "float32" else {}
 
 
 def _backward_simt_plan(call, bq, bk, acc):
@@ -270,12 +285,10 @@ def _tc_choice(call, backward):
     """(tiles, refusal): the tensor-core kernel's tiles for the call, and why it cannot serve it (None if it can,
     the layout aside); the checks in the order the caller reads them."""
     refusal = tensorcore_refusal(call.dtype, call.headdim, call.block_q, call.block_k)
-    if refusal is None and backward and call.dtype == "float32":
-        refusal = "its backward computes float16 and bfloat16 inputs only (float32's runs on the SIMT kernels)"
     if refusal is None and call.dtype == "float32" and call.backend == "auto":
-        # measured on the H100 (bench/results/h100-tf32-2026-11-25.md): 3xTF32 is 1.4x the SIMT kernels' speed at
-        # head dim 64 but slower at 128, and 4-16x their error (the tensor cores' float32 accumulation); so
-        # float32 stays on SIMT unless the caller asks for the tensor cores
+        # measured on the H100 (bench/results/h100-tf32-2026-11-25.md): the 3xTF32 forward is 1.4x the SIMT kernels'
+        # speed at head dim 64 but slower at 128, and 4-16x their error (the tensor cores' float32 accumulation); so
+        # float32 (forward and backward) stays on SIMT unless the caller asks for the tensor cores
         refusal = "float32 runs on the tensor cores only when asked for (backend='tensorcore')"
     if refusal is None and call.backend == "wgmma" and not backward:      # ("auto" falls back to mma.sync)
         refusal = wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout)
@@ -290,13 +303,13 @@ def _tc_choice(call, backward):
         tq, tk = default_tc_tiles(d, call.block_q, call.block_k, call.dtype, call.precision)
         return (tq, tk), shared_refusal(tc_shared_bytes(tq, tk, d, call.dtype, call.precision),
                                         f"its forward with block_q={tq}, block_k={tk}, head dim {d}")
-    tq, tk = default_tc_bwd_tiles(d, call.block_q, call.block_k)
-    threads = tc_bwd_threads(tq, tk, d)
+    tq, tk = default_tc_bwd_tiles(d, call.block_q, call.block_k, call.dtype, call.precision)
+    threads = tc_bwd_threads(tq, tk, d, call.dtype)
     if threads > 256:
         refusal = (f"block_k={tk} at head dim {d} needs {threads} threads of ~240 registers, "
                    "more than an SM has; above head dim 128 it takes block_k up to 64")
     else:
-        refusal = shared_refusal(tc_bwd_shared_bytes(tq, tk, d),
+        refusal = shared_refusal(tc_bwd_shared_bytes(tq, tk, d, call.dtype, call.precision),
                                  f"its dK/dV kernel with block_q={tq}, block_k={tk}, head dim {d}")
     if refusal is None and call.deterministic:
         refusal = "its dQ is summed with atomics; deterministic=True needs backend='simt' (or 'auto')"
@@ -306,7 +319,7 @@ def _tc_choice(call, backward):
 def tensorcore_refusal(dtype, headdim, block_q, block_k):
     """Why the tensor-core kernels cannot serve a call (None if they can), from its dtype, head dim and tiles."""
     if dtype not in ("float16", "bfloat16", "float32"):
-        return f"it computes float16, bfloat16 and float32 (forward) inputs only, got {dtype}"
+        return f"it computes float16, bfloat16 and float32 inputs only, got {dtype}"
     if headdim % 2 and dtype != "float32":
         return f"it needs an even head dim (pairs of values per 32-bit word), got {headdim}"
     for value, name in ((block_q, "block_q"), (block_k, "block_k")):
@@ -465,6 +478,11 @@ _TC_SIM_TILES = (16, 16)
 # device's shared memory per block is smaller than the H100's (8.0: 163 KB; 8.6 / 8.9: 99 KB)
 _TC_BWD_TILES = ((64, ((32, 128), (32, 64))), (128, ((64, 128), (32, 64))),
                  (256, ((64, 64), (32, 64), (16, 64), (16, 32))))
+# float32 (tf32 operands), not yet measured: a row of K, V, Q, dO takes twice a 16-bit row's shared memory, and
+# 3xTF32 adds the small parts of K_j, Q_i, dO_i (make_dkdv_tc); the largest tiles with 8 warps (one m-tile of keys
+# each, _tc_bwd_layout) whose 3xTF32 kernel fits the H100's 227 KB, then smaller ones
+_TC_BWD_TILES_F32 = ((64, ((32, 128), (32, 64), (16, 64))), (128, ((32, 64), (16, 64), (16, 32))),
+                     (256, ((32, 32), (16, 32), (16, 16))))
 
 
 def _tc_candidates(table, headdim, block_q, block_k):
@@ -523,28 +541,32 @@ def _tc_forward_variant(block_q, headdim, dtype, precision):
     return mt, split or tc_q_in_smem(mt, dw), {"TF32X3": split}
 
 
-def default_tc_bwd_tiles(headdim, block_q=None, block_k=None):
+def default_tc_bwd_tiles(headdim, block_q=None, block_k=None, dtype="float16", precision="highest"):
     """The tensor-core dK/dV kernel's (block_q, block_k): the caller's where given, else the first candidate that
-    fits the device's shared memory per block (``_tc_candidates``)."""
+    fits the device's shared memory per block (``_tc_candidates``; float32 from its own table)."""
     if block_q and block_k:
         return block_q, block_k
     if SIMULATOR:
         return block_q or _TC_SIM_TILES[0], block_k or _TC_SIM_TILES[1]
-    return _default_tc_bwd_tiles(headdim, shared_limit(), block_q, block_k)
+    if dtype != "float32":
+        return _default_tc_bwd_tiles(headdim, shared_limit(), block_q, block_k)
+    return _default_tc_bwd_tiles(headdim, shared_limit(), block_q, block_k, dtype, precision)
 
 
 @lru_cache(maxsize=None)
-def _default_tc_bwd_tiles(headdim, limit, block_q=None, block_k=None):
-    d = headdim + headdim % 2
-    return _fitting(_tc_candidates(_TC_BWD_TILES, headdim, block_q, block_k), limit,
-                    lambda bq, bk: tc_bwd_shared_bytes(bq, bk, d))
+def _default_tc_bwd_tiles(headdim, limit, block_q=None, block_k=None, dtype="float16", precision="highest"):
+    table = _TC_BWD_TILES_F32 if dtype == "float32" else _TC_BWD_TILES
+    return _fitting(_tc_candidates(table, headdim, block_q, block_k), limit,
+                    lambda bq, bk: tc_bwd_shared_bytes(bq, bk, headdim, dtype, precision))
 
 
-def tc_bwd_shared_bytes(block_q, block_k, headdim):
+def tc_bwd_shared_bytes(block_q, block_k, headdim, dtype="float16", precision="highest"):
     """Dynamic shared memory per block of the tensor-core dK/dV kernel (the options do not change it)."""
-    return make_dkdv_tc(block_q, block_k, headdim, "float16", True, *([False] * 7),
-                        tc_bwd_dim_split(block_q, block_k, headdim), True,   # as the plan builds it (RED2 last)
-                        MTK=tc_bwd_key_tiles(block_q, block_k, headdim), SHARE=tc_bwd_share(block_q, block_k, headdim))[1]
+    d = headdim + headdim % 2 if dtype != "float32" else headdim
+    split, mtk, share = _tc_bwd_layout(block_q, block_k, d, dtype)
+    return make_dkdv_tc(block_q, block_k, d, dtype if dtype == "float32" else "float16", True, *([False] * 7),
+                        split, True, MTK=mtk, SHARE=share,          # as the plan builds it (RED2 last)
+                        **_tf32_keywords(dtype, precision))[1]
 
 
 # ------------------------------------------------------------------------------------------------ tensor-core variants
@@ -601,10 +623,22 @@ def tc_bwd_share(block_q, block_k, headdim):
     return headdim > 64 and block_q % 32 == 0 and (block_q <= 64 or headdim > 128)
 
 
-def tc_bwd_threads(block_q, block_k, headdim):
+def tc_bwd_threads(block_q, block_k, headdim, dtype="float16"):
     """Threads per block of the tensor-core dK/dV kernel: 32 per (16 x key m-tiles) keys per dim part."""
-    return (32 * block_k // (16 * tc_bwd_key_tiles(block_q, block_k, headdim))
-            * tc_bwd_dim_split(block_q, block_k, headdim))
+    split, mtk, _ = _tc_bwd_layout(block_q, block_k, headdim, dtype)
+    return 32 * block_k // (16 * mtk) * split
+
+
+def _tc_bwd_layout(block_q, block_k, headdim, dtype):
+    """(warps per 16 keys, m-tiles of keys per warp, S^T shared) of the tensor-core dK/dV kernel: the 16-bit rules
+    above (``tc_bwd_dim_split``, ``tc_bwd_key_tiles``, ``tc_bwd_share``, each by head dim: registers hold values,
+    and float32's accumulators are as many as 16-bit's).  float32 takes one m-tile of keys per warp (not yet
+    measured): twice the warps of a block for its tiles, which twice the shared memory per row keeps to one or two
+    blocks an SM, and 3xTF32's three products per fragment already reuse each fragment read thrice."""
+    if dtype != "float32":
+        return (tc_bwd_dim_split(block_q, block_k, headdim), tc_bwd_key_tiles(block_q, block_k, headdim),
+                tc_bwd_share(block_q, block_k, headdim))
+    return tc_bwd_dim_split(block_q, block_k, headdim), 1, tc_bwd_share(block_q, block_k, headdim)
 
 
 def _red2():

@@ -35,7 +35,7 @@ OPTION_SETS = {
 
 DTYPES = {"float16": (np.float16, ("tensorcore", "simt")), "bfloat16": ("bfloat16", ("tensorcore",)),
           "float32": (np.float32, ("simt", "tensorcore:highest", "tensorcore:high")), "float64": (np.float64, ("simt",))}
-# "tensorcore:PRECISION": float32's forward on tf32 tensor cores (its backward is the SIMT one, run above)
+# "tensorcore:PRECISION": float32 on tf32 tensor cores, forward and backward at that precision
 
 
 def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES)):
@@ -59,22 +59,18 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES)):
                     ref, _ = reference.attention(*(_host(x) for x in arrays[:3]), **opts)
                     err = float(np.max(np.abs(_host(out) - ref)))
                     assert err < 0.05, f"{dtype} d={d} {name} {backend}: forward error {err}"
-                    if precision:
-                        print(f"ok float32 d={d} {name} tensorcore precision={precision} (forward)", flush=True)
-                        checked += 1
-                        continue
-                    # the backward of the same backend: tensor cores (atomic dQ), or SIMT with atomic
-                    # and deterministic dQ
+                    # the backward of the same backend: tensor cores (atomic dQ; float32 at the forward's
+                    # precision), or SIMT with atomic and deterministic dQ
                     if backend == "simt":
                         for deterministic in (False, True):
                             flashnb.flash_attention_backward(*arrays[3:], *arrays[:3], out, lse, backend="simt",
                                                              deterministic=deterministic, **opts)
                     else:
                         flashnb.flash_attention_backward(*arrays[3:], *arrays[:3], out, lse, backend="tensorcore",
-                                                         **opts)
+                                                         **opts, **extra)
                     checked += 1
-                    print(f"ok {np.dtype(dtype).name if dtype != 'bfloat16' else dtype} d={d} {name} {backend}",
-                          flush=True)
+                    print(f"ok {np.dtype(dtype).name if dtype != 'bfloat16' else dtype} d={d} {name} {backend}"
+                          + (f" precision={precision}" if precision else ""), flush=True)
     print(f"{checked} configurations ran", flush=True)
 
 

@@ -7,6 +7,8 @@ patched in, so the GPU's tile tables are what is chosen here, in the simulator a
 import pytest
 
 from flashnb import _options, plan
+from flashnb.kernels.backward import cast_grid
+from flashnb.kernels.backward_tc import make_dkdv_tc
 
 NO_OPTIONS = _options.Flags(*([False] * 7))
 CAUSAL = _options.Flags(True, *([False] * 6))
@@ -64,7 +66,7 @@ def test_backend_and_tiles_on_the_h100(device, kw, fwd, bwd):
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(dtype="float64"), "float16, bfloat16 and float32 \\(forward\\) inputs only, got float64"),
+    (dict(dtype="float64"), "float16, bfloat16 and float32 inputs only, got float64"),
     (dict(headdim=63), "even head dim"),
     (dict(block_q=8), "block_q must be a multiple of 16"),
     (dict(block_k=8), "block_k must be a multiple of 16"),
@@ -85,12 +87,32 @@ def test_tensorcore_backward_refusals(device):
     with pytest.raises(ValueError, match="block_k=128 at head dim 160 needs 512 threads"):
         plan.backward(call(headdim=160, block_k=128, backend="tensorcore"))
     assert plan.forward(call(backend="tensorcore", deterministic=True)).backend == "tensorcore"
-    with pytest.raises(ValueError, match="its backward computes float16 and bfloat16 inputs only"):
-        plan.backward(call(dtype="float32", backend="tensorcore"))
     assert plan.forward(call(dtype="float32", backend="tensorcore")).backend == "tensorcore"
     for d, tiles in ((64, (128, 64)), (128, (64, 32))):
         f = plan.forward(call(dtype="float32", headdim=d, backend="tensorcore"))
         assert (f.block_q, f.block_k) == tiles
+    with pytest.raises(ValueError, match="deterministic=True needs backend='simt'"):
+        plan.backward(call(dtype="float32", backend="tensorcore", deterministic=True))
+
+
+@pytest.mark.parametrize("precision", plan.PRECISIONS)
+def test_float32_backward_on_the_tensor_cores_when_asked_for(device, precision):
+    """float32's backward on tf32 tensor cores with backend="tensorcore" (3xTF32 for "highest", one product for
+    "high": the dK/dV kernel's TF32X3), float32's own tiles (one m-tile of keys per warp, 8 warps, the largest
+    tiles whose kernel fits 227 KB: 3xTF32's small parts of K_j, Q_i, dO_i take more), the float32 words'
+    preprocess and dQ copy; under "auto" SIMT, as the forward."""
+    device(**H100)
+    for d, tiles, share in ((64, (32, 128), False), (128, (32, 64), True)):
+        c = call(dtype="float32", headdim=d, backend="tensorcore")._replace(precision=precision)
+        b = plan.backward(c)
+        assert (b.backend, b.block_q, b.block_k) == ("tensorcore", *tiles) and b.atomic
+        assert b.dkdv.threads == 256 and b.dkdv.shared <= 227 * 1024
+        assert plan._tc_bwd_layout(*tiles, d, "float32") == (2 if share else 1, 1, share)
+        assert b.dkdv.kernel is make_dkdv_tc(*tiles, d, "float32", True, *([False] * 7), 2 if share else 1, True,
+                                             MTK=1, SHARE=share, TF32X3=precision == "highest")[0]
+        assert "make_preprocess_tf32" in b.preprocess.kernel.flashnb_id
+        assert b.finish.grid == cast_grid(2 * 1000 * 8 * d)                  # one float32 word per element
+        assert plan.backward(c._replace(backend="auto")).backend == "simt"
 
 
 def test_older_devices(device):
@@ -154,6 +176,6 @@ def test_wants_words_only_where_the_tensor_cores_may_serve(device):
     assert not plan.wants_words(call(dtype="float64", layout=None))
     assert not plan.wants_words(call(dtype="float32", layout=None))
     assert plan.wants_words(call(dtype="float32", layout=None, backend="tensorcore"))
-    assert not plan.wants_words(call(dtype="float32", layout=None, backend="tensorcore"), backward=True)
+    assert plan.wants_words(call(dtype="float32", layout=None, backend="tensorcore"), backward=True)
     assert plan.wants_words(call(layout=None, deterministic=True))
     assert not plan.wants_words(call(layout=None, deterministic=True), backward=True)

@@ -26,6 +26,17 @@ with the products on ``mma.sync.m16n8k16`` (primitives: ``_mma``):
    dK, dV of the grouped query heads are summed in registers.
 3. ``cast_tc``: the float32 dQ accumulator to 16-bit words (flat arrays, four words a thread).
 
+float32 inputs (``DTYPE_NAME="float32"``) run the same kernel on tf32 tensor cores (``mma.m16n8k8``), as
+``forward_tc`` does: a word is one value, and ``m16n8k8``'s tf32 a and b fragments are, in words, ``m16n8k16``'s
+16-bit ones, so S^T and dP^T read K, V, Q, dO with the same ``ldmatrix``.  The products over queries (dV, dK)
+and keys (dQ) take a k-step of 8 with its entries permuted (query or key ``2t + e`` as k index ``t + 4e``, as
+in ``forward_tc``'s P V): S^T's and dP^T's accumulators are then P^T's and dS^T's a fragments as they are, and the
+b fragments (dO, Q, K rows ``2t``, ``2t + 1`` at column ``g``) come by conflict-free 32-bit loads, since 32-bit
+values have no ``ldmatrix.trans``.  ``TF32X3`` (``precision="highest"``): 3xTF32, each operand split into a tf32
+part and a tf32 residual, three products per k-step into a zeroed partial added in float32 (see
+``make_dkdv_tc``); without it (``"high"``) one product.  ``preprocess_tf32`` and ``cast_tc`` handle the
+float32 words of dO, O and dQ.
+
 The deterministic (atomic-free) dQ pass exists only on the SIMT backend.
 """
 from functools import lru_cache
@@ -33,10 +44,10 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from ._jit import device_function, kernel, kernel_factory
-from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives
-from ._tiles import U, packed_tile_head_batch, sequence_span, tile_head_batch
-from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
+from ._jit import SIMULATOR, device_function, kernel, kernel_factory
+from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
+from ._tiles import U, make_row_allreduce, packed_tile_head_batch, scratch_size, sequence_span, tile_head_batch
+from .backward import CAST_ITEMS, CAST_THREADS, PREPROCESS_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
 from .forward_tc import make_async_tile_copy, tc_padded_words
 
@@ -44,11 +55,104 @@ F32 = np.float32
 U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
 
 
+_MMA_TF32 = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
+
+
+@lru_cache(maxsize=None)
+def tf32x3_mma():
+    """``mma3_add(a0..a3, s0..s3, b0, b1, t0, t1, c0..c3) -> d0..d3``: ``d = c + (A_s B + A B_s + A B)``, one
+    k-step of 3xTF32 on ``m16n8k8`` fragments (a: the big parts of A, s: its small parts; b, t: of B; c, d:
+    float32 accumulators, ``_mma``'s layouts): the three products go into a zeroed partial, added to ``c`` by
+    round-to-nearest float32 adds (the tensor cores' float32 accumulation does not round to nearest: forward_tc's
+    pv_tile_tf32, bench/results/h100-tf32-2026-11-25.md).
+
+    On the GPU one inline-PTX block (three ``mma.sync`` and four ``add.f32``): to LLVM one call, so that the loops
+    of the dK/dV kernel that index register arrays by their counter stay small enough to unroll (as three mma
+    intrinsics and four adds the 3xTF32 kernel's dV/dK loop was left rolled, and S^T, dP^T went to local memory).
+    In the simulator the warp's fragments meet once in shared memory and lane 0 forms the partial exactly (float64,
+    rounded to float32 once), as ``_mma``'s ``mma`` twin does for one product.
+    """
+    if SIMULATOR:
+        return _sim_tf32x3_mma()
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    ptx = ("{ .reg .f32 p0, p1, p2, p3; "
+           "mov.f32 p0, 0f00000000; mov.f32 p1, 0f00000000; mov.f32 p2, 0f00000000; mov.f32 p3, 0f00000000; "
+           f"{_MMA_TF32} {{p0, p1, p2, p3}}, {{$8, $9, $10, $11}}, {{$12, $13}}, {{p0, p1, p2, p3}}; "
+           f"{_MMA_TF32} {{p0, p1, p2, p3}}, {{$4, $5, $6, $7}}, {{$14, $15}}, {{p0, p1, p2, p3}}; "
+           f"{_MMA_TF32} {{p0, p1, p2, p3}}, {{$4, $5, $6, $7}}, {{$12, $13}}, {{p0, p1, p2, p3}}; "
+           "add.f32 $0, $16, p0; add.f32 $1, $17, p1; add.f32 $2, $18, p2; add.f32 $3, $19, p3; }")
+    RET = types.UniTuple(types.float32, 4)
+
+    @intrinsic
+    def mma3_add(typingctx, a0, a1, a2, a3, s0, s1, s2, s3, b0, b1, t0, t1, c0, c1, c2, c3):
+        sig = RET(a0, a1, a2, a3, s0, s1, s2, s3, b0, b1, t0, t1, c0, c1, c2, c3)
+
+        def codegen(context, builder, signature, args):
+            tys = signature.args
+            ins = [context.cast(builder, x, t, types.uint32) for x, t in zip(args[:12], tys[:12])]
+            ins += [context.cast(builder, x, t, types.float32) for x, t in zip(args[12:], tys[12:])]
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 12 + [f32] * 4)
+            asm = ir.InlineAsm(fnty, ptx, "=f,=f,=f,=f," + ",".join(["r"] * 12 + ["f"] * 4))
+            res = builder.call(asm, ins)
+            return context.make_tuple(builder, RET, [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    return mma3_add
+
+
+def _sim_tf32x3_mma():
+    from ._mma import A8_LANE, A8_REG, B8_LANE, B8_REG, C_LANE, C_REG, MAX_WARPS, tf32_values
+
+    @device_function
+    def mma3_add(a0, a1, a2, a3, s0, s1, s2, s3, b0, b1, t0, t1, c0, c1, c2, c3):
+        frag_a = cuda.shared.array((MAX_WARPS, 32, 8), U32_DT)       # a, then s
+        frag_b = cuda.shared.array((MAX_WARPS, 32, 4), U32_DT)       # b, then t
+        frag_c = cuda.shared.array((MAX_WARPS, 32, 4), F32_DT)
+        tid = cuda.threadIdx.x
+        w, lane = tid // 32, tid % 32
+        for i, x in enumerate((a0, a1, a2, a3, s0, s1, s2, s3)):
+            frag_a[w, lane, i] = x
+        frag_b[w, lane, 0], frag_b[w, lane, 1], frag_b[w, lane, 2], frag_b[w, lane, 3] = b0, b1, t0, t1
+        frag_c[w, lane, 0], frag_c[w, lane, 1], frag_c[w, lane, 2], frag_c[w, lane, 3] = c0, c1, c2, c3
+        cuda.syncthreads()
+        if lane == 0:
+            fa, fb = frag_a[w], frag_b[w]
+            a, a_s = tf32_values(fa[A8_LANE, A8_REG]), tf32_values(fa[A8_LANE, A8_REG + 4])
+            b, b_s = tf32_values(fb[B8_LANE, B8_REG]), tf32_values(fb[B8_LANE, B8_REG + 2])
+            part = (a_s @ b + a @ b_s + a @ b).astype(np.float32)
+            frag_c[w][C_LANE, C_REG] = frag_c[w][C_LANE, C_REG] + part
+        cuda.syncthreads()
+        d0, d1, d2, d3 = frag_c[w, lane, 0], frag_c[w, lane, 1], frag_c[w, lane, 2], frag_c[w, lane, 3]
+        cuda.syncthreads()                                   # read before the next call overwrites
+        return d0, d1, d2, d3
+
+    return mma3_add
+
+
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_cast_tc(DTYPE_NAME):
     """``dst[t]`` = the word of ``src[2t], src[2t + 1]`` rounded to the 16-bit format, over flat (1-D) arrays:
-    the float32 dQ accumulator to 16-bit words; laid out like ``backward.make_cast`` (``cast_grid`` blocks)."""
+    the float32 dQ accumulator to 16-bit words; laid out like ``backward.make_cast`` (``cast_grid`` blocks).
+    float32: ``dst[t]`` = the bits of ``src[t]`` (the accumulator copied into the caller's dq words)."""
+    if DTYPE_NAME == "float32":
+        as_bits = tf32_primitives()["as_bits"]
+
+        @kernel
+        def copy_tc(src, dst):
+            base = cuda.blockIdx.x * (CAST_THREADS * CAST_ITEMS) + cuda.threadIdx.x
+            for e in range(CAST_ITEMS):
+                t = base + e * CAST_THREADS
+                if t < dst.shape[0]:
+                    dst[t] = as_bits(src[t])
+
+        return copy_tc
+
     _, pack2, _ = primitives(DTYPE_NAME)
 
     @kernel
@@ -60,6 +164,52 @@ def make_cast_tc(DTYPE_NAME):
                 dst[t] = pack2(src[2 * t], src[2 * t + 1])
 
     return cast_tc
+
+
+def _word_as_float():
+    """``as_float(w)``: the float32 whose bits are the uint32 ``w`` (an LLVM bitcast on the GPU)."""
+    if SIMULATOR:
+        @device_function
+        def as_float(w):
+            return np.array([w], dtype=np.uint32).view(np.float32)[0]
+        return as_float
+    from ._mma import _gpu_bitcasts
+    return _gpu_bitcasts()[0]
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_preprocess_tf32(THREADS_C=1):
+    """``backward.make_preprocess("float32", THREADS_C=...)`` on the float32 words of ``dout`` and ``out`` (uint32
+    views, as the tensor-core kernels take them): ``delta = rowsum(dO * O)`` and lse in base 2 (+inf where a row
+    saw no key), ``THREADS_C`` threads a row, ``preprocess_grid`` blocks of ``PREPROCESS_THREADS``."""
+    ROWS = PREPROCESS_THREADS // THREADS_C
+    SHIFT = THREADS_C.bit_length() - 1
+    ZERO, LOG2E_T, POS_INF, NEG_INF = F32(0), F32(LOG2E), F32(np.inf), F32(-np.inf)
+    reduce_sum = make_row_allreduce(1, THREADS_C, PREPROCESS_THREADS, F32, False)
+    SCRATCH = max(1, scratch_size(ROWS, THREADS_C))
+    as_float = _word_as_float()
+
+    @kernel
+    def preprocess_tf32(dout, out, lse, delta, lse2):
+        chunk, h, b = tile_head_batch((out.shape[1] + ROWS - 1) // ROWS, out.shape[2])
+        ty = cuda.threadIdx.x >> SHIFT
+        tx = cuda.threadIdx.x & (THREADS_C - 1)
+        i = chunk * ROWS + ty
+        part = cuda.local.array(1, F32)
+        scratch = cuda.shared.array(SCRATCH, F32)
+        acc = ZERO
+        if i < out.shape[1]:
+            for c in range(tx, out.shape[3], THREADS_C):
+                acc += as_float(dout[b, i, h, c]) * as_float(out[b, i, h, c])
+        part[0] = acc
+        reduce_sum(part, scratch, ty, tx)                 # every thread of the block: the simulator's has barriers
+        if i < out.shape[1] and tx == 0:
+            delta[b, h, i] = part[0]
+            x = F32(lse[b, h, i])
+            lse2[b, h, i] = x * LOG2E_T if x != NEG_INF else POS_INF
+
+    return preprocess_tf32
 
 
 def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
@@ -77,7 +227,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 @kernel_factory
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
-                 DEFER_DQ=None, SHARE=False, VARLEN=False):
+                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -112,6 +262,19 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     ``dq_accum`` stays the packed ``(1, total_q, nheads, headdim)`` accumulator, which ``dq_phase`` addresses
     as batch 0 with the sequence's rows shifted by its first row.
 
+    ``DTYPE_NAME="float32"``: tf32 operands (``mma.m16n8k8``; the module docstring), with the float32 helpers
+    (``scores_t_tf32``, ``dv_dk_tile_tf32``, ``dq_tf32``, ``store_words_tf32``, ``store_dk_dv_tf32``).  P^T and dS^T
+    are stored in shared memory as float32 words, each 8 queries in the k-step's permuted order.  ``TF32X3``
+    (``precision="highest"``): every operand split into a tf32 part and its tf32 residual (``tf32_primitives``'s
+    ``split_bits``), each k-step's three products ``a_small b_big + a_big b_small + a_big b_big`` into a zeroed
+    partial that is added to the accumulator by ordinary (round-to-nearest) float32 adds: the tensor cores'
+    float32 accumulation does not round to nearest (forward_tc, bench/results/h100-tf32-2026-11-25.md).  Where
+    the parts come from: K's small parts once per block into shared memory (``K_SMALL``; K's tile rounded in
+    place), they feed S^T's a fragments and dQ's b fragments; Q_i's and dO_i's once per item (``QS_OFF``: read by
+    every warp along the keys in S^T, dP^T, dV and dK); V's (the a fragments of dP^T only, each used for all the
+    warp's queries) and P^T's, dS^T's in registers at each k-step.  Without ``TF32X3`` (``precision="high"``): one
+    product; P^T and dS^T rounded to tf32, K, V, Q, dO truncated by the tensor cores.
+
     The kernel body is FA2's Algorithm 2 for one key tile; its steps are the helpers below (``scores_t``,
     ``plain_grad`` / ``option_grad``, ``dv_dk_tile``, ``dq_phase``, ``store_dk_dv``).  (The timing ablations
     of the dQ phase, the atomics and the element-wise step, whose results were wrong by design, were measured
@@ -124,25 +287,29 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     # spills 176 bytes instead of 40 and its backward runs 2-6% slower; at d = 64, 1-8% faster without it.
     KEEP_APART = HEAD_DIM > 64
     PATHS_APART = ""
-    assert BLOCK_Q % 16 == 0 and BLOCK_K % (16 * MTK) == 0 and HEAD_DIM % 2 == 0 and DSPLIT in (1, 2)
+    TF32 = DTYPE_NAME == "float32"
+    SPLIT = TF32 and TF32X3                  # 3xTF32: big and small parts of every operand
+    VALS = 1 if TF32 else 2                  # values per 32-bit word
+    RED2 = RED2 and HEAD_DIM % 2 == 0        # (float32: an odd head dim's pairs of dims are not 8-byte aligned)
+    assert BLOCK_Q % 16 == 0 and BLOCK_K % (16 * MTK) == 0 and HEAD_DIM % VALS == 0 and DSPLIT in (1, 2)
     QS = DSPLIT if SHARE else 1              # parts of the queries in S^T, dP^T: warp w computes part w // KW
     assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
     NTHREADS = 32 * NWARPS
     D_PAD = -(-HEAD_DIM // (16 * DSPLIT)) * 16 * DSPLIT   # each part of dK, dV: whole pairs of n-tiles
-    HEAD_WORDS = HEAD_DIM // 2
-    D_WORDS = D_PAD // 2
-    KSTEPS_D = D_PAD // 16                   # k-steps of K Q^T and V dO^T
+    HEAD_WORDS = HEAD_DIM // VALS
+    D_WORDS = D_PAD // VALS
+    KSTEPS_D = D_WORDS // 8                  # k-steps of K Q^T and V dO^T (8 words each)
     NT_D = D_PAD // 8                        # n-tiles of dK, dV, dQ (8 dims each)
     NT_DW = NT_D // DSPLIT                   # n-tiles of dK, dV in one warp's registers
     NT_Q = BLOCK_Q // 8                      # n-tiles of S^T, dP^T (8 queries each)
     NT_QA = NT_Q // QS                       # n-tiles of S^T, dP^T in one warp's registers
-    KSTEPS_Q = BLOCK_Q // 16                 # k-steps of P^T dO and dS^T Q
-    KSTEPS_K = BLOCK_K // 16                 # k-steps of dS K
+    KSTEPS_Q = BLOCK_Q // (8 * VALS)         # k-steps of P^T dO and dS^T Q (16 queries each, tf32: 8)
+    KSTEPS_K = BLOCK_K // (8 * VALS)         # k-steps of dS K (16 keys each, tf32: 8)
     MQ = BLOCK_Q // 16                       # query m-tiles of dQ, spread over the warps
     STRIDE = tc_padded_words(D_WORDS)
-    DS_STRIDE = tc_padded_words(BLOCK_Q // 2)
+    DS_STRIDE = tc_padded_words(BLOCK_Q // VALS)
     QTILE = BLOCK_Q * STRIDE                 # words of one Q (or dO) tile
     K_OFF = 0
     V_OFF = K_OFF + BLOCK_K * STRIDE
@@ -151,7 +318,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     DS_OFF = Q_OFF + 4 * QTILE               # dS^T as words: [key][query pair]; buffer s at DS_OFF + s DS_TILE
     P_OFF = DS_OFF + (2 if DEFER_DQ else 1) * DS_TILE   # SHARE: P_drop^T as words, [key][query pair]
     L_OFF = P_OFF + (DS_TILE if SHARE else 0)           # buffer s: lse_i log2(e) at L_OFF + 2 s BLOCK_Q, delta_i after it
-    SMEM_WORDS = L_OFF + 4 * BLOCK_Q
+    K_SMALL = L_OFF + 4 * BLOCK_Q            # SPLIT: the small parts of K_j, then of Q_i and dO_i (this item's)
+    QS_OFF = K_SMALL + BLOCK_K * STRIDE
+    SMEM_WORDS = QS_OFF + 2 * QTILE if SPLIT else K_SMALL
     SHARED_BYTES = SMEM_WORDS * 4
     LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
     NP_D = NT_D // 2                         # dQ's n-tile pairs (16 dims each)
@@ -171,6 +340,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
     mma, pack2, _ = primitives(DTYPE_NAME)
     mma_pair = make_mma_pair(DTYPE_NAME)
+    mma3_add = tf32x3_mma()
+    tf32 = tf32_primitives()
+    split_bits, round_bits, split_value, round_value, as_bits = (
+        tf32[name] for name in ("split_bits", "round_bits", "split_value", "round_value", "as_bits"))
     mem = memory_primitives()
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
@@ -298,15 +471,19 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             for p in range(DQ_NT):
                 for e in range(4):
                     dq_reg[p, e] = ZERO
-            for kk in range(KSTEPS_K):
-                a0, a1, a2, a3 = ldmatrix_x4_trans(smem, U(ds_base + 16 * kk * DS_STRIDE + 8 * mq + ds_lane))
-                for p in range(0, DQ_NT, 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(K_OFF + 16 * kk * STRIDE + 4 * (n + p) + t_lane))
-                    dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma(
-                        a0, a1, a2, a3, b0, b1, dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3])
-                    dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
-                        a0, a1, a2, a3, b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2],
-                        dq_reg[p + 1, 3])
+            if TF32:                                    # (ds_lane, t_lane: the words of 32-bit loads)
+                dq_tf32(smem, ds_base, mq, n, ds_lane, t_lane, dq_reg)
+            else:
+                for kk in range(KSTEPS_K):
+                    a0, a1, a2, a3 = ldmatrix_x4_trans(smem, U(ds_base + 16 * kk * DS_STRIDE + 8 * mq + ds_lane))
+                    for p in range(0, DQ_NT, 2):
+                        b0, b1, b2, b3 = ldmatrix_x4_trans(smem,
+                                                           U(K_OFF + 16 * kk * STRIDE + 4 * (n + p) + t_lane))
+                        dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma(
+                            a0, a1, a2, a3, b0, b1, dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3])
+                        dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
+                            a0, a1, a2, a3, b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2],
+                            dq_reg[p + 1, 3])
             if RED2 and (not KEEP_APART or PATHS_APART in ("", "-")) and active and q_full and D_PAD == HEAD_DIM:
                 for r in range(2):
                     o = dq_off + 8 * r * dq_rs
@@ -317,14 +494,15 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             for half in range(DQ_NT):
                 for r in range(2):
                     i = q0 + 16 * mq + g + 8 * r
-                    d = 8 * (n + half) + 2 * t               # even; HEAD_DIM is even, so d + 1 < HEAD_DIM too
+                    d = 8 * (n + half) + 2 * t               # even; an even HEAD_DIM has d + 1 < HEAD_DIM too
                     if active and (q_full or i < seqlen_q) and (D_PAD == HEAD_DIM or d < HEAD_DIM):
                         if RED2:
                             red_add_f32x2(dq_accum, dq_off + 8 * r * dq_rs + 8 * half,
                                           dq_reg[half, 2 * r] * scale32, dq_reg[half, 2 * r + 1] * scale32)
                         else:
                             cuda.atomic.add(dq_accum, (b, i, h, d), dq_reg[half, 2 * r] * scale32)
-                            cuda.atomic.add(dq_accum, (b, i, h, d + 1), dq_reg[half, 2 * r + 1] * scale32)
+                            if HEAD_DIM % 2 == 0 or d + 1 < HEAD_DIM:        # (an odd float32 head dim)
+                                cuda.atomic.add(dq_accum, (b, i, h, d + 1), dq_reg[half, 2 * r + 1] * scale32)
 
     @device_function
     def scores_t(smem, qb, db, a_lane, b_lane, fa, fb, s_reg, dp_reg):
@@ -410,6 +588,201 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                                                                 dk_acc[m, n, 2 * r + 1] * scale32)
                             dv[U(b), U(j), U(hk), U(c)] = pack2(dv_acc[m, n, 2 * r], dv_acc[m, n, 2 * r + 1])
 
+    # ---- float32 (tf32 operands).  In the products over queries (dV, dK) and keys (dQ) the k-step's entry
+    # 2t + e is k index t + 4e (the module docstring): a0..a3 of an a fragment are S^T-layout elements
+    # e = 0, 2, 1, 3 (TF32_A), and a b fragment is rows 2t, 2t + 1 (b0, b1) of column g, and of column g + 8 for
+    # the next n-tile (b2, b3): 32-bit loads at ``kv_word`` (= 2t STRIDE + g) from a k-step's first row
+    TF32_A = (0, 2, 1, 3)
+
+    @device_function
+    def tf32_operand(x, big, small, m, e):
+        """``big[m, e]`` = float32 ``x`` as a tf32 operand: rounded, or (SPLIT) its big part with the small one in
+        ``small[m, e]``."""
+        if SPLIT:
+            big[m, e], small[m, e] = split_value(x)
+        else:
+            big[m, e] = round_value(x)
+
+    @device_function
+    def tf32_word(w, big, small, m, e):
+        """``tf32_operand`` of the float32 bits ``w`` (a word read from shared memory)."""
+        if SPLIT:
+            big[m, e], small[m, e] = split_bits(w)
+        else:
+            big[m, e] = round_bits(w)
+
+    @device_function
+    def mma3_pair(a, a_s, m, b0, b1, b2, b3, s0, s1, s2, s3, c, n):
+        """``c[m, n] += A_m B(b0, b1)`` and ``c[m, n + 1] += A_m B(b2, b3)`` in 3xTF32 (``mma_pair``'s; ``a_s``,
+        s0..s3: the small parts of ``a`` and b0..b3), each k-step's products into a zeroed partial (``mma3_add``)."""
+        c[m, n, 0], c[m, n, 1], c[m, n, 2], c[m, n, 3] = mma3_add(
+            a[m, 0], a[m, 1], a[m, 2], a[m, 3], a_s[m, 0], a_s[m, 1], a_s[m, 2], a_s[m, 3], b0, b1, s0, s1,
+            c[m, n, 0], c[m, n, 1], c[m, n, 2], c[m, n, 3])
+        c[m, n + 1, 0], c[m, n + 1, 1], c[m, n + 1, 2], c[m, n + 1, 3] = mma3_add(
+            a[m, 0], a[m, 1], a[m, 2], a[m, 3], a_s[m, 0], a_s[m, 1], a_s[m, 2], a_s[m, 3], b2, b3, s2, s3,
+            c[m, n + 1, 0], c[m, n + 1, 1], c[m, n + 1, 2], c[m, n + 1, 3])
+
+    @device_function
+    def b_words(smem, at):
+        """A b fragment pair of tf32 words from the k-step rows at ``at``: rows 2t, 2t + 1 (``at`` = the k-step's
+        first row + ``kv_word``) of column g (b0, b1) and of column g + 8, the next n-tile (b2, b3)."""
+        return smem[U(at)], smem[U(at + STRIDE)], smem[U(at + 8)], smem[U(at + STRIDE + 8)]
+
+    @device_function
+    def split_smem(smem, src, dst, nwords):
+        """SPLIT: ``smem[src:src + nwords]`` -> its tf32 big parts in place and its small parts at ``dst``, by
+        the whole block (the caller synchronises before and after)."""
+        for i in range(cuda.threadIdx.x, nwords, NTHREADS):
+            big, small = split_bits(smem[U(src + i)])
+            smem[U(src + i)] = big
+            smem[U(dst + i)] = small
+
+    @device_function
+    def scores_t_tf32(smem, qb, db, a_lane, b_lane, fa, fb, fa_s, fb_s, s_reg, dp_reg):
+        """``scores_t`` on float32 words (a k-step of 8 dims is 8 words: the same ``ldmatrix`` reads).  SPLIT: K's
+        small parts from ``K_SMALL``, V's split here (each a fragment feeds all the warp's queries), Q_i's and
+        dO_i's from ``QS_OFF``; each k-step's three products into a zeroed partial (``mma3_pair``)."""
+        for m in range(MTK):
+            for n in range(NT_QA):
+                for e in range(4):
+                    s_reg[m, n, e] = ZERO
+                    dp_reg[m, n, e] = ZERO
+        for ks in range(KSTEPS_D):
+            for m in range(MTK):
+                at = a_lane + 16 * m * STRIDE + 8 * ks
+                fa[m, 0], fa[m, 1], fa[m, 2], fa[m, 3] = ldmatrix_x4(smem, U(K_OFF + at))
+                w0, w1, w2, w3 = ldmatrix_x4(smem, U(V_OFF + at))
+                if SPLIT:
+                    fa_s[m, 0], fa_s[m, 1], fa_s[m, 2], fa_s[m, 3] = ldmatrix_x4(smem, U(K_SMALL + at))
+                    fb[m, 0], fb_s[m, 0] = split_bits(w0)
+                    fb[m, 1], fb_s[m, 1] = split_bits(w1)
+                    fb[m, 2], fb_s[m, 2] = split_bits(w2)
+                    fb[m, 3], fb_s[m, 3] = split_bits(w3)
+                else:
+                    fb[m, 0], fb[m, 1], fb[m, 2], fb[m, 3] = w0, w1, w2, w3
+            for n in range(0, NT_QA, 2):
+                at = 8 * n * STRIDE + 8 * ks + b_lane
+                b0, b1, b2, b3 = ldmatrix_x4(smem, U(qb + at))
+                if SPLIT:
+                    s0, s1, s2, s3 = ldmatrix_x4(smem, U(QS_OFF + at))
+                    for m in range(MTK):
+                        mma3_pair(fa, fa_s, m, b0, b1, b2, b3, s0, s1, s2, s3, s_reg, n)
+                else:
+                    for m in range(MTK):
+                        mma_pair(fa, m, b0, b1, b2, b3, s_reg, n)
+                b0, b1, b2, b3 = ldmatrix_x4(smem, U(db + at))
+                if SPLIT:
+                    s0, s1, s2, s3 = ldmatrix_x4(smem, U(QS_OFF + QTILE + at))
+                    for m in range(MTK):
+                        mma3_pair(fb, fb_s, m, b0, b1, b2, b3, s0, s1, s2, s3, dp_reg, n)
+                else:
+                    for m in range(MTK):
+                        mma_pair(fb, m, b0, b1, b2, b3, dp_reg, n)
+
+    @device_function
+    def dv_dk_tile_tf32(smem, qb, db, ds_buf, pa_lane, kv_word, nd0, s_reg, dp_reg, fa, fb, fa_s, fb_s, dv_acc,
+                        dk_acc):
+        """``dv_dk_tile`` on tf32 operands, a k-step of 8 queries: a from S^T's accumulators (elements ``TF32_A``;
+        SHARE: ldmatrix of the P_drop^T, dS^T words, stored in that order), split or rounded here; b: dO / Q rows
+        2t, 2t + 1 of the k-step by 32-bit loads (SPLIT: and their small parts from ``QS_OFF``)."""
+        for kq in range(KSTEPS_Q):
+            for m in range(MTK):
+                if SHARE:
+                    at = pa_lane + 16 * m * DS_STRIDE + 8 * kq
+                    w0, w1, w2, w3 = ldmatrix_x4(smem, U(P_OFF + at))
+                    tf32_word(w0, fa, fa_s, m, 0)
+                    tf32_word(w1, fa, fa_s, m, 1)
+                    tf32_word(w2, fa, fa_s, m, 2)
+                    tf32_word(w3, fa, fa_s, m, 3)
+                    w0, w1, w2, w3 = ldmatrix_x4(smem, U(ds_buf + at))
+                    tf32_word(w0, fb, fb_s, m, 0)
+                    tf32_word(w1, fb, fb_s, m, 1)
+                    tf32_word(w2, fb, fb_s, m, 2)
+                    tf32_word(w3, fb, fb_s, m, 3)
+                else:
+                    for e in range(4):
+                        tf32_operand(s_reg[m, kq, TF32_A[e]], fa, fa_s, m, e)
+                        tf32_operand(dp_reg[m, kq, TF32_A[e]], fb, fb_s, m, e)
+            row = 8 * kq * STRIDE + kv_word
+            for n in range(0, NT_DW, 2):
+                at = row + 8 * (nd0 + n)
+                b0, b1, b2, b3 = b_words(smem, db + at)
+                if SPLIT:
+                    s0, s1, s2, s3 = b_words(smem, QS_OFF + QTILE + at)
+                    for m in range(MTK):
+                        mma3_pair(fa, fa_s, m, b0, b1, b2, b3, s0, s1, s2, s3, dv_acc, n)
+                else:
+                    for m in range(MTK):
+                        mma_pair(fa, m, b0, b1, b2, b3, dv_acc, n)
+                b0, b1, b2, b3 = b_words(smem, qb + at)
+                if SPLIT:
+                    s0, s1, s2, s3 = b_words(smem, QS_OFF + at)
+                    for m in range(MTK):
+                        mma3_pair(fb, fb_s, m, b0, b1, b2, b3, s0, s1, s2, s3, dk_acc, n)
+                else:
+                    for m in range(MTK):
+                        mma_pair(fb, m, b0, b1, b2, b3, dk_acc, n)
+
+    @device_function
+    def store_words_tf32(fsmem, base, reg, kw, g, t):
+        """``reg`` (this warp's m-tiles of keys x n-tiles of queries) as float32 words into the [key][query] rows at
+        ``base``, each 8 queries in the k-step's order: query 2t + e at word t + 4e."""
+        for m in range(MTK):
+            row = base + (16 * (MTK * kw + m) + g) * DS_STRIDE + t
+            for n in range(NT_QA):
+                fsmem[U(row + 8 * n)] = reg[m, n, 0]
+                fsmem[U(row + 8 * n + 4)] = reg[m, n, 1]
+                fsmem[U(row + 8 * DS_STRIDE + 8 * n)] = reg[m, n, 2]
+                fsmem[U(row + 8 * DS_STRIDE + 8 * n + 4)] = reg[m, n, 3]
+
+    @device_function
+    def dq_tf32(smem, ds_base, mq, n, ds_word, kv_word, dq_reg):
+        """dq_reg += dS K_j on one dQ unit (query m-tile ``mq``, n-tiles ``n ..``), a k-step of 8 keys: dS's a
+        fragment from the dS^T words (keys 2t, 2t + 1 of the k-step as rows, queries g, g + 8 of the m-tile at
+        ``ds_word``), split or rounded; K's b fragments by 32-bit loads (SPLIT: and their small parts from
+        ``K_SMALL``)."""
+        fq = cuda.local.array((1, 4), U32_DT)                 # dS's a fragment of the k-step
+        fq_s = cuda.local.array((1, 4), U32_DT)               # its small parts (SPLIT)
+        for kk in range(KSTEPS_K):
+            at = ds_base + 8 * kk * DS_STRIDE + 16 * mq + ds_word
+            tf32_word(smem[U(at)], fq, fq_s, 0, 0)
+            tf32_word(smem[U(at + 8)], fq, fq_s, 0, 1)
+            tf32_word(smem[U(at + DS_STRIDE)], fq, fq_s, 0, 2)
+            tf32_word(smem[U(at + DS_STRIDE + 8)], fq, fq_s, 0, 3)
+            row = K_OFF + 8 * kk * STRIDE + kv_word
+            for p in range(0, DQ_NT, 2):
+                at = row + 8 * (n + p)
+                b0, b1, b2, b3 = b_words(smem, at)
+                if SPLIT:
+                    s0, s1, s2, s3 = b_words(smem, at - K_OFF + K_SMALL)
+                    dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma3_add(
+                        fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], fq_s[0, 0], fq_s[0, 1], fq_s[0, 2], fq_s[0, 3], b0, b1,
+                        s0, s1, dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3])
+                    dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma3_add(
+                        fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], fq_s[0, 0], fq_s[0, 1], fq_s[0, 2], fq_s[0, 3], b2, b3,
+                        s2, s3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3])
+                else:
+                    dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma(
+                        fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], b0, b1, dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2],
+                        dq_reg[p, 3])
+                    dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
+                        fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1],
+                        dq_reg[p + 1, 2], dq_reg[p + 1, 3])
+
+    @device_function
+    def store_dk_dv_tf32(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32):
+        """dK = scale dK_acc, dV = dV_acc (summed over the query heads of the group) as float32 words."""
+        for m in range(MTK):
+            for r in range(2):
+                j = k0 + 16 * (MTK * kw + m) + g + 8 * r
+                if j < seqlen_k:
+                    for n in range(NT_DW):
+                        for e in range(2):
+                            c = 8 * (nd0 + n) + 2 * t + e
+                            if c < HEAD_WORDS:
+                                dk[U(b), U(j), U(hk), U(c)] = as_bits(dk_acc[m, n, 2 * r + e] * scale32)
+                                dv[U(b), U(j), U(hk), U(c)] = as_bits(dv_acc[m, n, 2 * r + e])
+
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
@@ -454,6 +827,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         t_lane = (8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         ds_lane = (8 * (mi // 2) + lane % 8) * DS_STRIDE + 4 * (mi % 2)
         pa_lane = (16 * MTK * kw + 8 * (mi % 2) + lane % 8) * DS_STRIDE + 4 * (mi // 2)   # SHARE: P^T, dS^T as a
+        if TF32:                        # 32-bit loads instead of the .trans reads: this lane's word of a k-step
+            t_lane = 2 * t * STRIDE + g                           # b: dO / Q / K rows 2t, 2t + 1, column g
+            ds_lane = 2 * t * DS_STRIDE + g // 2 + 4 * (g % 2)    # dS's a: keys 2t, 2t + 1 (rows), query g
 
         s_reg = cuda.local.array((MTK, NT_QA, 4), F32)     # S^T, then P_drop^T (m-tile of keys, n-tile of queries)
         dp_reg = cuda.local.array((MTK, NT_QA, 4), F32)    # dP^T, then dS^T
@@ -461,6 +837,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         dv_acc = cuda.local.array((MTK, NT_DW, 4), F32)
         fa = cuda.local.array((MTK, 4), U32_DT)            # a fragments of the m-tiles (K, P^T)
         fb = cuda.local.array((MTK, 4), U32_DT)            # (V, dS^T)
+        fa_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)   # SPLIT: their small parts
+        fb_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)
         dq_reg = cuda.local.array((DQ_NT, 4), F32)
         l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
         d_row = cuda.local.array(LROWS, F32)
@@ -487,6 +865,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             store_rows(fsmem, L_OFF, l_row, d_row)
         buf = 0
         pending = False                                  # DEFER_DQ: the previous item's dQ is still to add
+        first = True                                     # SPLIT: K_j is split with the first item's Q_i, dO_i
         ph = 0                                           # its query head and first query
         pq0 = 0
         while w < n_work:
@@ -519,8 +898,17 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             qb = Q_OFF + buf * 2 * QTILE
             db = qb + QTILE
             lb = L_OFF + buf * 2 * BLOCK_Q
+            if SPLIT:                                    # K_j (once), Q_i, dO_i -> big parts, small parts
+                if first:
+                    split_smem(smem, K_OFF, K_SMALL, BLOCK_K * STRIDE)
+                    first = False
+                split_smem(smem, qb, QS_OFF, 2 * QTILE)  # (QS_OFF last read by item w - 1's dV, dK: before the
+                cuda.syncthreads()                       # barrier above)
 
-            scores_t(smem, qb, db, a_lane, b_lane, fa, fb, s_reg, dp_reg)       # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
+            if TF32:                                                            # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
+                scores_t_tf32(smem, qb, db, a_lane, b_lane, fa, fb, fa_s, fb_s, s_reg, dp_reg)
+            else:
+                scores_t(smem, qb, db, a_lane, b_lane, fa, fb, s_reg, dp_reg)
 
             # P_drop^T and dS^T = P^T (dP^T - delta) element-wise
             if PLAIN and not need_mask:                  # no options, no mask on this tile
@@ -537,17 +925,28 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
             ds_buf = DS_OFF + (buf * DS_TILE if DEFER_DQ else 0)
             if SHARE:                                    # this warp's queries of P_drop^T and dS^T, for all
-                store_words(smem, P_OFF + qa // 2, s_reg, kw, g, t)
-                store_words(smem, ds_buf + qa // 2, dp_reg, kw, g, t)
+                if TF32:
+                    store_words_tf32(fsmem, P_OFF + qa, s_reg, kw, g, t)
+                    store_words_tf32(fsmem, ds_buf + qa, dp_reg, kw, g, t)
+                else:
+                    store_words(smem, P_OFF + qa // 2, s_reg, kw, g, t)
+                    store_words(smem, ds_buf + qa // 2, dp_reg, kw, g, t)
                 cuda.syncthreads()
 
-            dv_dk_tile(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, dv_acc, dk_acc)
+            if TF32:                                     # dV += P_drop^T dO_i, dK += dS^T Q_i
+                dv_dk_tile_tf32(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, fa_s, fb_s, dv_acc,
+                                dk_acc)
+            else:
+                dv_dk_tile(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, dv_acc, dk_acc)
 
             # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
             # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans.  With
             # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T; SHARE: written above)
             if not SHARE and (DSPLIT == 1 or warp < KW):
-                store_words(smem, ds_buf, dp_reg, kw, g, t)
+                if TF32:
+                    store_words_tf32(fsmem, ds_buf, dp_reg, kw, g, t)
+                else:
+                    store_words(smem, ds_buf, dp_reg, kw, g, t)
             if DEFER_DQ:                                 # added after the next item's barrier (or the last one)
                 pending = True
                 ph = h
@@ -568,6 +967,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             cuda.syncthreads()
             dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0, dq_row0 + seqlen_q, warp,
                      g, t, ds_lane, t_lane, scale32, dq_reg)
-        store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
+        if TF32:
+            store_dk_dv_tf32(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
+        else:
+            store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
 
     return flash_dkdv_tc, SHARED_BYTES, NTHREADS
