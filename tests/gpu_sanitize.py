@@ -1,10 +1,11 @@
 """Every shipped kernel configuration once, small, for ``compute-sanitizer`` (not a pytest module).
 
-    compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize.py [DTYPES [HEADDIMS]]
-    compute-sanitizer --tool racecheck python3 tests/gpu_sanitize.py [DTYPES [HEADDIMS]]
-    compute-sanitizer --tool synccheck python3 tests/gpu_sanitize.py [DTYPES [HEADDIMS]]
+    compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize.py [DTYPES [HEADDIMS [BACKENDS]]]
+    compute-sanitizer --tool racecheck python3 tests/gpu_sanitize.py [DTYPES [HEADDIMS [BACKENDS]]]
+    compute-sanitizer --tool synccheck python3 tests/gpu_sanitize.py [DTYPES [HEADDIMS [BACKENDS]]]
 
-(``DTYPES``: e.g. ``float16,bfloat16``; ``HEADDIMS``: e.g. ``64,128``; default all.)
+(``DTYPES``: e.g. ``float16,bfloat16``; ``HEADDIMS``: e.g. ``64,128``; ``BACKENDS``: those of ``DTYPES`` below to
+run, e.g. ``tensorcore:highest,tensorcore:high``; default all.)
 
 "Shipped" = the default tiles (plan.default_tiles / default_tc_tiles) of every
 head-dim class, for every input dtype and backend, with and without the masks
@@ -38,7 +39,7 @@ DTYPES = {"float16": (np.float16, ("tensorcore", "simt")), "bfloat16": ("bfloat1
 # "tensorcore:PRECISION": float32 on tf32 tensor cores, forward and backward at that precision
 
 
-def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES)):
+def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
     rng = np.random.default_rng(0)
     checked = 0
     for dtype, backends in (DTYPES[n] for n in dtypes):
@@ -52,6 +53,8 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES)):
                 if name == "mask+bias":
                     opts = dict(attn_mask=rng.random((1, 2, sq, sk)) < 0.8, attn_bias=rng.standard_normal((1, 1, sq, sk)))
                 for backend in backends:
+                    if only is not None and backend not in only:
+                        continue
                     arrays = _cast((q, k, v, dout), dtype)
                     backend, _, precision = backend.partition(":")
                     extra = dict(precision=precision) if precision else {}
@@ -88,7 +91,8 @@ def _host(x):
 
 
 if __name__ == "__main__":
-    # optional arguments: dtype names (comma list), then head dims (comma list)
+    # optional arguments: dtype names (comma list), then head dims (comma list), then backends (comma list)
     args = sys.argv[1:]
     main(dtypes=tuple(args[0].split(",")) if args else tuple(DTYPES),
-         headdims=tuple(int(x) for x in args[1].split(",")) if len(args) > 1 else HEADDIMS)
+         headdims=tuple(int(x) for x in args[1].split(",")) if len(args) > 1 else HEADDIMS,
+         only=tuple(args[2].split(",")) if len(args) > 2 else None)

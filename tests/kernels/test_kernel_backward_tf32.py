@@ -101,8 +101,10 @@ def _check_high(p):
 
 
 @settings(max_examples=examples(4, 25))
-@given(p=problems())
+@given(p=problems(max_batch=1) if SIMULATOR else problems())
 def test_highest_within_twice_the_simt_error(p):
+    """(In the simulator one batch element, the cost of 3xTF32's three products per step: the batch offsets are
+    the 16-bit kernel's code, and the "high" property draws two.)"""
     _check_highest(p)
 
 
