@@ -173,7 +173,7 @@ def _forward_tc_launch(call, bq, bk):
         return None
     d = call.headdim
     if _hopper(call):
-        mt, qs, extra = 1, True, {"WGMMA": True, "PINGPONG": wgmma_pingpong(bq)}
+        mt, qs, extra = 1, True, {"WGMMA": True}
     else:
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
@@ -363,23 +363,21 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None):
 
 def _hopper(call):
     """Whether a forward the tensor cores serve runs the Hopper kernel: asked for, or "auto" on compute capability
-    9.0 (``WGMMA_AUTO``) where it can serve the call (else "auto" keeps the mma.sync forward); never "auto" in the
-    simulator, whose suites choose the kernel they test."""
+    9.0 (``WGMMA_AUTO``) above head dim 64 where it can serve the call and its tiles fit (else "auto" keeps the
+    mma.sync forward); never "auto" in the simulator, whose suites choose the kernel they test."""
     if call.backend == "wgmma":
         return True
     return (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR and call.dtype != "float32"
-            and wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout) is None)
+            and call.headdim > WGMMA_AUTO_MIN_HEADDIM
+            and wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout) is None
+            and shared_refusal(wgmma_shared_bytes(*default_wgmma_tiles(call.headdim, call.block_q, call.block_k),
+                                                  call.headdim), "") is None)
 
 
-WGMMA_AUTO = False
-
-
-def wgmma_pingpong(block_q):
-    """Whether the Hopper forward's two warpgroups take turns at the tensor cores (``PINGPONG``)."""
-    return block_q == 128 and WGMMA_PINGPONG
-
-
-WGMMA_PINGPONG = False
+# measured on the H100 (bench/results/h100-wgmma-2026-11-25.md): faster than the mma.sync forward above head dim
+# 64 (1.2-1.5x FlashAttention-2 at 128 and 256, against 0.82-0.86x); at 64 within 5% of it either way
+WGMMA_AUTO = True
+WGMMA_AUTO_MIN_HEADDIM = 64
 
 
 def wgmma_shared_bytes(block_q, block_k, headdim):

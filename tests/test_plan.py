@@ -36,10 +36,12 @@ TABLE = [
     (dict(headdim=64), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
     (dict(headdim=64, flags=CAUSAL), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
     (dict(headdim=40), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
-    (dict(headdim=128), ("tensorcore", 128, 64), ("tensorcore", 64, 128)),
-    (dict(headdim=256), ("tensorcore", 128, 32), ("tensorcore", 64, 64)),
-    (dict(dtype="bfloat16", headdim=128), ("tensorcore", 128, 64), ("tensorcore", 64, 128)),
-    (dict(headdim=128, block_q=64), ("tensorcore", 64, 64), ("tensorcore", 64, 128)),
+    # above head dim 64 the forward is the Hopper one (wgmma: two warpgroups), its tiles _WGMMA_TILES
+    (dict(headdim=128), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
+    (dict(headdim=256), ("tensorcore", 128, 64), ("tensorcore", 64, 64)),
+    (dict(dtype="bfloat16", headdim=128), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
+    (dict(headdim=128, block_q=64), ("tensorcore", 64, 128), ("tensorcore", 64, 128)),
+    (dict(headdim=128, block_q=32), ("tensorcore", 32, 64), ("tensorcore", 32, 128)),  # mma.sync: 32 rows
     (dict(headdim=64, block_q=32, block_k=32), ("tensorcore", 32, 32), ("tensorcore", 32, 32)),
     # float32: SIMT unless the tensor cores are asked for; then the forward on tf32 tensor cores (tiles of the
     # 16-bit head dim of the same words, 3xTF32's Q halves in shared memory)
@@ -53,6 +55,26 @@ TABLE = [
     (dict(headdim=64, deterministic=True), ("tensorcore", 128, 64), ("simt", 64, 64)),
     (dict(headdim=160, block_k=128), ("tensorcore", 128, 128), ("simt", 32, 128)),   # 512 threads refused
 ]
+
+
+@pytest.mark.parametrize("kw, hopper", [
+    (dict(headdim=64), False), (dict(headdim=128), True), (dict(dtype="bfloat16", headdim=256), True),
+    (dict(headdim=128, block_q=32), False), (dict(headdim=120), True), (dict(headdim=122), False),
+    (dict(headdim=128, layout=(None, False)), False), (dict(headdim=128, backend="tensorcore"), False),
+    (dict(headdim=64, backend="wgmma"), True), (dict(dtype="float32", headdim=128, backend="tensorcore"), False)])
+def test_auto_runs_the_hopper_forward_on_the_h100_above_head_dim_64(device, monkeypatch, kw, hopper):
+    """backend="auto" on compute capability 9.0: the wgmma forward above head dim 64 where it can serve the call
+    (a multiple of 8, block_q a multiple of 64, 16-byte rows), else the mma.sync one; asked for, always."""
+    device(**H100)
+    built = []
+    real = plan.make_forward_tc
+    monkeypatch.setattr(plan, "make_forward_tc", lambda *a, **kw: (built.append(kw), real(*a, **kw))[1])
+    plan.forward(call(**kw))
+    assert built[-1].get("WGMMA", False) == hopper, built[-1]
+    device(cc=(8, 0), limit=163 * 1024)
+    if hopper and kw.get("backend") != "wgmma":
+        plan.forward(call(**kw))
+        assert not built[-1].get("WGMMA", False), "the Hopper forward on compute capability 8.0"
 
 
 @pytest.mark.parametrize("kw, fwd, bwd", TABLE)

@@ -275,35 +275,9 @@ def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
     return wgmma_rs
 
 
-def _gpu_named_barriers():
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    def make(op):
-        @intrinsic
-        def barrier(typingctx, bar_id, nthreads):
-            """``bar.{op} bar_id, nthreads``: a named barrier shared by ``nthreads`` threads (a multiple of 32)."""
-            def codegen(context, builder, signature, args):
-                vals = [context.cast(builder, v, t, types.int32) for v, t in zip(args, signature.args)]
-                i32 = ir.IntType(32)
-                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i32]), f"bar.{op} $0, $1;", "r,r",
-                                          side_effect=True), vals)
-                return context.get_dummy_value()
-            return types.void(bar_id, nthreads), codegen
-        return barrier
-
-    return make("sync"), make("arrive")
-
-
 @device_function
 def _sim_fence_proxy_async():
     pass
-
-
-@device_function
-def _sim_named_barrier(bar_id, nthreads):
-    pass        # the simulator runs each thread to its next block-wide barrier: only scheduling, nothing to order
 
 
 _cache = {}
@@ -319,14 +293,6 @@ def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=
         make = _sim_wgmma if SIMULATOR else _gpu_wgmma
         _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, FORMATS[dtype_name])
     return _cache[key]
-
-
-def named_barriers():
-    """``(bar_sync, bar_arrive)``: named barriers ``1..15`` (``bar.sync`` waits, ``bar.arrive`` only counts), for
-    scheduling warpgroups against each other; no-ops in the simulator, where they order nothing a kernel reads."""
-    if "bars" not in _cache:
-        _cache["bars"] = (_sim_named_barrier, _sim_named_barrier) if SIMULATOR else _gpu_named_barriers()
-    return _cache["bars"]
 
 
 def fence_proxy_async():

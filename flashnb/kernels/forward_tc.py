@@ -37,7 +37,7 @@ from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, packed_tile_head_batch, sequence_span, tile_head_batch
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_wgmma,
-                     mn_major_steps, named_barriers, swizzled_offset)
+                     mn_major_steps, swizzled_offset)
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
 
 
@@ -133,7 +133,7 @@ def make_swizzled_tile_copy(NROWS, ROW_WORDS, HEAD_WORDS, NTHREADS):
 @kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False, TF32X3=True,
-                    WGMMA=False, PINGPONG=False):
+                    WGMMA=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -162,10 +162,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     with Q and K_j from shared memory, ``acc += P V_j`` with P from registers (S's accumulators, packed) and
     V_j from shared memory.  Q, K_j and V_j are stored 128-byte swizzled (``make_swizzled_tile_copy``) with
     the head dim padded to 64, and ``fence.proxy.async`` hands each landed tile to the tensor cores.
-    ``PINGPONG`` (two warpgroups): FlashAttention-3's warpgroup ping-pong; the warpgroups take turns at the
-    tensor cores (two named barriers, one per warpgroup's turn), so that one's softmax runs while the other's
-    products do, instead of both computing S, then both the softmax, then both P V.  Scheduling only: the
-    results are the same.
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
@@ -232,8 +228,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), mn_major_steps(KSTEPS_K),
                               b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1)
         fence_async = fence_proxy_async()
-    TURNS = WGMMA and PINGPONG and NWARPS == 8   # two warpgroups; barrier 1 + w: warpgroup w's turn
-    bar_sync, bar_arrive = named_barriers()
     # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
     quad_max = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=False)
@@ -598,9 +592,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             start_kv_copy(k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, smem, 0)
         buf = 0
         first = True                                         # (SPLIT, Q_SMEM: Q's tile is split with the first K/V)
-        wg = warp // 4
-        if TURNS and wg == 1 and kt < kt_hi:
-            bar_arrive(1, 256)                               # warpgroup 0 takes the first turn
         while kt < kt_hi:
             k0 = kt * BLOCK_K
             kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
@@ -623,11 +614,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 cuda.syncthreads()
 
             if WGMMA:                                                                      # S = Q K_j^T
-                if TURNS:
-                    bar_sync(1 + wg, 256)
                 wgmma_qk(s_reg, smem, q_bytes, 4 * base, 0)
-                if TURNS:
-                    bar_arrive(2 - wg, 256)                  # the other warpgroup's turn
             else:
                 score_tile(smem, base, q_reg, q_small, q_frag, q_frag_s, q_lane, k_lane, s_reg)
             if WINDOW_ONLY and need_mask:                                                  # S <- mask(S * scale)
@@ -640,11 +627,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,   # m_i, l_i, P
                            drop_threshold, drop_scale, seed_lo, seed_hi)
             if WGMMA:                                                                      # acc += P V_j
-                if TURNS:
-                    bar_sync(1 + wg, 256)
                 pv_tile_wgmma(smem, base, s_reg, p_all, acc)
-                if TURNS and (wg == 0 or kn < kt_hi):        # (the last turn of all is warpgroup 1's: no handover)
-                    bar_arrive(2 - wg, 256)
             elif TF32:
                 pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc, part)
             else:
