@@ -173,7 +173,7 @@ def _forward_tc_launch(call, bq, bk):
         return None
     d = call.headdim
     if _hopper(call):
-        mt, qs, extra = 1, True, {"WGMMA": True, "OVERLAP": wgmma_overlap(bq, bk, d)}
+        mt, qs, extra = 1, True, {"WGMMA": True}
     else:
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
@@ -380,19 +380,9 @@ WGMMA_AUTO = True
 WGMMA_AUTO_MIN_HEADDIM = 64
 
 
-def wgmma_shared_bytes(block_q, block_k, headdim, overlap=False):
-    """Dynamic shared memory per block of the Hopper forward (``overlap``: with its three K/V stages)."""
-    return make_forward_tc(block_q, block_k, headdim, "float16", True, 1, True, *([False] * 7), WGMMA=True,
-                           OVERLAP=overlap)[1]
-
-
-def wgmma_overlap(block_q, block_k, headdim):
-    """Whether the Hopper forward overlaps P V with the next tile's softmax (``OVERLAP``): where asked
-    (``WGMMA_OVERLAP``) and its three K/V stages fit the device's shared memory."""
-    return WGMMA_OVERLAP and shared_refusal(wgmma_shared_bytes(block_q, block_k, headdim, True), "") is None
-
-
-WGMMA_OVERLAP = False
+def wgmma_shared_bytes(block_q, block_k, headdim):
+    """Dynamic shared memory per block of the Hopper forward."""
+    return make_forward_tc(block_q, block_k, headdim, "float16", True, 1, True, *([False] * 7), WGMMA=True)[1]
 
 
 def _layout_refusal(layout):

@@ -2,15 +2,15 @@
 
     python -m tools.tune_tc [--dtype float16] [--seqlens 4096] [--configs 64=64:64,128:64;128=64:64]
     python -m tools.tune_tc --pass bwd [--configs 64=32:64,64:64;128=16:64;256=32:64:2] [--ablate dq-sync]
-    python -m tools.tune_tc --backend wgmma [--configs 64=128:128:0,128:128:1;128=128:64:1]
+    python -m tools.tune_tc --backend wgmma [--configs 64=128:128,128:64;128=128:64]
 
 ``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K[, warps per 16 keys: the
 head-dim split[, m-tiles of 16 keys per warp[, S^T shared]]]); the forward runs at
 its default tiles; the table has the backward's time alone and forward+backward against
 SDPA's FlashAttention-2 forward+backward.  ``--backend wgmma``: the Hopper forward, configurations
-(BLOCK_Q, BLOCK_K[, overlap: 1 = P V in flight during the next tile's softmax, ``plan.wgmma_overlap``]), and
-SDPA's cuDNN backend timed beside FlashAttention-2.  (Its warpgroup ping-pong,
-``make_forward_tc(PINGPONG=)``, was measured here at commit 5f6956e and removed: docs/notes/hopper.md.)
+(BLOCK_Q, BLOCK_K), and SDPA's cuDNN backend timed beside FlashAttention-2.  (Its warpgroup ping-pong,
+``make_forward_tc(PINGPONG=)``, and its overlap of P V with the next tile's softmax, ``OVERLAP=``, were measured
+here at commits 5f6956e and 4681f5e and removed: docs/notes/hopper.md.)
 
 For each head dim and (BLOCK_Q, BLOCK_K): the forward's error against a float64
 PyTorch computation on a small problem, then its time (calls queued between
@@ -80,11 +80,11 @@ def main(argv=None):
         print(tabulate(rows, headers="keys"))
         _resources()
         return
-    saved = plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale, plan.wgmma_overlap
+    saved = plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale
     try:
-        rows = _sweep_fwd(args, dtype, *saved[:3])
+        rows = _sweep_fwd(args, dtype, *saved)
     finally:
-        plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale, plan.wgmma_overlap = saved
+        plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale = saved
     print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; ratio = SDPA FlashAttention-2 time / "
           "flashnb time (>1: flashnb faster)")
     print(tabulate(rows, headers="keys"))
@@ -106,8 +106,6 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
             mt = 1 if wg else (cfg[2] if len(cfg) > 2 else default_mt(bq, d))
             qs = True if wg else (bool(cfg[3]) if len(cfg) > 3 else default_qs(mt, d))
             fold = bool(cfg[4]) if len(cfg) > 4 and not wg else True
-            ov = bool(cfg[2]) if wg and len(cfg) > 2 else plan.wgmma_overlap(bq, bk, d)
-            plan.wgmma_overlap = lambda block_q, block_k, headdim, ov=ov: ov
             plan.tc_m_tiles = lambda block_q, headdim, mt=mt: mt          # the variant under test
             plan.tc_q_in_smem = lambda m_tiles, headdim, qs=qs: qs
             plan.tc_positive_scale = lambda scale, fold=fold: fold and positive_scale(scale)
@@ -134,7 +132,7 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
                                fa2_tflops=round(f / t_s / 1e9, 1), ratio=round(t_s / t_f, 3))
                     if wg:
                         t_c = _time(lambda q, k, v: sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION), sets)
-                        row = dict(row, overlap=int(ov), cudnn_tflops=round(f / t_c / 1e9, 1),
+                        row = dict(row, cudnn_tflops=round(f / t_c / 1e9, 1),
                                    vs_cudnn=round(t_c / t_f, 3))
                     rows.append(row)
                     print(rows[-1], file=sys.stderr, flush=True)

@@ -116,8 +116,11 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     ``shared_bytes`` of dynamic shared memory (the kernel's limit is raised first where its static shared
     memory and these bytes together pass 48 KB).
 
-    ``args``: ``View``s, Numba device arrays, Python ints (int64), NumPy float32 / float64 scalars.
+    ``args``: ``View``s, Numba device arrays, Python ints (int64), NumPy float32 / float64 scalars.  A grid of no
+    blocks has nothing to do (a packed batch of empty sequences, say) and launches nothing.
     """
+    if grid == 0:
+        return
     if SIMULATOR:
         if getattr(RECORDING, "recorder", None) is not None:
             from .._dispatch import note_launch

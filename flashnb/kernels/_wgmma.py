@@ -80,7 +80,7 @@ def _descriptor_bits(lbo, sbo):
     return ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62)
 
 
-def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt, wait):
+def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -110,7 +110,7 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt, wait):
             lines.append(f"add.s64 db, ${x}, {b_steps[ks] >> 4};")
             lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, {{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, "
                          f"db, {scale_d}, 1, 1, {trans_b};")
-    lines += ["wgmma.commit_group.sync.aligned;"] + (["wgmma.wait_group.sync.aligned 0;"] if wait else []) + ["}"]
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     ptx = " ".join(lines)
     a_bits, b_bits = _descriptor_bits(a_lbo, 1024), _descriptor_bits(b_lbo, 1024)
 
@@ -217,7 +217,7 @@ def operand_values(words, start, rows, cols, major, lbo, fmt):
     return halves_to_float(np.asarray(words)[addr >> 2], (addr >> 1) & 1, fmt)
 
 
-def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt, wait):
+def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
     NACC = N // 2
     KSTEPS = len(b_steps)
     j, e = np.meshgrid(np.arange(N // 8), np.arange(4), indexing="ij")
@@ -283,59 +283,16 @@ def _sim_fence_proxy_async():
 _cache = {}
 
 
-def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0, wait=True):
+def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0):
     """``wgmma_ss(acc, smem, a_off, b_off, accumulate)`` (``kind="ss"``) or ``wgmma_rs(acc, a_regs, smem, b_off,
     accumulate)`` (``"rs"``) for one product shape: ``m64nNk16`` on ``dtype_name`` operands, the k-steps' start
     offsets (bytes, from the operands' ``*_off``) ``a_steps`` / ``b_steps``, the LBO of MN-major operands,
-    ``trans_b`` 1 for an MN-major B.  ``acc``: a local float32 array of ``N / 2`` values (any shape, C order).
-    ``wait=False``: the product is committed as a group and left in flight; ``make_wgmma_wait`` ends it (the
-    caller touches neither ``acc`` nor the operands before that)."""
-    key = (kind, dtype_name, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, wait)
+    ``trans_b`` 1 for an MN-major B.  ``acc``: a local float32 array of ``N / 2`` values (any shape, C order)."""
+    key = (kind, dtype_name, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b)
     if key not in _cache:
         make = _sim_wgmma if SIMULATOR else _gpu_wgmma
-        _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, FORMATS[dtype_name],
-                           wait)
+        _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, FORMATS[dtype_name])
     return _cache[key]
-
-
-def make_wgmma_wait(pending, nacc):
-    """``wgmma_wait(acc)``: ``wgmma.wait_group pending`` (at most ``pending`` of this warpgroup's committed products
-    still in flight), with the ``nacc`` values of ``acc`` passed through it, so that the compiler orders every
-    later use of the product's accumulators after the wait (the simulator's products are done at once)."""
-    key = ("wait", pending, nacc)
-    if key not in _cache:
-        _cache[key] = _sim_wgmma_wait if SIMULATOR else _gpu_wgmma_wait(pending, nacc)
-    return _cache[key]
-
-
-@device_function
-def _sim_wgmma_wait(acc):
-    pass
-
-
-def _gpu_wgmma_wait(pending, nacc):
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    f32, i64 = ir.FloatType(), ir.IntType(64)
-
-    @intrinsic
-    def wgmma_wait(typingctx, acc):
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            ptrs = [builder.gep(ary.data, [ir.Constant(i64, i)]) for i in range(nacc)]
-            vals = [builder.load(p) for p in ptrs]
-            cons = ",".join(["=f"] * nacc + [str(i) for i in range(nacc)])
-            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * nacc), [f32] * nacc),
-                               f"wgmma.wait_group.sync.aligned {pending};", cons, side_effect=True)
-            res = builder.call(asm, vals)
-            for i, p in enumerate(ptrs):
-                builder.store(builder.extract_value(res, i), p)
-            return context.get_dummy_value()
-        return types.void(acc), codegen
-
-    return wgmma_wait
 
 
 def fence_proxy_async():

@@ -37,7 +37,7 @@ from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, packed_tile_head_batch, sequence_span, tile_head_batch
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_wgmma,
-                     make_wgmma_wait, mn_major_steps, swizzled_offset)
+                     mn_major_steps, swizzled_offset)
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
 
 
@@ -133,7 +133,7 @@ def make_swizzled_tile_copy(NROWS, ROW_WORDS, HEAD_WORDS, NTHREADS):
 @kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False, TF32X3=True,
-                    WGMMA=False, OVERLAP=False):
+                    WGMMA=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -162,10 +162,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     with Q and K_j from shared memory, ``acc += P V_j`` with P from registers (S's accumulators, packed) and
     V_j from shared memory.  Q, K_j and V_j are stored 128-byte swizzled (``make_swizzled_tile_copy``) with
     the head dim padded to 64, and ``fence.proxy.async`` hands each landed tile to the tensor cores.
-    ``OVERLAP`` (with ``WGMMA``): FlashAttention-3's overlap inside a warpgroup: at key tile j, ``S_j = Q K_j^T``
-    and then ``acc += P_{j-1} V_{j-1}`` are issued together and left in flight; the softmax of S_j waits for
-    the first only and runs while the second computes; acc's rescale by alpha_j waits for it.  Three stages
-    of K/V in shared memory (tile j + 2 is copied into tile j - 1's once its V is read).
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
@@ -193,9 +189,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     STRIDE = D_WORDS if WGMMA else tc_padded_words(D_WORDS)   # words per key row of a K or V tile (WGMMA: swizzled)
     TILE = BLOCK_K * STRIDE                  # words of one K (or V) tile
     V_OFF = TILE                             # buffer s: K at s * 2 TILE, V at s * 2 TILE + V_OFF
-    STAGES = 3 if OVERLAP else 2
-    assert WGMMA or not OVERLAP
-    Q_OFF = 2 * STAGES * TILE                # STAGES buffers of (K_j, V_j), then the Q tile if Q_SMEM
+    Q_OFF = 4 * TILE                         # two buffers of (K_j, V_j), then the Q tile if Q_SMEM
     Q_WORDS = BLOCK_Q * STRIDE if Q_SMEM else 0
     SMALL = Q_OFF + Q_WORDS                  # SPLIT: the small parts of K_j, V_j (one buffer), then of Q
     SMALL_Q = SMALL + 2 * TILE
@@ -233,13 +227,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                               k_major_steps(BLOCK_K, KSTEPS_D))
         wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), mn_major_steps(KSTEPS_K),
                               b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1)
-        if OVERLAP:      # the same products left in flight, and the waits that end them
-            wgmma_qk_issue = make_wgmma("ss", DTYPE_NAME, BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D),
-                                        k_major_steps(BLOCK_K, KSTEPS_D), wait=False)
-            wgmma_pv_issue = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), mn_major_steps(KSTEPS_K),
-                                        b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1, wait=False)
-            wait_s_only = make_wgmma_wait(1, NT_K * 4)      # S_j done, P_{j-1} V_{j-1} may still fly
-            wait_acc = make_wgmma_wait(0, NT_D * 4)
         fence_async = fence_proxy_async()
     # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
     quad_max = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=True)
@@ -434,45 +421,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                             p = p * drop_scale if philox_keep(seed_lo, seed_hi, b, h, i, j, drop_threshold) else ZERO
                         s_reg[m, n, e] = p
                 l_i[2 * m + r] = l_i[2 * m + r] * alpha + l_tile
-                if OVERLAP:
-                    row[2 * m + r] = alpha                     # acc is in flight: rescale_acc applies it
-                else:
-                    for n in range(NT_D):
-                        acc[m, n, 2 * r] *= alpha
-                        acc[m, n, 2 * r + 1] *= alpha
-
-    @device_function
-    def rescale_acc(acc, row):
-        """acc *= alpha per row (``OVERLAP``: the softmax left alpha in ``row``)."""
-        for m in range(MT):
-            for r in range(2):
                 for n in range(NT_D):
-                    acc[m, n, 2 * r] *= row[2 * m + r]
-                    acc[m, n, 2 * r + 1] *= row[2 * m + r]
-
-    @device_function
-    def pack_p(s_reg, p_all):
-        """P's a fragments of every k-step (16 keys: S's n-tiles 2 kk, 2 kk + 1), packed (``WGMMA``)."""
-        for kk in range(KSTEPS_K):
-            p_all[4 * kk + 0] = pack2(s_reg[0, 2 * kk, 0], s_reg[0, 2 * kk, 1])
-            p_all[4 * kk + 1] = pack2(s_reg[0, 2 * kk, 2], s_reg[0, 2 * kk, 3])
-            p_all[4 * kk + 2] = pack2(s_reg[0, 2 * kk + 1, 0], s_reg[0, 2 * kk + 1, 1])
-            p_all[4 * kk + 3] = pack2(s_reg[0, 2 * kk + 1, 2], s_reg[0, 2 * kk + 1, 3])
-
-    @device_function
-    def softmax_tile(s_reg, need_mask, m_i, l_i, acc, row, scratch, tid, t, row0, k0, b, h, seqlen_q, seqlen_k,
-                     off, left, right, scale, scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q,
-                     bm_k, drop_threshold, drop_scale, seed_lo, seed_hi):
-        """S <- mask(modify(S * scale)) in log2 units, then the online softmax: P in ``s_reg``, m_i, l_i, acc."""
-        if WINDOW_ONLY and need_mask:
-            window_mask_tile(s_reg, row0, k0, t, seqlen_q, seqlen_k, off, left, right, scale_log2)
-        elif not WINDOW_ONLY and (HAS_MODS or need_mask):
-            modify_mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
-                             scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k)
-        elif not FOLD:
-            scale_tile(s_reg, scale_log2)
-        online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,
-                       drop_threshold, drop_scale, seed_lo, seed_hi)
+                    acc[m, n, 2 * r] *= alpha
+                    acc[m, n, 2 * r + 1] *= alpha
 
     @device_function
     def pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc, part):
@@ -529,8 +480,13 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
 
     @device_function
     def pv_tile_wgmma(smem, base, s_reg, p_all, acc):
-        """acc += P V_j by the warpgroup: P's a fragments in registers (``pack_p``), V_j from its swizzled tile."""
-        pack_p(s_reg, p_all)
+        """acc += P V_j by the warpgroup: P's a fragments of every k-step (16 keys: S's n-tiles 2 kk, 2 kk + 1,
+        packed as in ``pv_tile``) in registers, V_j from its swizzled shared tile."""
+        for kk in range(KSTEPS_K):
+            p_all[4 * kk + 0] = pack2(s_reg[0, 2 * kk, 0], s_reg[0, 2 * kk, 1])
+            p_all[4 * kk + 1] = pack2(s_reg[0, 2 * kk, 2], s_reg[0, 2 * kk, 3])
+            p_all[4 * kk + 2] = pack2(s_reg[0, 2 * kk + 1, 0], s_reg[0, 2 * kk + 1, 1])
+            p_all[4 * kk + 3] = pack2(s_reg[0, 2 * kk + 1, 2], s_reg[0, 2 * kk + 1, 3])
         wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
 
     @device_function
@@ -636,52 +592,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             start_kv_copy(k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, smem, 0)
         buf = 0
         first = True                                         # (SPLIT, Q_SMEM: Q's tile is split with the first K/V)
-        if OVERLAP:                                          # (FA3's order: see the docstring)
-            stage = 0
-            kn = kt_hi
-            if kt < kt_hi:
-                kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-                if kn < kt_hi:                               # tile j + 1 flies from the start too
-                    start_kv_copy(k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, smem, 2 * TILE)
-            # the stage of P_{j-1}'s V; before the first tile a P of zeros on the first tile's V (acc += 0, and no
-            # branch around the products: ptxas serialises them where it cannot match each product to its wait)
-            prev = 0
-            for i in range(P_ALL):
-                p_all[i] = W0
-            ran = kt < kt_hi
-            while kt < kt_hi:
-                k0 = kt * BLOCK_K
-                _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-                if kn < kt_hi:
-                    wait_prev()
-                else:
-                    wait_all()
-                fence_async()
-                cuda.syncthreads()                           # K_j, V_j have landed, for the tensor cores
-                base = stage * 2 * TILE
-                wgmma_qk_issue(s_reg, smem, q_bytes, 4 * base, 0)                           # S = Q K_j^T
-                wgmma_pv_issue(acc, p_all, smem, 4 * (prev * 2 * TILE + V_OFF), 1)          # acc += P_{j-1} V_{j-1}
-                wait_s_only(s_reg)
-                softmax_tile(s_reg, need_mask, m_i, l_i, acc, row, scratch, tid, t, row0, k0, b, h, seqlen_q,
-                             seqlen_k, off, left, right, scale, scale_log2, softcap, attn_bias, alibi,
-                             attn_mask, block_mask, bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
-                wait_acc(acc)
-                rescale_acc(acc, row)
-                pack_p(s_reg, p_all)
-                kn2 = kt_hi
-                if kn < kt_hi:
-                    kn2 = next_tile(kn, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-                cuda.syncthreads()                           # every warp is done with V_{j-1}'s stage: tile j + 2's
-                if kn2 < kt_hi:
-                    nxt = stage + 2 if stage < 1 else stage - 1
-                    start_kv_copy(k, v, k_base, v_base, k_row, v_row, kn2 * BLOCK_K, seqlen_k, smem, nxt * 2 * TILE)
-                prev = stage
-                stage = stage + 1 if stage < 2 else 0
-                kt = kn
-                kn = kn2
-            if ran:
-                wgmma_pv(acc, p_all, smem, 4 * (prev * 2 * TILE + V_OFF), 1)             # acc += P_last V_last
-            kt = kt_hi                                       # (the loop below has nothing to do)
         while kt < kt_hi:
             k0 = kt * BLOCK_K
             kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
@@ -707,9 +617,15 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 wgmma_qk(s_reg, smem, q_bytes, 4 * base, 0)
             else:
                 score_tile(smem, base, q_reg, q_small, q_frag, q_frag_s, q_lane, k_lane, s_reg)
-            softmax_tile(s_reg, need_mask, m_i, l_i, acc, row, scratch, tid, t, row0, k0, b, h, seqlen_q,  # P, m_i,
-                         seqlen_k, off, left, right, scale, scale_log2, softcap, attn_bias, alibi,          # l_i
-                         attn_mask, block_mask, bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
+            if WINDOW_ONLY and need_mask:                                                  # S <- mask(S * scale)
+                window_mask_tile(s_reg, row0, k0, t, seqlen_q, seqlen_k, off, left, right, scale_log2)
+            elif not WINDOW_ONLY and (HAS_MODS or need_mask):
+                modify_mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
+                                 scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k)
+            elif not FOLD:
+                scale_tile(s_reg, scale_log2)
+            online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,   # m_i, l_i, P
+                           drop_threshold, drop_scale, seed_lo, seed_hi)
             if WGMMA:                                                                      # acc += P V_j
                 pv_tile_wgmma(smem, base, s_reg, p_all, acc)
             elif TF32:

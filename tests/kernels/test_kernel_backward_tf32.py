@@ -143,7 +143,7 @@ def test_highest_head_dim_split(share, data):
     computed by both (above 128 at block_q 16); any option, at least two query tiles or two heads (so the deferred
     dQ of one item runs in the next)."""
     p = data.draw(problems(tiles=st.sampled_from([(32, 16)] if share else [(16, 16), (16, 32)]) if SIMULATOR
-                           else st.sampled_from([(32, 64), (16, 32)] if share else [(16, 32), (16, 64)]),
+                           else st.sampled_from([(32, 64), (32, 32)] if share else [(16, 32), (16, 64)]),
                            headdims=(20,) if SIMULATOR else (80, 128, 256), min_seqlen=17 if not share else 1,
                            **LAYOUT_GRID), label="problem")
     assume(p.seqlen_q > (32 if share else 16) or p.nheads > 1)

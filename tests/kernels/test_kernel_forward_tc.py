@@ -305,24 +305,6 @@ def test_wgmma_every_option_at_once(p):
     _wgmma_forward_matches_oracle(p)
 
 
-@settings(max_examples=examples(4, 12))
-@given(p=wg_problems(min_seqlen=17))
-def test_wgmma_overlapped_products(p):
-    """``OVERLAP`` (P V of tile j - 1 in flight during tile j's softmax, three K/V stages), any options: the
-    same rule.  At least 17 keys in the simulator, so that two or more key tiles (of 16) rotate the stages."""
-    real = plan.wgmma_overlap
-    plan.wgmma_overlap = lambda block_q, block_k, headdim: True
-    built = []
-    real_make = plan.make_forward_tc
-    plan.make_forward_tc = lambda *a, **kw: (built.append(kw), real_make(*a, **kw))[1]
-    try:
-        out, lse = kernel_forward(p, backend="wgmma")
-    finally:
-        plan.wgmma_overlap, plan.make_forward_tc = real, real_make
-    check_forward(expected(p, backward=False), out, lse)
-    assert not built or built[-1].get("OVERLAP"), built
-
-
 @settings(max_examples=examples(2, 12))
 @given(p=wg_problems(dtype=np.float32, scale=10.0))
 def test_wgmma_bfloat16_within_twice_bfloat16_oracle_error(p):
