@@ -50,9 +50,9 @@ def hbm_bound_us(seqlen, batch=BATCH, nheads_k=NHEADS_K, headdim=HEADDIM, itemsi
 
 SWEEP = ((0, 2, 64), (3, 2, 64))   # (STAGES, KEYS_PER_LANE, E_BUDGET) of --decode-sweep's extra rows
 VARIANTS = (                        # --variants' candidates (flashnb.kvcache settings), each against the default
-    "LEAN=1",                                                    # fewer instructions per key (make_decode's LEAN)
-    "LEAN=1,E_BUDGET=32,BLOCKS_PER_SM=3,STAGES=6",               # 16 lanes a key, 164 registers: 12 warps an SM
-    "LEAN=1,NWARPS=8,BLOCKS_PER_SM=1",                           # one 8-warp block an SM: no split, no combine
+    "LEAN=0,NWARPS=4,BLOCKS_PER_SM=2",                           # the default before run 4 of the record
+    "NWARPS=4,BLOCKS_PER_SM=2",                                  # LEAN alone
+    "E_BUDGET=32,BLOCKS_PER_SM=3,STAGES=6,NWARPS=4",             # 16 lanes a key, 164 registers: 12 warps an SM
 )
 SLEEP_CYCLES = 3_000_000   # ~1.5 ms of GPU clock: the host enqueues a call while the GPU still sleeps
 

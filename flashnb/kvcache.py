@@ -26,14 +26,16 @@ from .kernels._jit import SIMULATOR, launch
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_ROWS = 8                          # query rows (query tokens x GQA heads) per block: q and acc live in registers
 KEYS_PER_LANE = 2                     # T: keys per lane group per step (loads in flight per lane: 2 T rows' chunks)
-NWARPS = 2 if SIMULATOR else 4        # the simulator's grids stay small; two warps still exercise the warp merge
+NWARPS = 2 if SIMULATOR else 8        # the simulator's grids stay small; two warps still exercise the warp merge
 E_BUDGET = 4 if SIMULATOR else 64     # q and acc values per lane per row tile (x ROWS): sets the lanes per key;
                                       # tiny in the simulator so that its tiny head dims still split a key over lanes
-BLOCKS_PER_SM = 2                     # decode blocks resident per SM (registers): the slots the split count fills
+BLOCKS_PER_SM = 2 if SIMULATOR else 1  # decode blocks resident per SM (registers): the slots the split count fills
 MAX_SPLITS = 128
 STAGES = 4                            # K/V tiles staged through shared memory, STAGES - 1 steps ahead (0: registers)
 STAGE_BYTES_PER_SM = 192 * 1024       # the stages' shared memory of the BLOCKS_PER_SM blocks of an SM, together
-LEAN = False                          # decode.make_decode's LEAN candidate (fewer instructions per step)
+LEAN = True                           # decode.make_decode's LEAN path (fewer instructions per step)
+# NWARPS 8, one block an SM and LEAN: measured 1.04-1.06x the earlier 4 warps, two blocks an SM (the issue's shape,
+# H100, bench/results/h100-decode-2026-11-25.md, "run 4": 0.99-1.01x SDPA FlashAttention-2's kernels)
 # The settings above are read at every call: ``python -m bench.decode --variants "LEAN=1,STAGES=6" ...`` times
 # other values against these (bench/decode.py), with no code edit.
 SIM_SMS = 2                           # the simulator's stand-in SM count: tiny problems still split
