@@ -118,6 +118,44 @@ def _max_err(a, b):
     return float((a.float() - b.float()).abs().max())
 
 
+def _inputs(torch, g, n):
+    """The decode shape's arrays at ``n`` cached keys (``g`` seeded with ``n``): q, the dense cache, the same in
+    SDPA's layout ((batch, heads, seqlen, dim), contiguous), q packed by GQA group ((b, kv head, the group's
+    heads as rows, d)), the lengths as a CUDA tensor, a paged copy (pages in random order, its table), and the
+    float32 SDPA reference."""
+    import torch.nn.functional as F
+    g.manual_seed(n)
+    q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
+    kc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
+    vc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
+    k_sdpa, v_sdpa = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    q_packed = q.view(BATCH, NHEADS_K, NHEADS // NHEADS_K, HEADDIM)
+    lens_t = torch.full((BATCH,), n, dtype=torch.int32, device="cuda")
+    per = n // PAGE
+    perm = torch.randperm(BATCH * per, device="cuda", generator=g)
+    table = perm.view(BATCH, per).to(torch.int32)
+    kp = torch.empty(BATCH * per, PAGE, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16)
+    vp = torch.empty_like(kp)
+    kp[perm] = kc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
+    vp[perm] = vc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
+    ref = F.scaled_dot_product_attention(q_packed.float(), k_sdpa.float(), v_sdpa.float()).reshape(
+        BATCH, 1, NHEADS, HEADDIM)
+    return q, kc, vc, k_sdpa, v_sdpa, q_packed, lens_t, table, kp, vp, ref
+
+
+def _record(torch, n, name, layout, context, fn, ref, flush, log):
+    """One row: ``fn`` measured (``_measure``) inside ``context()`` (entered once, not per call); a failure is
+    the row's note."""
+    rec = dict(seqlen_k=n, layout=layout, impl=name, hbm_bound_us=round(hbm_bound_us(n), 1))
+    try:
+        with context():
+            _measure(torch, fn, name, ref, flush, rec)
+    except Exception as exc:                                  # noqa: BLE001 - one row's failure, reported
+        rec["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    log(_row(rec))
+    return rec
+
+
 def run(torch, seqlens=SEQLENS, sweep=False, log=print):
     """The decode table's records: dict(case, impl, gpu_us, call_us, vs_hbm, note)."""
     import torch.nn.functional as F
@@ -127,7 +165,6 @@ def run(torch, seqlens=SEQLENS, sweep=False, log=print):
 
     flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     flush = flush_buf.zero_
-    group = NHEADS // NHEADS_K
     try:
         import flash_attn
         fa = flash_attn.flash_attn_with_kvcache
@@ -136,27 +173,9 @@ def run(torch, seqlens=SEQLENS, sweep=False, log=print):
     records = []
     g = torch.Generator(device="cuda")
     for n in seqlens:
-        g.manual_seed(n)
-        q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
-        kc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
-        vc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
-        # SDPA's layout, (batch, heads, seqlen, dim), contiguous: the same values
-        k_sdpa, v_sdpa = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
-        q_packed = q.view(BATCH, NHEADS_K, group, HEADDIM)     # (b, kv head, the group's heads as rows, d)
+        q, kc, vc, k_sdpa, v_sdpa, q_packed, lens_t, table, kp, vp, ref = _inputs(torch, g, n)
         q_sdpa = q.transpose(1, 2)                             # (b, 32 heads, 1, d)
-        bound = hbm_bound_us(n)
         k_new, v_new = kc[:, n - 1:].clone(), vc[:, n - 1:].clone()    # the last row appended again: same values
-        lens_t = torch.full((BATCH,), n, dtype=torch.int32, device="cuda")
-        per = n // PAGE
-        perm = torch.randperm(BATCH * per, device="cuda", generator=g)
-        table = perm.view(BATCH, per).to(torch.int32)
-        kp = torch.empty(BATCH * per, PAGE, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16)
-        vp = torch.empty_like(kp)
-        kp[perm] = kc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
-        vp[perm] = vc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
-
-        ref = F.scaled_dot_product_attention(q_packed.float(), k_sdpa.float(), v_sdpa.float()).reshape(
-            BATCH, 1, NHEADS, HEADDIM)
         impls = [
             ("flashnb", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n)),
             ("flashnb (seqlens tensor)", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens_t)),
@@ -178,15 +197,8 @@ def run(torch, seqlens=SEQLENS, sweep=False, log=print):
         elif n == seqlens[0]:
             log(f"# not measured: {fa_why}")
         for name, layout, fn, *backend in impls:
-            rec = dict(seqlen_k=n, layout=layout, impl=name, hbm_bound_us=round(bound, 1))
-            try:
-                ctx = sdpa_kernel(backend[0]) if backend else contextlib.nullcontext()   # entered once, not per call
-                with ctx:
-                    _measure(torch, fn, name, ref, flush, rec)
-            except Exception as exc:                          # noqa: BLE001 - one row's failure, reported
-                rec["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-            records.append(rec)
-            log(_row(rec))
+            context = (lambda b=backend[0]: sdpa_kernel(b)) if backend else contextlib.nullcontext
+            records.append(_record(torch, n, name, layout, context, fn, ref, flush, log))
         del kc, vc, kp, vp, k_sdpa, v_sdpa
         torch.cuda.empty_cache()
     if sweep:
@@ -280,28 +292,12 @@ def run_variants(torch, variants, seqlens=SEQLENS, log=print):
     specs = [(spec, parse_variant(spec)) for spec in variants]
     flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     flush = flush_buf.zero_
-    group = NHEADS // NHEADS_K
     sdpa = F.scaled_dot_product_attention
     call = flashnb.flash_attn_with_kvcache
     records = []
     g = torch.Generator(device="cuda")
     for n in seqlens:
-        g.manual_seed(n)
-        q = torch.randn(BATCH, 1, NHEADS, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
-        kc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
-        vc = torch.randn(BATCH, n, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16, generator=g)
-        k_sdpa, v_sdpa = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
-        q_packed = q.view(BATCH, NHEADS_K, group, HEADDIM)
-        lens_t = torch.full((BATCH,), n, dtype=torch.int32, device="cuda")
-        per = n // PAGE
-        perm = torch.randperm(BATCH * per, device="cuda", generator=g)
-        table = perm.view(BATCH, per).to(torch.int32)
-        kp = torch.empty(BATCH * per, PAGE, NHEADS_K, HEADDIM, device="cuda", dtype=torch.float16)
-        vp = torch.empty_like(kp)
-        kp[perm] = kc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
-        vp[perm] = vc.view(BATCH * per, PAGE, NHEADS_K, HEADDIM)
-        ref = F.scaled_dot_product_attention(q_packed.float(), k_sdpa.float(), v_sdpa.float()).reshape(
-            BATCH, 1, NHEADS, HEADDIM)
+        q, kc, vc, k_sdpa, v_sdpa, q_packed, lens_t, table, kp, vp, ref = _inputs(torch, g, n)
         rows = [("flashnb", "dense", {}, lambda: call(q, kc, vc, cache_seqlens=n))]
         rows += [(f"flashnb {spec}", "dense", o, lambda: call(q, kc, vc, cache_seqlens=n)) for spec, o in specs]
         rows += [
@@ -314,15 +310,8 @@ def run_variants(torch, variants, seqlens=SEQLENS, log=print):
              lambda: sdpa(q_packed, kc.transpose(1, 2), vc.transpose(1, 2))),
         ]
         for name, layout, how, fn in rows:
-            rec = dict(seqlen_k=n, layout=layout, impl=name, hbm_bound_us=round(hbm_bound_us(n), 1))
-            try:
-                ctx = settings(how) if isinstance(how, dict) else sdpa_kernel(how)
-                with ctx:
-                    _measure(torch, fn, name, ref, flush, rec)
-            except Exception as exc:                          # noqa: BLE001 - one row's failure, reported
-                rec["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-            records.append(rec)
-            log(_row(rec))
+            context = (lambda h=how: settings(h)) if isinstance(how, dict) else (lambda h=how: sdpa_kernel(h))
+            records.append(_record(torch, n, name, layout, context, fn, ref, flush, log))
         del kc, vc, kp, vp, k_sdpa, v_sdpa
         torch.cuda.empty_cache()
     _speedups(records)
