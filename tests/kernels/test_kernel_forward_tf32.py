@@ -95,14 +95,16 @@ def test_high_every_option_at_once(p):
     check_forward(_high_expected(p), out, lse)
 
 
-def test_precision_is_checked_and_the_backward_refuses_float32_on_tensor_cores():
+def test_precision_is_checked_forward_and_backward():
+    """An unknown ``precision`` is refused before any launch, by the forward and by the backward (which, since the
+    float32 backward runs on the tensor cores too, takes the argument: tests/kernels/test_kernel_backward_tf32.py)."""
     rng = np.random.default_rng()
     q, k, v = (rng.standard_normal((1, 4, 1, 8)).astype(np.float32) for _ in range(3))
     with pytest.raises(ValueError, match="precision"):
         flashnb.flash_attention(q, k, v, precision="medium")
     out, lse = flashnb.flash_attention(q, k, v, return_lse=True, backend="tensorcore")
-    with pytest.raises(ValueError, match="float16 and bfloat16 inputs only"):
-        flashnb.flash_attention_backward(q, q, k, v, out, lse, backend="tensorcore")
+    with pytest.raises(ValueError, match="precision"):
+        flashnb.flash_attention_backward(q, q, k, v, out, lse, backend="tensorcore", precision="medium")
 
 
 @pytest.mark.parametrize("headdim", [64, 128, 256])
