@@ -39,10 +39,14 @@ if SIMULATOR:
     TILES = st.sampled_from([(16, 16), (32, 16), (16, 32), (None, None)])
     HEADDIMS = (1, 3, 4, 8)
     MAX_SEQLEN = 24
+    # the properties' first (derandomised) examples are the smallest: at least two 8-query and 8-key k-steps
+    # and two dQ m-tiles in each, so the permuted k-steps and the fragments' rows matter from the first example
+    MIN_SEQLEN = 17
 else:
     TILES = st.tuples(st.sampled_from([None, 16, 32, 64]), st.sampled_from([None, 16, 32, 64, 128]))
     HEADDIMS = (1, 8, 33, 64, 80, 128, 256)
     MAX_SEQLEN = None
+    MIN_SEQLEN = 1
 
 TF32_EPS = 2.0 ** -10                   # truncation's relative error; rounding's is half of it
 
@@ -101,7 +105,7 @@ def _check_high(p):
 
 
 @settings(max_examples=examples(4, 25))
-@given(p=problems(max_batch=1) if SIMULATOR else problems())
+@given(p=problems(max_batch=1, min_seqlen=MIN_SEQLEN) if SIMULATOR else problems())
 def test_highest_within_twice_the_simt_error(p):
     """(In the simulator one batch element, the cost of 3xTF32's three products per step: the batch offsets are
     the 16-bit kernel's code, and the "high" property draws two.)"""
@@ -109,14 +113,14 @@ def test_highest_within_twice_the_simt_error(p):
 
 
 @settings(max_examples=examples(4, 25))
-@given(p=problems())
+@given(p=problems(min_seqlen=MIN_SEQLEN))
 def test_high_within_the_tf32_bound(p):
     _check_high(p)
 
 
 @pytest.mark.parametrize("precision", plan.PRECISIONS)
 @settings(max_examples=examples(2, 8))
-@given(p=problems(required=S.ALL_OPTIONS))
+@given(p=problems(required=S.ALL_OPTIONS, min_seqlen=min(MIN_SEQLEN, 9)))
 def test_every_option_at_once(precision, p):
     (_check_highest if precision == "highest" else _check_high)(p)
 
