@@ -23,7 +23,7 @@ from .kernels._jit import SIMULATOR, compute_capability, shared_limit
 from .kernels._tiles import np_acc
 from .kernels.backward import (CAST_THREADS, PREPROCESS_THREADS, cast_grid, make_cast, make_dkdv, make_dq,
                                make_preprocess, preprocess_grid, preprocess_threads)
-from .kernels.backward_tc import make_cast_tc, make_dkdv_tc, make_preprocess_tf32
+from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
 from .kernels.forward import LOG2E, make_forward, tile_threads
 from .kernels.forward_tc import make_forward_tc
 
@@ -215,7 +215,7 @@ def _key_tiles(call, bk):
 def _preprocess_launch(call, acc, words_of):
     if call.seqlen_q == 0:
         return None
-    ncols = call.headdim // 2 if words_of else call.headdim
+    ncols = call.headdim // 2 if words_of in ("float16", "bfloat16") else call.headdim   # (float32: a value a word)
     tc = preprocess_threads(ncols)
     batch, rows = _rows(call)
     return Launch(make_preprocess(acc, words_of, tc), preprocess_grid(rows, call.nheads, batch, tc),
@@ -241,16 +241,8 @@ def _backward_tc_plan(call, bq, bk):
     cast = None
     if call.seqlen_q > 0:
         cast = _cast_launch(make_cast_tc(call.dtype), _rows(call)[0] * _rows(call)[1] * call.nheads * words)
-    if call.dtype == "float32":                      # dO, O as float32 words
-        preprocess = None
-        if call.seqlen_q > 0:
-            tc = preprocess_threads(d)
-            batch, rows = _rows(call)
-            preprocess = Launch(make_preprocess_tf32(tc), preprocess_grid(rows, call.nheads, batch, tc),
-                                PREPROCESS_THREADS, 0)
-    else:
-        preprocess = _preprocess_launch(call, "float32", call.dtype)
-    return BackwardPlan(call, "tensorcore", bq, bk, "float32", preprocess, dkdv, True, cast)
+    return BackwardPlan(call, "tensorcore", bq, bk, "float32", _preprocess_launch(call, "float32", call.dtype),
+                        dkdv, True, cast)
 
 
 def _tf32_keywords(dtype, precision):

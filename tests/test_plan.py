@@ -132,7 +132,7 @@ def test_float32_backward_on_the_tensor_cores_when_asked_for(device, precision):
         assert plan._tc_bwd_layout(*tiles, d, "float32") == (2 if share else 1, 1, share)
         assert b.dkdv.kernel is make_dkdv_tc(*tiles, d, "float32", True, *([False] * 7), 2 if share else 1, True,
                                              MTK=1, SHARE=share, TF32X3=precision == "highest")[0]
-        assert "make_preprocess_tf32" in b.preprocess.kernel.flashnb_id
+        assert "make_preprocess('float32', 'float32'" in b.preprocess.kernel.flashnb_id
         assert b.finish.grid == cast_grid(2 * 1000 * 8 * d)                  # one float32 word per element
         assert plan.backward(c._replace(backend="auto")).backend == "simt"
 

@@ -440,7 +440,8 @@ def tf32_primitives():
     * ``split_bits(w)``: ``(big, small)``, ``big = round_bits(w)`` and ``small`` the tf32 rounding of
       ``x - big`` (exact in float32), so that ``x = big + small`` to about 2**-22 relative: the operands of
       3xTF32 (``a b ~ a_small b_big + a_big b_small + a_big b_big``);
-    * ``round_value(x)``, ``split_value(x)``: the same from a float32 value; ``as_bits(x)``: its bits.
+    * ``round_value(x)``, ``split_value(x)``: the same from a float32 value; ``as_bits(x)``: its bits,
+      ``as_float(w)``: the float32 of bits ``w``.
 
     Magnitudes within 2**-12 of float32's largest round to infinity (attention's operands are far from it).
     """
@@ -474,7 +475,7 @@ def tf32_primitives():
             return split_bits(as_bits(x))
 
         _cache["tf32"] = dict(round_bits=round_bits, split_bits=split_bits, round_value=round_value,
-                              split_value=split_value, as_bits=as_bits)
+                              split_value=split_value, as_bits=as_bits, as_float=as_float)
     return _cache["tf32"]
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
-from ._mma import primitives
+from ._mma import primitives, tf32_primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import (U, tile_head_batch, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load,
                      packed_tile_head_batch, padded, scratch_size, sequence_span)
@@ -49,7 +49,8 @@ def make_preprocess(ACC_NAME, WORDS_OF=None, THREADS_C=1):
     holds ``128 / THREADS_C`` rows of one (batch, head).
 
     ``WORDS_OF`` ("float16" / "bfloat16"): ``dout`` and ``out`` are 32-bit word views holding pairs of
-    that format (the tensor-core backward's arrays), unpacked with ``_mma``'s ``unpack2``.
+    that format (the tensor-core backward's arrays), unpacked with ``_mma``'s ``unpack2``; "float32": word views
+    of float32 values (the tf32 backward's), read as floats (``tf32_primitives``' bitcast).
     """
     ACC = np.dtype(ACC_NAME).type
     ZERO, LOG2E_T, POS_INF, NEG_INF = ACC(0), ACC(LOG2E), ACC(np.inf), ACC(-np.inf)
@@ -58,7 +59,13 @@ def make_preprocess(ACC_NAME, WORDS_OF=None, THREADS_C=1):
     reduce_sum = make_row_allreduce(1, THREADS_C, PREPROCESS_THREADS, ACC, False)
     SCRATCH = max(1, scratch_size(ROWS, THREADS_C))
 
-    if WORDS_OF:
+    if WORDS_OF == "float32":
+        as_float = tf32_primitives()["as_float"]
+
+        @device_function
+        def col_dot(dout, out, b, i, h, c):
+            return as_float(dout[b, i, h, c]) * as_float(out[b, i, h, c])
+    elif WORDS_OF:
         unpack2 = primitives(WORDS_OF)[2]
 
         @device_function

@@ -46,8 +46,8 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
-from ._tiles import U, make_row_allreduce, packed_tile_head_batch, scratch_size, sequence_span, tile_head_batch
-from .backward import CAST_ITEMS, CAST_THREADS, PREPROCESS_THREADS, make_element_grad, make_query_tile_range
+from ._tiles import U, packed_tile_head_batch, sequence_span, tile_head_batch
+from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
 from .forward_tc import make_async_tile_copy, tc_padded_words
 
@@ -164,52 +164,6 @@ def make_cast_tc(DTYPE_NAME):
                 dst[t] = pack2(src[2 * t], src[2 * t + 1])
 
     return cast_tc
-
-
-def _word_as_float():
-    """``as_float(w)``: the float32 whose bits are the uint32 ``w`` (an LLVM bitcast on the GPU)."""
-    if SIMULATOR:
-        @device_function
-        def as_float(w):
-            return np.array([w], dtype=np.uint32).view(np.float32)[0]
-        return as_float
-    from ._mma import _gpu_bitcasts
-    return _gpu_bitcasts()[0]
-
-
-@lru_cache(maxsize=None)
-@kernel_factory
-def make_preprocess_tf32(THREADS_C=1):
-    """``backward.make_preprocess("float32", THREADS_C=...)`` on the float32 words of ``dout`` and ``out`` (uint32
-    views, as the tensor-core kernels take them): ``delta = rowsum(dO * O)`` and lse in base 2 (+inf where a row
-    saw no key), ``THREADS_C`` threads a row, ``preprocess_grid`` blocks of ``PREPROCESS_THREADS``."""
-    ROWS = PREPROCESS_THREADS // THREADS_C
-    SHIFT = THREADS_C.bit_length() - 1
-    ZERO, LOG2E_T, POS_INF, NEG_INF = F32(0), F32(LOG2E), F32(np.inf), F32(-np.inf)
-    reduce_sum = make_row_allreduce(1, THREADS_C, PREPROCESS_THREADS, F32, False)
-    SCRATCH = max(1, scratch_size(ROWS, THREADS_C))
-    as_float = _word_as_float()
-
-    @kernel
-    def preprocess_tf32(dout, out, lse, delta, lse2):
-        chunk, h, b = tile_head_batch((out.shape[1] + ROWS - 1) // ROWS, out.shape[2])
-        ty = cuda.threadIdx.x >> SHIFT
-        tx = cuda.threadIdx.x & (THREADS_C - 1)
-        i = chunk * ROWS + ty
-        part = cuda.local.array(1, F32)
-        scratch = cuda.shared.array(SCRATCH, F32)
-        acc = ZERO
-        if i < out.shape[1]:
-            for c in range(tx, out.shape[3], THREADS_C):
-                acc += as_float(dout[b, i, h, c]) * as_float(out[b, i, h, c])
-        part[0] = acc
-        reduce_sum(part, scratch, ty, tx)                 # every thread of the block: the simulator's has barriers
-        if i < out.shape[1] and tx == 0:
-            delta[b, h, i] = part[0]
-            x = F32(lse[b, h, i])
-            lse2[b, h, i] = x * LOG2E_T if x != NEG_INF else POS_INF
-
-    return preprocess_tf32
 
 
 def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
