@@ -58,7 +58,10 @@ def test_highest_within_twice_the_simt_error(p):
     fin = np.isfinite(exp.out)
     simt_err, _ = _simt_error(p, exp.out)
     err = float(np.max(np.abs(np.asarray(out, np.float64) - exp.out)[fin], initial=0.0))
-    floor = 8 * EPS32 * exp.mags["out"] + 4 * np.finfo(np.float32).tiny
+    # the floor: a few float32 ulps of out's scale, and what 3xTF32 drops by design: the small x small product,
+    # at most 2**-22 of each |q_d k_d| term, so a score off by 2**-22 s_dot (a relative error of p, so of out's
+    # scale); 8 EPS32 = 2**-20 leaves 4x.  With |q| ~ 1e3 (the harness draws it) that term dominates.
+    floor = 8 * EPS32 * (1 + exp.mags["s_dot"]) * exp.mags["out"] + 4 * np.finfo(np.float32).tiny
     assert err <= 2 * simt_err + floor, f"3xTF32 error {err:.3g} > 2 x SIMT's {simt_err:.3g} + {floor:.3g}"
 
 
