@@ -10,19 +10,14 @@ largest absolute error of each gradient over its largest magnitude, and the rati
 "highest" at most 2). Needs a GPU and PyTorch.
 """
 import argparse
-import math
 import time
 
 
 def reference_grads(q, k, v, dout, causal):
     """dq, dk, dv of attention in float64 (materialised), in (batch, seqlen, heads, d)."""
-    import torch
+    from tools.tf32_error import probabilities
     qd, kd, vd = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    s = qd @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        n, m = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n), -math.inf)
-    out = torch.softmax(s, -1) @ vd
+    out = probabilities(qd, kd, causal) @ vd
     out.backward(dout.double().transpose(1, 2))
     return tuple(x.grad.transpose(1, 2) for x in (qd, kd, vd))
 

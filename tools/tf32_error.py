@@ -16,14 +16,19 @@ import time
 import numpy as np
 
 
-def reference(q, k, v, causal):
+def probabilities(qd, kd, causal):
+    """softmax(Q K^T / sqrt(d)) of (batch, heads, seqlen, d) tensors, causal bottom-right aligned."""
     import torch
-    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
-    s = qd @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = qd @ kd.transpose(-1, -2) / math.sqrt(qd.shape[-1])
     if causal:
         n, m = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n), -math.inf)
-    return (torch.softmax(s, -1) @ vd).transpose(1, 2)
+        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=qd.device).tril(m - n), -math.inf)
+    return torch.softmax(s, -1)
+
+
+def reference(q, k, v, causal):
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    return (probabilities(qd, kd, causal) @ vd).transpose(1, 2)
 
 
 def main(argv=None):
