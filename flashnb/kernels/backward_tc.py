@@ -217,10 +217,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     as batch 0 with the sequence's rows shifted by its first row.
 
     ``DTYPE_NAME="float32"``: tf32 operands (``mma.m16n8k8``; the module docstring), with the float32 helpers
-    (``scores_t_tf32``, ``dv_dk_tile_tf32``, ``dq_tf32``, ``store_words_tf32``, ``store_dk_dv_tf32``).  P^T and dS^T
-    are stored in shared memory as float32 words, each 8 queries in the k-step's permuted order.  ``TF32X3``
-    (``precision="highest"``): every operand split into a tf32 part and its tf32 residual (``tf32_primitives``'s
-    ``split_bits``), each k-step's three products ``a_small b_big + a_big b_small + a_big b_big`` into a zeroed
+    (``scores_t_tf32``, ``dv_dk_tile_tf32``, ``dq_tf32``, ``store_words_tf32``, ``store_dk_dv``'s float32
+    branch).  P^T and dS^T are stored in shared memory as float32 words, each 8 queries in the k-step's permuted
+    order.  ``TF32X3`` (``precision="highest"``): every operand split into a tf32 part and its tf32 residual
+    (``tf32_primitives``'s ``split_bits``), each k-step's three products ``a_small b_big + a_big b_small + a_big b_big`` into a zeroed
     partial that is added to the accumulator by ordinary (round-to-nearest) float32 adds: the tensor cores'
     float32 accumulation does not round to nearest (forward_tc, bench/results/h100-tf32-2026-11-25.md).  Where
     the parts come from: K's small parts once per block into shared memory (``K_SMALL``; K's tile rounded in
@@ -530,17 +530,25 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
     @device_function
     def store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32):
-        """dK = scale dK_acc, dV = dV_acc (summed over the query heads of the group) as 16-bit words."""
+        """dK = scale dK_acc, dV = dV_acc (summed over the query heads of the group) as 16-bit words (float32:
+        a word per value)."""
         for m in range(MTK):
             for r in range(2):
                 j = k0 + 16 * (MTK * kw + m) + g + 8 * r
                 if j < seqlen_k:
                     for n in range(NT_DW):
-                        c = 4 * (nd0 + n) + t
-                        if c < HEAD_WORDS:
-                            dk[U(b), U(j), U(hk), U(c)] = pack2(dk_acc[m, n, 2 * r] * scale32,
-                                                                dk_acc[m, n, 2 * r + 1] * scale32)
-                            dv[U(b), U(j), U(hk), U(c)] = pack2(dv_acc[m, n, 2 * r], dv_acc[m, n, 2 * r + 1])
+                        if TF32:
+                            for e in range(2):
+                                c = 8 * (nd0 + n) + 2 * t + e
+                                if c < HEAD_WORDS:
+                                    dk[U(b), U(j), U(hk), U(c)] = as_bits(dk_acc[m, n, 2 * r + e] * scale32)
+                                    dv[U(b), U(j), U(hk), U(c)] = as_bits(dv_acc[m, n, 2 * r + e])
+                        else:
+                            c = 4 * (nd0 + n) + t
+                            if c < HEAD_WORDS:
+                                dk[U(b), U(j), U(hk), U(c)] = pack2(dk_acc[m, n, 2 * r] * scale32,
+                                                                    dk_acc[m, n, 2 * r + 1] * scale32)
+                                dv[U(b), U(j), U(hk), U(c)] = pack2(dv_acc[m, n, 2 * r], dv_acc[m, n, 2 * r + 1])
 
     # ---- float32 (tf32 operands).  In the products over queries (dV, dK) and keys (dQ) the k-step's entry
     # 2t + e is k index t + 4e (the module docstring): a0..a3 of an a fragment are S^T-layout elements
@@ -722,20 +730,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
                         fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1],
                         dq_reg[p + 1, 2], dq_reg[p + 1, 3])
-
-    @device_function
-    def store_dk_dv_tf32(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32):
-        """dK = scale dK_acc, dV = dV_acc (summed over the query heads of the group) as float32 words."""
-        for m in range(MTK):
-            for r in range(2):
-                j = k0 + 16 * (MTK * kw + m) + g + 8 * r
-                if j < seqlen_k:
-                    for n in range(NT_DW):
-                        for e in range(2):
-                            c = 8 * (nd0 + n) + 2 * t + e
-                            if c < HEAD_WORDS:
-                                dk[U(b), U(j), U(hk), U(c)] = as_bits(dk_acc[m, n, 2 * r + e] * scale32)
-                                dv[U(b), U(j), U(hk), U(c)] = as_bits(dv_acc[m, n, 2 * r + e])
 
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
@@ -921,9 +915,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             cuda.syncthreads()
             dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0, dq_row0 + seqlen_q, warp,
                      g, t, ds_lane, t_lane, scale32, dq_reg)
-        if TF32:
-            store_dk_dv_tf32(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
-        else:
-            store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
+        store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
 
     return flash_dkdv_tc, SHARED_BYTES, NTHREADS
