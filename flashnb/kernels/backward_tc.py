@@ -220,9 +220,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     (``scores_t_tf32``, ``dv_dk_tile_tf32``, ``dq_tf32``, ``store_words_tf32``, ``store_dk_dv``'s float32
     branch).  P^T and dS^T are stored in shared memory as float32 words, each 8 queries in the k-step's permuted
     order.  ``TF32X3`` (``precision="highest"``): every operand split into a tf32 part and its tf32 residual
-    (``tf32_primitives``'s ``split_bits``), each k-step's three products ``a_small b_big + a_big b_small + a_big b_big`` into a zeroed
-    partial that is added to the accumulator by ordinary (round-to-nearest) float32 adds: the tensor cores'
-    float32 accumulation does not round to nearest (forward_tc, bench/results/h100-tf32-2026-11-25.md).  Where
+    (``tf32_primitives``'s ``split_bits``), each k-step's three products ``a_small b_big + a_big b_small +
+    a_big b_big`` into a zeroed partial that is added to the accumulator by ordinary (round-to-nearest) float32
+    adds: the tensor cores' float32 accumulation does not round to nearest (forward_tc,
+    bench/results/h100-tf32-2026-11-25.md).  Where
     the parts come from: K's small parts once per block into shared memory (``K_SMALL``; K's tile rounded in
     place), they feed S^T's a fragments and dQ's b fragments; Q_i's and dO_i's once per item (``QS_OFF``: read by
     every warp along the keys in S^T, dP^T, dV and dK); V's (the a fragments of dP^T only, each used for all the
