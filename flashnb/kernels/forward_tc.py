@@ -144,7 +144,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     instead of a multiply and a subtract).  (Two experiments measured slower and removed, with their
     records in docs/notes/tensorcore.md: the query tiles last first, ``LPT``, and the window mask by
     32-bit compares, ``MASK32``.)  ``VARLEN``: a packed batch, as in ``forward.make_forward`` (the word
-    views' batch stride is 0, so the K/V base offsets ``b * strides[0]`` vanish and the slices carry the rows).
+    views' batch stride is 0, so the base offsets ``b * strides[0]`` vanish), but with each sequence's rows
+    addressed from its first (``q_start``, ``k_start``) instead of sliced out: a slice of a C-contiguous array is
+    an "A"-layout array whose every index pays for its strides (d = 64: 4368 SASS instructions and 64 / 112
+    bytes of spills sliced, 2816 and 20 / 104 offset; the dense kernel 2680 and none).
 
     ``DTYPE_NAME="float32"``: the same kernel on tf32 tensor cores (``mma.m16n8k8``; a word is one value, and
     ``m16n8k8``'s tf32 fragments are, in words, ``m16n8k16``'s 16-bit ones, so Q's and K's fragments come as
@@ -236,7 +239,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
     @device_function
-    def load_q_frags(q, b, h, row0, seqlen_q, t, q_reg, q_small, m):
+    def load_q_frags(q, b, h, row0, seqlen_q, t, q_reg, q_small, m, q_start):
         """Q's a fragments of m-tile ``m`` (rows ``row0``, ``row0 + 8``) straight from global memory (read once);
         tf32: rounded, or (``SPLIT``) split into ``q_reg`` and ``q_small``."""
         for ks in range(KSTEPS_D):
@@ -244,7 +247,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 c = ks * 8 + t + 4 * half
                 for r in range(2):
                     i = row0 + 8 * r
-                    w = q[U(b), U(i), U(h), U(c)] if (i < seqlen_q and c < HEAD_WORDS) else W0
+                    w = q[U(b), U(q_start + i), U(h), U(c)] if (i < seqlen_q and c < HEAD_WORDS) else W0
                     if SPLIT:
                         q_reg[m, ks, 2 * half + r], q_small[m, ks, 2 * half + r] = split_bits(w)
                     elif TF32:
@@ -490,7 +493,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
 
     @device_function
-    def store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q):
+    def store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q, q_start):
         """out = acc / l_i (rounded to the input format), lse = (m_i + log2 l_i) ln 2; l_i summed over the quad
         first.  A row that saw no key (l_i = 0) gets out = 0, lse = -inf."""
         quad_sum(l_i, scratch, tid // 4, t)
@@ -505,33 +508,30 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                             for e in range(2):
                                 c = 8 * n + 2 * t + e
                                 if c < HEAD_WORDS:
-                                    out[U(b), U(i), U(h), U(c)] = as_bits(acc[m, n, 2 * r + e] * inv_l)
+                                    out[U(b), U(q_start + i), U(h), U(c)] = as_bits(acc[m, n, 2 * r + e] * inv_l)
                         else:
                             c = 4 * n + t
                             if c < HEAD_WORDS:
-                                out[U(b), U(i), U(h), U(c)] = pack2(acc[m, n, 2 * r] * inv_l,
+                                out[U(b), U(q_start + i), U(h), U(c)] = pack2(acc[m, n, 2 * r] * inv_l,
                                                                     acc[m, n, 2 * r + 1] * inv_l)
                     if t == 0:
-                        lse[b, h, i] = NEG_INF if l == ZERO else (m_i[2 * m + r] + math.log2(l)) * LN2_T
+                        lse[b, h, q_start + i] = NEG_INF if l == ZERO else (m_i[2 * m + r] + math.log2(l)) * LN2_T
 
     @kernel
     def flash_forward_tc(q, k, v, out, lse, group, off, scale, softcap, left, right,
                          attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
                          drop_threshold, drop_scale, seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k):
-        if VARLEN:                                        # this block's sequence, viewed as a dense batch's
+        if VARLEN:                                        # this block's sequence: its rows from q_start, k_start
             qt, h, b = packed_tile_head_batch(cu_seqlens_q, q.shape[2])
-            q_start, n_q = sequence_span(cu_seqlens_q, b)
-            if qt * BLOCK_Q >= n_q:
+            q_start, seqlen_q = sequence_span(cu_seqlens_q, b)
+            if qt * BLOCK_Q >= seqlen_q:
                 return                                    # a query tile past its sequence: nothing to do
-            k_start, n_k = sequence_span(cu_seqlens_k, b)
-            q, out = q[:, q_start:q_start + n_q], out[:, q_start:q_start + n_q]
-            lse = lse[:, :, q_start:q_start + n_q]
-            k, v = k[:, k_start:k_start + n_k], v[:, k_start:k_start + n_k]
-            off = n_k - n_q                               # bottom-right alignment per sequence
+            k_start, seqlen_k = sequence_span(cu_seqlens_k, b)
+            off = seqlen_k - seqlen_q                     # bottom-right alignment per sequence
         else:
             qt, h, b = tile_head_batch((q.shape[1] + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
-        seqlen_q = q.shape[1]
-        seqlen_k = k.shape[1]
+            q_start, seqlen_q = 0, q.shape[1]
+            k_start, seqlen_k = 0, k.shape[1]
         q0 = qt * BLOCK_Q
         hk = h // group
         tid = cuda.threadIdx.x
@@ -575,11 +575,11 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 for e in range(4):
                     acc[m, n, e] = ZERO
             if not Q_SMEM:
-                load_q_frags(q, b, h, row0 + 16 * m, seqlen_q, t, q_reg, q_small, m)
+                load_q_frags(q, b, h, row0 + 16 * m, seqlen_q, t, q_reg, q_small, m, q_start)
         # this lane's ldmatrix row of Q's a fragments (m-tile 0): matrices (rows +0 | +8) x (words +0 | +4)
         q_lane = Q_OFF + (16 * MT * warp + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
-        k_base = (b * k.strides[0] + hk * k.strides[2]) // 4      # strides are in bytes, 4 per word
-        v_base = (b * v.strides[0] + hk * v.strides[2]) // 4
+        k_base = (b * k.strides[0] + k_start * k.strides[1] + hk * k.strides[2]) // 4   # bytes, 4 per word
+        v_base = (b * v.strides[0] + k_start * v.strides[1] + hk * v.strides[2]) // 4
         k_row, v_row = k.strides[1] // 4, v.strides[1] // 4
 
         # the key tiles this query tile sees (a window's range, a block mask's skips); the first one's copy
@@ -587,8 +587,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
         if kt < kt_hi:
             if Q_SMEM:                                       # the Q tile, committed with the K/V group below
-                copy_q(q, (b * q.strides[0] + h * q.strides[2]) // 4, q.strides[1] // 4, q0, seqlen_q - q0,
-                       smem, Q_OFF)
+                copy_q(q, (b * q.strides[0] + q_start * q.strides[1] + h * q.strides[2]) // 4, q.strides[1] // 4,
+                       q0, seqlen_q - q0, smem, Q_OFF)
             start_kv_copy(k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, smem, 0)
         buf = 0
         first = True                                         # (SPLIT, Q_SMEM: Q's tile is split with the first K/V)
@@ -636,6 +636,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             buf = 1 - buf
             kt = kn
 
-        store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q)   # out = acc / l_i, lse
+        store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q, q_start)   # out = acc / l_i
 
     return flash_forward_tc, SHARED_BYTES, NTHREADS
