@@ -26,6 +26,7 @@ from .kernels.backward import (CAST_THREADS, PREPROCESS_THREADS, cast_grid, make
 from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
 from .kernels.forward import LOG2E, make_forward, tile_threads
 from .kernels.forward_tc import make_forward_tc
+from .kernels._tma import tensor_maps
 
 BACKENDS = ("simt", "tensorcore", "wgmma")
 
@@ -71,9 +72,15 @@ class ForwardPlan(NamedTuple):
     block_k: int
     acc: str                        # lse's dtype; the SIMT kernel's accumulation type
     forward: Optional[Launch]       # None: nothing to compute (no batch, query or head)
+    tma: bool = False               # the Hopper forward's tiles come by the copy engine: tensor maps of q, k, v
 
     def args(self, q, k, v, out, lse, opts):
-        return (q, k, v, out, lse) + _group_off(self.call) + opts.kernel_args(np.dtype(self.acc).type)
+        args = (q, k, v, out, lse) + _group_off(self.call) + opts.kernel_args(np.dtype(self.acc).type)
+        if self.backend != "tensorcore":
+            return args
+        if not self.tma:       # (the kernel's cp.async copies read no tensor map)
+            return args + (_options._dummy(2, np.uint64),)
+        return args + (tensor_maps(((q, self.block_q), (k, self.block_k), (v, self.block_k))),)
 
 
 class BackwardPlan(NamedTuple):
@@ -132,7 +139,7 @@ def forward(call):
     tiles, refusal = _tc_choice(call, False)
     if _use_tensor_cores(call, refusal):
         bq, bk = tiles
-        return ForwardPlan(call, "tensorcore", bq, bk, "float32", _forward_tc_launch(call, bq, bk))
+        return ForwardPlan(call, "tensorcore", bq, bk, "float32", _forward_tc_launch(call, bq, bk), _tma(call))
     acc = _acc(call.dtype)
     bq, bk = _simt_tiles(call, acc, backward=False)
     return ForwardPlan(call, "simt", bq, bk, acc, _forward_simt_launch(call, bq, bk, acc))
@@ -173,7 +180,7 @@ def _forward_tc_launch(call, bq, bk):
         return None
     d = call.headdim
     if _hopper(call):
-        mt, qs, extra = 1, True, {"WGMMA": True}
+        mt, qs, extra = 1, True, {"WGMMA": True, "TMA": _tma(call)}
     else:
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
@@ -331,6 +338,10 @@ def wgmma_refusal(dtype, headdim, block_q, block_k, layout):
         return f"it needs a head dim that is a multiple of 8 (16-byte rows) up to 256, got {headdim}"
     if block_q is not None and block_q % 64:
         return f"block_q must be a multiple of 64 (a warpgroup's rows), got {block_q}"
+    bk = default_wgmma_tiles(headdim, block_q, block_k)[1]
+    if block_q == 192 and bk + _pad64(headdim) > 192:
+        return (f"block_q=192 (three warpgroups) needs block_k + the head dim padded to 64 <= 192 (the registers "
+                f"of 384 threads), got block_k={bk}, head dim {headdim}")
     if layout is not None and layout[0] is None and not layout[1]:
         return "its copies need every row 16-byte aligned"
     if not SIMULATOR and compute_capability() != (9, 0):
@@ -350,7 +361,13 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None):
         bq, bk = _WGMMA_SIM_TILES
     else:
         bq, bk = next(tiles for max_d, tiles in _WGMMA_TILES if headdim <= max_d)
+        if block_q == 192:        # three warpgroups: S's and acc's registers within 384 threads' share
+            bk = max(16, min(bk, 192 - _pad64(headdim)))
     return block_q or bq, block_k or bk
+
+
+def _pad64(headdim):
+    return -(-headdim // 64) * 64
 
 
 def _hopper(call):
@@ -365,6 +382,14 @@ def _hopper(call):
             and shared_refusal(wgmma_shared_bytes(*default_wgmma_tiles(call.headdim, call.block_q, call.block_k),
                                                   call.headdim), "") is None)
 
+
+def _tma(call):
+    """Whether the Hopper forward's tiles come by the copy engine (``WGMMA_TMA``): dense batches (a packed
+    one's sequences are not boxes of one tensor)."""
+    return WGMMA_TMA and _hopper(call) and call.total_q is None
+
+
+WGMMA_TMA = True
 
 # measured on the H100 (bench/results/h100-wgmma-2026-11-25.md): faster than the mma.sync forward above head dim
 # 64 (1.2-1.5x FlashAttention-2 at 128 and 256, against 0.82-0.86x); at 64 within 5% of it either way

@@ -34,9 +34,10 @@ OPTION_SETS = {
 }
 
 
-DTYPES = {"float16": (np.float16, ("tensorcore", "simt")), "bfloat16": ("bfloat16", ("tensorcore",)),
+DTYPES = {"float16": (np.float16, ("tensorcore", "simt", "wgmma")), "bfloat16": ("bfloat16", ("tensorcore", "wgmma")),
           "float32": (np.float32, ("simt", "tensorcore:highest", "tensorcore:high")), "float64": (np.float64, ("simt",))}
-# "tensorcore:PRECISION": float32 on tf32 tensor cores, forward and backward at that precision
+# "tensorcore:PRECISION": float32 on tf32 tensor cores, forward and backward at that precision; "wgmma": the Hopper
+# forward (compute capability 9.0 only; its backward is the tensor-core one)
 
 
 def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
@@ -54,6 +55,8 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
                     opts = dict(attn_mask=rng.random((1, 2, sq, sk)) < 0.8, attn_bias=rng.standard_normal((1, 1, sq, sk)))
                 for backend in backends:
                     if only is not None and backend not in only:
+                        continue
+                    if backend == "wgmma" and flashnb.plan.compute_capability() != (9, 0):
                         continue
                     arrays = _cast((q, k, v, dout), dtype)
                     backend, _, precision = backend.partition(":")

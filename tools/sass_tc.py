@@ -1,10 +1,11 @@
 """The tensor-core forward's resources and SASS for sm_90, compiled on a machine with no GPU.
 
-    python -m tools.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1] [WGMMA=1]
+    python -m tools.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1] [WGMMA=1 [TMA=1]]
     python -m tools.sass_tc --pass bwd BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [DSPLIT=] [MTK=] [SHARE=] [DEFER_DQ=]
 
 (``--pass bwd``: the tensor-core dK/dV kernel, ``make_dkdv_tc``, with the defaults ``plan.backward`` picks;
-``WGMMA=1``: the Hopper forward, ``MT=1``, Q in shared memory, compiled for sm_90a)
+``WGMMA=1``: the Hopper forward, ``MT=1``, Q in shared memory, compiled for sm_90a; ``TMA=1``: its tiles by the
+copy engine)
 
 prints ptxas's registers, spills and stack frame, the SASS opcode counts, and the straight-line runs of 40 or
 more instructions (split at branches and branch targets) with their most frequent opcodes; the PTX, cubin and
@@ -35,7 +36,8 @@ def compile_forward(bq, bk, d, options, out_dir, ptx_version):
     kern, shared, threads = make_forward_tc(bq, bk, d, "float16", True, mt, qs, causal, *([False] * 6), fold,
                                             **{k: bool(v) for k, v in options.items()})
     u4 = types.Array(types.uint32, 4, "C")
-    sig = (u4, u4, u4, u4, types.Array(types.float32, 3, "C"), types.int64, types.int64) + _OPTION_TYPES()
+    sig = (u4, u4, u4, u4, types.Array(types.float32, 3, "C"), types.int64, types.int64) + _OPTION_TYPES() + (
+        types.Array(types.uint64, 2, "C"),)                                                   # the tensor maps
     return _build(kern, sig, shared, threads, os.path.join(out_dir, f"forward_{bq}_{bk}_{d}"), ptx_version,
                   arch="sm_90a" if wgmma else "sm_90")
 

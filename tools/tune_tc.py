@@ -2,13 +2,13 @@
 
     python -m tools.tune_tc [--dtype float16] [--seqlens 4096] [--configs 64=64:64,128:64;128=64:64]
     python -m tools.tune_tc --pass bwd [--configs 64=32:64,64:64;128=16:64;256=32:64:2] [--ablate dq-sync]
-    python -m tools.tune_tc --backend wgmma [--configs 64=128:128,128:64;128=128:64]
+    python -m tools.tune_tc --backend wgmma [--configs 64=128:128,192:128:0;128=128:64]
 
 ``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K[, warps per 16 keys: the
 head-dim split[, m-tiles of 16 keys per warp[, S^T shared]]]); the forward runs at
 its default tiles; the table has the backward's time alone and forward+backward against
 SDPA's FlashAttention-2 forward+backward.  ``--backend wgmma``: the Hopper forward, configurations
-(BLOCK_Q, BLOCK_K), and SDPA's cuDNN backend timed beside FlashAttention-2.  (Its warpgroup ping-pong,
+(BLOCK_Q, BLOCK_K[, tma: 0 = the tiles by cp.async instead of the copy engine]), and SDPA's cuDNN backend timed beside FlashAttention-2.  (Its warpgroup ping-pong,
 ``make_forward_tc(PINGPONG=)``, and its overlap of P V with the next tile's softmax, ``OVERLAP=``, were measured
 here at commits 5f6956e and 4681f5e and removed: docs/notes/hopper.md.)
 
@@ -85,6 +85,7 @@ def main(argv=None):
         rows = _sweep_fwd(args, dtype, *saved)
     finally:
         plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale = saved
+        plan.WGMMA_TMA = True
     print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; ratio = SDPA FlashAttention-2 time / "
           "flashnb time (>1: flashnb faster)")
     print(tabulate(rows, headers="keys"))
@@ -109,6 +110,7 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
             plan.tc_m_tiles = lambda block_q, headdim, mt=mt: mt          # the variant under test
             plan.tc_q_in_smem = lambda m_tiles, headdim, qs=qs: qs
             plan.tc_positive_scale = lambda scale, fold=fold: fold and positive_scale(scale)
+            plan.WGMMA_TMA = bool(cfg[2]) if wg and len(cfg) > 2 else True    # wgmma: the copy engine, or cp.async
             for causal in (False, True):
                 err = _check(dtype, d, bq, bk, causal, args.backend)
                 for n in map(int, args.seqlens.split(",")):
@@ -131,6 +133,7 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
                                rel_err=f"{err:.1e}", fwd_ms=round(t_f, 3), tflops=round(f / t_f / 1e9, 1),
                                fa2_tflops=round(f / t_s / 1e9, 1), ratio=round(t_s / t_f, 3))
                     if wg:
+                        row["tma"] = int(plan.WGMMA_TMA)
                         t_c = _time(lambda q, k, v: sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION), sets)
                         row = dict(row, cudnn_tflops=round(f / t_c / 1e9, 1),
                                    vs_cudnn=round(t_c / t_f, 3))

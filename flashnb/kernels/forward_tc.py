@@ -36,6 +36,7 @@ from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, packed_tile_head_batch, sequence_span, tile_head_batch
+from ._tma import make_tile_load, tma_primitives
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_wgmma,
                      mn_major_steps, swizzled_offset)
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
@@ -133,7 +134,7 @@ def make_swizzled_tile_copy(NROWS, ROW_WORDS, HEAD_WORDS, NTHREADS):
 @kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False, TF32X3=True,
-                    WGMMA=False):
+                    WGMMA=False, TMA=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -199,6 +200,16 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else SMALL
     SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
+    if TMA:   # the copy engine fills the stages; barriers after the tiles: full[s], empty[s], Q's
+        assert WGMMA and not VARLEN
+        STAGES = 2
+        FULL = -(-SHARED_BYTES // 8) * 8
+        EMPTY = FULL + 8 * STAGES
+        Q_FULL = EMPTY + 8 * STAGES
+        SHARED_BYTES = Q_FULL + 8
+        KV_BYTES, Q_BYTES = 4 * 2 * TILE, 4 * Q_WORDS     # bytes one stage's copies, and Q's, complete
+    COPY_WARP = TMA and not SIMULATOR        # one warp after the consumers issues the copies (the simulator's
+    LAUNCH_THREADS = NTHREADS + (32 if COPY_WARP else 0)  # thread 0 copies each tile itself, at once)
     TILE_ALIGN = WG_ALIGN if WGMMA else SMEM_ALIGN   # the swizzle's 1024-byte atoms start on its boundaries
     P_ALL = 4 * KSTEPS_K if WGMMA else 1
     CW = 4 if VEC16 else 1                   # words per cp.async
@@ -231,6 +242,13 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), mn_major_steps(KSTEPS_K),
                               b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1)
         fence_async = fence_proxy_async()
+    if TMA:
+        tma = tma_primitives()
+        mbar_init, mbar_fence_init, mbar_wait, mbar_arrive = (
+            tma[name] for name in ("mbar_init", "mbar_fence_init", "mbar_wait", "mbar_arrive"))
+        mbar_expect = tma["mbar_arrive_expect_tx"]
+        load_q_box = make_tile_load(BLOCK_Q, HEAD_WORDS, D_WORDS // 32)
+        load_kv_box = make_tile_load(BLOCK_K, HEAD_WORDS, D_WORDS // 32)
     # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
     quad_max = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=False)
@@ -309,6 +327,37 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
 
     next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+
+    # ---- TMA: the copy engine's loads, issued by one thread; tensor maps 0, 1, 2 of ``maps`` are Q's, K's, V's
+    @device_function
+    def load_q_tile(smem, maps, q, q_base, q_row, q0, seqlen_q, h, b):
+        """The Q tile (its rows from ``q0``), completing on Q's barrier."""
+        mbar_expect(smem, Q_FULL, Q_BYTES)
+        load_q_box(smem, 4 * Q_OFF, maps, 0, q, q_base, q_row, q0, seqlen_q - q0, h, b, Q_FULL)
+
+    @device_function
+    def load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, k0, seqlen_k, hk, b, s):
+        """K_j, V_j (keys from ``k0``) into stage ``s``, completing on full[s]."""
+        mbar_expect(smem, FULL + 8 * s, KV_BYTES)
+        dst = 4 * s * 2 * TILE
+        load_kv_box(smem, dst, maps, 1, k, k_base, k_row, k0, seqlen_k - k0, hk, b, FULL + 8 * s)
+        load_kv_box(smem, dst + 4 * V_OFF, maps, 2, v, v_base, v_row, k0, seqlen_k - k0, hk, b, FULL + 8 * s)
+
+    @device_function
+    def copy_warp(smem, maps, q, k, v, q_base, q_row, k_base, v_base, k_row, v_row, b, h, hk, q0, q_last,
+                  seqlen_q, seqlen_k, off, left, right, block_mask, bm_q, bm_k, kt, kt_hi):
+        """The copy warp's one thread: Q, then the key tiles from ``kt`` into the stages in turn, a stage
+        refilled once all its readers have handed it back (empty[s])."""
+        if kt < kt_hi:
+            load_q_tile(smem, maps, q, q_base, q_row, q0, seqlen_q, h, b)
+        i = 0
+        while kt < kt_hi:
+            s = i % STAGES
+            if i >= STAGES:
+                mbar_wait(smem, EMPTY + 8 * s, (i // STAGES - 1) % 2)
+            load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, hk, b, s)
+            kt = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
+            i += 1
 
     # ---- the steps of one key tile, on this thread's fragments: element e of (m-tile m, n-tile n) is query
     # row0 + 16 m + 8 (e >> 1) and key k0 + 8 n + 2 t + (e & 1) (m16n8k16's accumulator layout)
@@ -520,7 +569,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     @kernel
     def flash_forward_tc(q, k, v, out, lse, group, off, scale, softcap, left, right,
                          attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
-                         drop_threshold, drop_scale, seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k):
+                         drop_threshold, drop_scale, seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k, maps):
         if VARLEN:                                        # this block's sequence: its rows from q_start, k_start
             qt, h, b = packed_tile_head_batch(cu_seqlens_q, q.shape[2])
             q_start, seqlen_q = sequence_span(cu_seqlens_q, b)
@@ -585,26 +634,52 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         # the key tiles this query tile sees (a window's range, a block mask's skips); the first one's copy
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-        if kt < kt_hi:
+        q_base, q_row = (b * q.strides[0] + q_start * q.strides[1] + h * q.strides[2]) // 4, q.strides[1] // 4
+        if TMA:
+            if tid == 0:
+                for s in range(STAGES):
+                    mbar_init(smem, FULL + 8 * s, 1)              # the copy thread's arrive (and the bytes)
+                    mbar_init(smem, EMPTY + 8 * s, NTHREADS)      # every reader's
+                mbar_init(smem, Q_FULL, 1)
+                mbar_fence_init()
+            cuda.syncthreads()
+            if COPY_WARP and warp == NWARPS:
+                if lane == 0:
+                    copy_warp(smem, maps, q, k, v, q_base, q_row, k_base, v_base, k_row, v_row, b, h, hk, q0,
+                              q_last, seqlen_q, seqlen_k, off, left, right, block_mask, bm_q, bm_k, kt, kt_hi)
+                return
+            if kt < kt_hi:
+                if not COPY_WARP and tid == 0:
+                    load_q_tile(smem, maps, q, q_base, q_row, q0, seqlen_q, h, b)
+                mbar_wait(smem, Q_FULL, 0)
+        elif kt < kt_hi:
             if Q_SMEM:                                       # the Q tile, committed with the K/V group below
-                copy_q(q, (b * q.strides[0] + q_start * q.strides[1] + h * q.strides[2]) // 4, q.strides[1] // 4,
-                       q0, seqlen_q - q0, smem, Q_OFF)
+                copy_q(q, q_base, q_row, q0, seqlen_q - q0, smem, Q_OFF)
             start_kv_copy(k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, smem, 0)
-        buf = 0
+        buf = 0                                              # the stage of tile j (TMA: j % STAGES)
+        i = 0                                                # TMA: tile j's number, for its stage's phase
         first = True                                         # (SPLIT, Q_SMEM: Q's tile is split with the first K/V)
         while kt < kt_hi:
             k0 = kt * BLOCK_K
             kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-            if kn < kt_hi:                                   # K_{j+1}, V_{j+1} fly while tile j computes
+            if TMA:                                          # K_j, V_j landed in stage buf (by the copy warp)
+                buf = i % STAGES
+                if not COPY_WARP:
+                    if tid == 0:
+                        load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, k0, seqlen_k, hk, b, buf)
+                    cuda.syncthreads()
+                mbar_wait(smem, FULL + 8 * buf, (i // STAGES) % 2)
+            elif kn < kt_hi:                                 # K_{j+1}, V_{j+1} fly while tile j computes
                 start_kv_copy(k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, smem,
                               (1 - buf) * 2 * TILE)
                 wait_prev()
             else:
                 wait_all()
-            if WGMMA:
+            if WGMMA and not TMA:
                 fence_async()                                # ... made visible to the tensor cores
-            cuda.syncthreads()                               # everyone's copies of K_j, V_j have landed
+            if not TMA:
+                cuda.syncthreads()                           # everyone's copies of K_j, V_j have landed
             base = buf * 2 * TILE
             if SPLIT:                                        # K_j, V_j (and Q once) -> big and small parts
                 if Q_SMEM and first:
@@ -632,10 +707,16 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc, part)
             else:
                 pv_tile(smem, base, v_lane, s_reg, p_reg, acc)
-            cuda.syncthreads()                               # every warp is done with buffer buf
-            buf = 1 - buf
+            if TMA:
+                mbar_arrive(smem, EMPTY + 8 * buf)           # this thread is done with stage buf
+                if not COPY_WARP:
+                    cuda.syncthreads()
+                i += 1
+            else:
+                cuda.syncthreads()                           # every warp is done with buffer buf
+                buf = 1 - buf
             kt = kn
 
         store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q, q_start)   # out = acc / l_i
 
-    return flash_forward_tc, SHARED_BYTES, NTHREADS
+    return flash_forward_tc, SHARED_BYTES, LAUNCH_THREADS

@@ -1,0 +1,240 @@
+"""Hopper's tensor-copy engine (``cp.async.bulk.tensor``) and shared-memory barriers (``mbarrier``) for the
+Hopper forward, and their simulator twins.
+
+One thread issues a tile's copy: the engine reads a *box* of a tensor in global memory, described by a
+*tensor map* (128 bytes, encoded on the host by ``cuTensorMapEncodeTiled``: the tensor's address, sizes and byte
+strides, the box's sizes, the 128-byte swizzle), and writes it to shared memory in the swizzled layout of
+``_wgmma`` (box rows of 128 bytes, 16-byte chunk ``j`` of row ``r`` at ``j ^ (r % 8)``); elements outside the
+tensor arrive as zeros.  A copy completes on an ``mbarrier``: the issuing thread announces the bytes it expects
+(``arrive_expect_tx``), the engine counts them off, and the barrier's phase completes when they have all landed.
+Waiting threads spin on ``try_wait.parity`` for that phase's parity.  The same barriers, with plain ``arrive``s,
+hand a stage back from the threads that read it to the thread that refills it.
+
+The tensor maps live in global memory (``tensor_maps``: one device buffer per distinct set, cached), the
+kernel receiving a uint64 array whose 16-word rows are the maps.
+
+The simulator has no copy engine and no asynchrony: ``tma_box`` copies the box itself (the calling thread, from
+the source array, through the same swizzled offsets and zero fill), and the barrier operations do nothing; the
+kernel orders its simulated copies with ``syncthreads``.  So CI checks the boxes' coordinates and layouts, and
+the GPU suites and compute-sanitizer (racecheck, synccheck) the barriers' protocol.
+"""
+import numpy as np
+from numba import cuda
+
+from ._jit import SIMULATOR, View, device_function
+from ._mma import memory_primitives
+from ._wgmma import SWIZZLE_BYTES, BLOCK_COLS, swizzled_offset
+
+MAP_WORDS = 16                # a tensor map: 128 bytes, 64-byte aligned
+BOX_COLS = BLOCK_COLS         # a box's row: 64 16-bit values (128 bytes, the swizzle's width)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The GPU: inline PTX
+# ------------------------------------------------------------------------------------------------------------
+def _gpu_primitives():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+
+    def shared_addr(context, builder, aryty, aryval, off, offty):
+        ary = context.make_array(aryty)(context, builder, aryval)
+        base = builder.ptrtoint(builder.addrspacecast(ary.data, ir.PointerType(ary.data.type.pointee, 3)), i32)
+        return builder.add(base, builder.trunc(context.cast(builder, off, offty, types.uint64), i32))
+
+    def asm(builder, ptx, cons, vals):
+        fnty = ir.FunctionType(ir.VoidType(), [v.type for v in vals])
+        builder.call(ir.InlineAsm(fnty, ptx, cons + (",~{memory}" if cons else "~{memory}"), side_effect=True),
+                     vals)
+
+    def u32(context, builder, v, t):
+        return builder.trunc(context.cast(builder, v, t, types.uint64), i32)
+
+    @intrinsic
+    def mbar_init(typingctx, smem, off, count):
+        """Barrier at byte ``off`` of ``smem``: expects ``count`` arrivals per phase."""
+        def codegen(context, builder, sig, args):
+            t = sig.args
+            asm(builder, "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r",
+                [shared_addr(context, builder, t[0], args[0], args[1], t[1]), u32(context, builder, args[2], t[2])])
+            return context.get_dummy_value()
+        return types.void(smem, off, count), codegen
+
+    @intrinsic
+    def mbar_fence_init(typingctx):
+        """Make this thread's barrier initialisations visible to the copy engine (before the block's barrier)."""
+        def codegen(context, builder, sig, args):
+            asm(builder, "fence.mbarrier_init.release.cluster; fence.proxy.async.shared::cta;", "", [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    @intrinsic
+    def mbar_arrive_expect_tx(typingctx, smem, off, nbytes):
+        """Arrive on the barrier and announce ``nbytes`` of copies completing on its current phase."""
+        def codegen(context, builder, sig, args):
+            t = sig.args
+            asm(builder, "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r",
+                [shared_addr(context, builder, t[0], args[0], args[1], t[1]), u32(context, builder, args[2], t[2])])
+            return context.get_dummy_value()
+        return types.void(smem, off, nbytes), codegen
+
+    @intrinsic
+    def mbar_arrive(typingctx, smem, off):
+        """Arrive on the barrier (a reader handing its stage back)."""
+        def codegen(context, builder, sig, args):
+            t = sig.args
+            asm(builder, "mbarrier.arrive.shared::cta.b64 _, [$0];", "r",
+                [shared_addr(context, builder, t[0], args[0], args[1], t[1])])
+            return context.get_dummy_value()
+        return types.void(smem, off), codegen
+
+    @intrinsic
+    def mbar_wait(typingctx, smem, off, parity):
+        """Spin until the barrier's phase of parity ``parity`` (0 or 1) has completed."""
+        def codegen(context, builder, sig, args):
+            t = sig.args
+            ptx = ("{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
+                   "@!done bra WAIT; }")
+            asm(builder, ptx, "r,r",
+                [shared_addr(context, builder, t[0], args[0], args[1], t[1]), u32(context, builder, args[2], t[2])])
+            return context.get_dummy_value()
+        return types.void(smem, off, parity), codegen
+
+    @intrinsic
+    def tma_load_4d(typingctx, smem, dst, maps, which, c0, c1, c2, c3, bar):
+        """Copy the box at element coordinates (c0, c1, c2, c3) (innermost first) of tensor map ``which`` of
+        ``maps`` to byte ``dst`` of ``smem``, completing on the barrier at byte ``bar``."""
+        def codegen(context, builder, sig, args):
+            t = sig.args
+            ary = context.make_array(t[2])(context, builder, args[2])
+            row = builder.mul(context.cast(builder, args[3], t[3], types.uint64), ir.Constant(i64, 8 * MAP_WORDS))
+            tmap = builder.add(builder.ptrtoint(ary.data, i64), row)
+            coords = [u32(context, builder, args[i], t[i]) for i in range(4, 8)]
+            ptx = ("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                   "[$0], [$1, {$2, $3, $4, $5}], [$6];")
+            asm(builder, ptx, "r,l,r,r,r,r,r",
+                [shared_addr(context, builder, t[0], args[0], args[1], t[1]), tmap] + coords
+                + [shared_addr(context, builder, t[0], args[0], args[8], t[8])])
+            return context.get_dummy_value()
+        return types.void(smem, dst, maps, which, c0, c1, c2, c3, bar), codegen
+
+    return dict(mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_arrive_expect_tx=mbar_arrive_expect_tx,
+                mbar_arrive=mbar_arrive, mbar_wait=mbar_wait, tma_load_4d=tma_load_4d)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The simulator: barriers do nothing (the kernel synchronises its simulated copies itself)
+# ------------------------------------------------------------------------------------------------------------
+def _sim_primitives():
+    @device_function
+    def mbar_init(smem, off, count):
+        pass
+
+    @device_function
+    def mbar_fence_init():
+        pass
+
+    @device_function
+    def mbar_arrive_expect_tx(smem, off, nbytes):
+        pass
+
+    @device_function
+    def mbar_arrive(smem, off):
+        pass
+
+    @device_function
+    def mbar_wait(smem, off, parity):
+        pass
+
+    return dict(mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_arrive_expect_tx=mbar_arrive_expect_tx,
+                mbar_arrive=mbar_arrive, mbar_wait=mbar_wait, tma_load_4d=None)
+
+
+_cache = {}
+
+
+def tma_primitives():
+    """The barrier operations (``mbar_init``, ``mbar_fence_init``, ``mbar_arrive_expect_tx``, ``mbar_arrive``,
+    ``mbar_wait``) and, on the GPU, ``tma_load_4d``."""
+    if "prims" not in _cache:
+        _cache["prims"] = _sim_primitives() if SIMULATOR else _gpu_primitives()
+    return _cache["prims"]
+
+
+def make_tile_load(NROWS, HEAD_WORDS, NBLK):
+    """``load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, c2, c3, bar)``: rows ``row0 ..
+    row0 + NROWS - 1`` of a (batch, seq, head, word) tensor's (batch ``c3``, head ``c2``) slice, as ``NBLK``
+    boxes of 64 columns, into the swizzled tile at byte ``dst`` of ``smem`` (blocks of 64 columns ``NROWS * 128``
+    bytes apart), completing on the barrier at byte ``bar``.  Rows past the sequence (``nrows`` from ``row0``)
+    and columns past the head dim arrive as zeros.  The GPU's copy reads tensor map ``which`` of ``maps``
+    (``src``, ``src_base`` and ``src_row``, the word view's element offset of row 0 and its words per row, name
+    the same data for the simulator, whose copy is made by the calling thread, at once)."""
+    if not SIMULATOR:
+        tma_load_4d = tma_primitives()["tma_load_4d"]
+
+        @device_function
+        def load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, c2, c3, bar):
+            for j in range(NBLK):
+                tma_load_4d(smem, dst + j * NROWS * SWIZZLE_BYTES, maps, which, j * BOX_COLS, row0, c2, c3, bar)
+
+        return load
+
+    CHUNKS = NBLK * BOX_COLS // 8          # 16-byte chunks of a padded row
+    cp_async16 = memory_primitives()["cp_async16"]
+
+    @device_function
+    def load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, c2, c3, bar):
+        for r in range(NROWS):
+            for c in range(CHUNKS):
+                ok = r < nrows and 4 * c < HEAD_WORDS
+                cp_async16(smem, (dst + swizzled_offset(NROWS, r, 8 * c)) // 4, src,
+                           src_base + (row0 + r) * src_row + 4 * c if ok else 0, 16 if ok else 0)
+
+    return load
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The host: tensor maps
+# ------------------------------------------------------------------------------------------------------------
+_maps = {}
+_MAX_MAPS = 256
+
+
+def encode_map(view, box_rows):
+    """The 16 uint64 words of a tensor map over the 16-bit (batch, seq, head, word) word view ``view``: 16-bit
+    elements, dims (head dim, seq, heads, batch), boxes of 64 x ``box_rows`` x 1 x 1, 128-byte swizzle, zeros
+    outside.  A dimension of size 1 takes any valid stride (it is never stepped)."""
+    from cuda.bindings import driver as drv
+
+    b, s, h, words = view.shape
+    sb, ss, sh = view.strides[0], view.strides[1], view.strides[2]
+    dims = [2 * words, s, h, b]
+    strides = [ss if s > 1 else 16, sh if h > 1 else 16, sb if b > 1 else 16]
+    T = drv.CUtensorMapDataType
+    err, tmap = drv.cuTensorMapEncodeTiled(
+        T.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, view.ptr, dims, strides, [BOX_COLS, box_rows, 1, 1], [1, 1, 1, 1],
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err!r} (shape {view.shape}, strides {view.strides})")
+    return [int(x) for x in tmap.opaque]
+
+
+def tensor_maps(views_and_rows):
+    """A device uint64 array of the tensor maps of ``(view, box_rows)`` pairs, one row of 16 words each; one
+    buffer per distinct set of maps, kept (a loop over the same arrays encodes and copies nothing new: its
+    buffers come back by the maps' bytes)."""
+    if SIMULATOR:                         # (the simulator's copies read the arrays themselves)
+        return cuda.to_device(np.zeros((len(views_and_rows), MAP_WORDS), np.uint64))
+    words = np.array([encode_map(v, rows) for v, rows in views_and_rows], np.uint64)
+    key = words.tobytes()
+    buf = _maps.get(key)
+    if buf is None:
+        if len(_maps) >= _MAX_MAPS:           # no kernel still in flight may read a dropped buffer
+            cuda.synchronize()
+            _maps.clear()
+        buf = _maps[key] = View.of(cuda.to_device(words))
+    return buf
