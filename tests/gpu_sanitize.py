@@ -19,6 +19,7 @@ synchronisation errors.
 import sys
 
 import numpy as np
+from numba import cuda
 
 import flashnb
 import reference
@@ -56,7 +57,7 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
                 for backend in backends:
                     if only is not None and backend not in only:
                         continue
-                    if backend == "wgmma" and flashnb.plan.compute_capability() != (9, 0):
+                    if backend == "wgmma" and tuple(cuda.get_current_device().compute_capability) != (9, 0):
                         continue
                     arrays = _cast((q, k, v, dout), dtype)
                     backend, _, precision = backend.partition(":")

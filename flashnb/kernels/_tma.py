@@ -211,10 +211,15 @@ def encode_map(view, box_rows):
     b, s, h, words = view.shape
     sb, ss, sh = view.strides[0], view.strides[1], view.strides[2]
     dims = [2 * words, s, h, b]
-    strides = [ss if s > 1 else 16, sh if h > 1 else 16, sb if b > 1 else 16]
-    T = drv.CUtensorMapDataType
+    strides = []
+    extent = 4 * words                  # bytes of a row; a size-1 dimension's stride: the one before's extent
+    for n, st in ((s, ss), (h, sh), (b, sb)):
+        strides.append(st if n > 1 else extent)
+        extent = strides[-1] * n
+    u64, u32 = drv.cuuint64_t, drv.cuuint32_t
     err, tmap = drv.cuTensorMapEncodeTiled(
-        T.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, view.ptr, dims, strides, [BOX_COLS, box_rows, 1, 1], [1, 1, 1, 1],
+        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, view.ptr, [u64(n) for n in dims],
+        [u64(n) for n in strides], [u32(n) for n in (BOX_COLS, box_rows, 1, 1)], [u32(1)] * 4,
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
