@@ -385,8 +385,9 @@ def _hopper(call):
 
 def _tma(call):
     """Whether the Hopper forward's tiles come by the copy engine (``WGMMA_TMA``): dense batches (a packed
-    one's sequences are not boxes of one tensor)."""
-    return WGMMA_TMA and _hopper(call) and call.total_q is None
+    one's sequences are not boxes of one tensor), two warpgroups (three and the copy warp, 416 threads of ~166
+    registers, pass the SM's 65536: ``cuLaunchKernel`` refused them on the H100)."""
+    return WGMMA_TMA and _hopper(call) and call.total_q is None and call.block_q != 192
 
 
 WGMMA_TMA = True

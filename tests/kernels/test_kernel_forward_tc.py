@@ -290,7 +290,8 @@ def _wgmma_forward_matches_oracle(p):
         plan.make_forward_tc = real
     check_forward(expected(p, backward=False), out, lse)
     assert not built or built[-1].get("WGMMA"), "backend='wgmma' ran another forward"
-    assert not built or built[-1].get("TMA") == plan.WGMMA_TMA, "a dense batch's tiles come by the copy engine"
+    assert not built or built[-1].get("TMA") == (plan.WGMMA_TMA and p.block_q != 192), (
+        "a dense batch's tiles come by the copy engine (but for three warpgroups)")
 
 
 @settings(max_examples=examples(4, 25))
