@@ -16,7 +16,6 @@ from . import _arrays
 
 MAX_HEAD_DIM = 256
 TILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # powers of two: 16 threads (or fewer) per tile side
-WGMMA_BLOCK_Q = (192,)                      # backend="wgmma" also takes three warpgroups of 64 query rows
 
 
 @dataclass(frozen=True)
@@ -193,9 +192,9 @@ def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softma
                          seed_lo=int(seed) & 0xFFFFFFFF, seed_hi=(int(seed) >> 32) & 0xFFFFFFFF)
 
 
-def check_tile(value, name, extra=()):
+def check_tile(value, name):
     if value is None:
         return None
-    if not _is_int(value) or value not in TILE_SIZES + tuple(extra):
-        raise ValueError(f"{name} must be one of {TILE_SIZES + tuple(extra)}, got {value!r}")
+    if not _is_int(value) or value not in TILE_SIZES:
+        raise ValueError(f"{name} must be one of {TILE_SIZES} (a power of two), got {value!r}")
     return int(value)

@@ -37,8 +37,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
             ``(seed, batch, head, i, j)``, the same in the backward and in ``reference.dropout_keep_mask``.
         return_lse: also return ``lse`` ``(batch, nheads, seqlen_q)`` (natural log; float64 for float64
             inputs, else float32); a row that sees no key gives ``out = 0``, ``lse = -inf``.
-        block_q, block_k: tile sizes (powers of two up to 128; backend="wgmma" also takes block_q=192, three
-            warpgroups); default per head dim.
+        block_q, block_k: tile sizes (powers of two up to 128); default per head dim.
         stream: a Numba, CuPy or PyTorch stream (default: the caller's library's current stream).
         backend: "auto" (tensor cores where they can serve the call, else SIMT), "simt" (CUDA-core
             kernels, every dtype) or "tensorcore" (float16/bfloat16, even head dim, contiguous head
@@ -76,7 +75,7 @@ def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, pr
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
         opts, call = _setup(kind, q, (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), launch_stream,
-                            block_q, block_k, backend, False, forward=True, **options)
+                            block_q, block_k, backend, False, **options)
         call = call._replace(precision=precision)
         p, words = _planned(plan.forward, call, (q, k, v), ("q", "k", "v"), launch_stream, backward=False)
         lse_ret, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), p.acc, q, launch_stream)
@@ -223,12 +222,11 @@ def _run(step, stream, args):
     launch(step.kernel, step.grid, step.threads, stream, step.shared, args)
 
 
-def _setup(kind, q, dims, launch_stream, block_q, block_k, backend, deterministic, forward=False, **options):
+def _setup(kind, q, dims, launch_stream, block_q, block_k, backend, deterministic, **options):
     """The call's ``LaunchOptions`` (16-bit inputs accumulate in float32), its tiles and devices checked, and
-    its ``plan.Call`` (the layout not yet probed); the dense Hopper forward also takes ``WGMMA_BLOCK_Q``."""
+    its ``plan.Call`` (the layout not yet probed)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = dims
-    hopper_rows = forward and backend == "wgmma"
-    _options.check_tile(block_q, "block_q", _options.WGMMA_BLOCK_Q if hopper_rows else ())
+    _options.check_tile(block_q, "block_q")
     _options.check_tile(block_k, "block_k")
     _arrays.check_device(q, "q")
     for name in ("attn_mask", "attn_bias", "alibi_slopes", "block_mask"):

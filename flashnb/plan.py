@@ -338,10 +338,6 @@ def wgmma_refusal(dtype, headdim, block_q, block_k, layout):
         return f"it needs a head dim that is a multiple of 8 (16-byte rows) up to 256, got {headdim}"
     if block_q is not None and block_q % 64:
         return f"block_q must be a multiple of 64 (a warpgroup's rows), got {block_q}"
-    bk = default_wgmma_tiles(headdim, block_q, block_k)[1]
-    if block_q == 192 and bk + _pad64(headdim) > 192:
-        return (f"block_q=192 (three warpgroups) needs block_k + the head dim padded to 64 <= 192 (the registers "
-                f"of 384 threads), got block_k={bk}, head dim {headdim}")
     if layout is not None and layout[0] is None and not layout[1]:
         return "its copies need every row 16-byte aligned"
     if not SIMULATOR and compute_capability() != (9, 0):
@@ -361,13 +357,7 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None):
         bq, bk = _WGMMA_SIM_TILES
     else:
         bq, bk = next(tiles for max_d, tiles in _WGMMA_TILES if headdim <= max_d)
-        if block_q == 192:        # three warpgroups: S's and acc's registers within 384 threads' share
-            bk = max(16, min(bk, 192 - _pad64(headdim)))
     return block_q or bq, block_k or bk
-
-
-def _pad64(headdim):
-    return -(-headdim // 64) * 64
 
 
 def _hopper(call):
@@ -385,9 +375,8 @@ def _hopper(call):
 
 def _tma(call):
     """Whether the Hopper forward's tiles come by the copy engine (``WGMMA_TMA``): dense batches (a packed
-    one's sequences are not boxes of one tensor), two warpgroups (three and the copy warp, 416 threads of ~166
-    registers, pass the SM's 65536: ``cuLaunchKernel`` refused them on the H100)."""
-    return WGMMA_TMA and _hopper(call) and call.total_q is None and call.block_q != 192
+    one's sequences are not boxes of one tensor)."""
+    return WGMMA_TMA and _hopper(call) and call.total_q is None
 
 
 WGMMA_TMA = True
