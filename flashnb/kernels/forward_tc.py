@@ -208,8 +208,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         Q_FULL = EMPTY + 8 * STAGES
         SHARED_BYTES = Q_FULL + 8
         KV_BYTES, Q_BYTES = 4 * 2 * TILE, 4 * Q_WORDS     # bytes one stage's copies, and Q's, complete
-    COPY_WARP = TMA and not SIMULATOR        # one warp after the consumers issues the copies (the simulator's
-    LAUNCH_THREADS = NTHREADS + (32 if COPY_WARP else 0)  # thread 0 copies each tile itself, at once)
     TILE_ALIGN = WG_ALIGN if WGMMA else SMEM_ALIGN   # the swizzle's 1024-byte atoms start on its boundaries
     P_ALL = 4 * KSTEPS_K if WGMMA else 1
     CW = 4 if VEC16 else 1                   # words per cp.async
@@ -342,22 +340,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         dst = 4 * s * 2 * TILE
         load_kv_box(smem, dst, maps, 1, k, k_base, k_row, k0, seqlen_k - k0, hk, b, FULL + 8 * s)
         load_kv_box(smem, dst + 4 * V_OFF, maps, 2, v, v_base, v_row, k0, seqlen_k - k0, hk, b, FULL + 8 * s)
-
-    @device_function
-    def copy_warp(smem, maps, q, k, v, q_base, q_row, k_base, v_base, k_row, v_row, b, h, hk, q0, q_last,
-                  seqlen_q, seqlen_k, off, left, right, block_mask, bm_q, bm_k, kt, kt_hi):
-        """The copy warp's one thread: Q, then the key tiles from ``kt`` into the stages in turn, a stage
-        refilled once all its readers have handed it back (empty[s])."""
-        if kt < kt_hi:
-            load_q_tile(smem, maps, q, q_base, q_row, q0, seqlen_q, h, b)
-        i = 0
-        while kt < kt_hi:
-            s = i % STAGES
-            if i >= STAGES:
-                mbar_wait(smem, EMPTY + 8 * s, (i // STAGES - 1) % 2)
-            load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, hk, b, s)
-            kt = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-            i += 1
 
     # ---- the steps of one key tile, on this thread's fragments: element e of (m-tile m, n-tile n) is query
     # row0 + 16 m + 8 (e >> 1) and key k0 + 8 n + 2 t + (e & 1) (m16n8k16's accumulator layout)
@@ -643,15 +625,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 mbar_init(smem, Q_FULL, 1)
                 mbar_fence_init()
             cuda.syncthreads()
-            if COPY_WARP and warp == NWARPS:
-                if lane == 0:
-                    copy_warp(smem, maps, q, k, v, q_base, q_row, k_base, v_base, k_row, v_row, b, h, hk, q0,
-                              q_last, seqlen_q, seqlen_k, off, left, right, block_mask, bm_q, bm_k, kt, kt_hi)
-                return
-            if kt < kt_hi:
-                if not COPY_WARP and tid == 0:
-                    load_q_tile(smem, maps, q, q_base, q_row, q0, seqlen_q, h, b)
-                mbar_wait(smem, Q_FULL, 0)
+            if kt < kt_hi and tid == 0:                      # Q and the first K/V tile, in flight
+                load_q_tile(smem, maps, q, q_base, q_row, q0, seqlen_q, h, b)
+                load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, hk, b, 0)
         elif kt < kt_hi:
             if Q_SMEM:                                       # the Q tile, committed with the K/V group below
                 copy_q(q, q_base, q_row, q0, seqlen_q - q0, smem, Q_OFF)
@@ -663,13 +639,19 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             k0 = kt * BLOCK_K
             kn = next_tile(kt, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-            if TMA:                                          # K_j, V_j landed in stage buf (by the copy warp)
+            if TMA:
                 buf = i % STAGES
-                if not COPY_WARP:
-                    if tid == 0:
-                        load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, k0, seqlen_k, hk, b, buf)
-                    cuda.syncthreads()
-                mbar_wait(smem, FULL + 8 * buf, (i // STAGES) % 2)
+                if tid == 0 and kn < kt_hi:                  # K_{j+1}, V_{j+1} into the other stage, once every
+                    nxt = (i + 1) % STAGES                   # reader of tile j - 1 has handed it back
+                    if i + 1 >= STAGES:
+                        mbar_wait(smem, EMPTY + 8 * nxt, ((i + 1) // STAGES - 1) % 2)
+                    load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, hk, b,
+                                  nxt)
+                if SIMULATOR:
+                    cuda.syncthreads()                       # (the simulator's copies are done at once)
+                if i == 0:
+                    mbar_wait(smem, Q_FULL, 0)
+                mbar_wait(smem, FULL + 8 * buf, (i // STAGES) % 2)   # K_j, V_j have landed in stage buf
             elif kn < kt_hi:                                 # K_{j+1}, V_{j+1} fly while tile j computes
                 start_kv_copy(k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, smem,
                               (1 - buf) * 2 * TILE)
@@ -709,7 +691,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 pv_tile(smem, base, v_lane, s_reg, p_reg, acc)
             if TMA:
                 mbar_arrive(smem, EMPTY + 8 * buf)           # this thread is done with stage buf
-                if not COPY_WARP:
+                if SIMULATOR:
                     cuda.syncthreads()
                 i += 1
             else:
@@ -719,4 +701,4 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
 
         store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q, q_start)   # out = acc / l_i
 
-    return flash_forward_tc, SHARED_BYTES, LAUNCH_THREADS
+    return flash_forward_tc, SHARED_BYTES, NTHREADS
