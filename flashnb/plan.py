@@ -362,7 +362,7 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None):
 
 def _hopper(call):
     """Whether a forward the tensor cores serve runs the Hopper kernel: asked for, or "auto" on compute capability
-    9.0 (``WGMMA_AUTO``) above head dim 64 where it can serve the call and its tiles fit (else "auto" keeps the
+    9.0 (``WGMMA_AUTO``) above head dim 48 where it can serve the call and its tiles fit (else "auto" keeps the
     mma.sync forward); never "auto" in the simulator, whose suites choose the kernel they test."""
     if call.backend == "wgmma":
         return True
@@ -381,15 +381,17 @@ def _tma(call):
 
 WGMMA_TMA = True
 
-# measured on the H100 (bench/results/h100-wgmma-2026-11-25.md): faster than the mma.sync forward above head dim
-# 64 (1.2-1.5x FlashAttention-2 at 128 and 256, against 0.82-0.86x); at 64 within 5% of it either way
+# measured on the H100 (bench/results/h100-wgmma-2026-11-25.md, the tiles by the copy engine): 1.33 / 1.14x
+# FlashAttention-2 at head dim 64 (non-causal / causal), 1.62 / 1.47x at 128, 1.77 / 1.54x at 256, where the
+# mma.sync forward is 0.94-0.99x at 64 and 0.82-0.87x above; not measured below 64 (padded to 64 there)
 WGMMA_AUTO = True
-WGMMA_AUTO_MIN_HEADDIM = 64
+WGMMA_AUTO_MIN_HEADDIM = 48
 
 
 def wgmma_shared_bytes(block_q, block_k, headdim):
     """Dynamic shared memory per block of the Hopper forward."""
-    return make_forward_tc(block_q, block_k, headdim, "float16", True, 1, True, *([False] * 7), WGMMA=True)[1]
+    return make_forward_tc(block_q, block_k, headdim, "float16", True, 1, True, *([False] * 7), WGMMA=True,
+                           TMA=WGMMA_TMA)[1]
 
 
 def _layout_refusal(layout):
