@@ -166,6 +166,11 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     with Q and K_j from shared memory, ``acc += P V_j`` with P from registers (S's accumulators, packed) and
     V_j from shared memory.  Q, K_j and V_j are stored 128-byte swizzled (``make_swizzled_tile_copy``) with
     the head dim padded to 64, and ``fence.proxy.async`` hands each landed tile to the tensor cores.
+    ``TMA`` (with ``WGMMA``, dense batches): the tiles come by the tensor-copy engine (``_tma``) instead of
+    cp.async: thread 0 issues Q's and K_j, V_j's boxes (tensor maps 0-2 of ``maps``) into one of two stages;
+    the readers wait on the stage's ``full`` barrier and arrive on its ``empty`` one when done with it, and
+    thread 0 copies tile j + 1 into a stage once every reader of tile j - 1 has left it: no block-wide barrier
+    in the loop.
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
