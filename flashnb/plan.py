@@ -139,7 +139,8 @@ def forward(call):
     tiles, refusal = _tc_choice(call, False)
     if _use_tensor_cores(call, refusal):
         bq, bk = tiles
-        return ForwardPlan(call, "tensorcore", bq, bk, "float32", _forward_tc_launch(call, bq, bk), _tma(call))
+        tma = _tma(call)
+        return ForwardPlan(call, "tensorcore", bq, bk, "float32", _forward_tc_launch(call, bq, bk, tma), tma)
     acc = _acc(call.dtype)
     bq, bk = _simt_tiles(call, acc, backward=False)
     return ForwardPlan(call, "simt", bq, bk, acc, _forward_simt_launch(call, bq, bk, acc))
@@ -175,12 +176,12 @@ def _empty(call, backward):
     return call.batch == 0 or call.nheads == 0 or (call.seqlen_q == 0 and not backward)
 
 
-def _forward_tc_launch(call, bq, bk):
+def _forward_tc_launch(call, bq, bk, tma):
     if _empty(call, False):
         return None
     d = call.headdim
     if _hopper(call):
-        mt, qs, extra = 1, True, {"WGMMA": True, "TMA": _tma(call)}
+        mt, qs, extra = 1, True, {"WGMMA": True, "TMA": tma}
     else:
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
@@ -362,12 +363,13 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None):
 
 def _hopper(call):
     """Whether a forward the tensor cores serve runs the Hopper kernel: asked for, or "auto" on compute capability
-    9.0 (``WGMMA_AUTO``) above head dim 48 where it can serve the call and its tiles fit (else "auto" keeps the
-    mma.sync forward); never "auto" in the simulator, whose suites choose the kernel they test."""
+    9.0 (``WGMMA_AUTO``) above head dim 64, or above 48 where its tiles come by the copy engine (``_tma``), where
+    it can serve the call and its tiles fit (else "auto" keeps the mma.sync forward); never "auto" in the
+    simulator, whose suites choose the kernel they test."""
     if call.backend == "wgmma":
         return True
     return (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR and call.dtype != "float32"
-            and call.headdim > WGMMA_AUTO_MIN_HEADDIM
+            and (call.headdim > WGMMA_AUTO_MIN_HEADDIM or (call.headdim > 48 and _big(call)))
             and wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout) is None
             and shared_refusal(wgmma_shared_bytes(*default_wgmma_tiles(call.headdim, call.block_q, call.block_k),
                                                   call.headdim), "") is None)
@@ -375,17 +377,29 @@ def _hopper(call):
 
 def _tma(call):
     """Whether the Hopper forward's tiles come by the copy engine (``WGMMA_TMA``): dense batches (a packed
-    one's sequences are not boxes of one tensor)."""
-    return WGMMA_TMA and _hopper(call) and call.total_q is None
+    one's sequences are not boxes of one tensor); under "auto", calls big enough (``_big``) to hide the host
+    time of a call the dispatch cache cannot replay (its tensor maps hold the arrays' addresses)."""
+    return (WGMMA_TMA and _hopper(call) and call.total_q is None
+            and (call.backend == "wgmma" or _big(call)))
+
+
+def _big(call):
+    """At least ``TMA_MIN_FLOPS`` (4 B H N_q N_k d, the non-causal count)."""
+    return 4 * call.batch * call.nheads * call.seqlen_q * call.seqlen_k * call.headdim >= TMA_MIN_FLOPS
 
 
 WGMMA_TMA = True
+# measured on the H100 (bench/results/h100-tma-2026-11-25.md): a call of the Hopper forward with the copy engine
+# costs ~225 us of host time (no replay: the full path and three tensor-map encodings) against ~26 us for a
+# replayed one, and computes ~580 TFLOP/s at d 128: below ~1.3e11 FLOPs the host would outlast the kernel
+TMA_MIN_FLOPS = 2e11
 
-# measured on the H100 (bench/results/h100-wgmma-2026-11-25.md, the tiles by the copy engine): 1.33 / 1.14x
-# FlashAttention-2 at head dim 64 (non-causal / causal), 1.62 / 1.47x at 128, 1.77 / 1.54x at 256, where the
-# mma.sync forward is 0.94-0.99x at 64 and 0.82-0.87x above; not measured below 64 (padded to 64 there)
+# measured on the H100 (bench/results/h100-tma-2026-11-25.md): with the tiles by the copy engine 1.33 / 1.14x
+# FlashAttention-2 at head dim 64 (non-causal / causal), 1.62 / 1.47x at 128, 1.77 / 1.54x at 256; by cp.async
+# 1.03 / 0.90x, 1.20 / 1.13x, 1.49 / 1.31x; the mma.sync forward 0.94-0.99x at 64 and 0.82-0.87x above; not
+# measured below 64 (padded to 64 there)
 WGMMA_AUTO = True
-WGMMA_AUTO_MIN_HEADDIM = 48
+WGMMA_AUTO_MIN_HEADDIM = 64
 
 
 def wgmma_shared_bytes(block_q, block_k, headdim):
