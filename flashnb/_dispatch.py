@@ -40,13 +40,16 @@ from collections import OrderedDict
 import numpy as np
 
 from . import _arrays
-from .kernels import _jit
+from .kernels import _jit, _tma
 
 MAX_ENTRIES = 256                     # recordings kept (the oldest dropped first)
 _CACHE = OrderedDict()                # signature -> Replay (or None: known unfit), oldest first
 _LOCK = threading.Lock()
 _local = _jit.RECORDING               # .recorder: the Recorder of this thread's call being recorded
 CONSTANT_PTRS = set()                 # device addresses that stay valid for the process (the option stand-ins)
+# replay the Hopper forward's tensor maps (re-derived from the new inputs' addresses): built and run in the
+# simulator's replay; off until its GPU run (a call with tensor maps is left unrecorded, as before)
+REPLAY_TENSOR_MAPS = False
 stats = {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0}
 
 _PLAIN = frozenset((int, float, bool, str, type(None)))
@@ -98,13 +101,7 @@ def _describe(x):
     return None
 
 
-def _ptr(x):
-    """The device address of a ``View``, a Numba device array or the simulator's stand-in for one."""
-    if type(x) is _jit.View:
-        return x.ptr
-    if _jit.SIMULATOR:
-        return x._ary.__array_interface__["data"][0]
-    return int(x.__cuda_array_interface__["data"][0] or 0)
+_ptr = _jit.device_address
 
 
 def current_device(x):
@@ -169,7 +166,9 @@ class Recorder:
         self.fit = True
 
     def tag(self, ptr):
-        """Where a device address came from: ("in", i), ("alloc", j), ("const",); None if unknown."""
+        """Where a device address came from: ("in", i), ("alloc", j), ("const",), or ("maps", specs): tensor
+        maps of inputs (``_tma.maps_for``; each spec's address replaced by its input's index); None if
+        unknown."""
         i = self.inputs.get(ptr)
         if i is not None:
             return ("in", i)
@@ -178,6 +177,9 @@ class Recorder:
             return ("alloc", j)
         if ptr in CONSTANT_PTRS:
             return ("const",)
+        specs = _tma.SPECS.get(ptr) if REPLAY_TENSOR_MAPS else None
+        if specs is not None and all(spec[0] in self.inputs for spec in specs):
+            return ("maps", tuple((self.inputs[spec[0]],) + spec[1:] for spec in specs))
         return None
 
 
@@ -352,7 +354,8 @@ class Replay:
                     if step[0] == "launch":
                         _, handle, grid, block, shared, buf, params, words = step
                         for w, tag in words:
-                            buf[w] = ptrs[tag[1]] if tag[0] == "in" else alloc_ptrs[tag[1]]
+                            buf[w] = (ptrs[tag[1]] if tag[0] == "in" else alloc_ptrs[tag[1]] if tag[0] == "alloc"
+                                      else _tma.maps_for(_specs(tag[1], ptrs)).ptr)
                         err = cuda.cuLaunchKernel(handle, grid, 1, 1, block, 1, 1, shared, stream, params, None)
                         if err:
                             raise RuntimeError(f"cuLaunchKernel failed in a replayed call: CUDA error {err}")
@@ -374,9 +377,17 @@ class Replay:
             _, kern, grid, block, shared, args, slots = step
             args = list(args)
             for pos, tag in slots:
+                if tag[0] == "maps":
+                    args[pos] = _tma.maps_for(_specs(tag[1], [_ptr(a) if a is not None else 0 for a in arrays]))
+                    continue
                 base = arrays[tag[1]] if tag[0] == "in" else made[tag[1]]
                 args[pos] = _same_view(args[pos], base)
             kern[grid, block, cuda.default_stream(), shared](*args)
+
+
+def _specs(recorded, ptrs):
+    """Tensor-map specs with each recorded input index replaced by that input's address in this call."""
+    return tuple((ptrs[spec[0]],) + spec[1:] for spec in recorded)
 
 
 def _allocate(lib, shape, dtype, device):

@@ -100,7 +100,7 @@ def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, pr
 def _forward_launch(p, q, k, v, out, lse, opts, stream):
     """The plan's forward: on uint32 word views of q, k, v, out (tensor cores) or device arrays (SIMT)."""
     if p.forward is not None:
-        if p.tma:
+        if p.tma and not _dispatch.REPLAY_TENSOR_MAPS:
             _dispatch.unfit()         # its tensor maps hold the arrays' addresses: no replay with other arrays
         _run(p.forward, stream, p.args(q, k, v, out, lse, opts))
 

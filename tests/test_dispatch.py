@@ -11,6 +11,7 @@ from numba import cuda
 
 import flashnb
 from flashnb import _dispatch
+from flashnb.kernels import _tma
 from kernel_harness import assert_bitwise_equal, poison_outputs  # noqa: F401 (autouse fixture)
 
 OPTS = dict(causal=True, softcap=4.0)
@@ -54,6 +55,29 @@ def test_replay_computes_what_the_full_path_computes(dtype, backend):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, full):
         assert_bitwise_equal(a, b, f"replayed {name}")
     assert not np.allclose(replayed[0], fwd_bwd(*arrays(0, dtype), **opts)[0]), "the replay ignored its inputs"
+
+
+@pytest.mark.parametrize("replay_maps", [False, True])
+def test_the_hopper_forward_with_tensor_maps(monkeypatch, replay_maps):
+    """backend="wgmma" on a dense batch: its tiles by the copy engine, whose tensor maps hold the inputs'
+    addresses.  Without ``REPLAY_TENSOR_MAPS`` such a call is never recorded (every call takes the full path);
+    with it the replay re-derives the maps from the new inputs (``_tma.maps_for``) and computes what the full
+    path computes."""
+    monkeypatch.setattr(_dispatch, "REPLAY_TENSOR_MAPS", replay_maps)
+    opts = dict(OPTS, backend="wgmma", block_q=64, block_k=16)
+    q, k, v, _ = arrays(0, np.float16, seqlen_q=5, seqlen_k=7)
+    flashnb.flash_attention(q, k, v, **opts)
+    assert _dispatch.stats["recorded" if replay_maps else "unfit"] == 1
+    new = arrays(1, np.float16, seqlen_q=5, seqlen_k=7)[:3]
+    replayed = host(flashnb.flash_attention(*new, **opts))[0]
+    assert _dispatch.stats["hits"] == (1 if replay_maps else 0)
+    replayed_specs = list(_tma.SPECS.values())
+    assert [_dispatch._ptr(x) for x in new] in [[spec[0] for spec in specs] for specs in replayed_specs], (
+        "no tensor maps of the new inputs' addresses")
+    _dispatch.clear()
+    full = host(flashnb.flash_attention(*new, **opts))[0]
+    assert_bitwise_equal(replayed, full, "replayed out")
+    assert not np.allclose(replayed, host(flashnb.flash_attention(q, k, v, **opts))[0]), "the replay ignored its inputs"
 
 
 def test_every_difference_the_plan_reads_is_a_miss():

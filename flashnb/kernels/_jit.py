@@ -53,6 +53,15 @@ def kernel(fn):
     return cuda.jit(fn)
 
 
+def device_address(x):
+    """The device address of a ``View``, a Numba device array or the simulator's stand-in for one."""
+    if type(x) is View:
+        return x.ptr
+    if SIMULATOR:
+        return x._ary.__array_interface__["data"][0]
+    return int(x.__cuda_array_interface__["data"][0] or 0)
+
+
 class View:
     """A device array as a kernel parameter: ``ptr`` (device address), ``shape``, ``strides`` (bytes),
     ``dtype`` (a NumPy dtype); ``owner`` keeps the memory alive while the view is in use.

@@ -24,7 +24,7 @@ the GPU suites and compute-sanitizer (racecheck, synccheck) the barriers' protoc
 import numpy as np
 from numba import cuda
 
-from ._jit import SIMULATOR, View, device_function
+from ._jit import SIMULATOR, View, device_address as _address, device_function
 from ._mma import memory_primitives
 from ._wgmma import SWIZZLE_BYTES, BLOCK_COLS, swizzled_offset
 
@@ -201,48 +201,60 @@ def make_tile_load(NROWS, HEAD_WORDS, NBLK):
 # ------------------------------------------------------------------------------------------------------------
 # The host: tensor maps
 # ------------------------------------------------------------------------------------------------------------
-_maps = {}
+_maps = {}                # specs -> the device buffer of their maps
+SPECS = {}                # a buffer's device address -> its specs (the dispatch cache's replay re-derives them)
 _MAX_MAPS = 256
 
 
-def encode_map(view, box_rows):
-    """The 16 uint64 words of a tensor map over the 16-bit (batch, seq, head, word) word view ``view``: 16-bit
-    elements, dims (head dim, seq, heads, batch), boxes of 64 x ``box_rows`` x 1 x 1, 128-byte swizzle, zeros
-    outside.  A dimension of size 1 takes any valid stride (it is never stepped)."""
+def encode_map(ptr, shape, strides, box_rows):
+    """The 16 uint64 words of a tensor map over a 16-bit (batch, seq, head, word) word view at device address
+    ``ptr`` of ``shape`` (words) and byte ``strides``: 16-bit elements, dims (head dim, seq, heads, batch),
+    boxes of 64 x ``box_rows`` x 1 x 1, 128-byte swizzle, zeros outside.  A dimension of size 1 takes any valid
+    stride (it is never stepped): the extent of the one before."""
     from cuda.bindings import driver as drv
 
-    b, s, h, words = view.shape
-    sb, ss, sh = view.strides[0], view.strides[1], view.strides[2]
+    b, s, h, words = shape
+    sb, ss, sh = strides[0], strides[1], strides[2]
     dims = [2 * words, s, h, b]
-    strides = []
-    extent = 4 * words                  # bytes of a row; a size-1 dimension's stride: the one before's extent
+    steps = []
+    extent = 4 * words                  # bytes of a row
     for n, st in ((s, ss), (h, sh), (b, sb)):
-        strides.append(st if n > 1 else extent)
-        extent = strides[-1] * n
+        steps.append(st if n > 1 else extent)
+        extent = steps[-1] * n
     u64, u32 = drv.cuuint64_t, drv.cuuint32_t
     err, tmap = drv.cuTensorMapEncodeTiled(
-        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, view.ptr, [u64(n) for n in dims],
-        [u64(n) for n in strides], [u32(n) for n in (BOX_COLS, box_rows, 1, 1)], [u32(1)] * 4,
+        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, ptr, [u64(n) for n in dims],
+        [u64(n) for n in steps], [u32(n) for n in (BOX_COLS, box_rows, 1, 1)], [u32(1)] * 4,
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err!r} (shape {view.shape}, strides {view.strides})")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err!r} (shape {shape}, strides {strides})")
     return [int(x) for x in tmap.opaque]
 
 
 def tensor_maps(views_and_rows):
-    """A device uint64 array of the tensor maps of ``(view, box_rows)`` pairs, one row of 16 words each; one
-    buffer per distinct set of maps, kept (a loop over the same arrays encodes and copies nothing new: its
-    buffers come back by the maps' bytes)."""
-    if SIMULATOR:                         # (the simulator's copies read the arrays themselves)
-        return cuda.to_device(np.zeros((len(views_and_rows), MAP_WORDS), np.uint64))
-    words = np.array([encode_map(v, rows) for v, rows in views_and_rows], np.uint64)
-    key = words.tobytes()
-    buf = _maps.get(key)
+    """A device uint64 array of the tensor maps of ``(view, box_rows)`` pairs (word views), one row of 16 words
+    each: ``maps_for`` their specs."""
+    return maps_for(tuple((_address(v), tuple(v.shape), tuple(v.strides), rows) for v, rows in views_and_rows))
+
+
+def maps_for(specs):
+    """The maps of ``specs``, each ``(device address, shape, strides, box_rows)``, in one device buffer kept per
+    distinct specs (a loop over the same arrays encodes and copies nothing new); ``SPECS`` names the specs of
+    each buffer's address.  The simulator's buffer holds zeros (its copies read the arrays themselves)."""
+    buf = _maps.get(specs)
     if buf is None:
-        if len(_maps) >= _MAX_MAPS:           # no kernel still in flight may read a dropped buffer
-            cuda.synchronize()
+        if len(_maps) >= _MAX_MAPS:       # no kernel still in flight may read a dropped buffer
+            if not SIMULATOR:
+                cuda.synchronize()
             _maps.clear()
-        buf = _maps[key] = View.of(cuda.to_device(words))
+            SPECS.clear()
+        if SIMULATOR:
+            buf = cuda.to_device(np.zeros((len(specs), MAP_WORDS), np.uint64))
+        else:
+            buf = View.of(cuda.to_device(np.array([encode_map(*spec) for spec in specs], np.uint64)))
+        _maps[specs] = buf
+        SPECS[_address(buf)] = specs
     return buf
+
