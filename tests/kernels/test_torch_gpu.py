@@ -269,3 +269,27 @@ def test_dispatch_cache_replays_what_the_full_path_computes(dtype):
     with pytest.raises(TypeError, match="dtype"):
         flashnb.flash_attention(q2, k, v.double(), **opts)
     assert _dispatch.stats["hits"] == 2
+
+
+@pytest.mark.parametrize("replay_maps", [False, True])
+def test_dispatch_cache_and_the_hopper_forwards_tensor_maps(monkeypatch, replay_maps):
+    """backend="wgmma" (compute capability 9.0): the tensor maps hold the inputs' addresses; unrecorded without
+    ``REPLAY_TENSOR_MAPS``, re-derived from the new inputs by the replay with it: a replayed call equals the
+    full path's bit for bit and reads its own inputs."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward needs compute capability 9.0")
+    monkeypatch.setattr(_dispatch, "REPLAY_TENSOR_MAPS", replay_maps)
+    q, k, v = (_randn(2, 333, 4, 128, dtype=torch.float16) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]                                        # strided, grouped heads
+    opts = dict(causal=True, backend="wgmma")
+    _dispatch.clear()
+    first = flashnb.flash_attention(q, k, v, **opts)
+    assert _dispatch.stats["recorded" if replay_maps else "unfit"] == 1
+    q2 = q.clone()
+    k2, v2 = (_randn(2, 333, 4, 128, dtype=torch.float16)[:, :, :2] for _ in range(2))   # the same strides
+    replayed = flashnb.flash_attention(q2, k2, v2, **opts)
+    assert _dispatch.stats["hits"] == (1 if replay_maps else 0)
+    _dispatch.clear()
+    full = flashnb.flash_attention(q2, k2, v2, **opts)
+    assert torch.equal(replayed, full), "a replayed call differs from the full path's"
+    assert not torch.equal(replayed, first), "the replay read the first call's keys and values"
