@@ -363,13 +363,15 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None):
 
 def _hopper(call):
     """Whether a forward the tensor cores serve runs the Hopper kernel: asked for, or "auto" on compute capability
-    9.0 (``WGMMA_AUTO``) above head dim 64, or above 48 where its tiles come by the copy engine (``_tma``), where
+    9.0 (``WGMMA_AUTO``) above head dim 64, or above 48 where its tiles come by the copy engine (``_tma``: a dense
+    batch of ``TMA_MIN_FLOPS``; the cp.async Hopper forward measured no faster than mma.sync at 64), where
     it can serve the call and its tiles fit (else "auto" keeps the mma.sync forward); never "auto" in the
     simulator, whose suites choose the kernel they test."""
     if call.backend == "wgmma":
         return True
     return (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR and call.dtype != "float32"
-            and (call.headdim > WGMMA_AUTO_MIN_HEADDIM or (call.headdim > 48 and _big(call)))
+            and (call.headdim > WGMMA_AUTO_MIN_HEADDIM
+                 or (call.headdim > 48 and WGMMA_TMA and call.total_q is None and _big(call)))
             and wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout) is None
             and shared_refusal(wgmma_shared_bytes(*default_wgmma_tiles(call.headdim, call.block_q, call.block_k),
                                                   call.headdim), "") is None)

@@ -210,3 +210,12 @@ def test_wants_words_only_where_the_tensor_cores_may_serve(device):
     assert plan.wants_words(call(dtype="float32", layout=None, backend="tensorcore"), backward=True)
     assert plan.wants_words(call(layout=None, deterministic=True))
     assert not plan.wants_words(call(layout=None, deterministic=True), backward=True)
+
+
+def test_packed_batches_keep_cp_async(device):
+    """A packed batch's sequences are not boxes of one tensor: its Hopper forward copies by cp.async, and at head
+    dim 64 "auto" keeps the mma.sync forward (the cp.async Hopper forward measured no faster there)."""
+    device(**H100)
+    for d, threads in ((64, 128), (128, 256)):
+        f = plan.forward(call(headdim=d, **BIG)._replace(total_q=4 * 4096))
+        assert not f.tma and f.forward.threads == threads, (d, f)
