@@ -235,11 +235,18 @@ def _cast_launch(kern, n):
 
 
 def _backward_tc_plan(call, bq, bk):
+    if _hopper_backward(call, bk) and call.block_q is None:
+        bq = WGMMA_BWD_BLOCK_Q
     if _empty(call, True):
         return BackwardPlan(call, "tensorcore", bq, bk, "float32", None, None, True, None)
     d, words = call.headdim, call.headdim // (1 if call.dtype == "float32" else 2)
     dkdv = None
-    if call.seqlen_k > 0:
+    if call.seqlen_k > 0 and _hopper_backward(call, bk):
+        kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags), 1, _red2(),
+                                             DEFER_DQ=False, WGMMA=True)
+        check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
+        dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
+    elif call.seqlen_k > 0:
         split, mtk, share = _tc_bwd_layout(bq, bk, d, call.dtype)
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
                                              split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
@@ -251,6 +258,22 @@ def _backward_tc_plan(call, bq, bk):
         cast = _cast_launch(make_cast_tc(call.dtype), _rows(call)[0] * _rows(call)[1] * call.nheads * words)
     return BackwardPlan(call, "tensorcore", bq, bk, "float32", _preprocess_launch(call, "float32", call.dtype),
                         dkdv, True, cast)
+
+
+def _hopper_backward(call, block_k):
+    """Whether ``backend="wgmma"``'s backward runs the Hopper dK/dV kernel (``make_dkdv_tc(WGMMA=True)``): with
+    ``WGMMA_BACKWARD``, 16-bit dense batches up to head dim 128 (dK's and dV's accumulators in one warp's
+    registers), key tiles of whole warpgroups (64 keys), 16-byte rows; else the tensor-core one."""
+    return (WGMMA_BACKWARD and call.backend == "wgmma" and call.dtype in ("float16", "bfloat16")
+            and call.headdim <= 128 and call.headdim % 8 == 0 and block_k % 64 == 0 and call.total_q is None
+            and call.layout is not None and call.layout[1])
+
+
+# The Hopper dK/dV kernel: checked in the simulator only, not yet run on a GPU (docs/notes/hopper.md); its query
+# tiles by registers (tools.sass_tc --pass bwd 32 128 D WGMMA=1: 166 at d 64, 236 at d 128, no spill; 64 x 128
+# at d 128 spills 28 bytes), not by time
+WGMMA_BACKWARD = False
+WGMMA_BWD_BLOCK_Q = 32
 
 
 def _tf32_keywords(dtype, precision):

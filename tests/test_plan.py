@@ -219,3 +219,26 @@ def test_packed_batches_keep_cp_async(device):
     for d, threads in ((64, 128), (128, 256)):
         f = plan.forward(call(headdim=d, **BIG)._replace(total_q=4 * 4096))
         assert not f.tma and f.forward.threads == threads, (d, f)
+
+
+@pytest.mark.parametrize("kw, hopper", [
+    (dict(headdim=64), True), (dict(headdim=128), True), (dict(headdim=256), False), (dict(headdim=72), True),
+    (dict(headdim=64, block_k=32), False), (dict(dtype="float32", headdim=64), False),
+    (dict(headdim=64, backend="tensorcore"), False)])
+def test_the_hopper_backward_only_where_asked_and_enabled(device, monkeypatch, kw, hopper):
+    """backend="wgmma"'s backward runs the Hopper dK/dV kernel with WGMMA_BACKWARD (off by default) up to head
+    dim 128, key tiles of whole warpgroups, query tiles of WGMMA_BWD_BLOCK_Q; else the tensor-core one."""
+    device(**H100)
+    built = []
+    real = plan.make_dkdv_tc
+    monkeypatch.setattr(plan, "make_dkdv_tc", lambda *a, **k: (built.append(k), real(*a, **k))[1])
+    c = call(**dict(dict(backend="wgmma"), **kw))
+    if c.dtype == "float32":
+        c = c._replace(backend="tensorcore")
+    plan.backward(c)
+    assert not built[-1].get("WGMMA"), "the Hopper dK/dV kernel without WGMMA_BACKWARD"
+    monkeypatch.setattr(plan, "WGMMA_BACKWARD", True)
+    b = plan.backward(c)
+    assert bool(built[-1].get("WGMMA")) == hopper, built[-1]
+    if hopper:
+        assert b.block_q == plan.WGMMA_BWD_BLOCK_Q and b.dkdv.threads == 32 * b.block_k // 16

@@ -2,6 +2,7 @@
 
     python -m tools.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1] [WGMMA=1 [TMA=1]]
     python -m tools.sass_tc --pass bwd BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [DSPLIT=] [MTK=] [SHARE=] [DEFER_DQ=]
+                            [WGMMA=1]
 
 (``--pass bwd``: the tensor-core dK/dV kernel, ``make_dkdv_tc``, with the defaults ``plan.backward`` picks;
 ``WGMMA=1``: the Hopper forward, ``MT=1``, Q in shared memory, compiled for sm_90a; ``TMA=1``: its tiles by the
@@ -51,14 +52,18 @@ def compile_backward(bq, bk, d, options, out_dir, ptx_version):
     causal = options.pop("causal", 0) == 1
     kw = dict(DSPLIT=plan.tc_bwd_dim_split(bq, bk, d), MTK=plan.tc_bwd_key_tiles(bq, bk, d),
               SHARE=plan.tc_bwd_share(bq, bk, d))
-    kw.update({k: (bool(v) if k in ("SHARE", "DEFER_DQ") else v) for k, v in options.items()})
+    if options.get("WGMMA"):                     # the Hopper dK/dV kernel: one warp per 16 keys, dQ undeferred
+        kw = dict(DSPLIT=1, MTK=1, SHARE=False, DEFER_DQ=False)
+    kw.update({k: (bool(v) if k in ("SHARE", "DEFER_DQ", "WGMMA") else v) for k, v in options.items()})
+    wgmma = kw.get("WGMMA", False)
     dsplit = kw.pop("DSPLIT")
     kern, shared, threads = make_dkdv_tc(bq, bk, d, "float16", True, causal, *([False] * 6), dsplit, True, **kw)
     u4 = types.Array(types.uint32, 4, "C")
     f3 = types.Array(types.float32, 3, "C")
     sig = (u4, u4, u4, u4, f3, f3, u4, u4, types.Array(types.float32, 4, "C"),   # q k v dout lse2 delta dk dv dq
            types.int64, types.int64) + _OPTION_TYPES()                                  # group off, options
-    return _build(kern, sig, shared, threads, os.path.join(out_dir, f"dkdv_{bq}_{bk}_{d}"), ptx_version)
+    return _build(kern, sig, shared, threads, os.path.join(out_dir, f"dkdv_{bq}_{bk}_{d}"), ptx_version,
+                  arch="sm_90a" if wgmma else "sm_90")
 
 
 def _stand_in_device():

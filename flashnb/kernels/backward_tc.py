@@ -49,7 +49,8 @@ from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32
 from ._tiles import U, packed_tile_head_batch, sequence_span, tile_head_batch
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
-from .forward_tc import make_async_tile_copy, tc_padded_words
+from .forward_tc import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
+from ._wgmma import SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_wgmma, mn_major_steps
 
 F32 = np.float32
 U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
@@ -181,7 +182,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 @kernel_factory
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
-                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True):
+                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -230,6 +231,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     warp's queries) and P^T's, dS^T's in registers at each k-step.  Without ``TF32X3`` (``precision="high"``): one
     product; P^T and dS^T rounded to tf32, K, V, Q, dO truncated by the tensor cores.
 
+    ``WGMMA`` (compute capability 9.0, 16-bit inputs, one warp per 16 keys): S^T, dP^T, dV and dK by Hopper's
+    warpgroup MMA (``_wgmma``), as the forward's: each warpgroup owns 64 keys of the tile, so per warp the
+    accumulators are the m16n8 fragments the element-wise step reads now; ``S^T = K_j Q_i^T``, ``dP^T = V_j dO_i^T``
+    with both operands from 128-byte-swizzled shared tiles (head dim padded to 64), ``dV += P_drop^T dO_i`` and
+    ``dK += dS^T Q_i`` with P_drop^T, dS^T packed from the accumulators and dO_i, Q_i MN-major.  dQ keeps
+    ``mma.sync`` (``dq_phase``), reading K_j from a second, unswizzled copy.
+
     The kernel body is FA2's Algorithm 2 for one key tile; its steps are the helpers below (``scores_t``,
     ``plain_grad`` / ``option_grad``, ``dv_dk_tile``, ``dq_phase``, ``store_dk_dv``).  (The timing ablations
     of the dQ phase, the atomics and the element-wise step, whose results were wrong by design, were measured
@@ -249,10 +257,14 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     assert BLOCK_Q % 16 == 0 and BLOCK_K % (16 * MTK) == 0 and HEAD_DIM % VALS == 0 and DSPLIT in (1, 2)
     QS = DSPLIT if SHARE else 1              # parts of the queries in S^T, dP^T: warp w computes part w // KW
     assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
+    if WGMMA:
+        assert not TF32 and DSPLIT == 1 and MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
     NTHREADS = 32 * NWARPS
     D_PAD = -(-HEAD_DIM // (16 * DSPLIT)) * 16 * DSPLIT   # each part of dK, dV: whole pairs of n-tiles
+    if WGMMA:
+        D_PAD = -(-HEAD_DIM // 64) * 64      # whole swizzled blocks of 64 values
     HEAD_WORDS = HEAD_DIM // VALS
     D_WORDS = D_PAD // VALS
     KSTEPS_D = D_WORDS // 8                  # k-steps of K Q^T and V dO^T (8 words each)
@@ -263,7 +275,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     KSTEPS_Q = BLOCK_Q // (8 * VALS)         # k-steps of P^T dO and dS^T Q (16 queries each, tf32: 8)
     KSTEPS_K = BLOCK_K // (8 * VALS)         # k-steps of dS K (16 keys each, tf32: 8)
     MQ = BLOCK_Q // 16                       # query m-tiles of dQ, spread over the warps
-    STRIDE = tc_padded_words(D_WORDS)
+    STRIDE = D_WORDS if WGMMA else tc_padded_words(D_WORDS)   # (WGMMA: swizzled rows)
     DS_STRIDE = tc_padded_words(BLOCK_Q // VALS)
     QTILE = BLOCK_Q * STRIDE                 # words of one Q (or dO) tile
     K_OFF = 0
@@ -276,7 +288,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     K_SMALL = L_OFF + 4 * BLOCK_Q            # SPLIT: the small parts of K_j, then of Q_i and dO_i (this item's)
     QS_OFF = K_SMALL + BLOCK_K * STRIDE
     SMEM_WORDS = QS_OFF + 2 * QTILE if SPLIT else K_SMALL
+    KD_OFF, KD_STRIDE = K_OFF, STRIDE        # K_j as dQ's b fragments read it
+    if WGMMA:                                # a second copy of K_j with padded rows (ldmatrix.trans, no swizzle)
+        KD_OFF, KD_STRIDE = SMEM_WORDS, tc_padded_words(D_WORDS)
+        SMEM_WORDS = KD_OFF + BLOCK_K * KD_STRIDE
     SHARED_BYTES = SMEM_WORDS * 4
+    A_ALL = 4 * KSTEPS_Q if WGMMA else 1     # WGMMA: words of P_drop^T's (dS^T's) a fragments, every k-step
     LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
     NP_D = NT_D // 2                         # dQ's n-tile pairs (16 dims each)
     DQ_NP = DQ_NP or dq_pairs(MQ, NP_D, NWARPS, DSPLIT)
@@ -308,8 +325,20 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     query_tile_range = make_query_tile_range(BLOCK_Q)
 
-    copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
-    copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
+    if WGMMA:
+        copy_kv = make_swizzled_tile_copy(BLOCK_K, D_WORDS, HEAD_WORDS, NTHREADS)
+        copy_q = make_swizzled_tile_copy(BLOCK_Q, D_WORDS, HEAD_WORDS, NTHREADS)
+        copy_kd = make_async_tile_copy(BLOCK_K, D_WORDS, KD_STRIDE, HEAD_WORDS, CW, NTHREADS)
+        # S^T, dP^T: A = this warpgroup's 64 rows of K_j / V_j, B = Q_i / dO_i (both K-major, N = BLOCK_Q);
+        # dV, dK: A = P_drop^T / dS^T (registers), B = dO_i / Q_i MN-major (k = 16 queries, N = the head dim)
+        wgmma_t = make_wgmma("ss", DTYPE_NAME, BLOCK_Q, k_major_steps(BLOCK_K, KSTEPS_D),
+                             k_major_steps(BLOCK_Q, KSTEPS_D))
+        wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD, (), mn_major_steps(KSTEPS_Q),
+                               b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
+        fence_async = fence_proxy_async()
+    else:
+        copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
+        copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
 
     def make_plain_grad(MASKED):
         @device_function
@@ -433,7 +462,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     a0, a1, a2, a3 = ldmatrix_x4_trans(smem, U(ds_base + 16 * kk * DS_STRIDE + 8 * mq + ds_lane))
                     for p in range(0, DQ_NT, 2):
                         b0, b1, b2, b3 = ldmatrix_x4_trans(smem,
-                                                           U(K_OFF + 16 * kk * STRIDE + 4 * (n + p) + t_lane))
+                                                           U(KD_OFF + 16 * kk * KD_STRIDE + 4 * (n + p) + t_lane))
                         dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma(
                             a0, a1, a2, a3, b0, b1, dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3])
                         dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
@@ -528,6 +557,23 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
                 for m in range(MTK):
                     mma_pair(fb, m, b0, b1, b2, b3, dk_acc, n)
+
+    @device_function
+    def pack_a(reg, a_all):
+        """The a fragments of every k-step (16 queries: n-tiles 2 kq, 2 kq + 1) of P_drop^T or dS^T, packed."""
+        for kq in range(KSTEPS_Q):
+            a_all[4 * kq + 0] = pack2(reg[0, 2 * kq, 0], reg[0, 2 * kq, 1])
+            a_all[4 * kq + 1] = pack2(reg[0, 2 * kq, 2], reg[0, 2 * kq, 3])
+            a_all[4 * kq + 2] = pack2(reg[0, 2 * kq + 1, 0], reg[0, 2 * kq + 1, 1])
+            a_all[4 * kq + 3] = pack2(reg[0, 2 * kq + 1, 2], reg[0, 2 * kq + 1, 3])
+
+    @device_function
+    def dv_dk_tile_wgmma(smem, qb, db, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc):
+        """WGMMA: dV += P_drop^T dO_i, dK += dS^T Q_i by the warpgroup, A from the accumulators."""
+        pack_a(s_reg, p_all)
+        pack_a(dp_reg, ds_all)
+        wgmma_acc(dv_acc, p_all, smem, 4 * db, 1)
+        wgmma_acc(dk_acc, ds_all, smem, 4 * qb, 1)
 
     @device_function
     def store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32):
@@ -767,13 +813,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         scale32 = F32(scale)
         scale_log2 = scale32 * LOG2E_T
 
-        smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)
+        smem = cuda.shared.array(0, U32_DT, alignment=WG_ALIGN if WGMMA else SMEM_ALIGN)
         fsmem = cuda.shared.array(0, F32_DT)
         # ldmatrix rows of this lane: a fragments of this warp's 16 K/V rows; b fragments of Q/dO rows
         # (plain: two n-tiles of 8 queries; .trans: k = 16 queries, two n-tiles of 8 dims); dS^T as a.trans
         a_lane = (16 * MTK * kw + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         b_lane = (qa + 8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
-        t_lane = (8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
+        t_lane = (8 * (mi % 2) + lane % 8) * KD_STRIDE + 4 * (mi // 2)   # (KD_STRIDE = STRIDE but with WGMMA)
         ds_lane = (8 * (mi // 2) + lane % 8) * DS_STRIDE + 4 * (mi % 2)
         pa_lane = (16 * MTK * kw + 8 * (mi % 2) + lane % 8) * DS_STRIDE + 4 * (mi // 2)   # SHARE: P^T, dS^T as a
         if TF32:                        # 32-bit loads instead of the .trans reads: this lane's word of a k-step
@@ -789,6 +835,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         fa_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)   # SPLIT: their small parts
         fb_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)
         dq_reg = cuda.local.array((DQ_NT, 4), F32)
+        p_all = cuda.local.array(A_ALL, U32_DT)           # WGMMA: P_drop^T's a fragments of every k-step
+        ds_all = cuda.local.array(A_ALL, U32_DT)          # and dS^T's
+        wg_rows = (warp // 4) * 64 * SWIZZLE_BYTES                       # WGMMA: this warpgroup's K / V rows
         l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
         d_row = cuda.local.array(LROWS, F32)
         for m in range(MTK):
@@ -799,6 +848,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
         copy_kv(k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0, seqlen_k - k0, smem, K_OFF)
         copy_kv(v, (b * v.strides[0] + hk * v.strides[2]) >> 2, v.strides[1] >> 2, k0, seqlen_k - k0, smem, V_OFF)
+        if WGMMA:
+            copy_kd(k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0, seqlen_k - k0, smem,
+                    KD_OFF)
         cp_async_commit()
         # work items w = (query head gi of the group, query tile qt_lo + w % nqt), in order; double-buffered:
         # item w + 1's Q, dO (cp.async) and lse2, delta (registers) are in flight while item w computes
@@ -842,6 +894,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     wait_prev()
                 else:
                     wait_all()
+                if WGMMA:
+                    fence_async()                        # ... made visible to the tensor cores
                 cuda.syncthreads()                       # item w's Q, dO, lse2, delta have landed for everyone
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             qb = Q_OFF + buf * 2 * QTILE
@@ -856,6 +910,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
             if TF32:                                                            # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
                 scores_t_tf32(smem, qb, db, a_lane, b_lane, fa, fb, fa_s, fb_s, s_reg, dp_reg)
+            elif WGMMA:
+                wgmma_t(s_reg, smem, 4 * K_OFF + wg_rows, 4 * qb, 0)
+                wgmma_t(dp_reg, smem, 4 * V_OFF + wg_rows, 4 * db, 0)
             else:
                 scores_t(smem, qb, db, a_lane, b_lane, fa, fb, s_reg, dp_reg)
 
@@ -885,6 +942,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             if TF32:                                     # dV += P_drop^T dO_i, dK += dS^T Q_i
                 dv_dk_tile_tf32(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, fa_s, fb_s, dv_acc,
                                 dk_acc)
+            elif WGMMA:
+                dv_dk_tile_wgmma(smem, qb, db, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc)
             else:
                 dv_dk_tile(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, dv_acc, dk_acc)
 

@@ -19,7 +19,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 import flashnb
 import strategies as S
-from flashnb import _arrays, _options, api, plan
+from flashnb import _arrays, _dispatch, _options, api, plan
 from flashnb.kernels._jit import SIMULATOR
 from kernel_harness import _launch  # explicit tiles refused for shared memory: hypothesis.reject
 from kernel_harness import (HALF_ULP_BF16, assert_bitwise_equal, check_backward, check_forward, check_forward_bf16,
@@ -312,6 +312,29 @@ def test_wgmma_bfloat16_within_twice_bfloat16_oracle_error(p):
     p = _bf16_problem(p)
     out, lse = _bf16_forward(p, backend="wgmma")
     check_forward_bf16(p, out, lse)
+
+
+# The Hopper dK/dV kernel (``make_dkdv_tc(WGMMA=True)``: S^T, dP^T, dV, dK by warpgroups of 64 keys), which
+# backend="wgmma" runs with ``plan.WGMMA_BACKWARD`` (off until its GPU run): key tiles of whole warpgroups.
+WG_BWD_TILES = st.just((16, 64)) if SIMULATOR else st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([64, 128]))
+
+
+@settings(max_examples=examples(2, 12), deadline=None)
+@given(p=kernel_problems(dtypes=(np.float16,), tiles=WG_BWD_TILES, headdims=(16, 40) if SIMULATOR else (64, 96, 128),
+                         max_seqlen=TC_MAX_SEQLEN))
+def test_wgmma_backward_within_twice_float16_oracle_error(p):
+    """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel, any options: flash-attn's rule."""
+    out, lse = kernel_forward(p, backend="tensorcore")
+    built = []
+    real, plan.WGMMA_BACKWARD = plan.make_dkdv_tc, True
+    plan.make_dkdv_tc = lambda *a, **kw: (built.append(kw), real(*a, **kw))[1]
+    _dispatch.clear()                                    # (no replay of another example's call: planned)
+    try:
+        grads = kernel_backward(p, out, lse, backend="wgmma")
+    finally:
+        plan.make_dkdv_tc, plan.WGMMA_BACKWARD = real, False
+    check_backward(expected(p), grads)
+    assert p.k.shape[1] == 0 or (built and built[-1].get("WGMMA")), "backend='wgmma' ran another dK/dV kernel"
 
 
 @pytest.mark.parametrize("dtype,headdim,tiles,match", [
