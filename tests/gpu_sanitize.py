@@ -35,10 +35,12 @@ OPTION_SETS = {
 }
 
 
-DTYPES = {"float16": (np.float16, ("tensorcore", "simt", "wgmma")), "bfloat16": ("bfloat16", ("tensorcore", "wgmma")),
+DTYPES = {"float16": (np.float16, ("tensorcore", "simt", "wgmma", "wgmma-bwd")),
+          "bfloat16": ("bfloat16", ("tensorcore", "wgmma", "wgmma-bwd")),
           "float32": (np.float32, ("simt", "tensorcore:highest", "tensorcore:high")), "float64": (np.float64, ("simt",))}
 # "tensorcore:PRECISION": float32 on tf32 tensor cores, forward and backward at that precision; "wgmma": the Hopper
-# forward (compute capability 9.0 only; its backward is the tensor-core one)
+# forward (compute capability 9.0 only; its backward is the tensor-core one); "wgmma-bwd": the Hopper forward and
+# the Hopper dK/dV kernel (plan.WGMMA_BACKWARD, up to head dim 128)
 
 
 def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
@@ -57,8 +59,11 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
                 for backend in backends:
                     if only is not None and backend not in only:
                         continue
-                    if backend == "wgmma" and tuple(cuda.get_current_device().compute_capability) != (9, 0):
+                    if backend.startswith("wgmma") and tuple(cuda.get_current_device().compute_capability) != (9, 0):
                         continue
+                    flashnb.plan.WGMMA_BACKWARD = backend == "wgmma-bwd"
+                    bwd_backend = "wgmma" if backend == "wgmma-bwd" else "tensorcore"
+                    backend = "wgmma" if backend == "wgmma-bwd" else backend
                     arrays = _cast((q, k, v, dout), dtype)
                     backend, _, precision = backend.partition(":")
                     extra = dict(precision=precision) if precision else {}
@@ -73,11 +78,12 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
                             flashnb.flash_attention_backward(*arrays[3:], *arrays[:3], out, lse, backend="simt",
                                                              deterministic=deterministic, **opts)
                     else:
-                        flashnb.flash_attention_backward(*arrays[3:], *arrays[:3], out, lse, backend="tensorcore",
+                        flashnb.flash_attention_backward(*arrays[3:], *arrays[:3], out, lse, backend=bwd_backend,
                                                          **opts, **extra)
                     checked += 1
                     print(f"ok {np.dtype(dtype).name if dtype != 'bfloat16' else dtype} d={d} {name} {backend}"
-                          + (f" precision={precision}" if precision else ""), flush=True)
+                          + (f" precision={precision}" if precision else "")
+                          + (" with the Hopper dK/dV kernel" if bwd_backend == "wgmma" else ""), flush=True)
     print(f"{checked} configurations ran", flush=True)
 
 

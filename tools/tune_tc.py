@@ -2,13 +2,16 @@
 
     python -m tools.tune_tc [--dtype float16] [--seqlens 4096] [--configs 64=64:64,128:64;128=64:64]
     python -m tools.tune_tc --pass bwd [--configs 64=32:64,64:64;128=16:64;256=32:64:2] [--ablate dq-sync]
-    python -m tools.tune_tc --backend wgmma [--configs 64=128:128,192:128:0;128=128:64]
+    python -m tools.tune_tc --backend wgmma [--configs 64=128:128,128:128:0;128=128:64]
+    python -m tools.tune_tc --pass bwd --backend wgmma [--configs 64=32:128;128=32:128]
 
 ``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K[, warps per 16 keys: the
 head-dim split[, m-tiles of 16 keys per warp[, S^T shared]]]); the forward runs at
 its default tiles; the table has the backward's time alone and forward+backward against
 SDPA's FlashAttention-2 forward+backward.  ``--backend wgmma``: the Hopper forward, configurations
-(BLOCK_Q, BLOCK_K[, tma: 0 = the tiles by cp.async instead of the copy engine]), and SDPA's cuDNN backend timed beside FlashAttention-2.  (Its warpgroup ping-pong,
+(BLOCK_Q, BLOCK_K[, tma: 0 = the tiles by cp.async instead of the copy engine]), and SDPA's cuDNN backend
+timed beside FlashAttention-2; with ``--pass bwd`` the Hopper dK/dV kernel (``plan.WGMMA_BACKWARD``,
+configurations (BLOCK_Q, BLOCK_K)).  (Its warpgroup ping-pong,
 ``make_forward_tc(PINGPONG=)``, and its overlap of P V with the next tile's softmax, ``OVERLAP=``, were measured
 here at commits 5f6956e and 4681f5e and removed: docs/notes/hopper.md.)
 
@@ -162,9 +165,11 @@ def _sweep_bwd(args, dtype):
     make_dkdv_tc = plan.make_dkdv_tc
     dim_split, key_tiles, share = plan.tc_bwd_dim_split, plan.tc_bwd_key_tiles, plan.tc_bwd_share
     rows = []
+    plan.WGMMA_BACKWARD = args.backend == "wgmma"
     try:
         _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc)
     finally:
+        plan.WGMMA_BACKWARD = False
         plan.make_dkdv_tc = make_dkdv_tc
         plan.tc_bwd_dim_split, plan.tc_bwd_key_tiles, plan.tc_bwd_share = dim_split, key_tiles, share
     return rows
@@ -176,6 +181,7 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
     import flashnb
     from flashnb import plan
     default_split, default_mtk, default_share = plan.tc_bwd_dim_split, plan.tc_bwd_key_tiles, plan.tc_bwd_share
+    backend = args.backend                       # "wgmma": the Hopper dK/dV kernel (plan.WGMMA_BACKWARD)
     for part in filter(None, args.configs.split(";")):
         d, pairs = part.split("=")
         d = int(d)
@@ -192,7 +198,7 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
             variants = [""] + list(filter(None, args.ablate.split(",")))
             for causal, variant in ((c, a) for a in variants for c in (False, True)):
                 plan.make_dkdv_tc = functools.partial(_variant, make_dkdv_tc, variant)
-                err = _check_grads(dtype, d, bq, bk, causal, backend="tensorcore", fwd_tiles=False)
+                err = _check_grads(dtype, d, bq, bk, causal, backend=backend, fwd_tiles=False)
                 for n in map(int, args.seqlens.split(",")):
                     b, h = max(1, 16384 // n), 2048 // d
                     sets = [tuple(torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
@@ -202,12 +208,12 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
                     def bwd(q, k, v, do):
                         out, lse = next(o for s, o in zip(sets, saved) if s[0] is q)
                         return flashnb.flash_attention_backward(do, q, k, v, out, lse, causal=causal, block_q=bq,
-                                                                block_k=bk, backend="tensorcore")
+                                                                block_k=bk, backend=backend)
 
                     def fwdbwd(q, k, v, do):
                         out, lse = flashnb.flash_attention(q, k, v, causal=causal, return_lse=True)
                         return flashnb.flash_attention_backward(do, q, k, v, out, lse, causal=causal, block_q=bq,
-                                                                block_k=bk, backend="tensorcore")
+                                                                block_k=bk, backend=backend)
 
                     def sdpa(q, k, v, do):
                         qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
@@ -217,7 +223,7 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
 
                     f = _fwd_flops(b, h, n, d, causal)
                     t_b, t_fb, t_s = _time(bwd, sets, reps=10), _time(fwdbwd, sets, reps=10), _time(sdpa, sets, reps=10)
-                    rows.append(dict(d=d, tiles=f"{bq}x{bk}", split=ds, mtk=mtk, share=int(sh), ablate=variant or "-",
+                    rows.append(dict(d=d, backend=backend, tiles=f"{bq}x{bk}", split=ds, mtk=mtk, share=int(sh), ablate=variant or "-",
                                      causal=causal, N=n, rel_err=f"{err:.1e}",
                                      bwd_ms=round(t_b, 3), bwd_tflops=round(2.5 * f / t_b / 1e9, 1),
                                      fb_ms=round(t_fb, 3), fb_tflops=round(3.5 * f / t_fb / 1e9, 1),
