@@ -55,15 +55,26 @@ def _gpu_primitives():
     def u32(context, builder, v, t):
         return builder.trunc(context.cast(builder, v, t, types.uint64), i32)
 
-    @intrinsic
-    def mbar_init(typingctx, smem, off, count):
-        """Barrier at byte ``off`` of ``smem``: expects ``count`` arrivals per phase."""
-        def codegen(context, builder, sig, args):
-            t = sig.args
-            asm(builder, "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r",
-                [shared_addr(context, builder, t[0], args[0], args[1], t[1]), u32(context, builder, args[2], t[2])])
-            return context.get_dummy_value()
-        return types.void(smem, off, count), codegen
+    def barrier_with_value(ptx):
+        """An intrinsic ``op(smem, off, value)``: ``ptx`` on the barrier at byte ``off`` of ``smem`` ($0, its
+        shared address) and a 32-bit ``value`` ($1)."""
+        @intrinsic
+        def op(typingctx, smem, off, value):
+            def codegen(context, builder, sig, args):
+                t = sig.args
+                asm(builder, ptx, "r,r", [shared_addr(context, builder, t[0], args[0], args[1], t[1]),
+                                          u32(context, builder, args[2], t[2])])
+                return context.get_dummy_value()
+            return types.void(smem, off, value), codegen
+        return op
+
+    # mbar_init(smem, off, count): expects ``count`` arrivals per phase
+    mbar_init = barrier_with_value("mbarrier.init.shared::cta.b64 [$0], $1;")
+    # mbar_arrive_expect_tx(smem, off, nbytes): arrive, and announce ``nbytes`` of copies completing on this phase
+    mbar_arrive_expect_tx = barrier_with_value("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;")
+    # mbar_wait(smem, off, parity): spin until the phase of parity ``parity`` (0 or 1) has completed
+    mbar_wait = barrier_with_value("{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
+                                   "@!done bra WAIT; }")
 
     @intrinsic
     def mbar_fence_init(typingctx):
@@ -74,16 +85,6 @@ def _gpu_primitives():
         return types.void(), codegen
 
     @intrinsic
-    def mbar_arrive_expect_tx(typingctx, smem, off, nbytes):
-        """Arrive on the barrier and announce ``nbytes`` of copies completing on its current phase."""
-        def codegen(context, builder, sig, args):
-            t = sig.args
-            asm(builder, "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r",
-                [shared_addr(context, builder, t[0], args[0], args[1], t[1]), u32(context, builder, args[2], t[2])])
-            return context.get_dummy_value()
-        return types.void(smem, off, nbytes), codegen
-
-    @intrinsic
     def mbar_arrive(typingctx, smem, off):
         """Arrive on the barrier (a reader handing its stage back)."""
         def codegen(context, builder, sig, args):
@@ -92,18 +93,6 @@ def _gpu_primitives():
                 [shared_addr(context, builder, t[0], args[0], args[1], t[1])])
             return context.get_dummy_value()
         return types.void(smem, off), codegen
-
-    @intrinsic
-    def mbar_wait(typingctx, smem, off, parity):
-        """Spin until the barrier's phase of parity ``parity`` (0 or 1) has completed."""
-        def codegen(context, builder, sig, args):
-            t = sig.args
-            ptx = ("{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
-                   "@!done bra WAIT; }")
-            asm(builder, ptx, "r,r",
-                [shared_addr(context, builder, t[0], args[0], args[1], t[1]), u32(context, builder, args[2], t[2])])
-            return context.get_dummy_value()
-        return types.void(smem, off, parity), codegen
 
     @intrinsic
     def tma_load_4d(typingctx, smem, dst, maps, which, c0, c1, c2, c3, bar):
