@@ -43,7 +43,7 @@ import numpy as np
 from numba import cuda
 
 from ._jit import SIMULATOR, device_function
-from ._mma import FORMATS, halves_to_float
+from ._mma import FORMATS, halves_to_float, primitives
 
 SWIZZLE_BYTES = 128          # a row of a swizzled block: 64 16-bit values
 BLOCK_COLS = 64
@@ -292,6 +292,27 @@ def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=
     if key not in _cache:
         make = _sim_wgmma if SIMULATOR else _gpu_wgmma
         _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, FORMATS[dtype_name])
+    return _cache[key]
+
+
+def make_pack_a(dtype_name, ksteps):
+    """``pack_a(reg, a_all)``: the A fragments of ``wgmma_rs`` for ``ksteps`` k-steps of 16 from a warp's float32
+    accumulators ``reg`` (shape (1, 2 ksteps, 4), ``mma``'s m16n8 layout: n-tiles 2 kk, 2 kk + 1 are k-step kk's
+    columns), packed in pairs to 16-bit words (4 a k-step) in ``a_all``: P of the forward's P V, P^T and dS^T of
+    the backward's dV and dK."""
+    key = ("pack_a", dtype_name, ksteps)
+    if key not in _cache:
+        _, pack2, _ = primitives(dtype_name)
+
+        @device_function
+        def pack_a(reg, a_all):
+            for kk in range(ksteps):
+                a_all[4 * kk + 0] = pack2(reg[0, 2 * kk, 0], reg[0, 2 * kk, 1])
+                a_all[4 * kk + 1] = pack2(reg[0, 2 * kk, 2], reg[0, 2 * kk, 3])
+                a_all[4 * kk + 2] = pack2(reg[0, 2 * kk + 1, 0], reg[0, 2 * kk + 1, 1])
+                a_all[4 * kk + 3] = pack2(reg[0, 2 * kk + 1, 2], reg[0, 2 * kk + 1, 3])
+
+        _cache[key] = pack_a
     return _cache[key]
 
 

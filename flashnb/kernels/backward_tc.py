@@ -50,7 +50,8 @@ from ._tiles import U, packed_tile_head_batch, sequence_span, tile_head_batch
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
 from .forward_tc import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
-from ._wgmma import SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_wgmma, mn_major_steps
+from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
+                     make_wgmma, mn_major_steps)
 
 F32 = np.float32
 U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
@@ -336,6 +337,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD, (), mn_major_steps(KSTEPS_Q),
                                b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
         fence_async = fence_proxy_async()
+        pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
     else:
         copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
         copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
@@ -557,15 +559,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
                 for m in range(MTK):
                     mma_pair(fb, m, b0, b1, b2, b3, dk_acc, n)
-
-    @device_function
-    def pack_a(reg, a_all):
-        """The a fragments of every k-step (16 queries: n-tiles 2 kq, 2 kq + 1) of P_drop^T or dS^T, packed."""
-        for kq in range(KSTEPS_Q):
-            a_all[4 * kq + 0] = pack2(reg[0, 2 * kq, 0], reg[0, 2 * kq, 1])
-            a_all[4 * kq + 1] = pack2(reg[0, 2 * kq, 2], reg[0, 2 * kq, 3])
-            a_all[4 * kq + 2] = pack2(reg[0, 2 * kq + 1, 0], reg[0, 2 * kq + 1, 1])
-            a_all[4 * kq + 3] = pack2(reg[0, 2 * kq + 1, 2], reg[0, 2 * kq + 1, 3])
 
     @device_function
     def dv_dk_tile_wgmma(smem, qb, db, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc):

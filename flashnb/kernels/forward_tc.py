@@ -37,8 +37,8 @@ from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, packed_tile_head_batch, sequence_span, tile_head_batch
 from ._tma import make_tile_load, tma_primitives
-from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_wgmma,
-                     mn_major_steps, swizzled_offset)
+from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
+                     make_wgmma, mn_major_steps, swizzled_offset)
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
 
 
@@ -245,6 +245,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), mn_major_steps(KSTEPS_K),
                               b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1)
         fence_async = fence_proxy_async()
+        pack_p = make_pack_a(DTYPE_NAME, KSTEPS_K)
     if TMA:
         tma = tma_primitives()
         mbar_init, mbar_fence_init, mbar_wait, mbar_arrive = (
@@ -521,11 +522,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     def pv_tile_wgmma(smem, base, s_reg, p_all, acc):
         """acc += P V_j by the warpgroup: P's a fragments of every k-step (16 keys: S's n-tiles 2 kk, 2 kk + 1,
         packed as in ``pv_tile``) in registers, V_j from its swizzled shared tile."""
-        for kk in range(KSTEPS_K):
-            p_all[4 * kk + 0] = pack2(s_reg[0, 2 * kk, 0], s_reg[0, 2 * kk, 1])
-            p_all[4 * kk + 1] = pack2(s_reg[0, 2 * kk, 2], s_reg[0, 2 * kk, 3])
-            p_all[4 * kk + 2] = pack2(s_reg[0, 2 * kk + 1, 0], s_reg[0, 2 * kk + 1, 1])
-            p_all[4 * kk + 3] = pack2(s_reg[0, 2 * kk + 1, 2], s_reg[0, 2 * kk + 1, 3])
+        pack_p(s_reg, p_all)
         wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
 
     @device_function
