@@ -236,7 +236,7 @@ def _cast_launch(kern, n):
 
 def _backward_tc_plan(call, bq, bk):
     if _hopper_backward(call, bk) and call.block_q is None:
-        bq = WGMMA_BWD_BLOCK_Q
+        bq = wgmma_bwd_block_q(call.headdim)
     if _empty(call, True):
         return BackwardPlan(call, "tensorcore", bq, bk, "float32", None, None, True, None)
     d, words = call.headdim, call.headdim // (1 if call.dtype == "float32" else 2)
@@ -261,19 +261,28 @@ def _backward_tc_plan(call, bq, bk):
 
 
 def _hopper_backward(call, block_k):
-    """Whether ``backend="wgmma"``'s backward runs the Hopper dK/dV kernel (``make_dkdv_tc(WGMMA=True)``): with
-    ``WGMMA_BACKWARD``, 16-bit dense batches up to head dim 128 (dK's and dV's accumulators in one warp's
-    registers), key tiles of whole warpgroups (64 keys), 16-byte rows; else the tensor-core one."""
-    return (WGMMA_BACKWARD and call.backend == "wgmma" and call.dtype in ("float16", "bfloat16")
+    """Whether the backward runs the Hopper dK/dV kernel (``make_dkdv_tc(WGMMA=True)``): asked for
+    (``backend="wgmma"``), or "auto" on compute capability 9.0 (``WGMMA_AUTO``) above head dim 48; 16-bit dense
+    batches up to head dim 128 (dK's and dV's accumulators in one warp's registers), key tiles of whole
+    warpgroups (64 keys), 16-byte rows; else the tensor-core one."""
+    asked = call.backend == "wgmma" or (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR
+                                        and call.headdim > 48 and compute_capability() == (9, 0))
+    return (WGMMA_BACKWARD and asked and call.dtype in ("float16", "bfloat16")
             and call.headdim <= 128 and call.headdim % 8 == 0 and block_k % 64 == 0 and call.total_q is None
             and call.layout is not None and call.layout[1])
 
 
-# The Hopper dK/dV kernel: checked in the simulator only, not yet run on a GPU (docs/notes/hopper.md); its query
-# tiles by registers (tools.sass_tc --pass bwd 32 128 D WGMMA=1: 166 at d 64, 236 at d 128, no spill; 64 x 128
-# at d 128 spills 28 bytes), not by time
-WGMMA_BACKWARD = False
-WGMMA_BWD_BLOCK_Q = 32
+# measured on the H100 (bench/results/h100-hopper-bwd-2026-11-25.md, tools.tune_tc --pass bwd, N 4096): the
+# Hopper dK/dV kernel against the mma.sync one, non-causal / causal: 5.18 / 2.89 ms against 5.38 / 2.90 at head
+# dim 64 (64 x 128 tiles; 32 x 128: 6.00 / 3.49), 5.08 / 2.99 against 5.89 / 3.23 at 128 (32 x 128; 64 x 128
+# spills there); its query tiles per head-dim class
+WGMMA_BACKWARD = True
+_WGMMA_BWD_BLOCK_Q = ((64, 64), (128, 32))
+
+
+def wgmma_bwd_block_q(headdim):
+    """The Hopper dK/dV kernel's query tile for the head dim (its key tile is the tensor-core kernel's)."""
+    return next(bq for max_d, bq in _WGMMA_BWD_BLOCK_Q if headdim <= max_d)
 
 
 def _tf32_keywords(dtype, precision):
@@ -387,14 +396,13 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None):
 def _hopper(call):
     """Whether a forward the tensor cores serve runs the Hopper kernel: asked for, or "auto" on compute capability
     9.0 (``WGMMA_AUTO``) above head dim 64, or above 48 where its tiles come by the copy engine (``_tma``: a dense
-    batch of ``TMA_MIN_FLOPS``; the cp.async Hopper forward measured no faster than mma.sync at 64), where
-    it can serve the call and its tiles fit (else "auto" keeps the mma.sync forward); never "auto" in the
-    simulator, whose suites choose the kernel they test."""
+    batch; the cp.async Hopper forward measured no faster than mma.sync at 64), where it can serve the call and
+    its tiles fit (else "auto" keeps the mma.sync forward); never "auto" in the simulator, whose suites choose
+    the kernel they test."""
     if call.backend == "wgmma":
         return True
     return (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR and call.dtype != "float32"
-            and (call.headdim > WGMMA_AUTO_MIN_HEADDIM
-                 or (call.headdim > 48 and WGMMA_TMA and call.total_q is None and _big(call)))
+            and (call.headdim > WGMMA_AUTO_MIN_HEADDIM or (call.headdim > 48 and WGMMA_TMA and call.total_q is None))
             and wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout) is None
             and shared_refusal(wgmma_shared_bytes(*default_wgmma_tiles(call.headdim, call.block_q, call.block_k),
                                                   call.headdim), "") is None)
@@ -402,22 +410,14 @@ def _hopper(call):
 
 def _tma(call):
     """Whether the Hopper forward's tiles come by the copy engine (``WGMMA_TMA``): dense batches (a packed
-    one's sequences are not boxes of one tensor); under "auto", calls big enough (``_big``) to hide the host
-    time of a call the dispatch cache cannot replay (its tensor maps hold the arrays' addresses)."""
-    return (WGMMA_TMA and _hopper(call) and call.total_q is None
-            and (call.backend == "wgmma" or _big(call)))
+    one's sequences are not boxes of one tensor).  The dispatch cache replays such a call, re-deriving the tensor
+    maps (which hold the arrays' addresses) from the new inputs (``_dispatch.REPLAY_TENSOR_MAPS``)."""
+    return WGMMA_TMA and _hopper(call) and call.total_q is None
 
 
-def _big(call):
-    """At least ``TMA_MIN_FLOPS`` (4 B H N_q N_k d, the non-causal count)."""
-    return 4 * call.batch * call.nheads * call.seqlen_q * call.seqlen_k * call.headdim >= TMA_MIN_FLOPS
-
-
+# measured on the H100 (bench/results/h100-hopper-bwd-2026-11-25.md): host time per call of the Hopper forward
+# with the copy engine 26-27 us replayed (the mma.sync forward's: 25-26), 168 us not
 WGMMA_TMA = True
-# measured on the H100 (bench/results/h100-tma-2026-11-25.md): a call of the Hopper forward with the copy engine
-# costs ~225 us of host time (no replay: the full path and three tensor-map encodings) against ~26 us for a
-# replayed one, and computes ~580 TFLOP/s at d 128: below ~1.3e11 FLOPs the host would outlast the kernel
-TMA_MIN_FLOPS = 2e11
 
 # measured on the H100 (bench/results/h100-tma-2026-11-25.md): with the tiles by the copy engine 1.33 / 1.14x
 # FlashAttention-2 at head dim 64 (non-causal / causal), 1.62 / 1.47x at 128, 1.77 / 1.54x at 256; by cp.async

@@ -31,19 +31,18 @@ def call(dtype="float16", headdim=64, *, batch=2, seqlen_q=1000, seqlen_k=1500, 
                      backend, deterministic, layout)
 
 
-BIG = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads=32)     # 8.8e11 FLOPs at head dim 64: >= TMA_MIN_FLOPS
+PACKED = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads=32)   # (with total_q: a packed batch)
 
 # (call keywords, forward: (backend, block_q, block_k), backward: (backend, block_q, block_k)) on the H100
 TABLE = [
-    (dict(headdim=64), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
-    (dict(headdim=64, flags=CAUSAL), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
+    # above head dim 48 (dense; above 64 packed) the forward is the Hopper one (wgmma: two warpgroups), its tiles
+    # _WGMMA_TILES; up to head dim 128 the backward's dK/dV kernel too, its query tiles _WGMMA_BWD_BLOCK_Q
+    (dict(headdim=64), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
+    (dict(headdim=64, flags=CAUSAL), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=40), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
-    # above head dim 64 (above 48 for a call of TMA_MIN_FLOPS) the forward is the Hopper one (wgmma: two
-    # warpgroups), its tiles _WGMMA_TILES
-    (dict(headdim=64, **BIG), ("tensorcore", 128, 128), ("tensorcore", 32, 128)),
-    (dict(headdim=128), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
+    (dict(headdim=128), ("tensorcore", 128, 128), ("tensorcore", 32, 128)),
     (dict(headdim=256), ("tensorcore", 128, 64), ("tensorcore", 64, 64)),
-    (dict(dtype="bfloat16", headdim=128), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
+    (dict(dtype="bfloat16", headdim=128), ("tensorcore", 128, 128), ("tensorcore", 32, 128)),
     (dict(headdim=128, block_q=64), ("tensorcore", 64, 128), ("tensorcore", 64, 128)),
     (dict(headdim=128, block_q=32), ("tensorcore", 32, 64), ("tensorcore", 32, 128)),  # mma.sync: 32 rows
     (dict(headdim=64, block_q=32, block_k=32), ("tensorcore", 32, 32), ("tensorcore", 32, 32)),
@@ -56,33 +55,35 @@ TABLE = [
     (dict(headdim=64, block_k=8), ("simt", 64, 8), ("simt", 64, 8)),                 # a tile below 16
     (dict(headdim=64, layout=("k", False)), ("simt", 64, 64), ("simt", 64, 64)),     # k's head dim strided
     (dict(headdim=64, backend="simt", layout=None), ("simt", 64, 64), ("simt", 64, 64)),
-    (dict(headdim=64, deterministic=True), ("tensorcore", 128, 64), ("simt", 64, 64)),
+    (dict(headdim=64, deterministic=True), ("tensorcore", 128, 128), ("simt", 64, 64)),
     (dict(headdim=160, block_k=128), ("tensorcore", 128, 128), ("simt", 32, 128)),   # 512 threads refused
 ]
 
 
 @pytest.mark.parametrize("kw, hopper", [
-    (dict(headdim=64), False), (dict(headdim=64, **BIG), True), (dict(headdim=40, **BIG), False),
-    (dict(headdim=128), True), (dict(headdim=128, **BIG), True), (dict(dtype="bfloat16", headdim=256), True),
+    (dict(headdim=64), True), (dict(headdim=64, flags=CAUSAL), True), (dict(headdim=40), False),
+    (dict(headdim=48), False), (dict(headdim=56), True),
+    (dict(headdim=128), True), (dict(headdim=128, **PACKED), True), (dict(dtype="bfloat16", headdim=256), True),
     (dict(headdim=128, block_q=32), False), (dict(headdim=120), True), (dict(headdim=122), False),
     (dict(headdim=128, layout=(None, False)), False), (dict(headdim=128, backend="tensorcore"), False),
     (dict(headdim=64, backend="wgmma"), True), (dict(dtype="float32", headdim=128, backend="tensorcore"), False)])
 def test_auto_runs_the_hopper_forward_on_the_h100_above_head_dim_64(device, monkeypatch, kw, hopper):
-    """backend="auto" on compute capability 9.0: the wgmma forward above head dim 64, or above 48 for a call of
-    TMA_MIN_FLOPS, where it can serve the call (a multiple of 8, block_q a multiple of 64, 16-byte rows), else
-    the mma.sync one; asked for, always.  Its tiles come by the copy engine (tensor maps) where asked for or
-    for a call of TMA_MIN_FLOPS (whose host time the kernel hides: such a call is not replayed)."""
+    """backend="auto" on compute capability 9.0: the wgmma forward above head dim 48 where it can serve the call
+    (a multiple of 8, block_q a multiple of 64, 16-byte rows), else the mma.sync one; asked for, always.  Its
+    tiles come by the copy engine (tensor maps) for a dense batch; a packed one (total_q) takes it above head
+    dim 64, with cp.async."""
     device(**H100)
     built = []
     real = plan.make_forward_tc
     monkeypatch.setattr(plan, "make_forward_tc", lambda *a, **kw: (built.append(kw), real(*a, **kw))[1])
-    plan.forward(call(**kw))
+    c = call(**kw)._replace(total_q=4 * 4096) if "batch" in kw else call(**kw)
+    plan.forward(c)
     assert built[-1].get("WGMMA", False) == hopper, built[-1]
-    tma = hopper and (kw.get("backend") == "wgmma" or "batch" in kw)
-    assert built[-1].get("TMA", False) == tma and plan.forward(call(**kw)).tma == tma
+    tma = hopper and c.total_q is None
+    assert built[-1].get("TMA", False) == tma and plan.forward(c).tma == tma
     device(cc=(8, 0), limit=163 * 1024)
     if hopper and kw.get("backend") != "wgmma":
-        plan.forward(call(**kw))
+        plan.forward(c)
         assert not built[-1].get("WGMMA", False), "the Hopper forward on compute capability 8.0"
 
 
@@ -170,7 +171,7 @@ def test_grids_and_launches(device):
     device(**H100)
     c = call(headdim=64, batch=2, seqlen_q=1000, seqlen_k=1500, nheads=8, nheads_k=2)
     f = plan.forward(c)
-    assert f.forward.grid == 8 * 8 * 2 and f.forward.threads == 128          # ceil(1000 / 128) x heads x batch
+    assert f.forward.grid == 8 * 8 * 2 and f.forward.threads == 256          # ceil(1000 / 128) x heads x batch
     b = plan.backward(c)
     assert b.dkdv.grid == 12 * 2 * 2                                           # ceil(1500 / 128) x kv heads x batch
     assert b.atomic and b.preprocess is not None and b.finish.grid > 0        # the dQ accumulator's cast
@@ -217,28 +218,36 @@ def test_packed_batches_keep_cp_async(device):
     dim 64 "auto" keeps the mma.sync forward (the cp.async Hopper forward measured no faster there)."""
     device(**H100)
     for d, threads in ((64, 128), (128, 256)):
-        f = plan.forward(call(headdim=d, **BIG)._replace(total_q=4 * 4096))
+        f = plan.forward(call(headdim=d, **PACKED)._replace(total_q=4 * 4096))
         assert not f.tma and f.forward.threads == threads, (d, f)
 
 
 @pytest.mark.parametrize("kw, hopper", [
     (dict(headdim=64), True), (dict(headdim=128), True), (dict(headdim=256), False), (dict(headdim=72), True),
-    (dict(headdim=64, block_k=32), False), (dict(dtype="float32", headdim=64), False),
-    (dict(headdim=64, backend="tensorcore"), False)])
-def test_the_hopper_backward_only_where_asked_and_enabled(device, monkeypatch, kw, hopper):
-    """backend="wgmma"'s backward runs the Hopper dK/dV kernel with WGMMA_BACKWARD (off by default) up to head
-    dim 128, key tiles of whole warpgroups, query tiles of WGMMA_BWD_BLOCK_Q; else the tensor-core one."""
+    (dict(headdim=56), True), (dict(headdim=48), False), (dict(headdim=64, block_k=32), False),
+    (dict(dtype="float32", headdim=64, backend="tensorcore"), False), (dict(headdim=64, backend="tensorcore"), False),
+    (dict(headdim=64, backend="wgmma"), True), (dict(headdim=48, backend="wgmma"), True),
+    (dict(headdim=128, layout=(None, False)), False)])
+def test_the_hopper_backward_on_the_h100_where_enabled(device, monkeypatch, kw, hopper):
+    """The backward runs the Hopper dK/dV kernel (WGMMA_BACKWARD) for "wgmma", and for "auto" on compute
+    capability 9.0 above head dim 48: 16-bit dense batches up to head dim 128, key tiles of whole warpgroups,
+    query tiles of _WGMMA_BWD_BLOCK_Q; else the tensor-core one, as on other GPUs and without WGMMA_BACKWARD."""
     device(**H100)
     built = []
     real = plan.make_dkdv_tc
     monkeypatch.setattr(plan, "make_dkdv_tc", lambda *a, **k: (built.append(k), real(*a, **k))[1])
-    c = call(**dict(dict(backend="wgmma"), **kw))
-    if c.dtype == "float32":
-        c = c._replace(backend="tensorcore")
-    plan.backward(c)
-    assert not built[-1].get("WGMMA"), "the Hopper dK/dV kernel without WGMMA_BACKWARD"
-    monkeypatch.setattr(plan, "WGMMA_BACKWARD", True)
+    c = call(**kw)
     b = plan.backward(c)
     assert bool(built[-1].get("WGMMA")) == hopper, built[-1]
     if hopper:
-        assert b.block_q == plan.WGMMA_BWD_BLOCK_Q and b.dkdv.threads == 32 * b.block_k // 16
+        assert b.block_q == (64 if c.headdim <= 64 else 32) and b.dkdv.threads == 32 * b.block_k // 16
+        assert plan.backward(c._replace(total_q=4 * c.seqlen_q)).dkdv is not None
+        assert not built[-1].get("WGMMA"), "the Hopper dK/dV kernel for a packed batch"
+    monkeypatch.setattr(plan, "WGMMA_BACKWARD", False)
+    plan.backward(c)
+    assert not built[-1].get("WGMMA"), "the Hopper dK/dV kernel without WGMMA_BACKWARD"
+    if c.backend == "auto":
+        monkeypatch.setattr(plan, "WGMMA_BACKWARD", True)
+        device(cc=(8, 0), limit=163 * 1024)
+        plan.backward(c)
+        assert not built[-1].get("WGMMA"), "the Hopper dK/dV kernel on compute capability 8.0"

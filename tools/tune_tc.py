@@ -165,11 +165,11 @@ def _sweep_bwd(args, dtype):
     make_dkdv_tc = plan.make_dkdv_tc
     dim_split, key_tiles, share = plan.tc_bwd_dim_split, plan.tc_bwd_key_tiles, plan.tc_bwd_share
     rows = []
-    plan.WGMMA_BACKWARD = args.backend == "wgmma"
+    enabled, plan.WGMMA_BACKWARD = plan.WGMMA_BACKWARD, args.backend == "wgmma"
     try:
         _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc)
     finally:
-        plan.WGMMA_BACKWARD = False
+        plan.WGMMA_BACKWARD = enabled
         plan.make_dkdv_tc = make_dkdv_tc
         plan.tc_bwd_dim_split, plan.tc_bwd_key_tiles, plan.tc_bwd_share = dim_split, key_tiles, share
     return rows

@@ -315,7 +315,7 @@ def test_wgmma_bfloat16_within_twice_bfloat16_oracle_error(p):
 
 
 # The Hopper dK/dV kernel (``make_dkdv_tc(WGMMA=True)``: S^T, dP^T, dV, dK by warpgroups of 64 keys), which
-# backend="wgmma" runs with ``plan.WGMMA_BACKWARD`` (off until its GPU run): key tiles of whole warpgroups.
+# backend="wgmma" (and "auto" on the H100) runs with ``plan.WGMMA_BACKWARD``: key tiles of whole warpgroups.
 WG_BWD_TILES = st.just((16, 64)) if SIMULATOR else st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([64, 128]))
 
 
@@ -326,13 +326,13 @@ def test_wgmma_backward_within_twice_float16_oracle_error(p):
     """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel, any options: flash-attn's rule."""
     out, lse = kernel_forward(p, backend="tensorcore")
     built = []
-    real, plan.WGMMA_BACKWARD = plan.make_dkdv_tc, True
+    real, enabled, plan.WGMMA_BACKWARD = plan.make_dkdv_tc, plan.WGMMA_BACKWARD, True
     plan.make_dkdv_tc = lambda *a, **kw: (built.append(kw), real(*a, **kw))[1]
     _dispatch.clear()                                    # (no replay of another example's call: planned)
     try:
         grads = kernel_backward(p, out, lse, backend="wgmma")
     finally:
-        plan.make_dkdv_tc, plan.WGMMA_BACKWARD = real, False
+        plan.make_dkdv_tc, plan.WGMMA_BACKWARD = real, enabled
     check_backward(expected(p), grads)
     assert p.k.shape[1] == 0 or (built and built[-1].get("WGMMA")), "backend='wgmma' ran another dK/dV kernel"
 
