@@ -80,7 +80,8 @@ class ForwardPlan(NamedTuple):
             return args
         if not self.tma:       # (the kernel's cp.async copies read no tensor map)
             return args + (_options._dummy(2, np.uint64),)
-        return args + (tensor_maps(((q, self.block_q), (k, self.block_k), (v, self.block_k))),)
+        packed = self.call.total_q is not None        # (a packed batch's views: batch stride 0, one batch mapped)
+        return args + (tensor_maps(((q, self.block_q), (k, self.block_k), (v, self.block_k)), packed),)
 
 
 class BackwardPlan(NamedTuple):
@@ -395,24 +396,24 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None):
 
 def _hopper(call):
     """Whether a forward the tensor cores serve runs the Hopper kernel: asked for, or "auto" on compute capability
-    9.0 (``WGMMA_AUTO``) above head dim 64, or above 48 where its tiles come by the copy engine (``_tma``: a dense
-    batch; the cp.async Hopper forward measured no faster than mma.sync at 64), where it can serve the call and
-    its tiles fit (else "auto" keeps the mma.sync forward); never "auto" in the simulator, whose suites choose
-    the kernel they test."""
+    9.0 (``WGMMA_AUTO``) above head dim 48 where its tiles come by the copy engine (``WGMMA_TMA``), else above 64
+    (the cp.async Hopper forward measured no faster than mma.sync at 64), where it can serve the call and its
+    tiles fit (else "auto" keeps the mma.sync forward); never "auto" in the simulator, whose suites choose the
+    kernel they test."""
     if call.backend == "wgmma":
         return True
     return (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR and call.dtype != "float32"
-            and (call.headdim > WGMMA_AUTO_MIN_HEADDIM or (call.headdim > 48 and WGMMA_TMA and call.total_q is None))
+            and call.headdim > (48 if WGMMA_TMA else WGMMA_AUTO_MIN_HEADDIM)
             and wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout) is None
             and shared_refusal(wgmma_shared_bytes(*default_wgmma_tiles(call.headdim, call.block_q, call.block_k),
                                                   call.headdim), "") is None)
 
 
 def _tma(call):
-    """Whether the Hopper forward's tiles come by the copy engine (``WGMMA_TMA``): dense batches (a packed
-    one's sequences are not boxes of one tensor).  The dispatch cache replays such a call, re-deriving the tensor
-    maps (which hold the arrays' addresses) from the new inputs (``_dispatch.REPLAY_TENSOR_MAPS``)."""
-    return WGMMA_TMA and _hopper(call) and call.total_q is None
+    """Whether the Hopper forward's tiles come by the copy engine (``WGMMA_TMA``; a packed batch's boxes are
+    rows of the packed tensor).  The dispatch cache replays such a call, re-deriving the tensor maps (which hold
+    the arrays' addresses) from the new inputs (``_dispatch.REPLAY_TENSOR_MAPS``)."""
+    return WGMMA_TMA and _hopper(call)
 
 
 # measured on the H100 (bench/results/h100-hopper-bwd-2026-11-25.md): host time per call of the Hopper forward

@@ -5,7 +5,8 @@
     compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool synccheck python3 tests/gpu_sanitize_inference.py kvcache
 
-(no argument: both parts).  Varlen: forward and backward, SIMT and tensor cores, float16, causal or not,
+(no argument: both parts).  Varlen: forward and backward, SIMT and tensor cores (and on compute capability 9.0
+the Hopper forward, its tiles by the copy engine), float16, causal or not,
 sequences of unequal lengths with an empty one and lengths that are not multiples of the tiles.  KV cache
 (``KVCACHE``): float16 and bfloat16; dense and paged caches; ``cache_seqlens`` and ``block_table`` in device
 memory (checked by the kernels), as an int, and out of range (the kernels must refuse those sequences without
@@ -28,13 +29,14 @@ from flashnb import kvcache as kv
 def varlen(rng):
     lens_q, lens_k = np.array([37, 0, 130, 5]), np.array([41, 3, 130, 77])
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    hopper = torch.cuda.get_device_capability() == (9, 0)       # "wgmma": the Hopper forward, copy engine
     for d in (64, 128):
         q = rng.standard_normal((lens_q.sum(), 4, d))
         k, v = (rng.standard_normal((lens_k.sum(), 2, d)) for _ in range(2))
         dout = rng.standard_normal(q.shape)
         for causal in (False, True):
             ref, _ = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
-            for backend in ("simt", "tensorcore"):
+            for backend in ("simt", "tensorcore") + (("wgmma",) if hopper else ()):
                 t = [torch.as_tensor(x, device="cuda", dtype=torch.float16) for x in (q, k, v, dout)]
                 cq, ck = (torch.as_tensor(c, device="cuda") for c in (cu_q, cu_k))
                 out, lse = flashnb.flash_attn_varlen_func(*t[:3], cq, ck, int(lens_q.max()), int(lens_k.max()),

@@ -70,8 +70,7 @@ TABLE = [
 def test_auto_runs_the_hopper_forward_on_the_h100_above_head_dim_64(device, monkeypatch, kw, hopper):
     """backend="auto" on compute capability 9.0: the wgmma forward above head dim 48 where it can serve the call
     (a multiple of 8, block_q a multiple of 64, 16-byte rows), else the mma.sync one; asked for, always.  Its
-    tiles come by the copy engine (tensor maps) for a dense batch; a packed one (total_q) takes it above head
-    dim 64, with cp.async."""
+    tiles come by the copy engine (tensor maps), a packed batch's (total_q) too."""
     device(**H100)
     built = []
     real = plan.make_forward_tc
@@ -79,7 +78,7 @@ def test_auto_runs_the_hopper_forward_on_the_h100_above_head_dim_64(device, monk
     c = call(**kw)._replace(total_q=4 * 4096) if "batch" in kw else call(**kw)
     plan.forward(c)
     assert built[-1].get("WGMMA", False) == hopper, built[-1]
-    tma = hopper and c.total_q is None
+    tma = hopper
     assert built[-1].get("TMA", False) == tma and plan.forward(c).tma == tma
     device(cc=(8, 0), limit=163 * 1024)
     if hopper and kw.get("backend") != "wgmma":
@@ -213,13 +212,13 @@ def test_wants_words_only_where_the_tensor_cores_may_serve(device):
     assert not plan.wants_words(call(layout=None, deterministic=True), backward=True)
 
 
-def test_packed_batches_keep_cp_async(device):
-    """A packed batch's sequences are not boxes of one tensor: its Hopper forward copies by cp.async, and at head
-    dim 64 "auto" keeps the mma.sync forward (the cp.async Hopper forward measured no faster there)."""
+def test_packed_batches_take_the_copy_engine(device):
+    """A packed batch's Hopper forward copies by the copy engine too (boxes of the packed rows): above head dim
+    48 "auto" takes it, and its tensor maps map the packed views (batch stride 0) as one batch."""
     device(**H100)
-    for d, threads in ((64, 128), (128, 256)):
+    for d in (64, 128):
         f = plan.forward(call(headdim=d, **PACKED)._replace(total_q=4 * 4096))
-        assert not f.tma and f.forward.threads == threads, (d, f)
+        assert f.tma and f.forward.threads == 256, (d, f)
 
 
 @pytest.mark.parametrize("kw, hopper", [

@@ -222,10 +222,12 @@ def encode_map(ptr, shape, strides, box_rows):
     return [int(x) for x in tmap.opaque]
 
 
-def tensor_maps(views_and_rows):
+def tensor_maps(views_and_rows, packed=False):
     """A device uint64 array of the tensor maps of ``(view, box_rows)`` pairs (word views), one row of 16 words
-    each: ``maps_for`` their specs."""
-    return maps_for(tuple((_address(v), tuple(v.shape), tuple(v.strides), rows) for v, rows in views_and_rows))
+    each: ``maps_for`` their specs.  ``packed``: the views of a packed batch (batch stride 0, ``flashnb.varlen``),
+    mapped as one batch of the packed rows."""
+    return maps_for(tuple((_address(v), (1,) + tuple(v.shape[1:]) if packed else tuple(v.shape), tuple(v.strides),
+                           rows) for v, rows in views_and_rows))
 
 
 def maps_for(specs):

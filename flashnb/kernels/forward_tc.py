@@ -166,11 +166,14 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     with Q and K_j from shared memory, ``acc += P V_j`` with P from registers (S's accumulators, packed) and
     V_j from shared memory.  Q, K_j and V_j are stored 128-byte swizzled (``make_swizzled_tile_copy``) with
     the head dim padded to 64, and ``fence.proxy.async`` hands each landed tile to the tensor cores.
-    ``TMA`` (with ``WGMMA``, dense batches): the tiles come by the tensor-copy engine (``_tma``) instead of
-    cp.async: thread 0 issues Q's and K_j, V_j's boxes (tensor maps 0-2 of ``maps``) into one of two stages;
-    the readers wait on the stage's ``full`` barrier and arrive on its ``empty`` one when done with it, and
-    thread 0 copies tile j + 1 into a stage once every reader of tile j - 1 has left it: no block-wide barrier
-    in the loop.
+    ``TMA`` (with ``WGMMA``): the tiles come by the tensor-copy engine (``_tma``) instead of cp.async: thread
+    0 issues Q's and K_j, V_j's boxes (tensor maps 0-2 of ``maps``) into one of two stages; the readers wait on
+    the stage's ``full`` barrier and arrive on its ``empty`` one when done with it, and thread 0 copies tile
+    j + 1 into a stage once every reader of tile j - 1 has left it: no block-wide barrier in the loop.  A
+    packed batch's boxes are rows of the packed tensor, so a tile past a sequence's end holds the next
+    sequence's rows (zeros past the tensor): its queries are never stored and its keys are masked, and the
+    last key tile's values past the sequence are zeroed in shared memory before ``P V_j`` (P is 0 there, but
+    0 times a non-finite value is not).
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
@@ -206,7 +209,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
     if TMA:   # the copy engine fills the stages; barriers after the tiles: full[s], empty[s], Q's
-        assert WGMMA and not VARLEN
+        assert WGMMA
         STAGES = 2
         FULL = -(-SHARED_BYTES // 8) * 8
         EMPTY = FULL + 8 * STAGES
@@ -333,19 +336,29 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
     # ---- TMA: the copy engine's loads, issued by one thread; tensor maps 0, 1, 2 of ``maps`` are Q's, K's, V's
+    # (rows counted in the tensor: a packed batch's from its first row, the tensor's ``rows`` rows long)
     @device_function
-    def load_q_tile(smem, maps, q, q_base, q_row, q0, seqlen_q, h, b):
-        """The Q tile (its rows from ``q0``), completing on Q's barrier."""
+    def load_q_tile(smem, maps, q, q_base, q_row, row0, rows, h, b):
+        """The Q tile (its rows from ``row0``), completing on Q's barrier."""
         mbar_expect(smem, Q_FULL, Q_BYTES)
-        load_q_box(smem, 4 * Q_OFF, maps, 0, q, q_base, q_row, q0, seqlen_q - q0, h, b, Q_FULL)
+        load_q_box(smem, 4 * Q_OFF, maps, 0, q, q_base, q_row, row0, rows - row0, h, b, Q_FULL)
 
     @device_function
-    def load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, k0, seqlen_k, hk, b, s):
-        """K_j, V_j (keys from ``k0``) into stage ``s``, completing on full[s]."""
+    def load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, row0, rows, hk, b, s):
+        """K_j, V_j (keys from ``row0``) into stage ``s``, completing on full[s]."""
         mbar_expect(smem, FULL + 8 * s, KV_BYTES)
         dst = 4 * s * 2 * TILE
-        load_kv_box(smem, dst, maps, 1, k, k_base, k_row, k0, seqlen_k - k0, hk, b, FULL + 8 * s)
-        load_kv_box(smem, dst + 4 * V_OFF, maps, 2, v, v_base, v_row, k0, seqlen_k - k0, hk, b, FULL + 8 * s)
+        load_kv_box(smem, dst, maps, 1, k, k_base, k_row, row0, rows - row0, hk, b, FULL + 8 * s)
+        load_kv_box(smem, dst + 4 * V_OFF, maps, 2, v, v_base, v_row, row0, rows - row0, hk, b, FULL + 8 * s)
+
+    @device_function
+    def zero_rows_past(smem, tile, n, tid):
+        """Rows ``n ..`` of the swizzled K or V tile at word ``tile`` (a row: 32 words of each 64-column block,
+        the blocks ``BLOCK_K`` rows apart) <- 0."""
+        for i in range(-(-TILE // NTHREADS)):
+            w = i * NTHREADS + tid                           # word w % 32 of row (w // 32) % BLOCK_K
+            if w < TILE and (w // 32) % BLOCK_K >= n:
+                smem[tile + w] = W0
 
     # ---- the steps of one key tile, on this thread's fragments: element e of (m-tile m, n-tile n) is query
     # row0 + 16 m + 8 (e >> 1) and key k0 + 8 n + 2 t + (e & 1) (m16n8k16's accumulator layout)
@@ -619,6 +632,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
         q_base, q_row = (b * q.strides[0] + q_start * q.strides[1] + h * q.strides[2]) // 4, q.strides[1] // 4
+        if TMA and VARLEN:     # the copy engine's rows: the packed tensor's (its batch stride 0: coordinate 0)
+            cb, q_first, k_first, q_rows, k_rows = 0, q_start, k_start, q.shape[1], k.shape[1]
+        else:
+            cb, q_first, k_first, q_rows, k_rows = b, 0, 0, seqlen_q, seqlen_k
         if TMA:
             if tid == 0:
                 for s in range(STAGES):
@@ -628,8 +645,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 mbar_fence_init()
             cuda.syncthreads()
             if kt < kt_hi and tid == 0:                      # Q and the first K/V tile, in flight
-                load_q_tile(smem, maps, q, q_base, q_row, q0, seqlen_q, h, b)
-                load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, kt * BLOCK_K, seqlen_k, hk, b, 0)
+                load_q_tile(smem, maps, q, q_base - q_first * q_row, q_row, q_first + q0, q_rows, h, cb)
+                load_kv_stage(smem, maps, k, v, k_base - k_first * k_row, v_base - k_first * v_row, k_row, v_row,
+                              k_first + kt * BLOCK_K, k_rows, hk, cb, 0)
         elif kt < kt_hi:
             if Q_SMEM:                                       # the Q tile, committed with the K/V group below
                 copy_q(q, q_base, q_row, q0, seqlen_q - q0, smem, Q_OFF)
@@ -647,13 +665,17 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     nxt = (i + 1) % STAGES                   # reader of tile j - 1 has handed it back
                     if i + 1 >= STAGES:
                         mbar_wait(smem, EMPTY + 8 * nxt, ((i + 1) // STAGES - 1) % 2)
-                    load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, hk, b,
-                                  nxt)
+                    load_kv_stage(smem, maps, k, v, k_base - k_first * k_row, v_base - k_first * v_row, k_row,
+                                  v_row, k_first + kn * BLOCK_K, k_rows, hk, cb, nxt)
                 if SIMULATOR:
                     cuda.syncthreads()                       # (the simulator's copies are done at once)
                 if i == 0:
                     mbar_wait(smem, Q_FULL, 0)
                 mbar_wait(smem, FULL + 8 * buf, (i // STAGES) % 2)   # K_j, V_j have landed in stage buf
+                if VARLEN and k0 + BLOCK_K > seqlen_k:       # the next sequence's values past this one's end
+                    zero_rows_past(smem, buf * 2 * TILE + V_OFF, seqlen_k - k0, tid)
+                    fence_async()
+                    cuda.syncthreads()
             elif kn < kt_hi:                                 # K_{j+1}, V_{j+1} fly while tile j computes
                 start_kv_copy(k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, smem,
                               (1 - buf) * 2 * TILE)

@@ -30,9 +30,11 @@ from kernel_harness import (HEADDIMS, Untouched, assert_bitwise_equal, check_bac
 if SIMULATOR:
     MAX_LEN, MAX_BATCH, SIMT_TILES, TC_TILES = 9, 3, (2, 4, 8), (16,)
     TC_HEADDIMS = (2, 4, 6, 16)
+    WG_TILES_Q, WG_TILES_K, WG_HEADDIMS = (64,), (16,), (8, 16, 40)
 else:
     MAX_LEN, MAX_BATCH, SIMT_TILES, TC_TILES = 300, 4, (None, 16, 32, 64), (None, 16, 32, 64)
     TC_HEADDIMS = (8, 32, 64, 80, 128, 256)
+    WG_TILES_Q, WG_TILES_K, WG_HEADDIMS = (None, 64, 128), (None, 64, 128), (64, 72, 128, 256)
 
 
 @dataclasses.dataclass
@@ -77,6 +79,9 @@ def packed_problems(draw, *, backend="simt", dtypes=(np.float64, np.float32, np.
     if backend == "tensorcore":
         block_q, block_k = draw(st.sampled_from(TC_TILES)), draw(st.sampled_from(TC_TILES))
         headdim = draw(st.sampled_from(TC_HEADDIMS))
+    elif backend == "wgmma":
+        block_q, block_k = draw(st.sampled_from(WG_TILES_Q)), draw(st.sampled_from(WG_TILES_K))
+        headdim = draw(st.sampled_from(WG_HEADDIMS))
     else:
         block_q, block_k = draw(st.sampled_from(SIMT_TILES)), draw(st.sampled_from(SIMT_TILES))
         headdim = draw(st.sampled_from(HEADDIMS))
@@ -200,6 +205,40 @@ def test_varlen_tensorcore_matches_oracle(p):
 
 
 @settings(max_examples=examples(3, 10))
+def _with_poisoned_neighbour(p: Packed, rows):
+    """p with a sequence of no queries and ``rows`` keys of non-finite K and V (NaN, inf, -inf) inserted after
+    its first: a tile past the first sequence's end that reads whole rows of the packed tensor (the Hopper
+    forward's copy engine) reads them, and no other sequence's result may."""
+    bad = np.array([np.nan, np.inf, -np.inf])[np.arange(rows * p.k.shape[1] * p.k.shape[2]) % 3]
+    bad = bad.reshape(rows, *p.k.shape[1:]).astype(p.k.dtype)
+    at = p.cu_k[1]
+    opts = dict(p.opts)
+    alibi = opts.get("alibi_slopes")
+    if alibi is not None and alibi.ndim == 2:
+        opts["alibi_slopes"] = np.insert(alibi, 1, alibi[0], axis=0)
+    return dataclasses.replace(
+        p, k=np.concatenate([p.k[:at], bad, p.k[at:]]), v=np.concatenate([p.v[:at], bad[::-1], p.v[at:]]),
+        cu_q=np.insert(p.cu_q, 1, p.cu_q[1]).astype(np.int32),
+        cu_k=np.concatenate([p.cu_k[:2], p.cu_k[1:] + rows]).astype(np.int32), opts=opts)
+
+
+@settings(max_examples=examples(3, 12), deadline=None)
+@given(p=packed_problems(backend="wgmma", dtypes=(np.float16,)), poison=st.integers(0, 20))
+@example(p=Packed(*(np.linspace(-2, 2, n * 2 * 8).reshape(n, 2, 8).astype(np.float16) for n in (8, 11, 11, 8)),
+                  np.array([0, 0, 5, 5, 8], np.int32), np.array([0, 4, 4, 4, 11], np.int32),
+                  {"causal": True}, None, None, "wgmma", False), poison=3)
+def test_varlen_wgmma_matches_oracle(p, poison):
+    """The Hopper forward (its tiles by the copy engine as rows of the packed tensor) and the backward of
+    backend="wgmma", float16; with ``poison`` rows of non-finite keys and values after the first sequence (a
+    sequence of no queries), every sequence's forward still its own oracle's."""
+    if poison:
+        p = _with_poisoned_neighbour(p, poison)
+        out, lse = varlen_forward(p)
+        check_packed(p, out, lse)
+    else:
+        _forward_backward_match_oracle(p)
+
+
 @given(data=st.data(), backend=st.sampled_from(("simt", "tensorcore")))
 def test_varlen_of_equal_lengths_is_the_dense_batch_bit_for_bit(data, backend):
     """Sequences of one length packed are a dense batch: the same bits as flash_attention on it (forward, lse,
