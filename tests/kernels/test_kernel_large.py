@@ -2,7 +2,8 @@
 
 q, k, v of 1040 x 512 x 32 x 128 = 2,181,038,080 elements each (> 2**31, 4.4 GB in
 float16): the last batch entries live past every 32-bit element and byte offset.
-Both backends run the forward and the backward on the whole tensors;
+Each backend (mma.sync, SIMT, and on compute capability 9.0 the Hopper kernels, whose tensor maps address
+the copies) runs the forward and the backward on the whole tensors;
 the first and the last (batch, head) slices are then held to the float64 oracle
 with the usual rules (kernel_harness).  A 32-bit index overflow would read or
 write the wrong rows there (wrong numbers, or an illegal address).  GPU only:
@@ -45,9 +46,11 @@ def _one_at_a_time():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["tensorcore", "simt"])
+@pytest.mark.parametrize("backend", ["tensorcore", "simt", "wgmma"])
 def test_more_than_2_31_elements(backend):
     torch = pytest.importorskip("torch")
+    if backend == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels (tensor maps, copy engine) need compute capability 9.0")
     with _one_at_a_time():
         _check_more_than_2_31_elements(torch, backend)
 
