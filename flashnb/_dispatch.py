@@ -50,7 +50,7 @@ CONSTANT_PTRS = set()                 # device addresses that stay valid for the
 # replay the Hopper forward's tensor maps (re-derived from the new inputs' addresses); off, a call with tensor maps
 # is left unrecorded.  Measured on the H100 (bench/results/h100-hopper-bwd-2026-11-25.md,
 # tests/kernels/test_torch_gpu.py::test_dispatch_cache_and_the_hopper_forwards_tensor_maps): bit-identical to the
-# full path, 26-27 us of host time a call against 168 us unrecorded
+# full path, 26-28 us of host time a call against 168 us unrecorded
 REPLAY_TENSOR_MAPS = True
 stats = {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0}
 

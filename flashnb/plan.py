@@ -417,7 +417,8 @@ def _tma(call):
 
 
 # measured on the H100 (bench/results/h100-hopper-bwd-2026-11-25.md): host time per call of the Hopper forward
-# with the copy engine 26-27 us replayed (the mma.sync forward's: 25-26), 168 us not
+# with the copy engine 26-28 us replayed (the mma.sync forward's: 25-31), 168 us not; at N 512-2048 it is
+# 1.07-1.83x the mma.sync forward's speed, but for d 64 causal at 512 (0.97x)
 WGMMA_TMA = True
 
 # measured on the H100 (bench/results/h100-tma-2026-11-25.md): with the tiles by the copy engine 1.33 / 1.14x
