@@ -22,6 +22,7 @@ from hypothesis import example, given, settings, strategies as st
 
 import flashnb
 import reference
+from flashnb import plan
 import strategies as S
 from flashnb.kernels._jit import SIMULATOR
 from kernel_harness import (HEADDIMS, Untouched, assert_bitwise_equal, check_backward, check_forward, examples,
@@ -30,7 +31,7 @@ from kernel_harness import (HEADDIMS, Untouched, assert_bitwise_equal, check_bac
 if SIMULATOR:
     MAX_LEN, MAX_BATCH, SIMT_TILES, TC_TILES = 9, 3, (2, 4, 8), (16,)
     TC_HEADDIMS = (2, 4, 6, 16)
-    WG_TILES_Q, WG_TILES_K, WG_HEADDIMS = (64,), (16,), (8, 16, 40)
+    WG_TILES_Q, WG_TILES_K, WG_HEADDIMS = (64,), (16,), (8, 16, 40)      # (64 keys: the pinned example)
 else:
     MAX_LEN, MAX_BATCH, SIMT_TILES, TC_TILES = 300, 4, (None, 16, 32, 64), (None, 16, 32, 64)
     TC_HEADDIMS = (8, 32, 64, 80, 128, 256)
@@ -204,7 +205,6 @@ def test_varlen_tensorcore_matches_oracle(p):
     _forward_backward_match_oracle(p)
 
 
-@settings(max_examples=examples(3, 10))
 def _with_poisoned_neighbour(p: Packed, rows):
     """p with a sequence of no queries and ``rows`` keys of non-finite K and V (NaN, inf, -inf) inserted after
     its first: a tile past the first sequence's end that reads whole rows of the packed tensor (the Hopper
@@ -227,18 +227,31 @@ def _with_poisoned_neighbour(p: Packed, rows):
 @example(p=Packed(*(np.linspace(-2, 2, n * 2 * 8).reshape(n, 2, 8).astype(np.float16) for n in (8, 11, 11, 8)),
                   np.array([0, 0, 5, 5, 8], np.int32), np.array([0, 4, 4, 4, 11], np.int32),
                   {"causal": True}, None, None, "wgmma", False), poison=3)
+@example(p=Packed(*(np.linspace(-2, 2, n * 2 * 16).reshape(n, 2, 16).astype(np.float16) for n in (8, 11, 11, 8)),
+                  np.array([0, 0, 5, 5, 8], np.int32), np.array([0, 4, 4, 4, 11], np.int32),
+                  {"window_size": (2, 1)}, 64, 64, "wgmma", False), poison=0)   # the Hopper dK/dV kernel
 def test_varlen_wgmma_matches_oracle(p, poison):
     """The Hopper forward (its tiles by the copy engine as rows of the packed tensor) and the backward of
-    backend="wgmma", float16; with ``poison`` rows of non-finite keys and values after the first sequence (a
-    sequence of no queries), every sequence's forward still its own oracle's."""
+    backend="wgmma" (the Hopper dK/dV kernel, ``plan.WGMMA_BACKWARD_PACKED``, where its key tiles are whole
+    warpgroups), float16; with
+    ``poison`` rows of non-finite keys and values after the first sequence (a sequence of no queries), every
+    sequence's forward still its own oracle's."""
     if poison:
         p = _with_poisoned_neighbour(p, poison)
         out, lse = varlen_forward(p)
         check_packed(p, out, lse)
-    else:
+        return
+    built = []
+    real = plan.make_dkdv_tc
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "make_dkdv_tc", lambda *a, **kw: (built.append(kw), real(*a, **kw))[1])
+        mp.setattr(plan, "WGMMA_BACKWARD_PACKED", True)          # (off until its GPU run)
         _forward_backward_match_oracle(p)
+    if built and (p.block_k or 128) % 64 == 0 and p.q.shape[2] <= 128:
+        assert built[-1].get("WGMMA") and built[-1].get("VARLEN"), built[-1]
 
 
+@settings(max_examples=examples(3, 10))
 @given(data=st.data(), backend=st.sampled_from(("simt", "tensorcore")))
 def test_varlen_of_equal_lengths_is_the_dense_batch_bit_for_bit(data, backend):
     """Sequences of one length packed are a dense batch: the same bits as flash_attention on it (forward, lse,
