@@ -1,7 +1,8 @@
 """Hopper's warpgroup MMA (``wgmma.mma_async``, sm_90a) for the tensor-core forward, and its simulator twin.
 
 A warpgroup (4 consecutive warps, 128 threads) computes ``D (64 x N, float32) += A (64 x 16 k) B (16 k x N)``
-per instruction; B always, and A optionally, come from shared memory through 64-bit *matrix descriptors*
+per instruction on 16-bit operands (``A (64 x 8 k) B (8 k x N)`` on tf32 ones, last paragraph); B always, and
+A optionally, come from shared memory through 64-bit *matrix descriptors*
 (start address, two strides, the swizzle mode).  Only what the forward needs is here:
 
 * ``wgmma_ss``: A and B from shared memory, both "K-major" (contiguous along k): ``S = Q K_j^T`` with the
@@ -38,18 +39,46 @@ the XOR on absolute address bits), so CI checks the kernels' layouts and descrip
 hardware applies; one thread's accumulators are its own rows and columns (the layout of ``mma``'s m16n8
 accumulators, per warp: row ``16 w + g (+ 8)``, columns ``8 j + 2 t (+ 1)`` for ``j < N / 8``).  ``wgmma_rs``
 gathers A's rows from the 4 lanes of a quad through a shared scratch, with barriers.
+
+**tf32 operands** (``dtype_name`` ``"tf32"`` or ``"float32"``: float32 attention, issue 24):
+``wgmma.mma_async.sync.aligned.m64nNk8.f32.tf32.tf32``, K = 8 a k-step, each operand a 32-bit word holding a
+float32.  PTX has no transpose immediates for .tf32 ("the transpose operation is only supported for ... .f16/
+.bf16"), so both operands are K-major: ``wgmma_ss`` computes ``S = Q K^T`` as for 16 bits, and ``wgmma_rs``
+takes B K-major too (``trans_b=0``; for P V, the V tile stored transposed, keys contiguous).  In bytes nothing
+changes: PTX's canonical layouts count ``T = 16 bytes / element size`` values (T = 4 for tf32), so a swizzled
+K-major tile is the same ``((8, m), (T, 2k))`` pattern of 128-byte rows, 32 values a row; a k-step of 8 tf32
+values is 32 bytes, as a 16-bit k-step of 16 values, so ``k_major_steps`` and the descriptors (SBO 1024,
+128-byte swizzle) carry over unchanged, and the copies place tf32 column ``c`` at ``swizzled_offset(rows, r,
+2 c)`` (16-byte chunks of 4 values).  A's register fragments (4 words a k-step) are ``mma.m16n8k8``'s tf32 a,
+one 16-row block per warp: ``a0 = A[16 w + g, t]``, ``a1 = A[16 w + g + 8, t]``, ``a2 = A[16 w + g, t + 4]``,
+``a3 = A[16 w + g + 8, t + 4]`` (CUTLASS's ``GMMA::ALayout_64x8`` for 32-bit types, decoded; PTX draws it only
+as a figure; the GPU test checks it).  That is not the accumulators' column layout (a thread holds columns
+``2 t, 2 t + 1``), so ``make_pack_a`` has no tf32 form: a P V on tf32 must move values between the lanes of a
+quad, or relabel the k order of P and of V^T alike (register position ``t`` <- key ``2 t``, ``t + 4`` <- key
+``2 t + 1``).  PTX: the instruction "will truncate lower 13 bits of the 32-bit input data"; the twin reads the
+operands the same way (``tf32_values``, the low 13 bits cleared, as the mma.sync twin does), so values already
+rounded to tf32 (``tf32_primitives``, the kernels' contract) are read exactly and others as the hardware reads
+them.  Products of tf32 values (11-bit significands) are exact in float64; the twin sums a thread's dot
+products in float64 and rounds once to float32, a result within the hardware's float32 accumulation error
+(whose order and rounding PTX leaves unspecified).
 """
 import numpy as np
 from numba import cuda
 
 from ._jit import SIMULATOR, device_function
-from ._mma import FORMATS, halves_to_float, primitives
+from ._mma import FORMATS, halves_to_float, primitives, tf32_values
 
 SWIZZLE_BYTES = 128          # a row of a swizzled block: 64 16-bit values
 BLOCK_COLS = 64
 ATOM_BYTES = 1024            # 8 rows of 128 bytes: the pattern's period (the tiles' alignment)
 SMEM_ALIGN = None if SIMULATOR else ATOM_BYTES
 MAX_THREADS = 512
+WGMMA_FORMATS = {**FORMATS, "tf32": "tf32"}     # dtype_name -> PTX operand type ("float32" means tf32 operands)
+
+
+def k_step(fmt):
+    """Values of k in one instruction: 16 for 16-bit operands, 8 for tf32 (32 bytes of a K-major row either way)."""
+    return 8 if fmt == "tf32" else 16
 
 
 def chunk_offset(rows, r, c):
@@ -63,7 +92,8 @@ swizzled_offset = device_function(chunk_offset)
 
 
 def k_major_steps(rows, ksteps):
-    """Start offsets (bytes) of the k-steps (16 columns each) of a K-major swizzled tile of ``rows`` rows."""
+    """Start offsets (bytes) of the k-steps (16 columns each, or 8 tf32 ones: 32 bytes) of a K-major swizzled tile
+    of ``rows`` rows."""
     return tuple((16 * ks // BLOCK_COLS) * rows * SWIZZLE_BYTES + 32 * (ks % (BLOCK_COLS // 16)) for ks in range(ksteps))
 
 
@@ -88,7 +118,7 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     NACC = N // 2
     KSTEPS = len(b_steps)
-    shape = f"m64n{N}k16.f32.{fmt}.{fmt}"
+    shape = f"m64n{N}k{k_step(fmt)}.f32.{fmt}.{fmt}"
     acc_list = "{" + ", ".join(f"${i}" for i in range(NACC)) + "}"
     x = 2 * NACC          # first input after the accumulators and their tied inputs (which are numbered too)
     if kind == "ss":
@@ -104,12 +134,14 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
         if kind == "ss":
             lines.append(f"add.s64 da, {ins_ptx[0]}, {a_steps[ks] >> 4};")
             lines.append(f"add.s64 db, {ins_ptx[1]}, {b_steps[ks] >> 4};")
-            lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, da, db, {scale_d}, 1, 1, 0, {trans_b};")
+            trans = "" if fmt == "tf32" else f", 0, {trans_b}"        # .tf32 takes no transpose immediates
+            lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, da, db, {scale_d}, 1, 1{trans};")
         else:
             a = x + 1 + 4 * ks
             lines.append(f"add.s64 db, ${x}, {b_steps[ks] >> 4};")
+            trans = "" if fmt == "tf32" else f", {trans_b}"
             lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, {{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, "
-                         f"db, {scale_d}, 1, 1, {trans_b};")
+                         f"db, {scale_d}, 1, 1{trans};")
     lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     ptx = " ".join(lines)
     a_bits, b_bits = _descriptor_bits(a_lbo, 1024), _descriptor_bits(b_lbo, 1024)
@@ -159,7 +191,8 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
     @intrinsic
     def wgmma_rs(typingctx, acc, a_regs, smem, b_off, accumulate):
         """acc (N/2 float32 a thread) = A B (+ acc if ``accumulate``): A's fragments in ``a_regs`` (4 uint32 words
-        per k-step, ``mma.m16n8k16``'s a fragments of this warp's 16 rows), B at byte ``b_off`` of ``smem``."""
+        per k-step, ``mma.m16n8k16``'s a fragments of this warp's 16 rows, ``m16n8k8``'s for tf32), B at byte
+        ``b_off`` of ``smem``."""
         sig = types.void(acc, a_regs, smem, b_off, accumulate)
 
         def codegen(context, builder, signature, args):
@@ -206,9 +239,12 @@ def _swizzle(addr):
 
 def operand_values(words, start, rows, cols, major, lbo, fmt):
     """float64 ``rows x cols`` operand of one k-step read the hardware's way from the shared array ``words``
-    (uint32) at byte ``start``: K-major (``rows`` = M or N, ``cols`` = 16 k) or MN-major (``rows`` = 16 k,
-    ``cols`` = N)."""
+    (uint32) at byte ``start``: K-major (``rows`` = M or N, ``cols`` = 16 k, 8 for tf32) or MN-major (``rows`` =
+    16 k, ``cols`` = N; 16-bit only).  tf32 words are read with their low 13 bits ignored, as the hardware does."""
     r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    if fmt == "tf32":                                       # 4 values a 16-byte chunk, K-major only
+        off = (r % 8) * 128 + (r // 8) * ATOM_BYTES + (c % 4) * 4 + (c // 4) * 16
+        return tf32_values(np.asarray(words)[_swizzle(start + off) >> 2])
     if major == "k":
         off = (r % 8) * 128 + (r // 8) * ATOM_BYTES + (c % 8) * 2 + (c // 8) * 16
     else:
@@ -217,19 +253,29 @@ def operand_values(words, start, rows, cols, major, lbo, fmt):
     return halves_to_float(np.asarray(words)[addr >> 2], (addr >> 1) & 1, fmt)
 
 
+def _a_fragment(word, ks, tt, reg, fmt):
+    """(row, first column, values) within A's 16-row block of warp w of register ``reg`` of k-step ``ks`` held by
+    lane ``4 g + tt``: row ``g`` or ``g + 8`` given as 0 or 1; 16-bit: columns ``16 ks + 2 tt (+ 8)``, a pair
+    (``mma.m16n8k16``'s a); tf32: column ``8 ks + tt (+ 4)``, one value (``mma.m16n8k8``'s a)."""
+    if fmt == "tf32":
+        return reg % 2, 8 * ks + tt + 4 * (reg // 2), tf32_values(np.array([word]))
+    return reg % 2, 16 * ks + 2 * tt + 8 * (reg // 2), halves_to_float(np.array([word, word]), np.array([0, 1]), fmt)
+
+
 def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
     NACC = N // 2
     KSTEPS = len(b_steps)
+    KS = k_step(fmt)
     j, e = np.meshgrid(np.arange(N // 8), np.arange(4), indexing="ij")
     ACC_ROW, ACC_COL = (8 * (e // 2)).reshape(-1), (8 * j + e % 2).reshape(-1)   # + (16 w + g, 2 t)
 
     def b_operand(smem, b_off, ks):
         if trans_b:
-            return operand_values(smem, b_off + b_steps[ks], 16, N, "mn", b_lbo, fmt)
-        return operand_values(smem, b_off + b_steps[ks], N, 16, "k", b_lbo, fmt).T
+            return operand_values(smem, b_off + b_steps[ks], KS, N, "mn", b_lbo, fmt)
+        return operand_values(smem, b_off + b_steps[ks], N, KS, "k", b_lbo, fmt).T
 
     def store(acc, rows_a, b, accumulate, w, g, t):
-        """This thread's accumulators from A's rows ``16 w + g``, ``+ 8`` (``rows_a``: 2 x 16 KSTEPS) and B."""
+        """This thread's accumulators from A's rows ``16 w + g``, ``+ 8`` (``rows_a``: 2 x KS KSTEPS) and B."""
         d = rows_a @ b                                     # 2 x N
         flat = acc.reshape(-1) if hasattr(acc, "reshape") else acc
         for i in range(NACC):
@@ -242,7 +288,7 @@ def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
             tid = cuda.threadIdx.x
             w, lane = (tid // 32) % 4, tid % 32
             g, t = lane // 4, lane % 4
-            a = np.concatenate([operand_values(smem, a_off + a_steps[ks], 64, 16, "k", a_lbo, fmt)
+            a = np.concatenate([operand_values(smem, a_off + a_steps[ks], 64, KS, "k", a_lbo, fmt)
                                 for ks in range(KSTEPS)], axis=1)
             b = np.concatenate([b_operand(smem, b_off, ks) for ks in range(KSTEPS)], axis=0)
             store(acc, a[[16 * w + g, 16 * w + g + 8]], b, accumulate, w, g, t)
@@ -261,13 +307,12 @@ def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
             frags[tid, i] = a_regs.reshape(-1)[i] if hasattr(a_regs, "reshape") else a_regs[i]
         cuda.syncthreads()
         quad = tid - t                                      # lane 4 g of this warp
-        rows = np.zeros((2, 16 * KSTEPS))
+        rows = np.zeros((2, KS * KSTEPS))
         for tt in range(4):
             for ks in range(KSTEPS):
-                for reg in range(4):                       # reg: (row g | g + 8) x (cols 2t | 2t + 8)
-                    word = frags[quad + tt, 4 * ks + reg]
-                    col = 16 * ks + 2 * tt + 8 * (reg // 2)
-                    rows[reg % 2, col:col + 2] = halves_to_float(np.array([word, word]), np.array([0, 1]), fmt)
+                for reg in range(4):                       # reg: (row g | g + 8) x (first | second column group)
+                    row, col, vals = _a_fragment(frags[quad + tt, 4 * ks + reg], ks, tt, reg, fmt)
+                    rows[row, col:col + len(vals)] = vals
         cuda.syncthreads()
         b = np.concatenate([b_operand(smem, b_off, ks) for ks in range(KSTEPS)], axis=0)
         store(acc, rows, b, accumulate, w, g, t)
@@ -285,13 +330,21 @@ _cache = {}
 
 def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0):
     """``wgmma_ss(acc, smem, a_off, b_off, accumulate)`` (``kind="ss"``) or ``wgmma_rs(acc, a_regs, smem, b_off,
-    accumulate)`` (``"rs"``) for one product shape: ``m64nNk16`` on ``dtype_name`` operands, the k-steps' start
+    accumulate)`` (``"rs"``) for one product shape: ``m64nNk16`` on ``dtype_name`` operands (``"float16"``,
+    ``"bfloat16"``; ``m64nNk8`` for ``"tf32"`` or ``"float32"``: tf32 operands, K-major only), the k-steps' start
     offsets (bytes, from the operands' ``*_off``) ``a_steps`` / ``b_steps``, the LBO of MN-major operands,
     ``trans_b`` 1 for an MN-major B.  ``acc``: a local float32 array of ``N / 2`` values (any shape, C order)."""
-    key = (kind, dtype_name, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b)
+    if kind not in ("ss", "rs"):
+        raise ValueError(f"kind must be 'ss' or 'rs', got {kind!r}")
+    if dtype_name not in WGMMA_FORMATS:
+        raise ValueError(f"dtype_name must be one of {sorted(WGMMA_FORMATS)}, got {dtype_name!r}")
+    fmt = WGMMA_FORMATS[dtype_name]
+    if fmt == "tf32" and trans_b:
+        raise ValueError("trans_b must be 0 for tf32 operands: PTX has no transpose for .tf32 (B K-major only)")
+    key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b)
     if key not in _cache:
         make = _sim_wgmma if SIMULATOR else _gpu_wgmma
-        _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, FORMATS[dtype_name])
+        _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, fmt)
     return _cache[key]
 
 
@@ -299,7 +352,9 @@ def make_pack_a(dtype_name, ksteps):
     """``pack_a(reg, a_all)``: the A fragments of ``wgmma_rs`` for ``ksteps`` k-steps of 16 from a warp's float32
     accumulators ``reg`` (shape (1, 2 ksteps, 4), ``mma``'s m16n8 layout: n-tiles 2 kk, 2 kk + 1 are k-step kk's
     columns), packed in pairs to 16-bit words (4 a k-step) in ``a_all``: P of the forward's P V, P^T and dS^T of
-    the backward's dV and dK."""
+    the backward's dV and dK.  16-bit only: tf32's a fragments hold columns ``t, t + 4``, not ``2 t, 2 t + 1``."""
+    if WGMMA_FORMATS.get(dtype_name) not in ("f16", "bf16"):
+        raise ValueError(f"dtype_name must be 'float16' or 'bfloat16' (no tf32 packing), got {dtype_name!r}")
     key = ("pack_a", dtype_name, ksteps)
     if key not in _cache:
         _, pack2, _ = primitives(dtype_name)

@@ -9,6 +9,15 @@ which reads the same bytes through the hardware's address rule, so the kernels' 
 Products of 16-bit values are exact in float32's 24 bits only for short sums; the bound is float32's
 accumulation error over K terms of the absolute products (``K u sum |a b|``), and a wrong layout, stride or
 swizzle moves entries by O(1).
+
+tf32 (``dtype_name="tf32"``, ``m64nNk8``, both operands K-major): float32 words in shared memory (``wgmma_ss``,
+``A B^T``) and A in registers as ``mma.m16n8k8``'s tf32 a fragments with B K-major (``wgmma_rs``, ``A B^T`` of a
+row-major B: P V with V stored transposed).  The inputs are float32 with all 23 mantissa bits random; the oracle
+is the float64 product of the values the hardware reads (PTX: the low 13 bits truncated), so a twin or layout
+that reads the bits otherwise misses by ~2**-11 of a product.  Products of tf32 values are exact and the
+oracle's float64 sum is within K 2**-53 sum |a b|, so the only error is the hardware's float32 accumulation:
+the same ``K u sum |a b|`` bound (with a factor 2 for its unspecified rounding), K + 1 terms where the
+accumulator is added.
 """
 import numpy as np
 import pytest
@@ -24,6 +33,14 @@ from flashnb.kernels._wgmma import (SMEM_ALIGN, chunk_offset, fence_proxy_async,
 SS_CASES = [(16, 64), (32, 128)] if SIMULATOR else [(16, 64), (64, 128), (128, 64), (176, 64), (16, 256)]
 RS_CASES = [(64, 16), (128, 32)] if SIMULATOR else [(64, 16), (64, 128), (128, 64), (128, 176), (256, 64)]
 DTYPES = ("float16", "bfloat16")
+# tf32 (N, K): K = 8 a k-step, 32 values a swizzled row; the simulator runs 1-2 k-steps (5 once: the step to
+# the second block of rows), the GPU up to 4 blocks
+# (tiles within the 48 KB of shared memory a launch has without opting in)
+TF32_SS_CASES = ([(8, 16), (64, 8), (128, 16), (16, 40)] if SIMULATOR
+                 else [(8, 32), (64, 64), (128, 32), (96, 64), (256, 32), (16, 128)])
+TF32_RS_CASES = ([(8, 8), (64, 16), (128, 8)] if SIMULATOR
+                 else [(8, 128), (64, 32), (128, 64), (176, 64), (256, 32)])
+TF32_COLS = 32                                                   # tf32 values in a 128-byte swizzled row
 
 
 def _words(x):
@@ -111,6 +128,98 @@ def _make_rs(N, K, dtype_name):
     return kern, K * N * 2
 
 
+def _tile_bytes(rows, k):
+    """Bytes of a K-major swizzled tf32 tile: one block of ``rows`` 128-byte rows per 32 columns of k (a partial
+    block still spans whole rows: the swizzle spreads a row's chunks over all 128 bytes)."""
+    return rows * 128 * -(-k // TF32_COLS)
+
+
+def _make_ss_tf32(N, K):
+    """out (64 x N) = A (64 x K) B^T, B (N x K): float32 words, both tiles K-major in shared memory, tf32 products."""
+    a_off, b_off = 0, _tile_bytes(64, K)                         # a multiple of 1024 bytes
+    wgmma = make_wgmma("ss", "tf32", N, k_major_steps(64, K // 8), k_major_steps(N, K // 8))
+    fence = fence_proxy_async()
+    NT = N // 8
+    U32, F32 = np.dtype(np.uint32), np.float32
+
+    @cuda.jit
+    def kern(a, b, out):
+        smem = cuda.shared.array(0, U32, alignment=SMEM_ALIGN)
+        tid = cuda.threadIdx.x
+        for i in range(tid, 64 * K // 4, 128):                  # 16-byte chunks (4 values) of A, then of B
+            r, c = i // (K // 4), 4 * (i % (K // 4))
+            at = (a_off + swizzled_offset(64, r, 2 * c)) // 4     # swizzled_offset counts 16-bit columns
+            for w in range(4):
+                smem[at + w] = a[r, c + w]
+        for i in range(tid, N * K // 4, 128):
+            r, c = i // (K // 4), 4 * (i % (K // 4))
+            at = (b_off + swizzled_offset(N, r, 2 * c)) // 4
+            for w in range(4):
+                smem[at + w] = b[r, c + w]
+        fence()
+        cuda.syncthreads()
+        acc = cuda.local.array((NT, 4), F32)
+        for j in range(NT):
+            for e in range(4):
+                acc[j, e] = F32(7.0)                             # scale-d = 0 must ignore it
+        wgmma(acc, smem, a_off, b_off, 0)
+        w, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        for j in range(NT):
+            for e in range(4):
+                out[16 * w + g + 8 * (e // 2), 8 * j + 2 * t + e % 2] = acc[j, e]
+
+    return kern, b_off + _tile_bytes(N, K)
+
+
+def _make_rs_tf32(N, K):
+    """out (64 x N) = 0.5 + A (64 x K) B^T: A's tf32 fragments from global memory, B (N x K) K-major."""
+    wgmma = make_wgmma("rs", "tf32", N, (), k_major_steps(N, K // 8))
+    fence = fence_proxy_async()
+    NT, NREGS = N // 8, 4 * (K // 8)
+    U32, F32 = np.dtype(np.uint32), np.float32
+
+    @cuda.jit
+    def kern(a, b, out):
+        smem = cuda.shared.array(0, U32, alignment=SMEM_ALIGN)
+        tid = cuda.threadIdx.x
+        for i in range(tid, N * K // 4, 128):
+            r, c = i // (K // 4), 4 * (i % (K // 4))
+            at = swizzled_offset(N, r, 2 * c) // 4
+            for w in range(4):
+                smem[at + w] = b[r, c + w]
+        fence()
+        cuda.syncthreads()
+        w, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        regs = cuda.local.array(NREGS, np.uint32)
+        for ks in range(K // 8):                                 # mma.m16n8k8's tf32 a fragments
+            regs[4 * ks + 0] = a[16 * w + g, 8 * ks + t]
+            regs[4 * ks + 1] = a[16 * w + g + 8, 8 * ks + t]
+            regs[4 * ks + 2] = a[16 * w + g, 8 * ks + t + 4]
+            regs[4 * ks + 3] = a[16 * w + g + 8, 8 * ks + t + 4]
+        acc = cuda.local.array((NT, 4), F32)
+        for j in range(NT):
+            for e in range(4):
+                acc[j, e] = F32(0.5)                             # scale-d = 1 adds to it
+        wgmma(acc, regs, smem, 0, 1)
+        for j in range(NT):
+            for e in range(4):
+                out[16 * w + g + 8 * (e // 2), 8 * j + 2 * t + e % 2] = acc[j, e]
+
+    return kern, _tile_bytes(N, K)
+
+
+def _float32_words(rng, shape):
+    """Random float32 with all mantissa bits random: (uint32 words, float64 of the tf32 values the hardware reads:
+    the low 13 bits truncated), plus the round-to-nearest reading for the failure message."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    bits = x.view(np.uint32)
+    truncated = (bits & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+    nearest = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+    return bits, truncated, nearest
+
+
 def _sixteen(rng, shape, dtype_name):
     """Random values in the 16-bit format: (uint16 bits, float64 values)."""
     x = rng.standard_normal(shape).astype(np.float32)
@@ -121,10 +230,18 @@ def _sixteen(rng, shape, dtype_name):
     return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def _check(out, ref, absprod, K):
+def _check(out, ref, absprod, K, note=""):
     bound = 2 * K * 2.0 ** -24 * absprod + 1e-30
     err = np.abs(out.astype(np.float64) - ref)
-    assert np.all(err <= bound), f"max error {err.max()} (bound {bound[err.argmax() // err.shape[1], err.argmax() % err.shape[1]]})"
+    worst = np.unravel_index(err.argmax(), err.shape)
+    assert np.all(err <= bound), f"max error {err.max()} (bound {bound[worst]}){note}"
+
+
+def _nearest_note(out, ref_nearest, seed):
+    """For a failure message: the data's seed, and how far ``out`` is from the product of the operands rounded to
+    nearest instead of truncated (the hardware reading them otherwise than PTX says)."""
+    err = np.abs(out.astype(np.float64) - ref_nearest).max()
+    return f"; seed {seed}; vs round-to-nearest operands: max error {err}"
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
@@ -158,3 +275,35 @@ def test_swizzled_offsets_cover_the_tile_once():
     for rows, cols in ((8, 64), (64, 128), (128, 256)):
         offs = sorted(chunk_offset(rows, r, c) for r in range(rows) for c in range(0, cols, 8))
         assert offs == list(range(0, rows * cols * 2, 16))
+
+
+@pytest.mark.parametrize("N,K", TF32_SS_CASES)
+def test_wgmma_ss_tf32_is_a_times_b_transposed(N, K):
+    seed = np.random.SeedSequence().entropy                      # fresh data, reproducible from the message
+    rng = np.random.default_rng(seed)
+    a_bits, a, a_near = _float32_words(rng, (64, K))
+    b_bits, b, b_near = _float32_words(rng, (N, K))
+    kern, shared = _make_ss_tf32(N, K)
+    d_out = cuda.to_device(np.full((64, N), np.nan, np.float32))  # poisoned: every entry must be written
+    kern[1, 128, 0, shared](cuda.to_device(a_bits), cuda.to_device(b_bits), d_out)
+    out = d_out.copy_to_host()
+    _check(out, a @ b.T, np.abs(a) @ np.abs(b).T, K, _nearest_note(out, a_near @ b_near.T, seed))
+
+
+@pytest.mark.parametrize("N,K", TF32_RS_CASES)
+def test_wgmma_rs_tf32_is_registers_times_k_major(N, K):
+    seed = np.random.SeedSequence().entropy                      # fresh data, reproducible from the message
+    rng = np.random.default_rng(seed)
+    a_bits, a, a_near = _float32_words(rng, (64, K))
+    b_bits, b, b_near = _float32_words(rng, (N, K))
+    kern, shared = _make_rs_tf32(N, K)
+    d_out = cuda.to_device(np.full((64, N), np.nan, np.float32))
+    kern[1, 128, 0, shared](cuda.to_device(a_bits), cuda.to_device(b_bits), d_out)
+    out = d_out.copy_to_host()
+    _check(out, 0.5 + a @ b.T, 0.5 + np.abs(a) @ np.abs(b).T, K + 1, _nearest_note(out, 0.5 + a_near @ b_near.T, seed))
+
+
+def test_wgmma_tf32_rejects_a_transposed_b():
+    """PTX has no transpose for .tf32: an MN-major B is refused before anything is built."""
+    with pytest.raises(ValueError, match="trans_b"):
+        make_wgmma("rs", "tf32", 64, (), mn_major_steps(2), b_lbo=2048, trans_b=1)
