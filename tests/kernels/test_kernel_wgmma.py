@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from flashnb.kernels._jit import SIMULATOR
+from flashnb.kernels._jit import SIMULATOR, device_function
 from flashnb.kernels._wgmma import (SMEM_ALIGN, chunk_offset, fence_proxy_async, k_major_steps, make_wgmma, mn_major_steps,
                                     swizzled_offset)
 
@@ -40,7 +40,6 @@ TF32_SS_CASES = ([(8, 16), (64, 8), (128, 16), (16, 40)] if SIMULATOR
                  else [(8, 32), (64, 64), (128, 32), (96, 64), (256, 32), (16, 128)])
 TF32_RS_CASES = ([(8, 8), (64, 16), (128, 8)] if SIMULATOR
                  else [(8, 128), (64, 32), (128, 64), (176, 64), (256, 32)])
-TF32_COLS = 32                                                   # tf32 values in a 128-byte swizzled row
 
 
 def _words(x):
@@ -48,96 +47,80 @@ def _words(x):
     return np.ascontiguousarray(x).view(np.uint32)
 
 
+@device_function
+def copy_swizzled(smem, off, src, rows, chunks):
+    """The word array ``src`` (``rows`` rows of ``chunks`` 16-byte chunks) into the 128-byte-swizzled tile at
+    byte ``off`` of ``smem``, by the warpgroup: chunk ``j`` of row ``r`` at ``swizzled_offset(rows, r, 8 j)``
+    (16-bit columns ``8 j ..``, tf32 columns ``4 j ..``)."""
+    for i in range(cuda.threadIdx.x, rows * chunks, 128):
+        r, j = i // chunks, i % chunks
+        at = (off + swizzled_offset(rows, r, 8 * j)) // 4
+        for w in range(4):
+            smem[at + w] = src[r, 4 * j + w]
+
+
+@device_function
+def store_acc(out, acc):
+    """This thread's accumulators (per warp ``w``: ``mma``'s m16n8 layout, rows ``16 w + g (+ 8)``, columns
+    ``8 j + 2 t (+ 1)``) into the 64 x N ``out``."""
+    lane = cuda.threadIdx.x % 32
+    w, g, t = cuda.threadIdx.x // 32, lane // 4, lane % 4
+    for j in range(acc.shape[0]):
+        for e in range(4):
+            out[16 * w + g + 8 * (e // 2), 8 * j + 2 * t + e % 2] = acc[j, e]
+
+
+@device_function
+def load_a_fragments(a, regs):
+    """``wgmma_rs``'s A fragments of this thread from the word array ``a`` (64 rows), 4 words a k-step: words
+    ``8 ks + t``, ``+ 4`` of rows ``16 w + g``, ``+ 8`` (``mma.m16n8k16``'s a for 16-bit pairs, ``m16n8k8``'s for
+    tf32)."""
+    lane = cuda.threadIdx.x % 32
+    w, g, t = cuda.threadIdx.x // 32, lane // 4, lane % 4
+    for ks in range(regs.shape[0] // 4):
+        regs[4 * ks + 0] = a[16 * w + g, 8 * ks + t]
+        regs[4 * ks + 1] = a[16 * w + g + 8, 8 * ks + t]
+        regs[4 * ks + 2] = a[16 * w + g, 8 * ks + t + 4]
+        regs[4 * ks + 3] = a[16 * w + g + 8, 8 * ks + t + 4]
+
+
 def _make_ss(N, K, dtype_name):
-    """out (64 x N) = A (64 x K) B^T, B (N x K): both tiles K-major in shared memory."""
-    b_bytes = N * K * 2
-    a_off = 0
-    b_off = -(-64 * K * 2 // 1024) * 1024
-    wgmma = make_wgmma("ss", dtype_name, N, k_major_steps(64, K // 16), k_major_steps(N, K // 16))
+    """out (64 x N) = A (64 x K) B^T, B (N x K): both tiles K-major in shared memory, 16-bit values or (``"tf32"``)
+    float32 words with tf32 products."""
+    vals = 4 if dtype_name == "tf32" else 8                    # values a 16-byte chunk
+    a_off, b_off = 0, _tile_bytes(64, K, vals)                  # a multiple of 1024 bytes
+    steps = K // (2 * vals)                                     # k-steps: 16 values, 8 tf32
+    wgmma = make_wgmma("ss", dtype_name, N, k_major_steps(64, steps), k_major_steps(N, steps))
     fence = fence_proxy_async()
-    WORDS = (b_off + b_bytes) // 4
     NT = N // 8
     U32, F32 = np.dtype(np.uint32), np.float32
 
     @cuda.jit
     def kern(a, b, out):
         smem = cuda.shared.array(0, U32, alignment=SMEM_ALIGN)
-        tid = cuda.threadIdx.x
-        for i in range(tid, 64 * K // 8, 128):                  # 16-byte chunks of A, then of B
-            r, c = i // (K // 8), 8 * (i % (K // 8))
-            at = (a_off + swizzled_offset(64, r, c)) // 4
-            for w in range(4):
-                smem[at + w] = a[r, c // 2 + w]
-        for i in range(tid, N * K // 8, 128):
-            r, c = i // (K // 8), 8 * (i % (K // 8))
-            at = (b_off + swizzled_offset(N, r, c)) // 4
-            for w in range(4):
-                smem[at + w] = b[r, c // 2 + w]
+        copy_swizzled(smem, a_off, a, 64, K // vals)           # 16-byte chunks of A, then of B
+        copy_swizzled(smem, b_off, b, N, K // vals)
         fence()
         cuda.syncthreads()
         acc = cuda.local.array((NT, 4), F32)
-        for j in range(N // 8):
+        for j in range(NT):
             for e in range(4):
                 acc[j, e] = F32(7.0)                             # scale-d = 0 must ignore it
         wgmma(acc, smem, a_off, b_off, 0)
-        w, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        for j in range(N // 8):
-            for e in range(4):
-                out[16 * w + g + 8 * (e // 2), 8 * j + 2 * t + e % 2] = acc[j, e]
+        store_acc(out, acc)
 
-    return kern, WORDS * 4
+    return kern, b_off + _tile_bytes(N, K, vals)
 
 
 def _make_rs(N, K, dtype_name):
-    """out (64 x N) = 0.5 + A (64 x K) B (K x N): A's fragments from global memory, B MN-major."""
-    lbo = K * 128                                                # 64-column blocks of B, K rows each
-    wgmma = make_wgmma("rs", dtype_name, N, (), mn_major_steps(K // 16), b_lbo=lbo, trans_b=1)
-    fence = fence_proxy_async()
-    NT, NREGS = N // 8, 4 * (K // 16)
-    U32, F32 = np.dtype(np.uint32), np.float32
-
-    @cuda.jit
-    def kern(a, b, out):
-        smem = cuda.shared.array(0, U32, alignment=SMEM_ALIGN)
-        tid = cuda.threadIdx.x
-        for i in range(tid, K * N // 8, 128):
-            r, c = i // (N // 8), 8 * (i % (N // 8))
-            at = swizzled_offset(K, r, c) // 4
-            for w in range(4):
-                smem[at + w] = b[r, c // 2 + w]
-        fence()
-        cuda.syncthreads()
-        w, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        regs = cuda.local.array(NREGS, np.uint32)
-        for ks in range(K // 16):                                # mma.m16n8k16's a fragments
-            regs[4 * ks + 0] = a[16 * w + g, 8 * ks + t]
-            regs[4 * ks + 1] = a[16 * w + g + 8, 8 * ks + t]
-            regs[4 * ks + 2] = a[16 * w + g, 8 * ks + t + 4]
-            regs[4 * ks + 3] = a[16 * w + g + 8, 8 * ks + t + 4]
-        acc = cuda.local.array((NT, 4), F32)
-        for j in range(N // 8):
-            for e in range(4):
-                acc[j, e] = F32(0.5)                             # scale-d = 1 adds to it
-        wgmma(acc, regs, smem, 0, 1)
-        for j in range(N // 8):
-            for e in range(4):
-                out[16 * w + g + 8 * (e // 2), 8 * j + 2 * t + e % 2] = acc[j, e]
-
-    return kern, K * N * 2
-
-
-def _tile_bytes(rows, k):
-    """Bytes of a K-major swizzled tf32 tile: one block of ``rows`` 128-byte rows per 32 columns of k (a partial
-    block still spans whole rows: the swizzle spreads a row's chunks over all 128 bytes)."""
-    return rows * 128 * -(-k // TF32_COLS)
-
-
-def _make_ss_tf32(N, K):
-    """out (64 x N) = A (64 x K) B^T, B (N x K): float32 words, both tiles K-major in shared memory, tf32 products."""
-    a_off, b_off = 0, _tile_bytes(64, K)                         # a multiple of 1024 bytes
-    wgmma = make_wgmma("ss", "tf32", N, k_major_steps(64, K // 8), k_major_steps(N, K // 8))
+    """out (64 x N) = 0.5 + A (64 x K) B: A's fragments from global memory; B MN-major (K x N words of pairs) for
+    16-bit values, K-major (N x K float32 words: PTX has no transposed B for .tf32) for ``"tf32"``."""
+    if dtype_name == "tf32":
+        wgmma = make_wgmma("rs", "tf32", N, (), k_major_steps(N, K // 8))
+        rows, chunks, nregs, shared = N, K // 4, 4 * (K // 8), _tile_bytes(N, K, 4)
+    else:                                                        # 64-column blocks of B, K rows each
+        wgmma = make_wgmma("rs", dtype_name, N, (), mn_major_steps(K // 16), b_lbo=K * 128, trans_b=1)
+        rows, chunks, nregs, shared = K, N // 8, 4 * (K // 16), K * N * 2
     fence = fence_proxy_async()
     NT = N // 8
     U32, F32 = np.dtype(np.uint32), np.float32
@@ -145,69 +128,26 @@ def _make_ss_tf32(N, K):
     @cuda.jit
     def kern(a, b, out):
         smem = cuda.shared.array(0, U32, alignment=SMEM_ALIGN)
-        tid = cuda.threadIdx.x
-        for i in range(tid, 64 * K // 4, 128):                  # 16-byte chunks (4 values) of A, then of B
-            r, c = i // (K // 4), 4 * (i % (K // 4))
-            at = (a_off + swizzled_offset(64, r, 2 * c)) // 4     # swizzled_offset counts 16-bit columns
-            for w in range(4):
-                smem[at + w] = a[r, c + w]
-        for i in range(tid, N * K // 4, 128):
-            r, c = i // (K // 4), 4 * (i % (K // 4))
-            at = (b_off + swizzled_offset(N, r, 2 * c)) // 4
-            for w in range(4):
-                smem[at + w] = b[r, c + w]
+        copy_swizzled(smem, 0, b, rows, chunks)
         fence()
         cuda.syncthreads()
-        acc = cuda.local.array((NT, 4), F32)
-        for j in range(NT):
-            for e in range(4):
-                acc[j, e] = F32(7.0)                             # scale-d = 0 must ignore it
-        wgmma(acc, smem, a_off, b_off, 0)
-        w, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        for j in range(NT):
-            for e in range(4):
-                out[16 * w + g + 8 * (e // 2), 8 * j + 2 * t + e % 2] = acc[j, e]
-
-    return kern, b_off + _tile_bytes(N, K)
-
-
-def _make_rs_tf32(N, K):
-    """out (64 x N) = 0.5 + A (64 x K) B^T: A's tf32 fragments from global memory, B (N x K) K-major."""
-    wgmma = make_wgmma("rs", "tf32", N, (), k_major_steps(N, K // 8))
-    fence = fence_proxy_async()
-    NT, NREGS = N // 8, 4 * (K // 8)
-    U32, F32 = np.dtype(np.uint32), np.float32
-
-    @cuda.jit
-    def kern(a, b, out):
-        smem = cuda.shared.array(0, U32, alignment=SMEM_ALIGN)
-        tid = cuda.threadIdx.x
-        for i in range(tid, N * K // 4, 128):
-            r, c = i // (K // 4), 4 * (i % (K // 4))
-            at = swizzled_offset(N, r, 2 * c) // 4
-            for w in range(4):
-                smem[at + w] = b[r, c + w]
-        fence()
-        cuda.syncthreads()
-        w, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        regs = cuda.local.array(NREGS, np.uint32)
-        for ks in range(K // 8):                                 # mma.m16n8k8's tf32 a fragments
-            regs[4 * ks + 0] = a[16 * w + g, 8 * ks + t]
-            regs[4 * ks + 1] = a[16 * w + g + 8, 8 * ks + t]
-            regs[4 * ks + 2] = a[16 * w + g, 8 * ks + t + 4]
-            regs[4 * ks + 3] = a[16 * w + g + 8, 8 * ks + t + 4]
+        regs = cuda.local.array(nregs, np.uint32)
+        load_a_fragments(a, regs)                                # mma.m16n8k16's a (word pairs), m16n8k8's (tf32)
         acc = cuda.local.array((NT, 4), F32)
         for j in range(NT):
             for e in range(4):
                 acc[j, e] = F32(0.5)                             # scale-d = 1 adds to it
         wgmma(acc, regs, smem, 0, 1)
-        for j in range(NT):
-            for e in range(4):
-                out[16 * w + g + 8 * (e // 2), 8 * j + 2 * t + e % 2] = acc[j, e]
+        store_acc(out, acc)
 
-    return kern, _tile_bytes(N, K)
+    return kern, shared
+
+
+def _tile_bytes(rows, k, vals):
+    """Bytes of a K-major swizzled tile of ``vals`` values a 16-byte chunk: one block of ``rows`` 128-byte rows per
+    8 chunks of k (a partial block still spans whole rows: the swizzle spreads a row's chunks over all 128
+    bytes)."""
+    return rows * 128 * -(-k // (8 * vals))
 
 
 def _float32_words(rng, shape):
@@ -277,30 +217,21 @@ def test_swizzled_offsets_cover_the_tile_once():
         assert offs == list(range(0, rows * cols * 2, 16))
 
 
-@pytest.mark.parametrize("N,K", TF32_SS_CASES)
-def test_wgmma_ss_tf32_is_a_times_b_transposed(N, K):
+@pytest.mark.parametrize("kind,N,K", [("ss",) + c for c in TF32_SS_CASES] + [("rs",) + c for c in TF32_RS_CASES])
+def test_wgmma_tf32_is_a_times_b_transposed(kind, N, K):
+    """tf32 operands, B (N x K) K-major either way: "ss" out = A B^T, "rs" (A's fragments in registers, added to
+    0.5) out = 0.5 + A B^T; against the float64 product of the operands as the hardware reads them."""
     seed = np.random.SeedSequence().entropy                      # fresh data, reproducible from the message
     rng = np.random.default_rng(seed)
     a_bits, a, a_near = _float32_words(rng, (64, K))
     b_bits, b, b_near = _float32_words(rng, (N, K))
-    kern, shared = _make_ss_tf32(N, K)
+    kern, shared = (_make_ss if kind == "ss" else _make_rs)(N, K, "tf32")
+    c = 0.0 if kind == "ss" else 0.5
     d_out = cuda.to_device(np.full((64, N), np.nan, np.float32))  # poisoned: every entry must be written
     kern[1, 128, 0, shared](cuda.to_device(a_bits), cuda.to_device(b_bits), d_out)
     out = d_out.copy_to_host()
-    _check(out, a @ b.T, np.abs(a) @ np.abs(b).T, K, _nearest_note(out, a_near @ b_near.T, seed))
-
-
-@pytest.mark.parametrize("N,K", TF32_RS_CASES)
-def test_wgmma_rs_tf32_is_registers_times_k_major(N, K):
-    seed = np.random.SeedSequence().entropy                      # fresh data, reproducible from the message
-    rng = np.random.default_rng(seed)
-    a_bits, a, a_near = _float32_words(rng, (64, K))
-    b_bits, b, b_near = _float32_words(rng, (N, K))
-    kern, shared = _make_rs_tf32(N, K)
-    d_out = cuda.to_device(np.full((64, N), np.nan, np.float32))
-    kern[1, 128, 0, shared](cuda.to_device(a_bits), cuda.to_device(b_bits), d_out)
-    out = d_out.copy_to_host()
-    _check(out, 0.5 + a @ b.T, 0.5 + np.abs(a) @ np.abs(b).T, K + 1, _nearest_note(out, 0.5 + a_near @ b_near.T, seed))
+    _check(out, c + a @ b.T, c + np.abs(a) @ np.abs(b).T, K + (kind == "rs"),
+           _nearest_note(out, c + a_near @ b_near.T, seed))
 
 
 def test_wgmma_tf32_rejects_a_transposed_b():
