@@ -182,7 +182,7 @@ def _forward_tc_launch(call, bq, bk, tma):
         return None
     d = call.headdim
     if _hopper(call):
-        mt, qs, extra = 1, True, {"WGMMA": True, "TMA": tma}
+        mt, qs, extra = 1, True, {"WGMMA": True, "TMA": tma, **_tf32_keywords(call.dtype, call.precision)}
     else:
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
@@ -334,8 +334,8 @@ def _tc_choice(call, backward):
         return None, refusal
     d = call.headdim
     if not backward and _hopper(call):
-        tq, tk = default_wgmma_tiles(d, call.block_q, call.block_k)
-        return (tq, tk), shared_refusal(wgmma_shared_bytes(tq, tk, d),
+        tq, tk = default_wgmma_tiles(d, call.block_q, call.block_k, call.dtype)
+        return (tq, tk), shared_refusal(wgmma_shared_bytes(tq, tk, d, call.dtype, call.precision),
                                         f"its Hopper forward with block_q={tq}, block_k={tk}, head dim {d}")
     if not backward:
         tq, tk = default_tc_tiles(d, call.block_q, call.block_k, call.dtype, call.precision)
@@ -371,9 +371,12 @@ def tensorcore_refusal(dtype, headdim, block_q, block_k):
 def wgmma_refusal(dtype, headdim, block_q, block_k, layout):
     """Why the Hopper forward (``backend="wgmma"``) cannot serve a call (None if it can); its backward is the
     tensor-core one."""
-    if dtype not in ("float16", "bfloat16"):
+    if dtype == "float32" and WGMMA_TF32:
+        if headdim % 4 or headdim > 128:
+            return f"its float32 forward needs a head dim that is a multiple of 4 (16-byte rows) up to 128, got {headdim}"
+    elif dtype not in ("float16", "bfloat16"):
         return f"its forward computes float16 and bfloat16 inputs only, got {dtype}"
-    if headdim % 8 or headdim > 256:
+    elif headdim % 8 or headdim > 256:
         return f"it needs a head dim that is a multiple of 8 (16-byte rows) up to 256, got {headdim}"
     if block_q is not None and block_q % 64:
         return f"block_q must be a multiple of 64 (a warpgroup's rows), got {block_q}"
@@ -388,14 +391,19 @@ def wgmma_refusal(dtype, headdim, block_q, block_k, layout):
 # as S's registers (BLOCK_K / 2 a thread) and two stages of K and V in shared memory allow
 _WGMMA_TILES = ((64, (128, 128)), (128, (128, 128)), (256, (128, 64)))
 _WGMMA_SIM_TILES = (64, 16)
+# float32 on tf32 wgmma (``WGMMA_TF32``): Q's, K_j's and V_j^T's small parts beside them in shared memory (3xTF32),
+# so one warpgroup and 32 keys at head dim 128 (docs/notes/hopper.md); not yet run on a GPU
+_WGMMA_TF32_TILES = ((64, (128, 64)), (128, (64, 32)))
+WGMMA_TF32 = False
 
 
-def default_wgmma_tiles(headdim, block_q=None, block_k=None):
+def default_wgmma_tiles(headdim, block_q=None, block_k=None, dtype="float16"):
     """The Hopper forward's (block_q, block_k): the caller's where given, else the head-dim class's."""
     if SIMULATOR:
         bq, bk = _WGMMA_SIM_TILES
     else:
-        bq, bk = next(tiles for max_d, tiles in _WGMMA_TILES if headdim <= max_d)
+        table = _WGMMA_TF32_TILES if dtype == "float32" else _WGMMA_TILES
+        bq, bk = next(tiles for max_d, tiles in table if headdim <= max_d)
     return block_q or bq, block_k or bk
 
 
@@ -434,10 +442,10 @@ WGMMA_AUTO = True
 WGMMA_AUTO_MIN_HEADDIM = 64
 
 
-def wgmma_shared_bytes(block_q, block_k, headdim):
+def wgmma_shared_bytes(block_q, block_k, headdim, dtype="float16", precision="highest"):
     """Dynamic shared memory per block of the Hopper forward."""
-    return make_forward_tc(block_q, block_k, headdim, "float16", True, 1, True, *([False] * 7), WGMMA=True,
-                           TMA=WGMMA_TMA)[1]
+    return make_forward_tc(block_q, block_k, headdim, "float32" if dtype == "float32" else "float16", True, 1, True,
+                           *([False] * 7), WGMMA=True, TMA=WGMMA_TMA, **_tf32_keywords(dtype, precision))[1]
 
 
 def _layout_refusal(layout):

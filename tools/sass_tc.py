@@ -1,12 +1,13 @@
 """The tensor-core forward's resources and SASS for sm_90, compiled on a machine with no GPU.
 
     python -m tools.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1] [WGMMA=1 [TMA=1]]
+                            [F32=1 [TF32X3=0]]
     python -m tools.sass_tc --pass bwd BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [DSPLIT=] [MTK=] [SHARE=] [DEFER_DQ=]
                             [WGMMA=1]
 
 (``--pass bwd``: the tensor-core dK/dV kernel, ``make_dkdv_tc``, with the defaults ``plan.backward`` picks;
 ``WGMMA=1``: the Hopper forward, ``MT=1``, Q in shared memory, compiled for sm_90a; ``TMA=1``: its tiles by the
-copy engine)
+copy engine; ``F32=1``: float32 inputs on tf32 operands, 3xTF32 unless ``TF32X3=0``)
 
 prints ptxas's registers, spills and stack frame, the SASS opcode counts, and the straight-line runs of 40 or
 more instructions (split at branches and branch targets) with their most frequent opcodes; the PTX, cubin and
@@ -34,7 +35,8 @@ def compile_forward(bq, bk, d, options, out_dir, ptx_version):
     mt = options.pop("MT", 1 if wgmma else plan.tc_m_tiles(bq, d))
     qs = bool(options.pop("QS", wgmma or plan.tc_q_in_smem(mt, d)))
     fold = bool(options.pop("FOLD", 1))
-    kern, shared, threads = make_forward_tc(bq, bk, d, "float16", True, mt, qs, causal, *([False] * 6), fold,
+    dtype = "float32" if options.pop("F32", 0) else "float16"        # float32: tf32 operands (TF32X3=0: "high")
+    kern, shared, threads = make_forward_tc(bq, bk, d, dtype, True, mt, qs, causal, *([False] * 6), fold,
                                             **{k: bool(v) for k, v in options.items()})
     u4 = types.Array(types.uint32, 4, "C")
     sig = (u4, u4, u4, u4, types.Array(types.float32, 3, "C"), types.int64, types.int64) + _OPTION_TYPES() + (

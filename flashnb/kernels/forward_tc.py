@@ -196,8 +196,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     NT_K = BLOCK_K // 8                      # n-tiles of S (8 keys each)
     KSTEPS_K = BLOCK_K // (8 * VALS)         # k-steps of P V (16 keys each, tf32: 8)
     NT_D = D_PAD // 8                        # n-tiles of the output (8 dims each)
+    WG_TF32 = WGMMA and TF32                 # float32 on tf32 wgmma (off in the plan until its GPU run)
     if WGMMA:
-        assert MT == 1 and Q_SMEM and not TF32 and VEC16 and NWARPS % 4 == 0 and BLOCK_K % 16 == 0
+        assert MT == 1 and Q_SMEM and VEC16 and NWARPS % 4 == 0 and BLOCK_K % 16 == 0
     STRIDE = D_WORDS if WGMMA else tc_padded_words(D_WORDS)   # words per key row of a K or V tile (WGMMA: swizzled)
     TILE = BLOCK_K * STRIDE                  # words of one K (or V) tile
     V_OFF = TILE                             # buffer s: K at s * 2 TILE, V at s * 2 TILE + V_OFF
@@ -206,6 +207,13 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     SMALL = Q_OFF + Q_WORDS                  # SPLIT: the small parts of K_j, V_j (one buffer), then of Q
     SMALL_Q = SMALL + 2 * TILE
     SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else SMALL
+    if WG_TF32:   # after Q: V_j^T (tf32 wgmma reads B K-major only), then SPLIT: its small parts, K_j's, Q's
+        VT_WORDS = D_PAD * 32 * -(-BLOCK_K // 32)   # D_PAD rows of 128 bytes per 32 keys (a partial block too)
+        VT_OFF = SMALL
+        VT_SMALL = VT_OFF + VT_WORDS
+        K_SMALL = VT_SMALL + VT_WORDS
+        SMALL_Q = K_SMALL + TILE
+        SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else VT_OFF + VT_WORDS
     SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
     if TMA:   # the copy engine fills the stages; barriers after the tiles: full[s], empty[s], Q's
@@ -245,10 +253,13 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     if WGMMA:   # S = Q K_j^T: both K-major; P V_j: V_j MN-major (its 64-column blocks BLOCK_K rows apart)
         wgmma_qk = make_wgmma("ss", DTYPE_NAME, BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D),
                               k_major_steps(BLOCK_K, KSTEPS_D))
+        fence_async = fence_proxy_async()
+    if WGMMA and not TF32:
         wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), mn_major_steps(KSTEPS_K),
                               b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1)
-        fence_async = fence_proxy_async()
         pack_p = make_pack_a(DTYPE_NAME, KSTEPS_K)
+    if WG_TF32:   # tf32: P V_j from V_j^T, K-major (keys contiguous: D_PAD rows of BLOCK_K values)
+        wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), k_major_steps(NT_D * 8, KSTEPS_K))
     if TMA:
         tma = tma_primitives()
         mbar_init, mbar_fence_init, mbar_wait, mbar_arrive = (
@@ -538,6 +549,71 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         pack_p(s_reg, p_all)
         wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
 
+    # ---- WG_TF32: float32 on tf32 wgmma.  K-major only: V_j is transposed in shared memory, its keys relabelled
+    # within each 8 (key 2t at k index t, 2t + 1 at t + 4) so that P's a fragments are S's accumulators as they
+    # are (a0..a3 = S[g, 2t], S[g+8, 2t], S[g, 2t+1], S[g+8, 2t+1]), as ``pv_tile_tf32`` does with V's rows
+    @device_function
+    def word_at(rows, r, c):
+        """Word offset of tf32 value ``c`` of row ``r`` in a swizzled tile of ``rows`` rows (4 values a chunk)."""
+        return swizzled_offset(rows, r, 2 * (c - c % 4)) // 4 + c % 4
+
+    @device_function
+    def prepare_tf32(smem, base, first, tid):
+        """SPLIT: Q's tile (``first``) and K_j -> tf32 big parts in place, small parts at ``SMALL_Q``,
+        ``K_SMALL`` (else Q's tile rounded to tf32 in place); V_j -> V_j^T at ``VT_OFF`` (D_PAD rows of BLOCK_K
+        relabelled keys), split (small parts at ``VT_SMALL``) or rounded.  By the whole block, between the
+        caller's barriers."""
+        if SPLIT:
+            if first:
+                split_smem(smem, Q_OFF, SMALL_Q, Q_WORDS)
+            split_smem(smem, base, K_SMALL, TILE)
+        elif first:                                          # (K_j left to the tensor cores' truncation)
+            for i in range(tid, Q_WORDS, NTHREADS):
+                smem[Q_OFF + i] = round_bits(smem[Q_OFF + i])
+        for i in range(-(-TILE // NTHREADS)):
+            w = i * NTHREADS + tid
+            if w < TILE:
+                j = w // D_WORDS                                 # key j, dim c
+                c = w - j * D_WORDS
+                x = smem[base + V_OFF + word_at(BLOCK_K, j, c)]
+                at = VT_OFF + word_at(D_PAD, c, j - j % 8 + (j % 8) // 2 + 4 * (j % 2))
+                if SPLIT:
+                    smem[at], smem[at + VT_SMALL - VT_OFF] = split_bits(x)
+                else:
+                    smem[at] = round_bits(x)
+
+    @device_function
+    def score_tile_wgmma_tf32(smem, base, q_bytes, s_reg):
+        """S = Q K_j^T on tf32 wgmma; SPLIT: the small parts' products first, then the big parts'."""
+        if SPLIT:
+            wgmma_qk(s_reg, smem, q_bytes + 4 * (SMALL_Q - Q_OFF), 4 * base, 0)
+            wgmma_qk(s_reg, smem, q_bytes, 4 * K_SMALL, 1)
+            wgmma_qk(s_reg, smem, q_bytes, 4 * base, 1)
+        else:
+            wgmma_qk(s_reg, smem, q_bytes, 4 * base, 0)
+
+    @device_function
+    def pv_tile_wgmma_tf32(smem, s_reg, p_all, p_small, acc, part):
+        """acc += P V_j on tf32 wgmma, P's a fragments from S's accumulators (keys relabelled as V_j^T's), rounded
+        or split; SPLIT: the three products into a zeroed partial added to ``acc`` by round-to-nearest adds (as
+        ``pv_tile_tf32``'s per k-step; here per tile)."""
+        for kk in range(KSTEPS_K):
+            for e in range(4):
+                x = s_reg[0, kk, (e % 2) * 2 + e // 2]
+                if SPLIT:
+                    p_all[4 * kk + e], p_small[4 * kk + e] = split_value(x)
+                else:
+                    p_all[4 * kk + e] = round_value(x)
+        if SPLIT:
+            wgmma_pv(part, p_small, smem, 4 * VT_OFF, 0)
+            wgmma_pv(part, p_all, smem, 4 * VT_SMALL, 1)
+            wgmma_pv(part, p_all, smem, 4 * VT_OFF, 1)
+            for n in range(NT_D):
+                for e in range(4):
+                    acc[0, n, e] += part[0, n, e]
+        else:
+            wgmma_pv(acc, p_all, smem, 4 * VT_OFF, 1)
+
     @device_function
     def store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q, q_start):
         """out = acc / l_i (rounded to the input format), lse = (m_i + log2 l_i) ln 2; l_i summed over the quad
@@ -608,6 +684,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         s_reg = cuda.local.array((MT, NT_K, 4), F32)             # S, then P, of the key tile
         p_reg = cuda.local.array((MT, 4), np.uint32)             # P's a fragments of one k-step
         p_all = cuda.local.array(P_ALL, np.uint32)              # WGMMA: P's a fragments of every k-step
+        p_all_s = cuda.local.array(P_ALL if WG_TF32 and SPLIT else 1, np.uint32)   # WG_TF32: their small parts
+        wpart = cuda.local.array((1, NT_D if WG_TF32 and SPLIT else 1, 4), F32)   # and P V_j's partial
         q_bytes = 4 * Q_OFF + (warp // 4) * 64 * SWIZZLE_BYTES   # WGMMA: this warpgroup's 64 rows of the Q tile
         acc = cuda.local.array((MT, NT_D, 4), F32)               # O_i, unnormalised
         m_i = cuda.local.array(ROWS, F32)  # row 2 m + r: running max (base-2 units)
@@ -687,14 +765,22 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             if not TMA:
                 cuda.syncthreads()                           # everyone's copies of K_j, V_j have landed
             base = buf * 2 * TILE
-            if SPLIT:                                        # K_j, V_j (and Q once) -> big and small parts
+            if WG_TF32:                                      # (every reader of tile j - 1 is past its products)
+                cuda.syncthreads()
+                prepare_tf32(smem, base, first, tid)         # K_j, V_j^T (and Q once) for the tf32 products
+                first = False
+                fence_async()
+                cuda.syncthreads()
+            elif SPLIT:                                      # K_j, V_j (and Q once) -> big and small parts
                 if Q_SMEM and first:
                     split_smem(smem, Q_OFF, SMALL_Q, Q_WORDS)
                 split_smem(smem, base, SMALL, 2 * TILE)
                 first = False
                 cuda.syncthreads()
 
-            if WGMMA:                                                                      # S = Q K_j^T
+            if WG_TF32:                                                                    # S = Q K_j^T
+                score_tile_wgmma_tf32(smem, base, q_bytes, s_reg)
+            elif WGMMA:
                 wgmma_qk(s_reg, smem, q_bytes, 4 * base, 0)
             else:
                 score_tile(smem, base, q_reg, q_small, q_frag, q_frag_s, q_lane, k_lane, s_reg)
@@ -707,7 +793,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 scale_tile(s_reg, scale_log2)
             online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,   # m_i, l_i, P
                            drop_threshold, drop_scale, seed_lo, seed_hi)
-            if WGMMA:                                                                      # acc += P V_j
+            if WG_TF32:                                                                    # acc += P V_j
+                pv_tile_wgmma_tf32(smem, s_reg, p_all, p_all_s, acc, wpart)
+            elif WGMMA:
                 pv_tile_wgmma(smem, base, s_reg, p_all, acc)
             elif TF32:
                 pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc, part)

@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 
 import flashnb
 import strategies as S
-from flashnb import plan
+from flashnb import _dispatch, plan
 from flashnb.kernels._jit import SIMULATOR
 from kernel_harness import (EPS32, check_forward, examples, expected, kernel_forward, kernel_problems,
                             poison_outputs, rel_bound)  # noqa: F401
@@ -96,6 +96,28 @@ def test_highest_each_option_alone(option, data):
 def test_high_every_option_at_once(p):
     out, lse = kernel_forward(p, backend="tensorcore", precision="high")
     check_forward(_high_expected(p), out, lse)
+
+
+# float32 on Hopper's tf32 wgmma (``plan.WGMMA_TF32``: built in the simulator, off until its GPU run): Q, K_j by
+# the copy engine, V_j transposed in shared memory, the same two precisions under the same bounds
+WG_TILES = st.just((64, 16)) if SIMULATOR else st.sampled_from([(None, None), (64, 32), (128, 64)])
+WG_HEADDIMS = (4, 8, 12, 36) if SIMULATOR else (4, 32, 64, 100, 128)
+
+
+@pytest.mark.parametrize("precision", plan.PRECISIONS)
+@settings(max_examples=examples(2, 10), deadline=None)
+@given(p=kernel_problems(dtypes=(np.float32,), tiles=WG_TILES, headdims=WG_HEADDIMS, max_seqlen=MAX_SEQLEN))
+def test_wgmma_tf32_within_the_bound_of_its_precision(precision, p):
+    built = []
+    real = plan.make_forward_tc
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "WGMMA_TF32", True)
+        mp.setattr(plan, "make_forward_tc", lambda *a, **kw: (built.append((a, kw)), real(*a, **kw))[1])
+        _dispatch.clear()
+        out, lse = kernel_forward(p, backend="wgmma", precision=precision)
+    check_forward(expected(p, backward=False) if precision == "highest" else _high_expected(p), out, lse)
+    a, kw = built[-1]
+    assert a[3] == "float32" and kw["WGMMA"] and kw["TF32X3"] == (precision == "highest"), built[-1]
 
 
 def test_precision_is_checked_forward_and_backward():
