@@ -37,10 +37,12 @@ OPTION_SETS = {
 
 DTYPES = {"float16": (np.float16, ("tensorcore", "simt", "wgmma", "wgmma-bwd")),
           "bfloat16": ("bfloat16", ("tensorcore", "wgmma", "wgmma-bwd")),
-          "float32": (np.float32, ("simt", "tensorcore:highest", "tensorcore:high")), "float64": (np.float64, ("simt",))}
+          "float32": (np.float32, ("simt", "tensorcore:highest", "tensorcore:high", "wgmma:highest", "wgmma:high")),
+          "float64": (np.float64, ("simt",))}
 # "tensorcore:PRECISION": float32 on tf32 tensor cores, forward and backward at that precision; "wgmma": the Hopper
 # forward (compute capability 9.0 only; its backward is the tensor-core one); "wgmma-bwd": the Hopper forward and
-# the Hopper dK/dV kernel (plan.WGMMA_BACKWARD, up to head dim 128)
+# the Hopper dK/dV kernel (plan.WGMMA_BACKWARD, up to head dim 128); "wgmma:PRECISION": float32 on tf32 wgmma
+# (plan.WGMMA_TF32, up to head dim 128), its backward the tf32 tensor-core one
 
 
 def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
@@ -61,7 +63,10 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
                         continue
                     if backend.startswith("wgmma") and tuple(cuda.get_current_device().compute_capability) != (9, 0):
                         continue
+                    if backend.startswith("wgmma:") and d > 128:
+                        continue
                     flashnb.plan.WGMMA_BACKWARD = backend == "wgmma-bwd"
+                    flashnb.plan.WGMMA_TF32 = backend.startswith("wgmma:")
                     bwd_backend = "wgmma" if backend == "wgmma-bwd" else "tensorcore"
                     backend = "wgmma" if backend == "wgmma-bwd" else backend
                     arrays = _cast((q, k, v, dout), dtype)

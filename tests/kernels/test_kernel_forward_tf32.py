@@ -140,21 +140,25 @@ def test_default_tiles_fit_the_h100(headdim, precision):
     assert plan.tc_shared_bytes(bq, bk, headdim, "float32", precision) <= 227 * 1024
 
 
-@settings(max_examples=examples(2, 6))
+@pytest.mark.parametrize("backend", ["tensorcore", "wgmma"])
+@settings(max_examples=examples(2, 6), deadline=None)
 @given(lens=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), min_size=1, max_size=3),
        causal=st.booleans(), seed=st.integers(0, 2**16))
-def test_highest_packed_batches(lens, causal, seed):
-    """A packed (varlen) float32 batch on the tensor cores (``VARLEN`` with tf32 operands, precision "highest"):
-    each sequence within the float32 bound of its oracle (a few float32 ulps of the output's scale here:
-    unit-normal inputs, head dim 8)."""
+def test_highest_packed_batches(backend, lens, causal, seed):
+    """A packed (varlen) float32 batch on the tensor cores (``VARLEN`` with tf32 operands, precision "highest";
+    "wgmma": ``plan.WGMMA_TF32``, its boxes rows of the packed tensor): each sequence within the float32 bound
+    of its oracle (a few float32 ulps of the output's scale here: unit-normal inputs, head dim 8)."""
     import reference
     rng = np.random.default_rng(seed)
     sq, sk = (np.array([x[i] for x in lens]) for i in (0, 1))
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (sq, sk))
     q = rng.standard_normal((sq.sum(), 2, 8)).astype(np.float32)
     k, v = (rng.standard_normal((sk.sum(), 1, 8)).astype(np.float32) for _ in range(2))
-    out, lse = flashnb.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(int(sq.max()), 1), max(int(sk.max()), 1),
-                                              causal=causal, return_lse=True, backend="tensorcore")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "WGMMA_TF32", True)
+        _dispatch.clear()
+        out, lse = flashnb.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(int(sq.max()), 1), max(int(sk.max()), 1),
+                                                  causal=causal, return_lse=True, backend=backend)
     ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
     assert np.max(np.abs(out - ref), initial=0.0) < 1e-5
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
