@@ -243,8 +243,9 @@ def _backward_tc_plan(call, bq, bk):
     d, words = call.headdim, call.headdim // (1 if call.dtype == "float32" else 2)
     dkdv = None
     if call.seqlen_k > 0 and _hopper_backward(call, bk):
-        kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags), 1, _red2(),
-                                             DEFER_DQ=False, WGMMA=True, **_varlen(call))
+        kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
+                                             wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
+                                             **_varlen(call))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -264,13 +265,13 @@ def _backward_tc_plan(call, bq, bk):
 def _hopper_backward(call, block_k):
     """Whether the backward runs the Hopper dK/dV kernel (``make_dkdv_tc(WGMMA=True)``): asked for
     (``backend="wgmma"``), or "auto" on compute capability 9.0 (``WGMMA_AUTO``) above head dim 48; 16-bit
-    batches up to head dim 128 (dK's and dV's accumulators in one warp's registers), dense (packed with
-    ``WGMMA_BACKWARD_PACKED``), key tiles of whole warpgroups (64 keys), 16-byte rows; else the tensor-core
-    one."""
+    batches up to head dim 128 (dK's and dV's accumulators in one warp's registers; to 256 with
+    ``WGMMA_BACKWARD_256``, two warps a 16 keys), dense (packed with ``WGMMA_BACKWARD_PACKED``), key tiles of
+    whole warpgroups (64 keys), 16-byte rows; else the tensor-core one."""
     asked = call.backend == "wgmma" or (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR
                                         and call.headdim > 48 and compute_capability() == (9, 0))
     return (WGMMA_BACKWARD and asked and call.dtype in ("float16", "bfloat16")
-            and call.headdim <= 128 and call.headdim % 8 == 0 and block_k % 64 == 0
+            and call.headdim <= (256 if WGMMA_BACKWARD_256 else 128) and call.headdim % 8 == 0 and block_k % 64 == 0
             and (call.total_q is None or WGMMA_BACKWARD_PACKED) and call.layout is not None and call.layout[1])
 
 
@@ -279,11 +280,19 @@ def _hopper_backward(call, block_k):
 # dim 64 (64 x 128 tiles; 32 x 128: 6.00 / 3.49), 5.08 / 2.99 against 5.89 / 3.23 at 128 (32 x 128; 64 x 128
 # spills there); its query tiles per head-dim class
 WGMMA_BACKWARD = True
-_WGMMA_BWD_BLOCK_Q = ((64, 64), (128, 32))
+_WGMMA_BWD_BLOCK_Q = ((64, 64), (128, 32), (256, 32))
 # packed batches (VARLEN: the kernel's views sliced to the sequence, as the mma.sync kernel's): checked in the
 # simulator (test_varlen_wgmma_matches_oracle) and by SASS (64 x 128 at d 64: 246 / 242 registers, 32 x 128 at
 # d 128: 255, no spill), not yet run on a GPU; off until then
 WGMMA_BACKWARD_PACKED = False
+# above head dim 128 (DSPLIT = 2: two warpgroups on the same 64 keys, each with half of dK's and dV's dims, both
+# computing S^T and dP^T, as the mma.sync kernel's pairs of warps): simulator and SASS only; off until its GPU run
+WGMMA_BACKWARD_256 = False
+
+
+def wgmma_bwd_dim_split(headdim):
+    """Warps per 16 keys of the Hopper dK/dV kernel: 2 above head dim 128 (``make_dkdv_tc``'s ``DSPLIT``)."""
+    return 2 if headdim > 128 else 1
 
 
 def wgmma_bwd_block_q(headdim):

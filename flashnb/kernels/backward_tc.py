@@ -232,7 +232,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     warp's queries) and P^T's, dS^T's in registers at each k-step.  Without ``TF32X3`` (``precision="high"``): one
     product; P^T and dS^T rounded to tf32, K, V, Q, dO truncated by the tensor cores.
 
-    ``WGMMA`` (compute capability 9.0, 16-bit inputs, one warp per 16 keys): S^T, dP^T, dV and dK by Hopper's
+    ``WGMMA`` (compute capability 9.0, 16-bit inputs, one warp per 16 keys, or with ``DSPLIT = 2`` two, each
+    with half of dK's and dV's dims, both computing S^T and dP^T): S^T, dP^T, dV and dK by Hopper's
     warpgroup MMA (``_wgmma``), as the forward's: each warpgroup owns 64 keys of the tile, so per warp the
     accumulators are the m16n8 fragments the element-wise step reads now; ``S^T = K_j Q_i^T``, ``dP^T = V_j dO_i^T``
     with both operands from 128-byte-swizzled shared tiles (head dim padded to 64), ``dV += P_drop^T dO_i`` and
@@ -259,13 +260,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     QS = DSPLIT if SHARE else 1              # parts of the queries in S^T, dP^T: warp w computes part w // KW
     assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
     if WGMMA:
-        assert not TF32 and DSPLIT == 1 and MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
+        assert not TF32 and MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
     NTHREADS = 32 * NWARPS
     D_PAD = -(-HEAD_DIM // (16 * DSPLIT)) * 16 * DSPLIT   # each part of dK, dV: whole pairs of n-tiles
     if WGMMA:
-        D_PAD = -(-HEAD_DIM // 64) * 64      # whole swizzled blocks of 64 values
+        D_PAD = -(-HEAD_DIM // (64 * DSPLIT)) * 64 * DSPLIT   # whole swizzled blocks of 64 values (each part's)
     HEAD_WORDS = HEAD_DIM // VALS
     D_WORDS = D_PAD // VALS
     KSTEPS_D = D_WORDS // 8                  # k-steps of K Q^T and V dO^T (8 words each)
@@ -334,13 +335,15 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # dV, dK: A = P_drop^T / dS^T (registers), B = dO_i / Q_i MN-major (k = 16 queries, N = the head dim)
         wgmma_t = make_wgmma("ss", DTYPE_NAME, BLOCK_Q, k_major_steps(BLOCK_K, KSTEPS_D),
                              k_major_steps(BLOCK_Q, KSTEPS_D))
-        wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD, (), mn_major_steps(KSTEPS_Q),
+        wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD // DSPLIT, (), mn_major_steps(KSTEPS_Q),
                                b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
+        PART_BYTES = D_PAD // DSPLIT // 64 * BLOCK_Q * SWIZZLE_BYTES   # dO_i's, Q_i's blocks of one part of dims
         fence_async = fence_proxy_async()
         pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
     else:
         copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
         copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
+        PART_BYTES = 0
 
     def make_plain_grad(MASKED):
         @device_function
@@ -561,12 +564,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     mma_pair(fb, m, b0, b1, b2, b3, dk_acc, n)
 
     @device_function
-    def dv_dk_tile_wgmma(smem, qb, db, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc):
-        """WGMMA: dV += P_drop^T dO_i, dK += dS^T Q_i by the warpgroup, A from the accumulators."""
+    def dv_dk_tile_wgmma(smem, qb, db, part_bytes, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc):
+        """WGMMA: dV += P_drop^T dO_i, dK += dS^T Q_i by the warpgroup, A from the accumulators; B the blocks of
+        this warp's part of the dims (``DSPLIT``), ``part_bytes`` into dO_i's and Q_i's tiles."""
         pack_a(s_reg, p_all)
         pack_a(dp_reg, ds_all)
-        wgmma_acc(dv_acc, p_all, smem, 4 * db, 1)
-        wgmma_acc(dk_acc, ds_all, smem, 4 * qb, 1)
+        wgmma_acc(dv_acc, p_all, smem, 4 * db + part_bytes, 1)
+        wgmma_acc(dk_acc, ds_all, smem, 4 * qb + part_bytes, 1)
 
     @device_function
     def store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32):
@@ -830,7 +834,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         dq_reg = cuda.local.array((DQ_NT, 4), F32)
         p_all = cuda.local.array(A_ALL, U32_DT)           # WGMMA: P_drop^T's a fragments of every k-step
         ds_all = cuda.local.array(A_ALL, U32_DT)          # and dS^T's
-        wg_rows = (warp // 4) * 64 * SWIZZLE_BYTES                       # WGMMA: this warpgroup's K / V rows
+        wg_rows = (kw // 4) * 64 * SWIZZLE_BYTES                         # WGMMA: this warpgroup's K / V rows
+        part_bytes = (warp // KW) * PART_BYTES if DSPLIT > 1 else 0        # and its part of the dims (DSPLIT)
         l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
         d_row = cuda.local.array(LROWS, F32)
         for m in range(MTK):
@@ -936,7 +941,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 dv_dk_tile_tf32(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, fa_s, fb_s, dv_acc,
                                 dk_acc)
             elif WGMMA:
-                dv_dk_tile_wgmma(smem, qb, db, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc)
+                dv_dk_tile_wgmma(smem, qb, db, part_bytes, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc)
             else:
                 dv_dk_tile(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, dv_acc, dk_acc)
 

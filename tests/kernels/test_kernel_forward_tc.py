@@ -319,22 +319,42 @@ def test_wgmma_bfloat16_within_twice_bfloat16_oracle_error(p):
 WG_BWD_TILES = st.just((16, 64)) if SIMULATOR else st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([64, 128]))
 
 
+def _wgmma_backward_matches_oracle(p, split=None):
+    """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel (``split``: its warps per 16 keys forced, else
+    the plan's, with ``WGMMA_BACKWARD_256``): flash-attn's rule."""
+    out, lse = kernel_forward(p, backend="tensorcore")
+    built = []
+    real = plan.make_dkdv_tc
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "WGMMA_BACKWARD", True)
+        mp.setattr(plan, "WGMMA_BACKWARD_256", True)
+        mp.setattr(plan, "make_dkdv_tc", lambda *a, **kw: (built.append((a, kw)), real(*a, **kw))[1])
+        if split is not None:
+            mp.setattr(plan, "wgmma_bwd_dim_split", lambda headdim: split)
+        _dispatch.clear()                                # (no replay of another example's call: planned)
+        grads = kernel_backward(p, out, lse, backend="wgmma")
+    check_backward(expected(p), grads)
+    if p.k.shape[1]:
+        a, kw = built[-1]
+        assert kw.get("WGMMA"), "backend='wgmma' ran another dK/dV kernel"
+        assert a[12] == (split or plan.wgmma_bwd_dim_split(p.headdim)), a[12]      # DSPLIT
+
+
 @settings(max_examples=examples(2, 12), deadline=None)
 @given(p=kernel_problems(dtypes=(np.float16,), tiles=WG_BWD_TILES, headdims=(16, 40) if SIMULATOR else (64, 96, 128),
                          max_seqlen=TC_MAX_SEQLEN))
 def test_wgmma_backward_within_twice_float16_oracle_error(p):
     """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel, any options: flash-attn's rule."""
-    out, lse = kernel_forward(p, backend="tensorcore")
-    built = []
-    real, enabled, plan.WGMMA_BACKWARD = plan.make_dkdv_tc, plan.WGMMA_BACKWARD, True
-    plan.make_dkdv_tc = lambda *a, **kw: (built.append(kw), real(*a, **kw))[1]
-    _dispatch.clear()                                    # (no replay of another example's call: planned)
-    try:
-        grads = kernel_backward(p, out, lse, backend="wgmma")
-    finally:
-        plan.make_dkdv_tc, plan.WGMMA_BACKWARD = real, enabled
-    check_backward(expected(p), grads)
-    assert p.k.shape[1] == 0 or (built and built[-1].get("WGMMA")), "backend='wgmma' ran another dK/dV kernel"
+    _wgmma_backward_matches_oracle(p)
+
+
+@settings(max_examples=examples(1, 8), deadline=None)
+@given(p=kernel_problems(dtypes=(np.float16,), tiles=st.just((16, 64)) if SIMULATOR else st.just((32, 64)),
+                         headdims=(72,) if SIMULATOR else (136, 192, 256), max_seqlen=TC_MAX_SEQLEN))
+def test_wgmma_backward_with_the_dims_split(p):
+    """The Hopper dK/dV kernel with two warpgroups on the same keys, each with half of dK's and dV's dims (its
+    form above head dim 128, ``WGMMA_BACKWARD_256``; forced at a small head dim in the simulator)."""
+    _wgmma_backward_matches_oracle(p, split=2 if SIMULATOR else None)
 
 
 @pytest.mark.parametrize("dtype,headdim,tiles,match", [
