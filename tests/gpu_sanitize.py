@@ -41,7 +41,7 @@ DTYPES = {"float16": (np.float16, ("tensorcore", "simt", "wgmma", "wgmma-bwd")),
           "float64": (np.float64, ("simt",))}
 # "tensorcore:PRECISION": float32 on tf32 tensor cores, forward and backward at that precision; "wgmma": the Hopper
 # forward (compute capability 9.0 only; its backward is the tensor-core one); "wgmma-bwd": the Hopper forward and
-# the Hopper dK/dV kernel (plan.WGMMA_BACKWARD, up to head dim 128); "wgmma:PRECISION": float32 on tf32 wgmma
+# the Hopper dK/dV kernel (plan.WGMMA_BACKWARD, and WGMMA_BACKWARD_256 above head dim 128); "wgmma:PRECISION": float32 on tf32 wgmma
 # (plan.WGMMA_TF32, up to head dim 128), its backward the tf32 tensor-core one
 
 
@@ -65,7 +65,7 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
                         continue
                     if backend.startswith("wgmma:") and d > 128:
                         continue
-                    flashnb.plan.WGMMA_BACKWARD = backend == "wgmma-bwd"
+                    flashnb.plan.WGMMA_BACKWARD = flashnb.plan.WGMMA_BACKWARD_256 = backend == "wgmma-bwd"
                     flashnb.plan.WGMMA_TF32 = backend.startswith("wgmma:")
                     bwd_backend = "wgmma" if backend == "wgmma-bwd" else "tensorcore"
                     backend = "wgmma" if backend == "wgmma-bwd" else backend

@@ -6,7 +6,8 @@
     compute-sanitizer --tool synccheck python3 tests/gpu_sanitize_inference.py kvcache
 
 (no argument: both parts).  Varlen: forward and backward, SIMT and tensor cores (and on compute capability 9.0
-the Hopper forward, its tiles by the copy engine), float16, causal or not,
+the Hopper forward, its tiles by the copy engine, and the Hopper dK/dV kernel, plan.WGMMA_BACKWARD_PACKED),
+float16, causal or not,
 sequences of unequal lengths with an empty one and lengths that are not multiples of the tiles.  KV cache
 (``KVCACHE``): float16 and bfloat16; dense and paged caches; ``cache_seqlens`` and ``block_table`` in device
 memory (checked by the kernels), as an int, and out of range (the kernels must refuse those sequences without
@@ -37,6 +38,7 @@ def varlen(rng):
         for causal in (False, True):
             ref, _ = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
             for backend in ("simt", "tensorcore") + (("wgmma",) if hopper else ()):
+                flashnb.plan.WGMMA_BACKWARD_PACKED = backend == "wgmma"      # its backward: the Hopper dK/dV kernel
                 t = [torch.as_tensor(x, device="cuda", dtype=torch.float16) for x in (q, k, v, dout)]
                 cq, ck = (torch.as_tensor(c, device="cuda") for c in (cu_q, cu_k))
                 out, lse = flashnb.flash_attn_varlen_func(*t[:3], cq, ck, int(lens_q.max()), int(lens_k.max()),

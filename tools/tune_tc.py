@@ -10,7 +10,8 @@ head-dim split[, m-tiles of 16 keys per warp[, S^T shared]]]); the forward runs 
 its default tiles; the table has the backward's time alone and forward+backward against
 SDPA's FlashAttention-2 forward+backward.  ``--backend wgmma``: the Hopper forward, configurations
 (BLOCK_Q, BLOCK_K[, tma: 0 = the tiles by cp.async instead of the copy engine]), and SDPA's cuDNN backend
-timed beside FlashAttention-2; with ``--pass bwd`` the Hopper dK/dV kernel (``plan.WGMMA_BACKWARD``,
+timed beside FlashAttention-2; with ``--pass bwd`` the Hopper dK/dV kernel (``plan.WGMMA_BACKWARD``, and
+``WGMMA_BACKWARD_256`` above head dim 128,
 configurations (BLOCK_Q, BLOCK_K)).  (Its warpgroup ping-pong,
 ``make_forward_tc(PINGPONG=)``, and its overlap of P V with the next tile's softmax, ``OVERLAP=``, were measured
 here at commits 5f6956e and 4681f5e and removed: docs/notes/hopper.md.)
@@ -165,11 +166,12 @@ def _sweep_bwd(args, dtype):
     make_dkdv_tc = plan.make_dkdv_tc
     dim_split, key_tiles, share = plan.tc_bwd_dim_split, plan.tc_bwd_key_tiles, plan.tc_bwd_share
     rows = []
-    enabled, plan.WGMMA_BACKWARD = plan.WGMMA_BACKWARD, args.backend == "wgmma"
+    enabled = plan.WGMMA_BACKWARD, plan.WGMMA_BACKWARD_256
+    plan.WGMMA_BACKWARD = plan.WGMMA_BACKWARD_256 = args.backend == "wgmma"   # (above head dim 128 too)
     try:
         _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc)
     finally:
-        plan.WGMMA_BACKWARD = enabled
+        plan.WGMMA_BACKWARD, plan.WGMMA_BACKWARD_256 = enabled
         plan.make_dkdv_tc = make_dkdv_tc
         plan.tc_bwd_dim_split, plan.tc_bwd_key_tiles, plan.tc_bwd_share = dim_split, key_tiles, share
     return rows
