@@ -378,8 +378,8 @@ def tensorcore_refusal(dtype, headdim, block_q, block_k):
 
 
 def wgmma_refusal(dtype, headdim, block_q, block_k, layout):
-    """Why the Hopper forward (``backend="wgmma"``) cannot serve a call (None if it can); its backward is the
-    tensor-core one."""
+    """Why the Hopper forward (``backend="wgmma"``) cannot serve a call (None if it can): 16-bit inputs, or float32
+    on tf32 operands with ``WGMMA_TF32``; its backward is ``_hopper_backward``'s choice."""
     if dtype == "float32" and WGMMA_TF32:
         if headdim % 4 or headdim > 128:
             return f"its float32 forward needs a head dim that is a multiple of 4 (16-byte rows) up to 128, got {headdim}"
