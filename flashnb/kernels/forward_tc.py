@@ -174,6 +174,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     sequence's rows (zeros past the tensor): its queries are never stored and its keys are masked, and the
     last key tile's values past the sequence are zeroed in shared memory before ``P V_j`` (P is 0 there, but
     0 times a non-finite value is not).
+    ``WGMMA`` with ``DTYPE_NAME="float32"`` (``WG_TF32``): the products on tf32 ``wgmma``, which reads both
+    operands K-major only: after each tile lands, ``prepare_tf32`` splits K_j (and Q once) in shared memory and
+    transposes V_j into V_j^T with the keys relabelled as ``pv_tile_tf32``'s, between two block barriers; S and
+    P V_j as three products each (``TF32X3``), P V_j's into a per-tile partial (docs/notes/hopper.md, step 8).
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
@@ -765,8 +769,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             if not TMA:
                 cuda.syncthreads()                           # everyone's copies of K_j, V_j have landed
             base = buf * 2 * TILE
-            if WG_TF32:                                      # (every reader of tile j - 1 is past its products)
-                cuda.syncthreads()
+            if WG_TF32:
+                if TMA:                                      # every reader of tile j - 1 is past its products
+                    cuda.syncthreads()                       # (cp.async: the barriers above say so)
                 prepare_tf32(smem, base, first, tid)         # K_j, V_j^T (and Q once) for the tf32 products
                 first = False
                 fence_async()
