@@ -177,7 +177,9 @@ def flashnb_impl(flashnb, backend: str | None, precision: str | None = None) -> 
     """``precision``: float32 on the tensor cores, ``flashnb-tf32-highest`` (3xTF32) or ``flashnb-tf32-high``
     (one tf32 product): forward and backward with ``backend="tensorcore"`` at that precision (a flashnb whose
     backward takes no ``precision`` runs its backward with "auto", on SIMT)."""
-    name = f"flashnb-tf32-{precision}" if precision else f"flashnb-{backend or 'default'}"
+    name = f"flashnb-{backend or 'default'}"
+    if precision:                   # flashnb-tf32-highest (mma.sync), flashnb-wgmma-tf32-high (Hopper), ...
+        name = "flashnb-tf32-" + precision if backend == "tensorcore" else f"{name}-tf32-{precision}"
     bwd_precision = precision is not None and accepts(flashnb.flash_attention_backward, "precision")
 
     def calls(case: Case):
@@ -360,7 +362,8 @@ def all_impls(libs: Libraries) -> list[Impl]:
             backends = ("auto",) + backends          # "auto": what a caller gets without choosing
         impls += [flashnb_impl(fnb, b) for b in backends]
         if accepts(fnb.flash_attention, "precision"):          # float32 on the tensor cores
-            impls += [flashnb_impl(fnb, "tensorcore", p) for p in ("highest", "high")]
+            tf32_backends = ("tensorcore", "wgmma") if "wgmma" in backends else ("tensorcore",)
+            impls += [flashnb_impl(fnb, b, p) for b in tf32_backends for p in ("highest", "high")]
     else:
         why = libs.why_not.get("flashnb") or "flashnb has no flash_attention / flash_attention_backward yet"
         impls.append(Impl("flashnb", "flashnb", None, unavailable=why))
