@@ -36,12 +36,12 @@ PACKED = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads=32)   # (with total_
 # (call keywords, forward: (backend, block_q, block_k), backward: (backend, block_q, block_k)) on the H100
 TABLE = [
     # above head dim 48 (dense; above 64 packed) the forward is the Hopper one (wgmma: two warpgroups), its tiles
-    # _WGMMA_TILES; up to head dim 128 the backward's dK/dV kernel too, its query tiles _WGMMA_BWD_BLOCK_Q
+    # _WGMMA_TILES; the backward's dK/dV kernel too, its query tiles _WGMMA_BWD_BLOCK_Q
     (dict(headdim=64), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=64, flags=CAUSAL), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=40), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
     (dict(headdim=128), ("tensorcore", 128, 128), ("tensorcore", 32, 128)),
-    (dict(headdim=256), ("tensorcore", 128, 64), ("tensorcore", 64, 64)),
+    (dict(headdim=256), ("tensorcore", 128, 64), ("tensorcore", 32, 64)),
     (dict(dtype="bfloat16", headdim=128), ("tensorcore", 128, 128), ("tensorcore", 32, 128)),
     (dict(headdim=128, block_q=64), ("tensorcore", 64, 128), ("tensorcore", 64, 128)),
     (dict(headdim=128, block_q=32), ("tensorcore", 32, 64), ("tensorcore", 32, 128)),  # mma.sync: 32 rows
@@ -222,15 +222,16 @@ def test_packed_batches_take_the_copy_engine(device):
 
 
 @pytest.mark.parametrize("kw, hopper", [
-    (dict(headdim=64), True), (dict(headdim=128), True), (dict(headdim=256), False), (dict(headdim=72), True),
+    (dict(headdim=64), True), (dict(headdim=128), True), (dict(headdim=256), True), (dict(headdim=72), True),
     (dict(headdim=56), True), (dict(headdim=48), False), (dict(headdim=64, block_k=32), False),
     (dict(dtype="float32", headdim=64, backend="tensorcore"), False), (dict(headdim=64, backend="tensorcore"), False),
     (dict(headdim=64, backend="wgmma"), True), (dict(headdim=48, backend="wgmma"), True),
     (dict(headdim=128, layout=(None, False)), False)])
 def test_the_hopper_backward_on_the_h100_where_enabled(device, monkeypatch, kw, hopper):
     """The backward runs the Hopper dK/dV kernel (WGMMA_BACKWARD) for "wgmma", and for "auto" on compute
-    capability 9.0 above head dim 48: 16-bit dense batches up to head dim 128, key tiles of whole warpgroups,
-    query tiles of _WGMMA_BWD_BLOCK_Q; else the tensor-core one, as on other GPUs and without WGMMA_BACKWARD."""
+    capability 9.0 above head dim 48: 16-bit batches, dense and packed, up to head dim 256 (two warpgroups on
+    the same keys above 128), key tiles of whole warpgroups, query tiles of _WGMMA_BWD_BLOCK_Q; else the
+    tensor-core one, as on other GPUs, without WGMMA_BACKWARD, and packed without WGMMA_BACKWARD_PACKED."""
     device(**H100)
     built = []
     real = plan.make_dkdv_tc
@@ -239,9 +240,13 @@ def test_the_hopper_backward_on_the_h100_where_enabled(device, monkeypatch, kw, 
     b = plan.backward(c)
     assert bool(built[-1].get("WGMMA")) == hopper, built[-1]
     if hopper:
-        assert b.block_q == (64 if c.headdim <= 64 else 32) and b.dkdv.threads == 32 * b.block_k // 16
+        split = 2 if c.headdim > 128 else 1
+        assert b.block_q == (64 if c.headdim <= 64 else 32) and b.dkdv.threads == 32 * split * b.block_k // 16
         assert plan.backward(c._replace(total_q=4 * c.seqlen_q)).dkdv is not None
-        assert not built[-1].get("WGMMA"), "the Hopper dK/dV kernel for a packed batch"
+        assert built[-1].get("WGMMA") and built[-1].get("VARLEN"), "packed: the Hopper dK/dV kernel"
+        monkeypatch.setattr(plan, "WGMMA_BACKWARD_PACKED", False)
+        plan.backward(c._replace(total_q=4 * c.seqlen_q))
+        assert not built[-1].get("WGMMA"), "the Hopper dK/dV kernel for a packed batch without its flag"
     monkeypatch.setattr(plan, "WGMMA_BACKWARD", False)
     plan.backward(c)
     assert not built[-1].get("WGMMA"), "the Hopper dK/dV kernel without WGMMA_BACKWARD"

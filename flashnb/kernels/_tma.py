@@ -202,6 +202,8 @@ def encode_map(ptr, shape, strides, box_rows):
     stride (it is never stepped): the extent of the one before."""
     from cuda.bindings import driver as drv
 
+    if 0 in shape:               # an empty array (a packed batch of no rows): its map is never read, and the
+        return [0] * MAP_WORDS   # driver encodes no zero extent
     b, s, h, words = shape
     sb, ss, sh = strides[0], strides[1], strides[2]
     dims = [2 * words, s, h, b]
