@@ -215,6 +215,16 @@ def flat(d):
     return View(d.ptr, (n,), (d.dtype.itemsize,), d.dtype, d.owner)
 
 
+def strided_view(d, shape, strides):
+    """A view of device array ``d``'s memory with ``shape`` and byte ``strides`` (a permutation of its axes, a
+    stride-0 axis): no copy."""
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(np.lib.stride_tricks.as_strided(d._ary, tuple(shape), tuple(strides)))
+    d = d if type(d) is View else View.of(d)
+    return View(d.ptr, tuple(shape), tuple(strides), d.dtype, d.owner)
+
+
 def rows_aligned16(w):
     """True iff every row (last axis) of the device array ``w`` starts on a 16-byte boundary and fills 16-byte chunks."""
     shape, strides = tuple(w.shape), tuple(w.strides)

@@ -169,8 +169,8 @@ class Recorder:
 
     def tag(self, ptr):
         """Where a device address came from: ("in", i), ("alloc", j), ("const",), or ("maps", specs): tensor
-        maps of inputs (``_tma.maps_for``; each spec's address replaced by its input's index); None if
-        unknown."""
+        maps of inputs or of the call's allocations (``_tma.maps_for``; each spec's address replaced by its
+        source's ("in", i) or ("alloc", j)); None if unknown."""
         i = self.inputs.get(ptr)
         if i is not None:
             return ("in", i)
@@ -180,9 +180,19 @@ class Recorder:
         if ptr in CONSTANT_PTRS:
             return ("const",)
         specs = _tma.SPECS.get(ptr) if REPLAY_TENSOR_MAPS else None
-        if specs is not None and all(spec[0] in self.inputs for spec in specs):
-            return ("maps", tuple((self.inputs[spec[0]],) + spec[1:] for spec in specs))
-        return None
+        if specs is None:
+            return None
+        sources = [self._source(spec[0]) for spec in specs]
+        if None in sources:
+            return None
+        return ("maps", tuple((src,) + spec[1:] for src, spec in zip(sources, specs)))
+
+    def _source(self, ptr):
+        i = self.inputs.get(ptr)
+        if i is not None:
+            return ("in", i)
+        j = self.alloc_ptrs.get(ptr)
+        return None if j is None else ("alloc", j)
 
 
 def cached_call(op, arrays, scalars, full_call, cacheable=True):
@@ -357,7 +367,7 @@ class Replay:
                         _, handle, grid, block, shared, buf, params, words = step
                         for w, tag in words:
                             buf[w] = (ptrs[tag[1]] if tag[0] == "in" else alloc_ptrs[tag[1]] if tag[0] == "alloc"
-                                      else _tma.maps_for(_specs(tag[1], ptrs)).ptr)
+                                      else _tma.maps_for(_specs(tag[1], ptrs, alloc_ptrs)).ptr)
                         err = cuda.cuLaunchKernel(handle, grid, 1, 1, block, 1, 1, shared, stream, params, None)
                         if err:
                             raise RuntimeError(f"cuLaunchKernel failed in a replayed call: CUDA error {err}")
@@ -380,16 +390,18 @@ class Replay:
             args = list(args)
             for pos, tag in slots:
                 if tag[0] == "maps":
-                    args[pos] = _tma.maps_for(_specs(tag[1], [_ptr(a) if a is not None else 0 for a in arrays]))
+                    args[pos] = _tma.maps_for(_specs(tag[1], [_ptr(a) if a is not None else 0 for a in arrays],
+                                                     [_ptr(a) for a in made]))
                     continue
                 base = arrays[tag[1]] if tag[0] == "in" else made[tag[1]]
                 args[pos] = _same_view(args[pos], base)
             kern[grid, block, cuda.default_stream(), shared](*args)
 
 
-def _specs(recorded, ptrs):
-    """Tensor-map specs with each recorded input index replaced by that input's address in this call."""
-    return tuple((ptrs[spec[0]],) + spec[1:] for spec in recorded)
+def _specs(recorded, ptrs, alloc_ptrs):
+    """Tensor-map specs with each recorded source replaced by its address in this call: an input's (``ptrs``)
+    or an allocation's (``alloc_ptrs``)."""
+    return tuple(((ptrs if spec[0][0] == "in" else alloc_ptrs)[spec[0][1]],) + spec[1:] for spec in recorded)
 
 
 def _allocate(lib, shape, dtype, device):

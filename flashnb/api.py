@@ -10,6 +10,7 @@ import numpy as np
 from . import _arrays, _dispatch, _options, plan
 from .plan import BACKENDS  # noqa: F401  (flashnb.BACKENDS)
 from .kernels._jit import launch, memset_zero
+from .kernels import forward_tc
 from .kernels._tiles import np_acc
 
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), attn_mask=None,
@@ -82,7 +83,9 @@ def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, pr
         out_shape = (batch, seqlen_q, nheads, headdim)
         if p.backend == "tensorcore":
             out_ret, out_d = _arrays.empty_like_kind(kind, out_shape, kind.dtype, q, launch_stream, bits=True)
-            _forward_launch(p, *words, _arrays.word_view(out_d), lse_d, opts, launch_stream)
+            qw, kw, vw = words
+            kw, vw = _tf32_operands(p, kw, vw, kind, q, launch_stream)
+            _forward_launch(p, qw, kw, vw, _arrays.word_view(out_d), lse_d, opts, launch_stream)
         else:
             qd, kd, vd = _prepare((q, k, v), kind, launch_stream)
             out_ret, out_d = _arrays.empty_like_kind(kind, out_shape, kind.dtype, q, launch_stream)
@@ -95,6 +98,25 @@ def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, pr
                 out_ret.copy_(_torch_from(out_k))
         out = _arrays.finish(kind, out_ret, out_d, launch_stream)
         return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_lse else out
+
+
+def _tf32_operands(p, k, v, kind, like, stream):
+    """The forward's K and V operands: with ``p.prepare`` (float32 on tf32 wgmma), its pre-pass's ``kk`` and
+    ``vt`` made from K's and V's word views (``kernels.forward_tc.make_prepare_tf32``), in temporaries of the
+    call; else ``k``, ``v``."""
+    if p.prepare is None:
+        return k, v
+    batch, seqlen_k, nheads_k, _ = k.shape
+    split = p.call.precision == "highest"
+    kk_shape, vt_shape = forward_tc.tf32_operand_shapes(batch, seqlen_k, nheads_k, p.call.headdim, split)
+    kk = _arrays.scratch(kk_shape, np.uint32, kind, like, stream)
+    vt = _arrays.scratch(vt_shape, np.uint32, kind, like, stream)
+    s = vt.strides
+    vt = _arrays.strided_view(vt, (batch, vt_shape[2], nheads_k, vt_shape[3]), (s[0], s[2], s[1], s[3]))
+    grid = forward_tc.prepare_tf32_grid(batch, seqlen_k, nheads_k, p.call.headdim)
+    if grid:
+        _run(plan.Launch(p.prepare, grid, forward_tc.PREP_THREADS, 0), stream, (k, v, kk, vt))
+    return kk, vt
 
 
 def _forward_launch(p, q, k, v, out, lse, opts, stream):

@@ -25,7 +25,7 @@ from .kernels.backward import (CAST_THREADS, PREPROCESS_THREADS, cast_grid, make
                                make_preprocess, preprocess_grid, preprocess_threads)
 from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
 from .kernels.forward import LOG2E, make_forward, tile_threads
-from .kernels.forward_tc import make_forward_tc
+from .kernels.forward_tc import make_forward_tc, make_prepare_tf32
 from .kernels._tma import tensor_maps
 
 BACKENDS = ("simt", "tensorcore", "wgmma")
@@ -73,15 +73,18 @@ class ForwardPlan(NamedTuple):
     acc: str                        # lse's dtype; the SIMT kernel's accumulation type
     forward: Optional[Launch]       # None: nothing to compute (no batch, query or head)
     tma: bool = False               # the Hopper forward's tiles come by the copy engine: tensor maps of q, k, v
+    prepare: object = None          # float32 on tf32 wgmma: the pre-pass kernel making k, v's tf32 operands
 
     def args(self, q, k, v, out, lse, opts):
+        """The forward kernel's arguments; with ``prepare``, ``k`` and ``v`` are its outputs (``kk``, ``vt``)."""
         args = (q, k, v, out, lse) + _group_off(self.call) + opts.kernel_args(np.dtype(self.acc).type)
         if self.backend != "tensorcore":
             return args
         if not self.tma:       # (the kernel's cp.async copies read no tensor map)
             return args + (_options._dummy(2, np.uint64),)
         packed = self.call.total_q is not None        # (a packed batch's views: batch stride 0, one batch mapped)
-        return args + (tensor_maps(((q, self.block_q), (k, self.block_k), (v, self.block_k)), packed),)
+        v_rows = self.block_k if self.prepare is None else -(-self.call.headdim // 32) * 32   # (V^T: dims)
+        return args + (tensor_maps(((q, self.block_q), (k, self.block_k), (v, v_rows)), packed),)
 
 
 class BackwardPlan(NamedTuple):
@@ -141,7 +144,11 @@ def forward(call):
     if _use_tensor_cores(call, refusal):
         bq, bk = tiles
         tma = _tma(call)
-        return ForwardPlan(call, "tensorcore", bq, bk, "float32", _forward_tc_launch(call, bq, bk, tma), tma)
+        launch = _forward_tc_launch(call, bq, bk, tma)
+        prepare = None
+        if launch is not None and call.dtype == "float32" and _hopper(call):
+            prepare = make_prepare_tf32(call.headdim, call.precision == "highest")
+        return ForwardPlan(call, "tensorcore", bq, bk, "float32", launch, tma, prepare)
     acc = _acc(call.dtype)
     bq, bk = _simt_tiles(call, acc, backward=False)
     return ForwardPlan(call, "simt", bq, bk, acc, _forward_simt_launch(call, bq, bk, acc))
@@ -340,7 +347,8 @@ def _tc_choice(call, backward):
         # float32 (forward and backward) stays on SIMT unless the caller asks for the tensor cores
         refusal = "float32 runs on the tensor cores only when asked for (backend='tensorcore')"
     if refusal is None and call.backend == "wgmma" and not backward:      # ("auto" falls back to mma.sync)
-        refusal = wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout)
+        refusal = wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout,
+                                call.total_q is not None)
     if refusal is not None or call.backend == "simt":
         return None, refusal
     d = call.headdim
@@ -379,12 +387,17 @@ def tensorcore_refusal(dtype, headdim, block_q, block_k):
     return None
 
 
-def wgmma_refusal(dtype, headdim, block_q, block_k, layout):
+def wgmma_refusal(dtype, headdim, block_q, block_k, layout, packed=False):
     """Why the Hopper forward (``backend="wgmma"``) cannot serve a call (None if it can): 16-bit inputs, or float32
-    on tf32 operands with ``WGMMA_TF32``; its backward is ``_hopper_backward``'s choice."""
+    on tf32 operands with ``WGMMA_TF32`` (dense batches: V^T's keys are relabelled in groups of 8 counted from
+    the tensor's first key, not from each packed sequence's); its backward is ``_hopper_backward``'s choice."""
     if dtype == "float32" and WGMMA_TF32:
+        if packed:
+            return "its float32 forward serves dense batches only (backend='tensorcore' serves packed ones)"
         if headdim % 4 or headdim > 128:
             return f"its float32 forward needs a head dim that is a multiple of 4 (16-byte rows) up to 128, got {headdim}"
+        if not WGMMA_TMA:
+            return "its float32 forward's prepared operands come by the copy engine (WGMMA_TMA)"
     elif dtype not in ("float16", "bfloat16"):
         return f"its forward computes float16 and bfloat16 inputs only, got {dtype}"
     elif headdim % 8 or headdim > 256:
@@ -428,7 +441,8 @@ def _hopper(call):
         return True
     return (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR and call.dtype != "float32"
             and call.headdim > (48 if WGMMA_TMA else WGMMA_AUTO_MIN_HEADDIM)
-            and wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout) is None
+            and wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout,
+                              call.total_q is not None) is None
             and shared_refusal(wgmma_shared_bytes(*default_wgmma_tiles(call.headdim, call.block_q, call.block_k),
                                                   call.headdim), "") is None)
 

@@ -26,7 +26,7 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays, _options, api, plan
-from .kernels._jit import View, memset_zero
+from .kernels._jit import memset_zero
 
 _REFUSED = ("attn_mask", "attn_bias", "block_mask")
 
@@ -69,8 +69,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out_shape = (total_q, nheads, headdim)
         if p.backend == "tensorcore":
             out_ret, out_d = _arrays.empty_like_kind(kind, out_shape, kind.dtype, q, launch_stream, bits=True)
-            api._forward_launch(p, *(_packed(w, batch) for w in (*words, _arrays.word_view(out_d))),
-                                _packed(lse_d, batch), opts, launch_stream)
+            qw, kw, vw = (_packed(w, 1) for w in words)          # (a packed batch: one sequence of rows)
+            kw, vw = api._tf32_operands(p, kw, vw, kind, q, launch_stream)
+            api._forward_launch(p, _rebatch(qw, batch), _rebatch(kw, batch), _rebatch(vw, batch),
+                                _packed(_arrays.word_view(out_d), batch), _packed(lse_d, batch), opts, launch_stream)
         else:
             qd, kd, vd = api._prepare((q, k, v), kind, launch_stream)
             out_ret, out_d = _arrays.empty_like_kind(kind, out_shape, kind.dtype, q, launch_stream)
@@ -270,12 +272,12 @@ def _shown(cu):
     return cu.tolist() if cu.size <= 16 else f"{cu[:8].tolist()} ... ({cu.size} entries)"
 
 
+def _rebatch(d, batch):
+    """``_packed``'s view of a batch of one packed array: its batch axis ``batch`` long, stride 0."""
+    return _arrays.strided_view(d, (batch,) + tuple(d.shape[1:]), (0,) + tuple(d.strides[1:]))
+
+
 def _packed(d, batch):
     """The kernels' ``(batch, *d.shape)`` view of device array ``d`` with batch stride 0: every sequence's
     block sees the whole packed array and slices its own rows (``_tiles.sequence_span``)."""
-    if _arrays.SIMULATOR:
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        a = d._ary
-        return FakeCUDAArray(np.lib.stride_tricks.as_strided(a, (batch,) + a.shape, (0,) + a.strides))
-    d = d if type(d) is View else View.of(d)
-    return View(d.ptr, (batch,) + tuple(d.shape), (0,) + tuple(d.strides), d.dtype, d.owner)
+    return _arrays.strided_view(d, (batch,) + tuple(d.shape), (0,) + tuple(d.strides))

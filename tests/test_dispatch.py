@@ -10,7 +10,7 @@ import pytest
 from numba import cuda
 
 import flashnb
-from flashnb import _dispatch
+from flashnb import _dispatch, plan
 from flashnb.kernels import _tma
 from kernel_harness import assert_bitwise_equal, poison_outputs  # noqa: F401 (autouse fixture)
 
@@ -153,3 +153,22 @@ def test_signature_holds_types_and_refuses_what_it_cannot_key():
     assert key_true != key_one                                         # True == 1, but only one is valid
     assert _dispatch.signature("forward", (q, k, v), ([3, 0],)) == (None, None)
     assert _dispatch.signature("forward", (host(q)[0], k, v), ()) == (None, None)
+
+
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_the_float32_hopper_forward_replays_maps_of_its_temporaries(monkeypatch, precision):
+    """float32 on tf32 wgmma (``plan.WGMMA_TF32``): the pre-pass writes K's tf32 parts and V^T into temporaries of
+    the call, whose tensor maps the forward reads; the replay allocates them anew, re-derives those maps from
+    their addresses and computes what the full path computes."""
+    monkeypatch.setattr(plan, "WGMMA_TF32", True)
+    opts = dict(OPTS, backend="wgmma", block_q=64, block_k=16, precision=precision)
+    q, k, v, _ = arrays(0, np.float32, seqlen_q=5, seqlen_k=7, headdim=8)
+    flashnb.flash_attention(q, k, v, **opts)
+    assert _dispatch.stats["recorded"] == 1
+    new = arrays(1, np.float32, seqlen_q=5, seqlen_k=7, headdim=8)[:3]
+    replayed = host(flashnb.flash_attention(*new, **opts))[0]
+    assert _dispatch.stats["hits"] == 1
+    _dispatch.clear()
+    full = host(flashnb.flash_attention(*new, **opts))[0]
+    assert_bitwise_equal(replayed, full, "replayed out")
+    assert not np.allclose(replayed, host(flashnb.flash_attention(q, k, v, **opts))[0]), "the replay ignored its inputs"

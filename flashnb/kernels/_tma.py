@@ -163,13 +163,27 @@ def make_tile_load(NROWS, HEAD_WORDS, NBLK):
     and columns past the head dim arrive as zeros.  The GPU's copy reads tensor map ``which`` of ``maps``
     (``src``, ``src_base`` and ``src_row``, the word view's element offset of row 0 and its words per row, name
     the same data for the simulator, whose copy is made by the calling thread, at once)."""
+    box = make_box_load(NROWS, NBLK)
+
+    @device_function
+    def load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, c2, c3, bar):
+        box(smem, dst, maps, which, src, src_base, src_row, row0, nrows, 0, HEAD_WORDS, c2, c3, bar)
+
+    return load
+
+
+def make_box_load(NROWS, NBLK):
+    """``make_tile_load``'s ``load`` from word column ``col0`` on: ``load(smem, dst, maps, which, src, src_base,
+    src_row, row0, nrows, col0, ncols, c2, c3, bar)``, columns from ``ncols`` on arriving as zeros (the
+    simulator's; the GPU's past the tensor map's extent)."""
     if not SIMULATOR:
         tma_load_4d = tma_primitives()["tma_load_4d"]
 
         @device_function
-        def load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, c2, c3, bar):
+        def load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, col0, ncols, c2, c3, bar):
             for j in range(NBLK):
-                tma_load_4d(smem, dst + j * NROWS * SWIZZLE_BYTES, maps, which, j * BOX_COLS, row0, c2, c3, bar)
+                tma_load_4d(smem, dst + j * NROWS * SWIZZLE_BYTES, maps, which, 2 * col0 + j * BOX_COLS, row0, c2,
+                            c3, bar)
 
         return load
 
@@ -177,12 +191,12 @@ def make_tile_load(NROWS, HEAD_WORDS, NBLK):
     cp_async16 = memory_primitives()["cp_async16"]
 
     @device_function
-    def load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, c2, c3, bar):
+    def load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, col0, ncols, c2, c3, bar):
         for r in range(NROWS):
             for c in range(CHUNKS):
-                ok = r < nrows and 4 * c < HEAD_WORDS
+                ok = r < nrows and col0 + 4 * c < ncols
                 cp_async16(smem, (dst + swizzled_offset(NROWS, r, 8 * c)) // 4, src,
-                           src_base + (row0 + r) * src_row + 4 * c if ok else 0, 16 if ok else 0)
+                           src_base + (row0 + r) * src_row + col0 + 4 * c if ok else 0, 16 if ok else 0)
 
     return load
 

@@ -36,7 +36,7 @@ from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, packed_tile_head_batch, sequence_span, tile_head_batch
-from ._tma import make_tile_load, tma_primitives
+from ._tma import make_box_load, make_tile_load, tma_primitives
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
                      make_wgmma, mn_major_steps, swizzled_offset)
 from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
@@ -200,24 +200,27 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     NT_K = BLOCK_K // 8                      # n-tiles of S (8 keys each)
     KSTEPS_K = BLOCK_K // (8 * VALS)         # k-steps of P V (16 keys each, tf32: 8)
     NT_D = D_PAD // 8                        # n-tiles of the output (8 dims each)
-    WG_TF32 = WGMMA and TF32                 # float32 on tf32 wgmma (off in the plan until its GPU run)
     if WGMMA:
         assert MT == 1 and Q_SMEM and VEC16 and NWARPS % 4 == 0 and BLOCK_K % 16 == 0
     STRIDE = D_WORDS if WGMMA else tc_padded_words(D_WORDS)   # words per key row of a K or V tile (WGMMA: swizzled)
     TILE = BLOCK_K * STRIDE                  # words of one K (or V) tile
-    V_OFF = TILE                             # buffer s: K at s * 2 TILE, V at s * 2 TILE + V_OFF
-    Q_OFF = 4 * TILE                         # two buffers of (K_j, V_j), then the Q tile if Q_SMEM
+    V_OFF = TILE                             # buffer s: K at s * STAGE_WORDS, V at s * STAGE_WORDS + V_OFF
+    STAGE_WORDS = 2 * TILE
+    WG_TF32 = WGMMA and TF32                 # float32 on tf32 wgmma (off in the plan: slower than mma.sync so far)
+    if WG_TF32:   # a stage: K_j (big parts), V_j^T, then SPLIT: K_j's small parts, V_j^T's (make_prepare_tf32's)
+        assert TMA and not VARLEN
+        VT_WORDS = D_PAD * 32 * -(-BLOCK_K // 32)   # D_PAD rows of 128 bytes per 32 keys (a partial block too)
+        K_SMALL = V_OFF + VT_WORDS
+        VT_SMALL = K_SMALL + TILE
+        STAGE_WORDS = (2 if SPLIT else 1) * (TILE + VT_WORDS)
+    Q_OFF = 2 * STAGE_WORDS                  # two buffers of (K_j, V_j), then the Q tile if Q_SMEM
     Q_WORDS = BLOCK_Q * STRIDE if Q_SMEM else 0
     SMALL = Q_OFF + Q_WORDS                  # SPLIT: the small parts of K_j, V_j (one buffer), then of Q
     SMALL_Q = SMALL + 2 * TILE
     SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else SMALL
-    if WG_TF32:   # after Q: V_j^T (tf32 wgmma reads B K-major only), then SPLIT: its small parts, K_j's, Q's
-        VT_WORDS = D_PAD * 32 * -(-BLOCK_K // 32)   # D_PAD rows of 128 bytes per 32 keys (a partial block too)
-        VT_OFF = SMALL
-        VT_SMALL = VT_OFF + VT_WORDS
-        K_SMALL = VT_SMALL + VT_WORDS
-        SMALL_Q = K_SMALL + TILE
-        SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else VT_OFF + VT_WORDS
+    if WG_TF32:   # after Q: SPLIT: Q's small parts
+        SMALL_Q = SMALL
+        SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else SMALL
     SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
     if TMA:   # the copy engine fills the stages; barriers after the tiles: full[s], empty[s], Q's
@@ -227,7 +230,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         EMPTY = FULL + 8 * STAGES
         Q_FULL = EMPTY + 8 * STAGES
         SHARED_BYTES = Q_FULL + 8
-        KV_BYTES, Q_BYTES = 4 * 2 * TILE, 4 * Q_WORDS     # bytes one stage's copies, and Q's, complete
+        KV_BYTES, Q_BYTES = 4 * STAGE_WORDS, 4 * Q_WORDS  # bytes one stage's copies, and Q's, complete
     TILE_ALIGN = WG_ALIGN if WGMMA else SMEM_ALIGN   # the swizzle's 1024-byte atoms start on its boundaries
     P_ALL = 4 * KSTEPS_K if WGMMA else 1
     CW = 4 if VEC16 else 1                   # words per cp.async
@@ -271,6 +274,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         mbar_expect = tma["mbar_arrive_expect_tx"]
         load_q_box = make_tile_load(BLOCK_Q, HEAD_WORDS, D_WORDS // 32)
         load_kv_box = make_tile_load(BLOCK_K, HEAD_WORDS, D_WORDS // 32)
+    if WG_TF32:   # K_j's big and small parts: columns of kk's rows; V_j^T's: D_PAD rows of vt from key k0
+        load_k_part = make_box_load(BLOCK_K, D_WORDS // 32)
+        load_vt_part = make_box_load(D_PAD, -(-BLOCK_K // 32))
     # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
     quad_max = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=False)
@@ -360,11 +366,23 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
 
     @device_function
     def load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, row0, rows, hk, b, s):
-        """K_j, V_j (keys from ``row0``) into stage ``s``, completing on full[s]."""
+        """K_j, V_j (keys from ``row0``) into stage ``s``, completing on full[s]; ``WG_TF32``: K_j's and V_j^T's
+        parts from the pre-pass's ``kk`` and ``vt`` (``v_base``: vt's row 0, ``v_row`` its words per row)."""
         mbar_expect(smem, FULL + 8 * s, KV_BYTES)
-        dst = 4 * s * 2 * TILE
-        load_kv_box(smem, dst, maps, 1, k, k_base, k_row, row0, rows - row0, hk, b, FULL + 8 * s)
-        load_kv_box(smem, dst + 4 * V_OFF, maps, 2, v, v_base, v_row, row0, rows - row0, hk, b, FULL + 8 * s)
+        dst = 4 * s * STAGE_WORDS
+        bar = FULL + 8 * s
+        if WG_TF32:
+            n = rows - row0
+            load_k_part(smem, dst, maps, 1, k, k_base, k_row, row0, n, 0, D_WORDS, hk, b, bar)
+            load_vt_part(smem, dst + 4 * V_OFF, maps, 2, v, v_base, v_row, 0, D_PAD, row0, v_row, hk, b, bar)
+            if SPLIT:
+                load_k_part(smem, dst + 4 * K_SMALL, maps, 1, k, k_base, k_row, row0, n, D_WORDS, 2 * D_WORDS,
+                            hk, b, bar)
+                load_vt_part(smem, dst + 4 * VT_SMALL, maps, 2, v, v_base, v_row, D_PAD, D_PAD, row0, v_row,
+                             hk, b, bar)
+        else:
+            load_kv_box(smem, dst, maps, 1, k, k_base, k_row, row0, rows - row0, hk, b, bar)
+            load_kv_box(smem, dst + 4 * V_OFF, maps, 2, v, v_base, v_row, row0, rows - row0, hk, b, bar)
 
     @device_function
     def zero_rows_past(smem, tile, n, tid):
@@ -553,51 +571,32 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         pack_p(s_reg, p_all)
         wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
 
-    # ---- WG_TF32: float32 on tf32 wgmma.  K-major only: V_j is transposed in shared memory, its keys relabelled
-    # within each 8 (key 2t at k index t, 2t + 1 at t + 4) so that P's a fragments are S's accumulators as they
-    # are (a0..a3 = S[g, 2t], S[g+8, 2t], S[g, 2t+1], S[g+8, 2t+1]), as ``pv_tile_tf32`` does with V's rows
+    # ---- WG_TF32: float32 on tf32 wgmma.  K-major only: V_j^T comes from the pre-pass (``make_prepare_tf32``),
+    # its keys relabelled within each 8 (key 2t at k index t, 2t + 1 at t + 4) so that P's a fragments are S's
+    # accumulators as they are (a0..a3 = S[g, 2t], S[g+8, 2t], S[g, 2t+1], S[g+8, 2t+1]), as ``pv_tile_tf32``
+    # does with V's rows
     @device_function
-    def word_at(rows, r, c):
-        """Word offset of tf32 value ``c`` of row ``r`` in a swizzled tile of ``rows`` rows (4 values a chunk)."""
-        return swizzled_offset(rows, r, 2 * (c - c % 4)) // 4 + c % 4
-
-    @device_function
-    def prepare_tf32(smem, base, first, tid):
-        """SPLIT: Q's tile (``first``) and K_j -> tf32 big parts in place, small parts at ``SMALL_Q``,
-        ``K_SMALL`` (else Q's tile rounded to tf32 in place); V_j -> V_j^T at ``VT_OFF`` (D_PAD rows of BLOCK_K
-        relabelled keys), split (small parts at ``VT_SMALL``) or rounded.  By the whole block, between the
-        caller's barriers."""
+    def prepare_q_tf32(smem, tid):
+        """Q's tile -> tf32 big parts in place and (``SPLIT``) small parts at ``SMALL_Q``, or rounded to tf32; by
+        the whole block, between the caller's barriers, once."""
         if SPLIT:
-            if first:
-                split_smem(smem, Q_OFF, SMALL_Q, Q_WORDS)
-            split_smem(smem, base, K_SMALL, TILE)
-        elif first:                                          # (K_j left to the tensor cores' truncation)
+            split_smem(smem, Q_OFF, SMALL_Q, Q_WORDS)
+        else:
             for i in range(tid, Q_WORDS, NTHREADS):
                 smem[Q_OFF + i] = round_bits(smem[Q_OFF + i])
-        for i in range(-(-TILE // NTHREADS)):
-            w = i * NTHREADS + tid
-            if w < TILE:
-                j = w // D_WORDS                                 # key j, dim c
-                c = w - j * D_WORDS
-                x = smem[base + V_OFF + word_at(BLOCK_K, j, c)]
-                at = VT_OFF + word_at(D_PAD, c, j - j % 8 + (j % 8) // 2 + 4 * (j % 2))
-                if SPLIT:
-                    smem[at], smem[at + VT_SMALL - VT_OFF] = split_bits(x)
-                else:
-                    smem[at] = round_bits(x)
 
     @device_function
     def score_tile_wgmma_tf32(smem, base, q_bytes, s_reg):
         """S = Q K_j^T on tf32 wgmma; SPLIT: the small parts' products first, then the big parts'."""
         if SPLIT:
             wgmma_qk(s_reg, smem, q_bytes + 4 * (SMALL_Q - Q_OFF), 4 * base, 0)
-            wgmma_qk(s_reg, smem, q_bytes, 4 * K_SMALL, 1)
+            wgmma_qk(s_reg, smem, q_bytes, 4 * (base + K_SMALL), 1)
             wgmma_qk(s_reg, smem, q_bytes, 4 * base, 1)
         else:
             wgmma_qk(s_reg, smem, q_bytes, 4 * base, 0)
 
     @device_function
-    def pv_tile_wgmma_tf32(smem, s_reg, p_all, p_small, acc, part):
+    def pv_tile_wgmma_tf32(smem, base, s_reg, p_all, p_small, acc, part):
         """acc += P V_j on tf32 wgmma, P's a fragments from S's accumulators (keys relabelled as V_j^T's), rounded
         or split; SPLIT: the three products into a zeroed partial added to ``acc`` by round-to-nearest adds (as
         ``pv_tile_tf32``'s per k-step; here per tile)."""
@@ -609,14 +608,14 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 else:
                     p_all[4 * kk + e] = round_value(x)
         if SPLIT:
-            wgmma_pv(part, p_small, smem, 4 * VT_OFF, 0)
-            wgmma_pv(part, p_all, smem, 4 * VT_SMALL, 1)
-            wgmma_pv(part, p_all, smem, 4 * VT_OFF, 1)
+            wgmma_pv(part, p_small, smem, 4 * (base + V_OFF), 0)
+            wgmma_pv(part, p_all, smem, 4 * (base + VT_SMALL), 1)
+            wgmma_pv(part, p_all, smem, 4 * (base + V_OFF), 1)
             for n in range(NT_D):
                 for e in range(4):
                     acc[0, n, e] += part[0, n, e]
         else:
-            wgmma_pv(acc, p_all, smem, 4 * VT_OFF, 1)
+            wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
 
     @device_function
     def store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q, q_start):
@@ -754,13 +753,16 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 if i == 0:
                     mbar_wait(smem, Q_FULL, 0)
                 mbar_wait(smem, FULL + 8 * buf, (i // STAGES) % 2)   # K_j, V_j have landed in stage buf
+                if WG_TF32 and i == 0:                       # Q's tf32 parts, once
+                    prepare_q_tf32(smem, tid)
                 if VARLEN and k0 + BLOCK_K > seqlen_k:       # the next sequence's values past this one's end
-                    zero_rows_past(smem, buf * 2 * TILE + V_OFF, seqlen_k - k0, tid)
-                    fence_async()
+                    zero_rows_past(smem, buf * STAGE_WORDS + V_OFF, seqlen_k - k0, tid)
+                if (WG_TF32 and i == 0) or (VARLEN and k0 + BLOCK_K > seqlen_k):
+                    fence_async()                            # (generic-proxy writes the tensor cores read)
                     cuda.syncthreads()
             elif kn < kt_hi:                                 # K_{j+1}, V_{j+1} fly while tile j computes
                 start_kv_copy(k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, smem,
-                              (1 - buf) * 2 * TILE)
+                              (1 - buf) * STAGE_WORDS)
                 wait_prev()
             else:
                 wait_all()
@@ -768,15 +770,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 fence_async()                                # ... made visible to the tensor cores
             if not TMA:
                 cuda.syncthreads()                           # everyone's copies of K_j, V_j have landed
-            base = buf * 2 * TILE
-            if WG_TF32:
-                if TMA:                                      # every reader of tile j - 1 is past its products
-                    cuda.syncthreads()                       # (cp.async: the barriers above say so)
-                prepare_tf32(smem, base, first, tid)         # K_j, V_j^T (and Q once) for the tf32 products
-                first = False
-                fence_async()
-                cuda.syncthreads()
-            elif SPLIT:                                      # K_j, V_j (and Q once) -> big and small parts
+            base = buf * STAGE_WORDS
+            if SPLIT and not WG_TF32:                                      # K_j, V_j (and Q once) -> big and small parts
                 if Q_SMEM and first:
                     split_smem(smem, Q_OFF, SMALL_Q, Q_WORDS)
                 split_smem(smem, base, SMALL, 2 * TILE)
@@ -799,7 +794,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,   # m_i, l_i, P
                            drop_threshold, drop_scale, seed_lo, seed_hi)
             if WG_TF32:                                                                    # acc += P V_j
-                pv_tile_wgmma_tf32(smem, s_reg, p_all, p_all_s, acc, wpart)
+                pv_tile_wgmma_tf32(smem, base, s_reg, p_all, p_all_s, acc, wpart)
             elif WGMMA:
                 pv_tile_wgmma(smem, base, s_reg, p_all, acc)
             elif TF32:
@@ -819,3 +814,92 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q, q_start)   # out = acc / l_i
 
     return flash_forward_tc, SHARED_BYTES, NTHREADS
+
+
+# ---- float32 on tf32 wgmma: the operands prepared once per call ------------------------------------------------
+# tf32 wgmma reads both operands K-major, so P V_j needs V_j^T (keys contiguous), and 3xTF32 needs every operand's
+# tf32 big and small parts.  Made in each query block, per key tile, that work cost as much as the tile's products
+# (bench/results/h100-tf32-wgmma-2026-11-26.md); made once here, the forward's copy engine brings the tiles ready.
+PREP_KEYS = 32                    # keys (and head-dim words) of one pre-pass block
+PREP_THREADS = 256
+
+
+def tf32_key_words(seqlen_k):
+    """V^T's row length: the keys padded to whole groups of 8 (P's permutation; rows of 16-byte multiples)."""
+    return -(-seqlen_k // 8) * 8
+
+
+def tf32_operand_shapes(batch, seqlen_k, nheads_k, headdim, split):
+    """The pre-pass's outputs: ``kk`` (batch, seqlen_k, nheads_k, parts * D_WORDS), each key row K's tf32 big
+    parts then (``split``) its small parts, the head dim padded to whole 32-word swizzle blocks; ``vt`` (batch,
+    parts * D_WORDS, nheads_k, key words) in memory order (batch, nheads_k, rows, keys): V^T's big rows, then
+    its small rows, the keys of each 8 relabelled (``make_prepare_tf32``)."""
+    d_words, parts = -(-headdim // 32) * 32, 2 if split else 1
+    return (batch, seqlen_k, nheads_k, parts * d_words), (batch, nheads_k, parts * d_words, tf32_key_words(seqlen_k))
+
+
+def prepare_tf32_grid(batch, seqlen_k, nheads_k, headdim):
+    return batch * nheads_k * -(-tf32_key_words(seqlen_k) // PREP_KEYS) * -(-headdim // PREP_KEYS)
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_prepare_tf32(HEAD_DIM, SPLIT):
+    """The pre-pass of the Hopper forward on float32 (``make_forward_tc(WGMMA=True)``, ``DTYPE_NAME="float32"``):
+    ``prepare(k, v, kk, vt)`` from K, V's word views writes ``kk`` and ``vt`` (``tf32_operand_shapes``; ``vt``
+    as its (batch, rows, nheads_k, keys) view): K's words rounded to tf32, or (``SPLIT``) split into big and
+    small parts; V transposed, its key ``2t`` of each 8 at position ``t`` and ``2t + 1`` at ``t + 4`` (so that P's
+    a fragments are S's accumulators as they are), rounded or split; zeros past the head dim and the keys.  One
+    block per (32 keys, 32 words of the head dim, head, batch): K's and V's rows read along the head dim, V^T's
+    written along the keys through a shared tile."""
+    D_WORDS = -(-HEAD_DIM // 32) * 32
+    DBLK = D_WORDS // PREP_KEYS
+    ROWS_PER_PASS = PREP_THREADS // PREP_KEYS
+    W0 = np.uint32(0)
+    tf32 = tf32_primitives()
+    split_bits, round_bits = tf32["split_bits"], tf32["round_bits"]
+
+    @device_function
+    def key_at(p):
+        """The key (of its group of 8) at V^T position ``p``."""
+        t = p % 8
+        return p - t + (2 * t if t < 4 else 2 * (t - 4) + 1)
+
+    @kernel
+    def prepare(k, v, kk, vt):
+        seqlen_k, nheads_k = k.shape[1], k.shape[2]
+        key_blocks = -(-vt.shape[3] // PREP_KEYS)
+        blk = cuda.blockIdx.x
+        cb = blk % DBLK                                   # (head-dim block, key block, head, batch), dims fastest
+        blk //= DBLK
+        kb = blk % key_blocks
+        bh = blk // key_blocks
+        h = bh % nheads_k
+        b = bh // nheads_k
+        tile = cuda.shared.array((PREP_KEYS, PREP_KEYS + 1), np.uint32)   # [key][word]: V's block
+        tx = cuda.threadIdx.x % PREP_KEYS
+        c = cb * PREP_KEYS + tx
+        for r in range(cuda.threadIdx.x // PREP_KEYS, PREP_KEYS, ROWS_PER_PASS):   # K's and V's rows
+            key = kb * PREP_KEYS + r
+            wv = W0
+            if key < seqlen_k:
+                wk = W0
+                if c < HEAD_DIM:
+                    wk, wv = k[b, key, h, c], v[b, key, h, c]
+                if SPLIT:
+                    kk[b, key, h, c], kk[b, key, h, D_WORDS + c] = split_bits(wk)
+                else:
+                    kk[b, key, h, c] = round_bits(wk)
+            tile[r, tx] = wv
+        cuda.syncthreads()
+        p = kb * PREP_KEYS + tx                           # V^T's position p of rows c (each pass one word c)
+        for r in range(cuda.threadIdx.x // PREP_KEYS, PREP_KEYS, ROWS_PER_PASS):
+            row = cb * PREP_KEYS + r
+            if p < vt.shape[3]:
+                w = tile[key_at(tx), r]
+                if SPLIT:
+                    vt[b, row, h, p], vt[b, D_WORDS + row, h, p] = split_bits(w)
+                else:
+                    vt[b, row, h, p] = round_bits(w)
+
+    return prepare

@@ -98,8 +98,8 @@ def test_high_every_option_at_once(p):
     check_forward(_high_expected(p), out, lse)
 
 
-# float32 on Hopper's tf32 wgmma (``plan.WGMMA_TF32``: built in the simulator, off until its GPU run): Q, K_j by
-# the copy engine, V_j transposed in shared memory, the same two precisions under the same bounds
+# float32 on Hopper's tf32 wgmma (``plan.WGMMA_TF32``, off: slower than mma.sync so far): K's tf32 parts and V^T
+# made by a pre-pass, Q, K_j, V_j^T by the copy engine, the same two precisions under the same bounds
 WG_TILES = st.just((64, 16)) if SIMULATOR else st.sampled_from([(None, None), (64, 32), (128, 64)])
 WG_HEADDIMS = (4, 8, 12, 36) if SIMULATOR else (4, 32, 64, 100, 128)
 
@@ -140,14 +140,27 @@ def test_default_tiles_fit_the_h100(headdim, precision):
     assert plan.tc_shared_bytes(bq, bk, headdim, "float32", precision) <= 227 * 1024
 
 
-@pytest.mark.parametrize("backend", ["tensorcore", "wgmma"])
+def test_wgmma_tf32_refuses_packed_batches():
+    """The float32 Hopper forward serves dense batches only (its pre-pass relabels V^T's keys in groups of 8 from
+    the tensor's first key, which a packed sequence need not start on): backend="wgmma" refuses a packed float32
+    batch before any launch, naming the backend that serves it."""
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((9, 2, 8)).astype(np.float32) for _ in range(3))
+    cu = np.array([0, 3, 9], np.int32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "WGMMA_TF32", True)
+        with pytest.raises(ValueError, match="dense batches only"):
+            flashnb.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, backend="wgmma")
+
+
 @settings(max_examples=examples(2, 6), deadline=None)
 @given(lens=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), min_size=1, max_size=3),
        causal=st.booleans(), seed=st.integers(0, 2**16))
-def test_highest_packed_batches(backend, lens, causal, seed):
-    """A packed (varlen) float32 batch on the tensor cores (``VARLEN`` with tf32 operands, precision "highest";
-    "wgmma": ``plan.WGMMA_TF32``, its boxes rows of the packed tensor): each sequence within the float32 bound
-    of its oracle (a few float32 ulps of the output's scale here: unit-normal inputs, head dim 8)."""
+def test_highest_packed_batches(lens, causal, seed):
+    """A packed (varlen) float32 batch on the tensor cores (``VARLEN`` with tf32 operands, precision "highest"):
+    each sequence within the float32 bound of its oracle (a few float32 ulps of the output's scale here:
+    unit-normal inputs, head dim 8)."""
+    backend = "tensorcore"
     import reference
     rng = np.random.default_rng(seed)
     sq, sk = (np.array([x[i] for x in lens]) for i in (0, 1))
