@@ -3,6 +3,7 @@
     python -m tools.tune_tc [--dtype float16] [--seqlens 4096] [--configs 64=64:64,128:64;128=64:64]
     python -m tools.tune_tc --pass bwd [--configs 64=32:64,64:64;128=16:64;256=32:64:2] [--ablate dq-sync]
     python -m tools.tune_tc --backend wgmma [--configs 64=128:128,128:128:0;128=128:64]
+    python -m tools.tune_tc --dtype float32 --backend wgmma --precision high [--configs 64=128:64;128=64:32]
     python -m tools.tune_tc --pass bwd --backend wgmma [--configs 64=32:128;128=32:128]
 
 ``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K[, warps per 16 keys: the
@@ -39,13 +40,13 @@ from tools.tune_simt import _check as _check_grads
 from tools.tune_simt import _fwd_flops, _resources, _time
 
 
-def _check(dtype, d, bq, bk, causal, backend="tensorcore"):
+def _check(dtype, d, bq, bk, causal, backend="tensorcore", **precision):
     """Max |out - float64| relative to max |float64| at a small shape."""
     import torch
     import flashnb
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 300, 3, d, device="cuda", dtype=dtype) for _ in range(3))
-    out = flashnb.flash_attention(q, k, v, causal=causal, block_q=bq, block_k=bk, backend=backend)
+    out = flashnb.flash_attention(q, k, v, causal=causal, block_q=bq, block_k=bk, backend=backend, **precision)
     ref = torch.nn.functional.scaled_dot_product_attention(*(x.double().transpose(1, 2) for x in (q, k, v)),
                                                            is_causal=causal).transpose(1, 2)
     return float((out.double() - ref).abs().max() / ref.abs().max())
@@ -57,6 +58,9 @@ def main(argv=None):
     ap.add_argument("--seqlens", default="4096")
     ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
     ap.add_argument("--backend", choices=("tensorcore", "wgmma"), default="tensorcore")
+    ap.add_argument("--precision", choices=("highest", "high"), default="highest",
+                    help="--dtype float32: the tensor cores' precision (the baseline: SDPA's memory-efficient "
+                         "backend; --backend wgmma switches plan.WGMMA_TF32 on)")
     ap.add_argument("--ablate", default="", help="with --pass bwd: comma list of variants to time besides the "
                     "shipped kernel: scalar-red (dQ by scalar atomics instead of red.global.add.v2.f32), dq-pairs=N "
                     "(dQ in units of 16 x 16N: make_dkdv_tc's DQ_NP), dq-sync (each item's dQ after a second "
@@ -84,13 +88,15 @@ def main(argv=None):
         print(tabulate(rows, headers="keys"))
         _resources()
         return
-    saved = plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale
+    saved = plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale, plan.WGMMA_TF32
+    plan.WGMMA_TF32 = saved[3] or (args.dtype == "float32" and args.backend == "wgmma")
     try:
-        rows = _sweep_fwd(args, dtype, *saved)
+        rows = _sweep_fwd(args, dtype, *saved[:3])
     finally:
-        plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale = saved
+        plan.tc_m_tiles, plan.tc_q_in_smem, plan.tc_positive_scale, plan.WGMMA_TF32 = saved
         plan.WGMMA_TMA = True
-    print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; ratio = SDPA FlashAttention-2 time / "
+    base = "memory-efficient backend" if args.dtype == "float32" else "FlashAttention-2"
+    print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; ratio = SDPA {base} time / "
           "flashnb time (>1: flashnb faster)")
     print(tabulate(rows, headers="keys"))
     _resources()
@@ -115,8 +121,11 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
             plan.tc_q_in_smem = lambda m_tiles, headdim, qs=qs: qs
             plan.tc_positive_scale = lambda scale, fold=fold: fold and positive_scale(scale)
             plan.WGMMA_TMA = bool(cfg[2]) if wg and len(cfg) > 2 else True    # wgmma: the copy engine, or cp.async
+            f32 = dtype == torch.float32
+            extra = {"precision": args.precision} if f32 else {}
+            base_backend = SDPBackend.EFFICIENT_ATTENTION if f32 else SDPBackend.FLASH_ATTENTION
             for causal in (False, True):
-                err = _check(dtype, d, bq, bk, causal, args.backend)
+                err = _check(dtype, d, bq, bk, causal, args.backend, **extra)
                 for n in map(int, args.seqlens.split(",")):
                     b, h = max(1, 16384 // n), 2048 // d
                     sets = [tuple(torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(3))
@@ -124,9 +133,9 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
 
                     def fwd(q, k, v):
                         return flashnb.flash_attention(q, k, v, causal=causal, block_q=bq, block_k=bk,
-                                                       return_lse=True, backend=args.backend)
+                                                       return_lse=True, backend=args.backend, **extra)
 
-                    def sdpa(q, k, v, which=SDPBackend.FLASH_ATTENTION):
+                    def sdpa(q, k, v, which=base_backend):
                         with sdpa_kernel(which):
                             return torch.nn.functional.scaled_dot_product_attention(
                                 *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
@@ -135,8 +144,11 @@ def _sweep_fwd(args, dtype, default_mt, default_qs, positive_scale):
                     t_f, t_s = _time(fwd, sets), _time(sdpa, sets)
                     row = dict(d=d, tiles=f"{bq}x{bk}", mt=mt, q_smem=int(qs), fold=int(fold), causal=causal, N=n,
                                rel_err=f"{err:.1e}", fwd_ms=round(t_f, 3), tflops=round(f / t_f / 1e9, 1),
-                               fa2_tflops=round(f / t_s / 1e9, 1), ratio=round(t_s / t_f, 3))
-                    if wg:
+                               **{"eff_tflops" if f32 else "fa2_tflops": round(f / t_s / 1e9, 1)},
+                               ratio=round(t_s / t_f, 3))
+                    if f32:
+                        row = {"precision": args.precision, **row}
+                    if wg and not f32:
                         row["tma"] = int(plan.WGMMA_TMA)
                         t_c = _time(lambda q, k, v: sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION), sets)
                         row = dict(row, cudnn_tflops=round(f / t_c / 1e9, 1),
