@@ -855,6 +855,7 @@ def make_prepare_tf32(HEAD_DIM, SPLIT):
     D_WORDS = -(-HEAD_DIM // 32) * 32
     DBLK = D_WORDS // PREP_KEYS
     ROWS_PER_PASS = PREP_THREADS // PREP_KEYS
+    TILE_SHAPE = (PREP_KEYS, PREP_KEYS + 1)           # (a padded row: the transposed reads hit 32 banks)
     W0 = np.uint32(0)
     tf32 = tf32_primitives()
     split_bits, round_bits = tf32["split_bits"], tf32["round_bits"]
@@ -876,7 +877,7 @@ def make_prepare_tf32(HEAD_DIM, SPLIT):
         bh = blk // key_blocks
         h = bh % nheads_k
         b = bh // nheads_k
-        tile = cuda.shared.array((PREP_KEYS, PREP_KEYS + 1), np.uint32)   # [key][word]: V's block
+        tile = cuda.shared.array(TILE_SHAPE, np.uint32)   # [key][word]: V's block
         tx = cuda.threadIdx.x % PREP_KEYS
         c = cb * PREP_KEYS + tx
         for r in range(cuda.threadIdx.x // PREP_KEYS, PREP_KEYS, ROWS_PER_PASS):   # K's and V's rows
