@@ -353,7 +353,7 @@ def _tc_choice(call, backward):
         return None, refusal
     d = call.headdim
     if not backward and _hopper(call):
-        tq, tk = default_wgmma_tiles(d, call.block_q, call.block_k, call.dtype)
+        tq, tk = default_wgmma_tiles(d, call.block_q, call.block_k, call.dtype, call.precision)
         return (tq, tk), shared_refusal(wgmma_shared_bytes(tq, tk, d, call.dtype, call.precision),
                                         f"its Hopper forward with block_q={tq}, block_k={tk}, head dim {d}")
     if not backward:
@@ -415,18 +415,22 @@ def wgmma_refusal(dtype, headdim, block_q, block_k, layout, packed=False):
 # as S's registers (BLOCK_K / 2 a thread) and two stages of K and V in shared memory allow
 _WGMMA_TILES = ((64, (128, 128)), (128, (128, 128)), (256, (128, 64)))
 _WGMMA_SIM_TILES = (64, 16)
-# float32 on tf32 wgmma (``WGMMA_TF32``): Q's, K_j's and V_j^T's small parts beside them in shared memory (3xTF32),
-# so one warpgroup and 32 keys at head dim 128 (docs/notes/hopper.md); not yet run on a GPU
-_WGMMA_TF32_TILES = ((64, (128, 64)), (128, (64, 32)))
-WGMMA_TF32 = False
+# float32 on tf32 wgmma (``WGMMA_TF32``, backend="wgmma"; "auto" keeps float32 on the SIMT kernels), K's tf32 parts and
+# V^T made once per call by a pre-pass: measured on the H100 (bench/results/h100-tf32-wgmma-2026-11-26.md,
+# tools.tune_tc --dtype float32 --backend wgmma, N 4096, against SDPA's memory-efficient backend, non-causal /
+# causal): "highest" 3.03x / 2.68x at head dim 64 (128 x 64), 1.42x / 1.30x at 128 (64 x 32: 3xTF32's small
+# parts fill shared memory); "high" 6.84x / 5.41x at 64 (128 x 128), 5.60x / 4.36x at 128 (128 x 64)
+_WGMMA_TF32_TILES = {"highest": ((64, (128, 64)), (128, (64, 32))), "high": ((64, (128, 128)), (128, (128, 64)))}
+WGMMA_TF32 = True
 
 
-def default_wgmma_tiles(headdim, block_q=None, block_k=None, dtype="float16"):
-    """The Hopper forward's (block_q, block_k): the caller's where given, else the head-dim class's."""
+def default_wgmma_tiles(headdim, block_q=None, block_k=None, dtype="float16", precision="highest"):
+    """The Hopper forward's (block_q, block_k): the caller's where given, else the head-dim class's (float32: of
+    its precision)."""
     if SIMULATOR:
         bq, bk = _WGMMA_SIM_TILES
     else:
-        table = _WGMMA_TF32_TILES if dtype == "float32" else _WGMMA_TILES
+        table = _WGMMA_TF32_TILES[precision] if dtype == "float32" else _WGMMA_TILES
         bq, bk = next(tiles for max_d, tiles in table if headdim <= max_d)
     return block_q or bq, block_k or bk
 

@@ -98,7 +98,7 @@ def test_high_every_option_at_once(p):
     check_forward(_high_expected(p), out, lse)
 
 
-# float32 on Hopper's tf32 wgmma (``plan.WGMMA_TF32``, off: slower than mma.sync so far): K's tf32 parts and V^T
+# float32 on Hopper's tf32 wgmma (``plan.WGMMA_TF32``, backend="wgmma"): K's tf32 parts and V^T
 # made by a pre-pass, Q, K_j, V_j^T by the copy engine, the same two precisions under the same bounds
 WG_TILES = st.just((64, 16)) if SIMULATOR else st.sampled_from([(None, None), (64, 32), (128, 64)])
 WG_HEADDIMS = (4, 8, 12, 36) if SIMULATOR else (4, 32, 64, 100, 128)
