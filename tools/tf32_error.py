@@ -4,7 +4,8 @@
 
 For each shape (batch 2, 8 heads, float32 inputs drawn N(0, 1)), causal and not: the forward of flashnb's SIMT
 kernels (float32 on the CUDA cores: the yardstick of the flash-attn rule for float32), flashnb on the tensor
-cores with ``precision="highest"`` (3xTF32) and ``"high"`` (one tf32 product), and PyTorch SDPA's
+cores with ``precision="highest"`` (3xTF32) and ``"high"`` (one tf32 product), the same on Hopper's tf32 wgmma
+(``backend="wgmma"``, compute capability 9.0), and PyTorch SDPA's
 memory-efficient backend; each against attention in float64 (PyTorch, materialised), as the largest and the
 mean absolute error of ``out`` over its largest magnitude, and the ratio of each largest error to the SIMT
 kernels'. Needs a GPU and PyTorch.
@@ -45,8 +46,13 @@ def main(argv=None):
         "tensor cores, highest": lambda q, k, v, c: flashnb.flash_attention(q, k, v, causal=c, backend="tensorcore"),
         "tensor cores, high": lambda q, k, v, c: flashnb.flash_attention(q, k, v, causal=c, backend="tensorcore",
                                                                           precision="high"),
+        "Hopper wgmma, highest": lambda q, k, v, c: flashnb.flash_attention(q, k, v, causal=c, backend="wgmma"),
+        "Hopper wgmma, high": lambda q, k, v, c: flashnb.flash_attention(q, k, v, causal=c, backend="wgmma",
+                                                                          precision="high"),
         "SDPA memory-efficient": lambda q, k, v, c: _sdpa(q, k, v, c),
     }
+    if torch.cuda.get_device_capability() != (9, 0):     # (the Hopper forward: compute capability 9.0 only)
+        ways = {name: way for name, way in ways.items() if not name.startswith("Hopper")}
     lines = [f"# float32 attention's error against float64 ({torch.cuda.get_device_name()}, "
              f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__})", "",
              "| seqlen | d | causal | way | max err / max abs | mean err / max abs | max err / SIMT's |",
