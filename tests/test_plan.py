@@ -12,6 +12,7 @@ from flashnb.kernels.backward_tc import make_dkdv_tc
 
 NO_OPTIONS = _options.Flags(*([False] * 7))
 CAUSAL = _options.Flags(True, *([False] * 6))
+SOFTCAP = _options.Flags(True, False, False, True, False, False, False)
 H100 = dict(cc=(9, 0), limit=227 * 1024)
 
 
@@ -20,6 +21,7 @@ def device(monkeypatch):
     """``device(cc=, limit=)``: the planner sees a GPU of that compute capability and shared memory per block."""
     def set_device(cc, limit):
         monkeypatch.setattr(plan, "SIMULATOR", False)
+        monkeypatch.setattr(plan, "WGMMA_THREE_WARPGROUPS", True)     # (its default on a GPU)
         monkeypatch.setattr(plan, "compute_capability", lambda: cc)
         monkeypatch.setattr(plan, "shared_limit", lambda: limit)
     return set_device
@@ -36,9 +38,11 @@ PACKED = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads=32)   # (with total_
 # (call keywords, forward: (backend, block_q, block_k), backward: (backend, block_q, block_k)) on the H100
 TABLE = [
     # above head dim 48 (dense; above 64 packed) the forward is the Hopper one (wgmma: two warpgroups), its tiles
-    # _WGMMA_TILES; the backward's dK/dV kernel too, its query tiles _WGMMA_BWD_BLOCK_Q
-    (dict(headdim=64), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
-    (dict(headdim=64, flags=CAUSAL), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
+    # _WGMMA_TILES (three warpgroups up to head dim 64 with no option but a window); the backward's dK/dV kernel
+    # too, its query tiles _WGMMA_BWD_BLOCK_Q
+    (dict(headdim=64), ("tensorcore", 192, 128), ("tensorcore", 64, 128)),
+    (dict(headdim=64, flags=CAUSAL), ("tensorcore", 192, 128), ("tensorcore", 64, 128)),
+    (dict(headdim=64, flags=SOFTCAP), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=40), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
     (dict(headdim=128), ("tensorcore", 128, 128), ("tensorcore", 32, 128)),
     (dict(headdim=256), ("tensorcore", 128, 64), ("tensorcore", 32, 64)),
@@ -55,7 +59,7 @@ TABLE = [
     (dict(headdim=64, block_k=8), ("simt", 64, 8), ("simt", 64, 8)),                 # a tile below 16
     (dict(headdim=64, layout=("k", False)), ("simt", 64, 64), ("simt", 64, 64)),     # k's head dim strided
     (dict(headdim=64, backend="simt", layout=None), ("simt", 64, 64), ("simt", 64, 64)),
-    (dict(headdim=64, deterministic=True), ("tensorcore", 128, 128), ("simt", 64, 64)),
+    (dict(headdim=64, deterministic=True), ("tensorcore", 192, 128), ("simt", 64, 64)),
     (dict(headdim=160, block_k=128), ("tensorcore", 128, 128), ("simt", 32, 128)),   # 512 threads refused
 ]
 
@@ -170,7 +174,7 @@ def test_grids_and_launches(device):
     device(**H100)
     c = call(headdim=64, batch=2, seqlen_q=1000, seqlen_k=1500, nheads=8, nheads_k=2)
     f = plan.forward(c)
-    assert f.forward.grid == 8 * 8 * 2 and f.forward.threads == 256          # ceil(1000 / 128) x heads x batch
+    assert f.forward.grid == 6 * 8 * 2 and f.forward.threads == 384          # ceil(1000 / 192) x heads x batch
     b = plan.backward(c)
     assert b.dkdv.grid == 12 * 2 * 2                                           # ceil(1500 / 128) x kv heads x batch
     assert b.atomic and b.preprocess is not None and b.finish.grid > 0        # the dQ accumulator's cast
@@ -255,3 +259,20 @@ def test_the_hopper_backward_on_the_h100_where_enabled(device, monkeypatch, kw, 
         device(cc=(8, 0), limit=163 * 1024)
         plan.backward(c)
         assert not built[-1].get("WGMMA"), "the Hopper dK/dV kernel on compute capability 8.0"
+
+
+@pytest.mark.parametrize("kw, rows", [
+    (dict(), 192), (dict(flags=CAUSAL), 192), (dict(dtype="bfloat16", headdim=56), 192), (dict(headdim=72), 128),
+    (dict(flags=SOFTCAP), 128), (dict(flags=_options.Flags(False, False, False, False, False, False, True)), 128),
+    (dict(block_k=128), 128), (dict(block_q=128), 128)])
+def test_three_warpgroups_where_their_registers_fit(device, kw, rows):
+    """The Hopper forward takes 192 query rows (three warpgroups, 384 threads, at most 170 registers each) up to
+    head dim 64 with a window (causal) the only option, on its own tiles, dense; else two warpgroups; off
+    without WGMMA_THREE_WARPGROUPS."""
+    device(**H100)
+    f = plan.forward(call(**kw))
+    assert f.block_q == rows and f.forward.threads == 2 * rows, f
+    assert plan.forward(call(**kw)._replace(total_q=4 * 1000)).block_q == 128          # packed: two
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "WGMMA_THREE_WARPGROUPS", False)
+        assert plan.forward(call(**kw)).block_q == 128

@@ -358,7 +358,7 @@ def test_wgmma_backward_with_the_dims_split(p):
 
 
 @pytest.mark.parametrize("dtype,headdim,tiles,match", [
-    (np.float32, 16, {}, "float16 and bfloat16"),
+    (np.float32, 136, {}, "float32 forward needs a head dim .* up to 128"),
     (np.float16, 12, {}, "multiple of 8"),
     (np.float16, 16, dict(block_q=32), "block_q must be a multiple of 64"),
     (np.float16, 16, dict(block_k=8), "block_k must be a multiple of 16")])
@@ -672,3 +672,22 @@ def test_tc_refuses_a_strided_head_dim_and_auto_falls_back():
     want = flashnb.flash_attention(x.contiguous(), x.contiguous(), x.contiguous(), backend="simt")
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@settings(max_examples=examples(1, 8), deadline=None)
+@given(p=kernel_problems(dtypes=(np.float16,), tiles=st.just((None, None)), headdims=(8, 16, 40, 64),
+                         options=frozenset({"causal", "window_size", "softmax_scale"}), min_seqlen=129,
+                         max_seqlen=136 if SIMULATOR else None, max_batch=1, max_nheads=2))
+def test_wgmma_three_warpgroups(p):
+    """The Hopper forward with 192 query rows (three warpgroups: ``plan.WGMMA_THREE_WARPGROUPS``, "auto" on the
+    H100 up to head dim 64 with a window the only option, on its own tiles): flash-attn's rule, with queries
+    past 128 so that the third warpgroup has rows."""
+    built = []
+    real = plan.make_forward_tc
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "WGMMA_THREE_WARPGROUPS", True)
+        mp.setattr(plan, "make_forward_tc", lambda *a, **kw: (built.append(a), real(*a, **kw))[1])
+        _dispatch.clear()
+        out, lse = kernel_forward(p, backend="wgmma")
+    check_forward(expected(p, backward=False), out, lse)
+    assert not built or built[-1][0] == 192, built[-1][:3]
