@@ -427,20 +427,19 @@ WGMMA_TF32 = True
 
 
 # three warpgroups (BLOCK_Q 192) at head dim <= 64, where 384 threads' registers fit (at most 170 a thread): the
-# dense 16-bit forward with no score option, mask or dropout (ptxas: 127-149 registers, causal or not; with
-# every option 196).  Measured on the H100 (bench/results/h100-tf32-wgmma-2026-11-26.md, N 4096, batch 4, 32
-# heads, d 64): 1.48x / 1.18x SDPA FlashAttention-2 (non-causal / causal) against 128 x 128's 1.36x / 1.16x
+# dense 16-bit forward with no option at all (ptxas: 127-134 registers; causal 146-149; every option 196).
+# Measured on the H100 (bench/results/h100-tf32-wgmma-2026-11-26.md, batch x N = 16k, 32 heads, d 64): 1.48x SDPA
+# FlashAttention-2 at N 4096 against 128 x 128's 1.36x; causal 1.18x against 1.16x at 4096 but 0.70-1.01x against
+# 0.86-1.05x at N 512-2048 (its diagonal tiles), so causal (any window) keeps two warpgroups
 WGMMA_THREE_WARPGROUPS = not SIMULATOR   # (the simulator's suites switch it on where they test it)
 
 
 def _three_warpgroups(call):
     """Whether the Hopper forward of ``call`` takes 192 query rows (``WGMMA_THREE_WARPGROUPS``): tiles not the
-    caller's, 16-bit, head dim <= 64, dense, a window (causal) the only option."""
-    f = call.flags
+    caller's, 16-bit, head dim <= 64, dense, no option (no window: causal's diagonal tiles measured slower)."""
     return (WGMMA_THREE_WARPGROUPS and call.block_q is None and call.block_k is None
             and call.dtype in ("float16", "bfloat16") and call.headdim <= 64 and call.total_q is None
-            and not (f.has_attn_mask or f.has_block_mask or f.has_softcap or f.has_bias or f.has_alibi
-                     or f.has_dropout))
+            and not any(_flag_args(call.flags)))
 
 
 def default_wgmma_tiles(headdim, block_q=None, block_k=None, dtype="float16", precision="highest"):
