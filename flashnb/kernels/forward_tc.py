@@ -174,10 +174,12 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     sequence's rows (zeros past the tensor): its queries are never stored and its keys are masked, and the
     last key tile's values past the sequence are zeroed in shared memory before ``P V_j`` (P is 0 there, but
     0 times a non-finite value is not).
-    ``WGMMA`` with ``DTYPE_NAME="float32"`` (``WG_TF32``): the products on tf32 ``wgmma``, which reads both
-    operands K-major only: after each tile lands, ``prepare_tf32`` splits K_j (and Q once) in shared memory and
-    transposes V_j into V_j^T with the keys relabelled as ``pv_tile_tf32``'s, between two block barriers; S and
-    P V_j as three products each (``TF32X3``), P V_j's into a per-tile partial (docs/notes/hopper.md, step 8).
+    ``WGMMA`` with ``DTYPE_NAME="float32"`` (``WG_TF32``, dense batches): the products on tf32 ``wgmma``, which
+    reads both operands K-major only: ``k`` and ``v`` are then the pre-pass's ``kk`` and ``vt``
+    (``make_prepare_tf32``: K's tf32 parts, V^T with the keys relabelled as ``pv_tile_tf32``'s), whose tiles the
+    copy engine brings ready, four to a stage (K_j, V_j^T and, ``TF32X3``, their small parts); Q is split once,
+    after it lands; S and P V_j as three products each, P V_j's into a per-tile partial (docs/notes/hopper.md,
+    steps 8 and 10).
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
@@ -206,7 +208,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     TILE = BLOCK_K * STRIDE                  # words of one K (or V) tile
     V_OFF = TILE                             # buffer s: K at s * STAGE_WORDS, V at s * STAGE_WORDS + V_OFF
     STAGE_WORDS = 2 * TILE
-    WG_TF32 = WGMMA and TF32                 # float32 on tf32 wgmma (off in the plan: slower than mma.sync so far)
+    WG_TF32 = WGMMA and TF32                 # float32 on tf32 wgmma, its K and V prepared by the pre-pass
     if WG_TF32:   # a stage: K_j (big parts), V_j^T, then SPLIT: K_j's small parts, V_j^T's (make_prepare_tf32's)
         assert TMA and not VARLEN
         VT_WORDS = D_PAD * 32 * -(-BLOCK_K // 32)   # D_PAD rows of 128 bytes per 32 keys (a partial block too)
