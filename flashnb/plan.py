@@ -25,7 +25,7 @@ from .kernels.backward import (CAST_THREADS, PREPROCESS_THREADS, cast_grid, make
                                make_preprocess, preprocess_grid, preprocess_threads)
 from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
 from .kernels.forward import LOG2E, make_forward, tile_threads
-from .kernels.forward_tc import make_forward_tc, make_prepare_tf32
+from .kernels.forward_tc import make_forward_tc, make_prepare_tf32, tf32_head_words
 from .kernels._tma import tensor_maps
 
 BACKENDS = ("simt", "tensorcore", "wgmma")
@@ -83,7 +83,7 @@ class ForwardPlan(NamedTuple):
         if not self.tma:       # (the kernel's cp.async copies read no tensor map)
             return args + (_options._dummy(2, np.uint64),)
         packed = self.call.total_q is not None        # (a packed batch's views: batch stride 0, one batch mapped)
-        v_rows = self.block_k if self.prepare is None else -(-self.call.headdim // 32) * 32   # (V^T: dims)
+        v_rows = self.block_k if self.prepare is None else tf32_head_words(self.call.headdim)   # (V^T: dims)
         return args + (tensor_maps(((q, self.block_q), (k, self.block_k), (v, v_rows)), packed),)
 
 

@@ -218,11 +218,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     Q_OFF = 2 * STAGE_WORDS                  # two buffers of (K_j, V_j), then the Q tile if Q_SMEM
     Q_WORDS = BLOCK_Q * STRIDE if Q_SMEM else 0
     SMALL = Q_OFF + Q_WORDS                  # SPLIT: the small parts of K_j, V_j (one buffer), then of Q
-    SMALL_Q = SMALL + 2 * TILE
+    SMALL_Q = SMALL if WG_TF32 else SMALL + 2 * TILE   # (WG_TF32: K_j's, V_j^T's small parts are in the stages)
     SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else SMALL
-    if WG_TF32:   # after Q: SPLIT: Q's small parts
-        SMALL_Q = SMALL
-        SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else SMALL
     SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
     if TMA:   # the copy engine fills the stages; barriers after the tiles: full[s], empty[s], Q's
@@ -826,6 +823,12 @@ PREP_KEYS = 32                    # keys (and head-dim words) of one pre-pass bl
 PREP_THREADS = 256
 
 
+def tf32_head_words(headdim):
+    """A float32 row's words in the Hopper forward's swizzled tiles: the head dim padded to whole 32-word (128-byte)
+    blocks (the kernel's ``D_WORDS``, ``D_PAD``), V^T's rows."""
+    return -(-headdim // 32) * 32
+
+
 def tf32_key_words(seqlen_k):
     """V^T's row length: the keys padded to whole groups of 8 (P's permutation; rows of 16-byte multiples)."""
     return -(-seqlen_k // 8) * 8
@@ -836,12 +839,12 @@ def tf32_operand_shapes(batch, seqlen_k, nheads_k, headdim, split):
     parts then (``split``) its small parts, the head dim padded to whole 32-word swizzle blocks; ``vt`` (batch,
     parts * D_WORDS, nheads_k, key words) in memory order (batch, nheads_k, rows, keys): V^T's big rows, then
     its small rows, the keys of each 8 relabelled (``make_prepare_tf32``)."""
-    d_words, parts = -(-headdim // 32) * 32, 2 if split else 1
+    d_words, parts = tf32_head_words(headdim), 2 if split else 1
     return (batch, seqlen_k, nheads_k, parts * d_words), (batch, nheads_k, parts * d_words, tf32_key_words(seqlen_k))
 
 
 def prepare_tf32_grid(batch, seqlen_k, nheads_k, headdim):
-    return batch * nheads_k * -(-tf32_key_words(seqlen_k) // PREP_KEYS) * -(-headdim // PREP_KEYS)
+    return batch * nheads_k * -(-tf32_key_words(seqlen_k) // PREP_KEYS) * (tf32_head_words(headdim) // PREP_KEYS)
 
 
 @lru_cache(maxsize=None)
@@ -854,7 +857,7 @@ def make_prepare_tf32(HEAD_DIM, SPLIT):
     a fragments are S's accumulators as they are), rounded or split; zeros past the head dim and the keys.  One
     block per (32 keys, 32 words of the head dim, head, batch): K's and V's rows read along the head dim, V^T's
     written along the keys through a shared tile."""
-    D_WORDS = -(-HEAD_DIM // 32) * 32
+    D_WORDS = tf32_head_words(HEAD_DIM)
     DBLK = D_WORDS // PREP_KEYS
     ROWS_PER_PASS = PREP_THREADS // PREP_KEYS
     TILE_SHAPE = (PREP_KEYS, PREP_KEYS + 1)           # (a padded row: the transposed reads hit 32 banks)
