@@ -43,19 +43,21 @@ def _time(fn, sets, reps=20, rounds=3):
     return statistics.median(times)
 
 
-def _check(dtype, d, bq, bk, causal, backend="auto", fwd_tiles=True):
+def _check(dtype, d, bq, bk, causal, backend="auto", fwd_tiles=True, **precision):
     """Max error of out and grads against float64 at a small shape (relative to each one's max).
 
-    ``fwd_tiles``: the forward runs at (bq, bk) too (else at its default tiles)."""
+    ``fwd_tiles``: the forward runs at (bq, bk) too (else at its default tiles); ``precision``: float32's on the
+    tensor cores, forward and backward."""
     import torch
     import flashnb
     torch.manual_seed(0)
     B, S, H = 2, 300, 3
     q, k, v, do = (torch.randn(B, S, H, d, device="cuda", dtype=dtype) for _ in range(4))
     tiles = dict(block_q=bq, block_k=bk) if fwd_tiles else {}
-    out, lse = flashnb.flash_attention(q, k, v, causal=causal, return_lse=True, backend=backend, **tiles)
+    out, lse = flashnb.flash_attention(q, k, v, causal=causal, return_lse=True, backend=backend, **tiles,
+                                       **precision)
     dq, dk, dv = flashnb.flash_attention_backward(do, q, k, v, out, lse, causal=causal, block_q=bq, block_k=bk,
-                                                  backend=backend)
+                                                  backend=backend, **precision)
     q64, k64, v64 = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v))
     ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
     ref.backward(do.double().transpose(1, 2))

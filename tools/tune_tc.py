@@ -5,6 +5,7 @@
     python -m tools.tune_tc --backend wgmma [--configs 64=128:128,128:128:0;128=128:64]
     python -m tools.tune_tc --dtype float32 --backend wgmma --precision high [--configs 64=128:64;128=64:32]
     python -m tools.tune_tc --pass bwd --backend wgmma [--configs 64=32:128;128=32:128]
+    python -m tools.tune_tc --pass bwd --dtype float32 --backend wgmma --precision highest [--configs 64=32:128]
 
 ``--pass bwd``: the configurations are the backward's (BLOCK_Q, BLOCK_K[, warps per 16 keys: the
 head-dim split[, m-tiles of 16 keys per warp[, S^T shared]]]); the forward runs at
@@ -83,7 +84,9 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     if args.which == "bwd":
         rows = _sweep_bwd(args, dtype)
-        print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; fb_ratio = SDPA FlashAttention-2 forward+backward "
+        base = (f"memory-efficient backend (flashnb: --backend {args.backend} --precision {args.precision})"
+                if args.dtype == "float32" else "FlashAttention-2")
+        print(f"# {torch.cuda.get_device_name()} dtype={args.dtype}; fb_ratio = SDPA {base} forward+backward "
               "time / flashnb forward+backward time (>1: flashnb faster); bwd_tflops counts 2.5x the forward's flops")
         print(tabulate(rows, headers="keys"))
         _resources()
@@ -196,6 +199,12 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
     from flashnb import plan
     default_split, default_mtk, default_share = plan.tc_bwd_dim_split, plan.tc_bwd_key_tiles, plan.tc_bwd_share
     backend = args.backend                       # "wgmma": the Hopper dK/dV kernel (plan.WGMMA_BACKWARD)
+    # float32: forward and backward at --precision on --backend (the tf32 dK/dV kernel is the tensor-core one
+    # either way), against SDPA's memory-efficient backend (its FlashAttention-2 backend takes 16-bit only)
+    f32 = dtype == torch.float32
+    prec = {"precision": args.precision} if f32 else {}
+    fwd = {"backend": backend, **prec} if f32 else {}
+    baseline = SDPBackend.EFFICIENT_ATTENTION if f32 else SDPBackend.FLASH_ATTENTION
     for part in filter(None, args.configs.split(";")):
         d, pairs = part.split("=")
         d = int(d)
@@ -212,26 +221,26 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
             variants = [""] + list(filter(None, args.ablate.split(",")))
             for causal, variant in ((c, a) for a in variants for c in (False, True)):
                 plan.make_dkdv_tc = functools.partial(_variant, make_dkdv_tc, variant)
-                err = _check_grads(dtype, d, bq, bk, causal, backend=backend, fwd_tiles=False)
+                err = _check_grads(dtype, d, bq, bk, causal, backend=backend, fwd_tiles=False, **prec)
                 for n in map(int, args.seqlens.split(",")):
                     b, h = max(1, 16384 // n), 2048 // d
                     sets = [tuple(torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
                             for _ in range(4)]
-                    saved = [flashnb.flash_attention(*s[:3], causal=causal, return_lse=True) for s in sets]
+                    saved = [flashnb.flash_attention(*s[:3], causal=causal, return_lse=True, **fwd) for s in sets]
 
                     def bwd(q, k, v, do):
                         out, lse = next(o for s, o in zip(sets, saved) if s[0] is q)
                         return flashnb.flash_attention_backward(do, q, k, v, out, lse, causal=causal, block_q=bq,
-                                                                block_k=bk, backend=backend)
+                                                                block_k=bk, backend=backend, **prec)
 
                     def fwdbwd(q, k, v, do):
-                        out, lse = flashnb.flash_attention(q, k, v, causal=causal, return_lse=True)
+                        out, lse = flashnb.flash_attention(q, k, v, causal=causal, return_lse=True, **fwd)
                         return flashnb.flash_attention_backward(do, q, k, v, out, lse, causal=causal, block_q=bq,
-                                                                block_k=bk, backend=backend)
+                                                                block_k=bk, backend=backend, **prec)
 
                     def sdpa(q, k, v, do):
                         qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        with sdpa_kernel(baseline):
                             torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(
                                 do.transpose(1, 2))
 
@@ -241,7 +250,8 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
                                      causal=causal, N=n, rel_err=f"{err:.1e}",
                                      bwd_ms=round(t_b, 3), bwd_tflops=round(2.5 * f / t_b / 1e9, 1),
                                      fb_ms=round(t_fb, 3), fb_tflops=round(3.5 * f / t_fb / 1e9, 1),
-                                     fa2_fb_tflops=round(3.5 * f / t_s / 1e9, 1), fb_ratio=round(t_s / t_fb, 3)))
+                                     **{"eff_fb_tflops" if f32 else "fa2_fb_tflops": round(3.5 * f / t_s / 1e9, 1)},
+                                     fb_ratio=round(t_s / t_fb, 3)))
                     print(rows[-1], file=sys.stderr, flush=True)
 
 

@@ -316,9 +316,9 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     this step's arithmetic); ``STAGES >= 2`` stages each step's K and V tiles (``KPB`` keys) through shared
     memory with ``cp.async``, ``STAGES - 1`` steps ahead: more bytes in flight per SM than registers hold.
     ``LEAN`` (a candidate, measured against the default by ``bench.decode --variants``): fewer instructions
-    per step for the same arithmetic -- each thread's cp.async sources of a dense cache hoisted out of the
-    loop (a stage that lies wholly before ``hi`` costs one multiply-add per tile and an add per copy; only
-    the last stage clamps), ``exp2`` as one ``ex2.approx.ftz`` (``_mma.exp2_ftz``: no denormal fix-up
+    per step for the same arithmetic -- a stage that lies wholly before ``hi``, and paged within one page,
+    takes each thread's cp.async sources from one offset per tile (paged: one block-table load) and a
+    constant step per copy; only the last stage clamps, paged also a stage across pages, ``exp2`` as one ``ex2.approx.ftz`` (``_mma.exp2_ftz``: no denormal fix-up
     around it), the key-range mask only on the first and last steps, one warp-uniform rescale branch for
     all rows, and the stage ring stepped instead of taken modulo ``STAGES``.
     """
@@ -349,7 +349,7 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     NPASS = -(-NCOPIES // NTHREADS)           # copies per thread per tile
     EVEN_PASS = NCOPIES % NTHREADS == 0
     ROWS_PER_PASS = NTHREADS // NCH if NTHREADS % NCH == 0 else 0   # tile rows one copy pass covers
-    FAST_COPY = LEAN and STAGED and not PAGED and ROWS_PER_PASS > 0 and EVEN_PASS
+    FAST_COPY = LEAN and STAGED and ROWS_PER_PASS > 0 and EVEN_PASS
     RING_W = STAGES * STAGE_W
     assert not STAGED or STAGES >= 2
     ZERO, ONE, NEG_INF, NAN, LOG2E_T, LN2_T = F32(0), F32(1), F32(-np.inf), F32(np.nan), F32(LOG2E), F32(LN2)
@@ -451,27 +451,53 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                 cp_copy(stage, d + TILE_W, v_cache, voff[pp], 4 * CW)
 
     @device_function
-    def copy_sources(k_cache, v_cache, b, hk):
-        """``FAST_COPY``: (K offset, V offset) of this thread's first copy of a stage that starts at key 0 (row
-        ``tid // NCH`` of the tile, chunk ``tid % NCH``), the offsets' step per copy pass (``ROWS_PER_PASS``
-        rows) and the copy's place in a staged tile."""
+    def copy_sources(k_cache, v_cache, hk):
+        """``FAST_COPY``: (K offset, V offset) of this thread's first copy within a stage, from the stage's first
+        row of KV head 0 (row ``tid // NCH`` of the tile, chunk ``tid % NCH``), the offsets' step per copy pass
+        (``ROWS_PER_PASS`` rows) and the copy's place in a staged tile (the same every stage: ptxas keeps them
+        or recomputes them, as registers allow)."""
         kk = cuda.threadIdx.x // NCH
         c = cuda.threadIdx.x - kk * NCH
         kst1, vst1 = k_cache.strides[1] // 4, v_cache.strides[1] // 4
-        k_src = b * (k_cache.strides[0] // 4) + kk * kst1 + hk * (k_cache.strides[2] // 4) + c * CW
-        v_src = b * (v_cache.strides[0] // 4) + kk * vst1 + hk * (v_cache.strides[2] // 4) + c * CW
+        k_src = kk * kst1 + hk * (k_cache.strides[2] // 4) + c * CW
+        v_src = kk * vst1 + hk * (v_cache.strides[2] // 4) + c * CW
         return k_src, v_src, ROWS_PER_PASS * kst1, ROWS_PER_PASS * vst1, kk * HW + c * CW
 
     @device_function
-    def issue_whole_stage(k_cache, v_cache, key0, stage, buf, k_src, v_src, k_pass, v_pass, dst):
-        """``FAST_COPY``: the copies of a stage whose rows ``key0 .. key0 + KPB - 1`` all lie before ``hi``
-        (nothing to clamp): one multiply-add per tile, then a constant step per pass."""
-        k_off = k_src + key0 * (k_cache.strides[1] // 4)
-        v_off = v_src + key0 * (v_cache.strides[1] // 4)
-        for pp in range(NPASS):
-            d = buf + dst + pp * ROWS_PER_PASS * HW
-            cp_copy(stage, d, k_cache, k_off + pp * k_pass, 4 * CW)
-            cp_copy(stage, d + TILE_W, v_cache, v_off + pp * v_pass, 4 * CW)
+    def whole_stage_origin(k_cache, v_cache, block_table, b, key0, hi, page):
+        """``FAST_COPY``: the word offsets (K, V) of row ``key0`` of sequence ``b`` (KV head 0) when the stage's
+        rows ``key0 .. key0 + KPB - 1`` all lie before ``hi`` and, paged, in one page (then they are one run of
+        cache rows, nothing to clamp); (-1, -1) otherwise."""
+        if key0 + KPB > hi:
+            return -1, -1
+        if PAGED:
+            p = key0 // page
+            row = key0 - p * page
+            if row + KPB > page:
+                return -1, -1
+            pg = block_table[b, p]
+            return (pg * (k_cache.strides[0] // 4) + row * (k_cache.strides[1] // 4),
+                    pg * (v_cache.strides[0] // 4) + row * (v_cache.strides[1] // 4))
+        return (b * (k_cache.strides[0] // 4) + key0 * (k_cache.strides[1] // 4),
+                b * (v_cache.strides[0] // 4) + key0 * (v_cache.strides[1] // 4))
+
+    @device_function
+    def issue_step(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, buf):
+        """Start the copies of the stage of keys ``key0 ..`` into ``stage[buf:]``: ``FAST_COPY``'s constant step
+        per pass where the stage is whole (``whole_stage_origin``: one multiply-add per tile, paged one
+        block-table load), else ``issue_stage``."""
+        if FAST_COPY:
+            k_off, v_off = whole_stage_origin(k_cache, v_cache, block_table, b, key0, hi, page)
+            if k_off >= 0:
+                k_src, v_src, k_pass, v_pass, dst = copy_sources(k_cache, v_cache, hk)
+                k_off += k_src
+                v_off += v_src
+                for pp in range(NPASS):
+                    d = buf + dst + pp * ROWS_PER_PASS * HW
+                    cp_copy(stage, d, k_cache, k_off + pp * k_pass, 4 * CW)
+                    cp_copy(stage, d + TILE_W, v_cache, v_off + pp * v_pass, 4 * CW)
+                return
+        issue_stage(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, buf)
 
     @device_function
     def read_stage(stage, buf, kk, t_l, words, o):
@@ -579,20 +605,14 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         # next step are in flight during this step's arithmetic, in the same registers
         kk0 = (w * G + g) * T                          # this lane group's first key within a step
         j_lane = start + kk0
-        k_src, v_src, k_pass, v_pass, dst = (copy_sources(k_cache, v_cache, b, hk) if FAST_COPY
-                                             else (0, 0, 0, 0, 0))
         buf = 0                                        # LEAN: the stage read this step, the one refilled
         fill = (STAGES - 1) * STAGE_W
         if STAGED:
             stage = cuda.shared.array(0, W_NP, alignment=SMEM_ALIGN)   # STAGES x (K tile, V tile)
             for s0 in range(STAGES - 1):
                 if s0 < nsteps:
-                    key0 = start + s0 * KPB
-                    if FAST_COPY and key0 + KPB <= hi:
-                        issue_whole_stage(k_cache, v_cache, key0, stage, s0 * STAGE_W, k_src, v_src, k_pass,
-                                          v_pass, dst)
-                    else:
-                        issue_stage(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, s0 * STAGE_W)
+                    issue_step(k_cache, v_cache, block_table, b, hk, start + s0 * KPB, hi, page, stage,
+                               s0 * STAGE_W)
                 commit()                               # one group per stage, empty or not: the count stays exact
         elif nsteps > 0:
             load_keys(k_cache, block_table, b, hk, j_lane, hi, page, t_l, kw)
@@ -607,11 +627,7 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     fill = (nxt % STAGES) * STAGE_W
                     buf = (step % STAGES) * STAGE_W
                 if nxt < nsteps:
-                    key0 = start + nxt * KPB
-                    if FAST_COPY and key0 + KPB <= hi:
-                        issue_whole_stage(k_cache, v_cache, key0, stage, fill, k_src, v_src, k_pass, v_pass, dst)
-                    else:
-                        issue_stage(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, fill)
+                    issue_step(k_cache, v_cache, block_table, b, hk, start + nxt * KPB, hi, page, stage, fill)
                 commit()
                 for t in range(T):
                     read_stage(stage, buf, kk0 + t, t_l, kw, t * WPL)

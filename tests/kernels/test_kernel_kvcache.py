@@ -184,14 +184,14 @@ def test_paged_append_across_pages(c):
 
 
 def _decode_case(dtype=np.float32, batch=2, nheads=4, nheads_k=2, headdim=4, rows=20, lens=(0, 13), new=0,
-                 seed=0, paged=False):
+                 seed=0, paged=False, page=PAGE):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((batch, 1, nheads, headdim)).astype(dtype)
     table = None
     if paged:
-        per = -(-rows // PAGE)
+        per = -(-rows // page)
         table = np.arange(batch * per, dtype=np.int32).reshape(batch, per)[:, ::-1].copy()
-        shape = (batch * per, PAGE, nheads_k, headdim)
+        shape = (batch * per, page, nheads_k, headdim)
     else:
         shape = (batch, rows, nheads_k, headdim)
     kc, vc = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
@@ -227,6 +227,31 @@ def test_untouched_cache_rows_keep_nan():
         cache[0, 7:] = np.nan        # page 0: sequence 0's rows, 5 cached + 2 appended
         cache[1, 11:] = np.nan       # page 1: sequence 1's rows, 9 cached + 2 appended
     check_case(c)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_paged_stages_within_and_across_pages(dtype):
+    """Pages of two key steps (``KPB`` keys a block step): a step inside one page takes the hoisted copies
+    (decode's ``FAST_COPY``: the page's block-table entry once per step), one that crosses a page (a split
+    starting off a step boundary) or the sequence's end the per-copy path; pages in reverse order.  The
+    caches are views whose rows are 40 or 24 bytes apart, not 16-byte aligned (4-byte copies: in the
+    simulator's two warps, the layout whose copies tile the block evenly with 32 keys a step, as 16-byte
+    copies do at the GPU's shapes)."""
+    headdim = 8
+    lk = kvcache.plan_decode(np.dtype(dtype).name, 2, 2, 1, 1, headdim, 256, False, 1).lanes_per_key
+    kpb = kvcache.NWARPS * (32 // lk) * kvcache.KEYS_PER_LANE
+    page = max(2 * kpb, PAGE)
+    c = _decode_case(dtype, nheads=2, nheads_k=2, headdim=headdim, rows=4 * page, lens=(4 * page, 3 * page - 5),
+                     paged=True, page=page)
+    pad = 2 if dtype == np.float32 else 4
+    want_out, _, want_kc, want_vc = oracle(c)
+    kc, vc = (cuda.to_device(np.concatenate([x, np.full(x.shape[:-1] + (pad,), np.nan, dtype)], -1))[..., :headdim]
+              for x in (c.k_cache, c.v_cache))
+    for splits in (1, 6):            # 6 splits of 4 pages: splits of 3 steps, half of them cross a page
+        out, lse = flashnb.flash_attn_with_kvcache(cuda.to_device(c.q), kc, vc, cache_seqlens=c.cache_seqlens,
+                                                   block_table=c.block_table, num_splits=splits,
+                                                   return_softmax_lse=True)
+        check_outputs(c, out.copy_to_host(), lse.copy_to_host(), want_out, want_kc, want_vc)
 
 
 def test_chunked_prefill_rows_over_several_tiles():
