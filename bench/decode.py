@@ -6,7 +6,9 @@ keys, dense caches and paged ones (page 256, pages in random order).  Rows:
 * ``flashnb``: ``flashnb.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=N)``, split count chosen
   by the heuristic; paged calls pass ``block_table`` as a CUDA tensor; ``flashnb (seqlens tensor)``: the dense
   call with ``cache_seqlens`` a CUDA int32 tensor.  Device metadata is checked by the kernels, never copied
-  to the host (no sync; before 2026-11-26 each such call synchronised on a host copy).
+  to the host (no sync; before 2026-11-26 each such call synchronised on a host copy).  ``flashnb (pages in
+  order)``: the dense cache's own memory read as pages through a block table ``0, 1, 2, ..``: the paged
+  kernel at the dense row's addresses, which separates the cost of the table from that of scattered pages.
 * ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` under one backend, with the 4 query heads
   of a KV group packed as 4 query rows of that KV head (``q (16, 8, 4, 128)`` against ``k, v (16, 8, N,
   128)``, no causal mask: one query token sees every key), so K and V are read once, as flashnb reads them;
@@ -26,6 +28,11 @@ storage seen through a transposed view: the same bytes SDPA reads), the device-m
 tensor``, ``paged``), SDPA FlashAttention-2 on its layout and on the cache's (``(batch, keys, heads, dim)``
 storage, transposed), with ``kernels vs default`` (the default's kernel time over the row's).
 ``--seqlens 4096,32768`` limits the lengths.
+
+The process may abort at exit with glibc's ``double free or corruption (!prev)`` after printing every row (seen
+2026-11-25 and 2026-11-26, torch 2.11): PyTorch's CUPTI profiler freed activity buffers CUPTI still held at a
+profiler's stop (pytorch/pytorch pull requests 195207 and 195471, 2026-08); the ``kernels us`` column starts
+and stops a profiler twice per row.
 """
 from __future__ import annotations
 
@@ -143,6 +150,14 @@ def _inputs(torch, g, n):
     return q, kc, vc, k_sdpa, v_sdpa, q_packed, lens_t, table, kp, vp, ref
 
 
+def _in_order(torch, kc, vc):
+    """The dense caches seen as pages of ``PAGE`` rows (no copy), sequence ``b``'s pages ``b * per ..``, and their
+    block table: the same bytes as the dense cache, read through the table."""
+    per = kc.shape[1] // PAGE
+    table = torch.arange(BATCH * per, dtype=torch.int32, device="cuda").view(BATCH, per)
+    return kc.view(-1, PAGE, NHEADS_K, HEADDIM), vc.view(-1, PAGE, NHEADS_K, HEADDIM), table
+
+
 def _record(torch, n, name, layout, context, fn, ref, flush, log):
     """One row: ``fn`` measured (``_measure``) inside ``context()`` (entered once, not per call); a failure is
     the row's note."""
@@ -174,6 +189,7 @@ def run(torch, seqlens=SEQLENS, sweep=False, log=print):
     g = torch.Generator(device="cuda")
     for n in seqlens:
         q, kc, vc, k_sdpa, v_sdpa, q_packed, lens_t, table, kp, vp, ref = _inputs(torch, g, n)
+        kpo, vpo, table_o = _in_order(torch, kc, vc)
         q_sdpa = q.transpose(1, 2)                             # (b, 32 heads, 1, d)
         k_new, v_new = kc[:, n - 1:].clone(), vc[:, n - 1:].clone()    # the last row appended again: same values
         impls = [
@@ -181,6 +197,8 @@ def run(torch, seqlens=SEQLENS, sweep=False, log=print):
             ("flashnb (seqlens tensor)", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens_t)),
             ("flashnb +append", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=n - 1)),
             ("flashnb", "paged", lambda: flashnb.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=n, block_table=table)),
+            ("flashnb (pages in order)", "paged", lambda: flashnb.flash_attn_with_kvcache(
+                q, kpo, vpo, cache_seqlens=n, block_table=table_o)),
         ]
         if sweep:
             for splits in (1, 4, 8):
@@ -199,7 +217,7 @@ def run(torch, seqlens=SEQLENS, sweep=False, log=print):
         for name, layout, fn, *backend in impls:
             context = (lambda b=backend[0]: sdpa_kernel(b)) if backend else contextlib.nullcontext
             records.append(_record(torch, n, name, layout, context, fn, ref, flush, log))
-        del kc, vc, kp, vp, k_sdpa, v_sdpa
+        del kc, vc, kp, vp, kpo, vpo, k_sdpa, v_sdpa
         torch.cuda.empty_cache()
     if sweep:
         records += _lane_sweep(torch, flush, log)
@@ -298,6 +316,7 @@ def run_variants(torch, variants, seqlens=SEQLENS, log=print):
     g = torch.Generator(device="cuda")
     for n in seqlens:
         q, kc, vc, k_sdpa, v_sdpa, q_packed, lens_t, table, kp, vp, ref = _inputs(torch, g, n)
+        kpo, vpo, table_o = _in_order(torch, kc, vc)
         rows = [("flashnb", "dense", {}, lambda: call(q, kc, vc, cache_seqlens=n))]
         rows += [(f"flashnb {spec}", "dense", o, lambda: call(q, kc, vc, cache_seqlens=n)) for spec, o in specs]
         rows += [
@@ -305,6 +324,8 @@ def run_variants(torch, variants, seqlens=SEQLENS, log=print):
              lambda: call(q, k_sdpa.transpose(1, 2), v_sdpa.transpose(1, 2), cache_seqlens=n)),
             ("flashnb (seqlens tensor)", "dense", {}, lambda: call(q, kc, vc, cache_seqlens=lens_t)),
             ("flashnb", "paged", {}, lambda: call(q, kp, vp, cache_seqlens=lens_t, block_table=table)),
+            ("flashnb (pages in order)", "paged", {},
+             lambda: call(q, kpo, vpo, cache_seqlens=lens_t, block_table=table_o)),
             ("sdpa-flash", "dense", SDPBackend.FLASH_ATTENTION, lambda: sdpa(q_packed, k_sdpa, v_sdpa)),
             ("sdpa-flash (cache layout)", "dense", SDPBackend.FLASH_ATTENTION,
              lambda: sdpa(q_packed, kc.transpose(1, 2), vc.transpose(1, 2))),
@@ -312,7 +333,7 @@ def run_variants(torch, variants, seqlens=SEQLENS, log=print):
         for name, layout, how, fn in rows:
             context = (lambda h=how: settings(h)) if isinstance(how, dict) else (lambda h=how: sdpa_kernel(h))
             records.append(_record(torch, n, name, layout, context, fn, ref, flush, log))
-        del kc, vc, kp, vp, k_sdpa, v_sdpa
+        del kc, vc, kp, vp, kpo, vpo, k_sdpa, v_sdpa
         torch.cuda.empty_cache()
     _speedups(records)
     base = {r["seqlen_k"]: r.get("kernel_us") for r in records if r["impl"] == "flashnb" and r["layout"] == "dense"}

@@ -318,8 +318,8 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     ``LEAN`` (a candidate, measured against the default by ``bench.decode --variants``): fewer instructions
     per step for the same arithmetic -- a stage that lies wholly before ``hi``, and paged within one page,
     takes each thread's cp.async sources from one offset per tile (paged: one block-table load) and a
-    constant step per copy; only the last stage clamps, paged also a stage across pages, ``exp2`` as one ``ex2.approx.ftz`` (``_mma.exp2_ftz``: no denormal fix-up
-    around it), the key-range mask only on the first and last steps, one warp-uniform rescale branch for
+    constant step per copy; only the last stage clamps, paged also a stage across pages, ``exp2`` as one
+    ``ex2.approx.ftz`` (``_mma.exp2_ftz``: no denormal fix-up around it), the key-range mask only on the first and last steps, one warp-uniform rescale branch for
     all rows, and the stage ring stepped instead of taken modulo ``STAGES``.
     """
     SIXTEEN = DTYPE_NAME in ("float16", "bfloat16")

@@ -245,8 +245,8 @@ def test_paged_stages_within_and_across_pages(dtype):
                      paged=True, page=page)
     pad = 2 if dtype == np.float32 else 4
     want_out, _, want_kc, want_vc = oracle(c)
-    kc, vc = (cuda.to_device(np.concatenate([x, np.full(x.shape[:-1] + (pad,), np.nan, dtype)], -1))[..., :headdim]
-              for x in (c.k_cache, c.v_cache))
+    wide = [np.concatenate([x, np.full(x.shape[:-1] + (pad,), np.nan, dtype)], -1) for x in (c.k_cache, c.v_cache)]
+    kc, vc = (cuda.to_device(x)[:, :, :, :headdim] for x in wide)
     for splits in (1, 6):            # 6 splits of 4 pages: splits of 3 steps, half of them cross a page
         out, lse = flashnb.flash_attn_with_kvcache(cuda.to_device(c.q), kc, vc, cache_seqlens=c.cache_seqlens,
                                                    block_table=c.block_table, num_splits=splits,
