@@ -411,20 +411,19 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
             load_row(cache, row_base(cache, block_table, b, hk, jj, page), t_l, words, t * WPL)
 
     @device_function
-    def issue_stage(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, buf):
+    def issue_stage(k_cache, v_cache, block_table, b, hk, key0, p0, r0, hi, page, stage, buf):
         """Start the cp.async copies of the K and V rows ``key0 .. key0 + KPB - 1`` into ``stage[buf:]``
         (rows past ``hi`` copy row ``hi - 1``: valid memory, masked later); the block's threads share them.
+        Paged: ``key0`` is row ``r0`` of the sequence's page ``p0`` (``next_stage``).
 
-        The sources' offsets first, then the copies: a paged cache costs one division per stage (``key0``'s
-        page; a later key's page is stepped to, ``page >= 16``) and one block-table load per copy pass, all
+        The sources' offsets first, then the copies: a paged cache costs a later key's page stepped to from
+        ``p0`` (``page >= 16``) and one block-table load per copy pass, all
         independent, so their latencies overlap (a cp.async is an opaque asm statement: a load after one is
         not moved before it).  ``key0 < hi`` (a step that exists), so ``key0 <= jj < key0 + KPB``."""
         kst0, kst1, kst2 = k_cache.strides[0] // 4, k_cache.strides[1] // 4, k_cache.strides[2] // 4
         vst0, vst1, vst2 = v_cache.strides[0] // 4, v_cache.strides[1] // 4, v_cache.strides[2] // 4
         koff = cuda.local.array(NPASS, np.int64)
         voff = cuda.local.array(NPASS, np.int64)
-        p0 = key0 // page if PAGED else 0
-        r0 = key0 - p0 * page
         for pp in range(NPASS):
             idx = cuda.threadIdx.x + pp * NTHREADS
             kk = idx // NCH
@@ -464,15 +463,13 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         return k_src, v_src, ROWS_PER_PASS * kst1, ROWS_PER_PASS * vst1, kk * HW + c * CW
 
     @device_function
-    def whole_stage_origin(k_cache, v_cache, block_table, b, key0, hi, page):
-        """``FAST_COPY``: the word offsets (K, V) of row ``key0`` of sequence ``b`` (KV head 0) when the stage's
-        rows ``key0 .. key0 + KPB - 1`` all lie before ``hi`` and, paged, in one page (then they are one run of
-        cache rows, nothing to clamp); (-1, -1) otherwise."""
+    def whole_stage_origin(k_cache, v_cache, block_table, b, key0, p, row, hi, page):
+        """``FAST_COPY``: the word offsets (K, V) of row ``key0`` of sequence ``b`` (KV head 0; paged: row ``row``
+        of the sequence's page ``p``) when the stage's rows ``key0 .. key0 + KPB - 1`` all lie before ``hi``
+        and, paged, in one page (then they are one run of cache rows, nothing to clamp); (-1, -1) otherwise."""
         if key0 + KPB > hi:
             return -1, -1
         if PAGED:
-            p = key0 // page
-            row = key0 - p * page
             if row + KPB > page:
                 return -1, -1
             pg = block_table[b, p]
@@ -482,12 +479,12 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                 b * (v_cache.strides[0] // 4) + key0 * (v_cache.strides[1] // 4))
 
     @device_function
-    def issue_step(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, buf):
-        """Start the copies of the stage of keys ``key0 ..`` into ``stage[buf:]``: ``FAST_COPY``'s constant step
-        per pass where the stage is whole (``whole_stage_origin``: one multiply-add per tile, paged one
-        block-table load), else ``issue_stage``."""
+    def issue_step(k_cache, v_cache, block_table, b, hk, key0, p, row, hi, page, stage, buf):
+        """Start the copies of the stage of keys ``key0 ..`` (paged: from row ``row`` of page ``p``) into
+        ``stage[buf:]``: ``FAST_COPY``'s constant step per pass where the stage is whole
+        (``whole_stage_origin``: one multiply-add per tile, paged one block-table load), else ``issue_stage``."""
         if FAST_COPY:
-            k_off, v_off = whole_stage_origin(k_cache, v_cache, block_table, b, key0, hi, page)
+            k_off, v_off = whole_stage_origin(k_cache, v_cache, block_table, b, key0, p, row, hi, page)
             if k_off >= 0:
                 k_src, v_src, k_pass, v_pass, dst = copy_sources(k_cache, v_cache, hk)
                 k_off += k_src
@@ -497,7 +494,19 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     cp_copy(stage, d, k_cache, k_off + pp * k_pass, 4 * CW)
                     cp_copy(stage, d + TILE_W, v_cache, v_off + pp * v_pass, 4 * CW)
                 return
-        issue_stage(k_cache, v_cache, block_table, b, hk, key0, hi, page, stage, buf)
+        issue_stage(k_cache, v_cache, block_table, b, hk, key0, p, row, hi, page, stage, buf)
+
+    @device_function
+    def next_stage(p, row, page):
+        """Paged: the page and row of the key ``KPB`` past row ``row`` of page ``p`` (a step's keys on, no
+        division); dense: (0, 0)."""
+        if not PAGED:
+            return p, row
+        row += KPB
+        while row >= page:
+            row -= page
+            p += 1
+        return p, row
 
     @device_function
     def read_stage(stage, buf, kk, t_l, words, o):
@@ -607,13 +616,16 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         j_lane = start + kk0
         buf = 0                                        # LEAN: the stage read this step, the one refilled
         fill = (STAGES - 1) * STAGE_W
+        p_fill = start // page if PAGED else 0         # paged: the page and row of the next stage to fill
+        row_fill = start - p_fill * page if PAGED else 0
         if STAGED:
             stage = cuda.shared.array(0, W_NP, alignment=SMEM_ALIGN)   # STAGES x (K tile, V tile)
             for s0 in range(STAGES - 1):
                 if s0 < nsteps:
-                    issue_step(k_cache, v_cache, block_table, b, hk, start + s0 * KPB, hi, page, stage,
-                               s0 * STAGE_W)
+                    issue_step(k_cache, v_cache, block_table, b, hk, start + s0 * KPB, p_fill, row_fill, hi,
+                               page, stage, s0 * STAGE_W)
                 commit()                               # one group per stage, empty or not: the count stays exact
+                p_fill, row_fill = next_stage(p_fill, row_fill, page)
         elif nsteps > 0:
             load_keys(k_cache, block_table, b, hk, j_lane, hi, page, t_l, kw)
             load_keys(v_cache, block_table, b, hk, j_lane, hi, page, t_l, vw)
@@ -627,8 +639,10 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     fill = (nxt % STAGES) * STAGE_W
                     buf = (step % STAGES) * STAGE_W
                 if nxt < nsteps:
-                    issue_step(k_cache, v_cache, block_table, b, hk, start + nxt * KPB, hi, page, stage, fill)
+                    issue_step(k_cache, v_cache, block_table, b, hk, start + nxt * KPB, p_fill, row_fill, hi,
+                               page, stage, fill)
                 commit()
+                p_fill, row_fill = next_stage(p_fill, row_fill, page)
                 for t in range(T):
                     read_stage(stage, buf, kk0 + t, t_l, kw, t * WPL)
             for t in range(T):                         # s = q . k, this lane's dims
