@@ -463,29 +463,28 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         return k_src, v_src, ROWS_PER_PASS * kst1, ROWS_PER_PASS * vst1, kk * HW + c * CW
 
     @device_function
-    def whole_stage_origin(k_cache, v_cache, b, key0, pg, row, hi, page):
+    def whole_stage_origin(k_cache, v_cache, block_table, b, key0, p, row, hi, page):
         """``FAST_COPY``: the word offsets (K, V) of row ``key0`` of sequence ``b`` (KV head 0; paged: row ``row``
-        of cache page ``pg``) when the stage's rows ``key0 .. key0 + KPB - 1`` all lie before ``hi`` and, paged,
-        in one page (then they are one run of cache rows, nothing to clamp); (-1, -1) otherwise."""
+        of the sequence's page ``p``) when the stage's rows ``key0 .. key0 + KPB - 1`` all lie before ``hi``
+        and, paged, in one page (then they are one run of cache rows, nothing to clamp); (-1, -1) otherwise."""
         if key0 + KPB > hi:
             return -1, -1
         if PAGED:
             if row + KPB > page:
                 return -1, -1
+            pg = block_table[b, p]
             return (pg * (k_cache.strides[0] // 4) + row * (k_cache.strides[1] // 4),
                     pg * (v_cache.strides[0] // 4) + row * (v_cache.strides[1] // 4))
         return (b * (k_cache.strides[0] // 4) + key0 * (k_cache.strides[1] // 4),
                 b * (v_cache.strides[0] // 4) + key0 * (v_cache.strides[1] // 4))
 
     @device_function
-    def issue_step(k_cache, v_cache, block_table, b, hk, key0, fill_at, hi, page, stage, buf):
-        """Start the copies of the stage of keys ``key0 ..`` into ``stage[buf:]`` (paged: ``fill_at`` = (the
-        sequence's page ``p``, row ``row`` in it, the block-table entry of ``p``), ``next_stage``):
-        ``FAST_COPY``'s constant step per pass where the stage is whole (``whole_stage_origin``: one
-        multiply-add per tile), else ``issue_stage``."""
-        p, row, pg = fill_at
+    def issue_step(k_cache, v_cache, block_table, b, hk, key0, p, row, hi, page, stage, buf):
+        """Start the copies of the stage of keys ``key0 ..`` (paged: from row ``row`` of page ``p``) into
+        ``stage[buf:]``: ``FAST_COPY``'s constant step per pass where the stage is whole
+        (``whole_stage_origin``: one multiply-add per tile, paged one block-table load), else ``issue_stage``."""
         if FAST_COPY:
-            k_off, v_off = whole_stage_origin(k_cache, v_cache, b, key0, pg, row, hi, page)
+            k_off, v_off = whole_stage_origin(k_cache, v_cache, block_table, b, key0, p, row, hi, page)
             if k_off >= 0:
                 k_src, v_src, k_pass, v_pass, dst = copy_sources(k_cache, v_cache, hk)
                 k_off += k_src
@@ -498,28 +497,16 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         issue_stage(k_cache, v_cache, block_table, b, hk, key0, p, row, hi, page, stage, buf)
 
     @device_function
-    def table_entry(block_table, b, p):
-        """Paged: the cache page of the sequence's page ``p``, read a step before its copies need it (the
-        load's latency hidden behind a step); ``p`` past the table's width (a stage never filled) reads its
-        last column instead, and a table of no columns nothing."""
-        if not PAGED or block_table.shape[1] == 0:
-            return 0
-        return block_table[b, min(p, block_table.shape[1] - 1)]
-
-    @device_function
-    def next_stage(block_table, b, fill_at, page):
-        """Paged: ``fill_at`` (page, row, block-table entry) of the key ``KPB`` past ``fill_at``'s (a step's
-        keys on, no division); dense: (0, 0, 0)."""
-        p, row, pg = fill_at
+    def next_stage(p, row, page):
+        """Paged: the page and row of the key ``KPB`` past row ``row`` of page ``p`` (a step's keys on, no
+        division); dense: (0, 0)."""
         if not PAGED:
-            return fill_at
+            return p, row
         row += KPB
-        if row >= page:
-            while row >= page:
-                row -= page
-                p += 1
-            pg = table_entry(block_table, b, p)
-        return p, row, pg
+        while row >= page:
+            row -= page
+            p += 1
+        return p, row
 
     @device_function
     def read_stage(stage, buf, kk, t_l, words, o):
@@ -629,16 +616,16 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         j_lane = start + kk0
         buf = 0                                        # LEAN: the stage read this step, the one refilled
         fill = (STAGES - 1) * STAGE_W
-        p_fill = start // page if PAGED else 0         # paged: the page and row of the next stage to fill,
-        fill_at = (p_fill, start - p_fill * page, table_entry(block_table, b, p_fill))   # and the page's entry
+        p_fill = start // page if PAGED else 0         # paged: the page and row of the next stage to fill
+        row_fill = start - p_fill * page if PAGED else 0
         if STAGED:
             stage = cuda.shared.array(0, W_NP, alignment=SMEM_ALIGN)   # STAGES x (K tile, V tile)
             for s0 in range(STAGES - 1):
                 if s0 < nsteps:
-                    issue_step(k_cache, v_cache, block_table, b, hk, start + s0 * KPB, fill_at, hi, page, stage,
-                               s0 * STAGE_W)
+                    issue_step(k_cache, v_cache, block_table, b, hk, start + s0 * KPB, p_fill, row_fill, hi,
+                               page, stage, s0 * STAGE_W)
                 commit()                               # one group per stage, empty or not: the count stays exact
-                fill_at = next_stage(block_table, b, fill_at, page)
+                p_fill, row_fill = next_stage(p_fill, row_fill, page)
         elif nsteps > 0:
             load_keys(k_cache, block_table, b, hk, j_lane, hi, page, t_l, kw)
             load_keys(v_cache, block_table, b, hk, j_lane, hi, page, t_l, vw)
@@ -652,10 +639,10 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     fill = (nxt % STAGES) * STAGE_W
                     buf = (step % STAGES) * STAGE_W
                 if nxt < nsteps:
-                    issue_step(k_cache, v_cache, block_table, b, hk, start + nxt * KPB, fill_at, hi, page, stage,
-                               fill)
+                    issue_step(k_cache, v_cache, block_table, b, hk, start + nxt * KPB, p_fill, row_fill, hi,
+                               page, stage, fill)
                 commit()
-                fill_at = next_stage(block_table, b, fill_at, page)
+                p_fill, row_fill = next_stage(p_fill, row_fill, page)
                 for t in range(T):
                     read_stage(stage, buf, kk0 + t, t_l, kw, t * WPL)
             for t in range(T):                         # s = q . k, this lane's dims
