@@ -13,6 +13,14 @@ For example, flashnb's kernels (SIMT at float32, tensor cores at 16 bits) and th
 counts launches of matching kernels only).  batch * seqlen = 16k tokens, nheads * headdim = 2048, seqlen 4096.
 The profiles in docs/performance.md and docs/notes/tensorcore.md were taken this way.
 
+    python -m tools.profile_target --decode dense|paged|pages-in-order [--seqlen 32768] [--impl sdpa-flash] [--host]
+
+profiles ``bench.decode``'s shape instead (batch 16, one query token, 32 query heads over 8 KV heads, head dim 128,
+float16, ``--seqlen`` cached keys): one ``flash_attn_with_kvcache`` call on the dense cache, the paged copy (pages
+in random order) or the dense cache's memory read as pages in order, twice (``-k regex:make_decode``); with
+``--impl sdpa-flash`` SDPA's FlashAttention-2 call of the bench (``-k regex:flash_fwd_splitkv``); with ``--host``
+the host side of the call, as below.
+
     python -m tools.profile_target 64 --dtype float16 --host
 
 times the host side of a call instead, on a problem so small (256 heads of 128 queries) that the GPU
@@ -26,6 +34,25 @@ import pstats
 import time
 
 
+def decode_call(args):
+    """``bench.decode``'s call at ``args.seqlen`` cached keys on the cache ``args.decode`` names (or SDPA's)."""
+    import torch
+    import flashnb
+    from bench import decode
+    g = torch.Generator(device="cuda")
+    q, kc, vc, k_sdpa, v_sdpa, q_packed, _, table, kp, vp, _ = decode._inputs(torch, g, args.seqlen)
+    kpo, vpo, table_o = decode._in_order(torch, kc, vc)
+    k, v, t = {"dense": (kc, vc, None), "paged": (kp, vp, table), "pages-in-order": (kpo, vpo, table_o)}[args.decode]
+    if args.impl == "flashnb":
+        return lambda: flashnb.flash_attn_with_kvcache(q, k, v, cache_seqlens=args.seqlen, block_table=t)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q_packed, k_sdpa, v_sdpa)
+    return sdpa
+
+
 def host_cost(args):
     """Wall time per call with the GPU waiting for the host, then where it goes (cProfile)."""
     import torch
@@ -34,6 +61,11 @@ def host_cost(args):
     gen = (torch.randn(1, 128, 256, args.headdim, device="cuda", dtype=getattr(torch, args.dtype)) for _ in range(4))
     q, k, v, dout = gen
     impl = args.impl
+    if args.decode:                          # the decode call: a forward only
+        fwd = decode_call(args)
+        out, lse = fwd(), None
+        _loop(torch, [("decode " + args.decode, fwd)], impl)
+        return
 
     def fwd():
         if impl == "flashnb":
@@ -48,7 +80,11 @@ def host_cost(args):
     def bwd():
         flashnb.flash_attention_backward(dout, q, k, v, out, lse, causal=args.causal)
 
-    calls = [("forward", fwd)] + ([("backward", bwd)] if impl == "flashnb" else [])
+    _loop(torch, [("forward", fwd)] + ([("backward", bwd)] if impl == "flashnb" else []), impl)
+
+
+def _loop(torch, calls, impl):
+    """Per (name, call): host time per call, alone and back to back, then cProfile's functions by own time."""
     for name, fn in calls:
         for _ in range(20):
             fn()
@@ -88,9 +124,18 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--host", action="store_true", help="time the host side of a call (see above)")
+    ap.add_argument("--decode", choices=("dense", "paged", "pages-in-order"),
+                    help="bench.decode's shape at --seqlen cached keys (see above)")
     args = ap.parse_args(argv)
     if args.host:
         return host_cost(args)
+    if args.decode:
+        call = decode_call(args)
+        for _ in range(2):
+            call()
+        import torch
+        torch.cuda.synchronize()
+        return
 
     import torch
     import flashnb
