@@ -4,8 +4,10 @@ The shape: batch 16, one query token, 32 query heads over 8 KV heads, head dim 1
 keys, dense caches and paged ones (page 256, pages in random order).  Rows:
 
 * ``flashnb``: ``flashnb.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=N)``, split count chosen
-  by the heuristic; paged calls pass ``block_table`` as a CUDA tensor; ``flashnb (seqlens tensor)``: the dense
-  call with ``cache_seqlens`` a CUDA int32 tensor.  Device metadata is checked by the kernels, never copied
+  by the heuristic; ``flashnb (seqlens tensor)``: the dense call with ``cache_seqlens`` a CUDA int32 tensor;
+  paged calls pass ``block_table`` and ``cache_seqlens`` as CUDA tensors (an int ``cache_seqlens`` before
+  2026-11-26).  With device metadata a call replays its signature's recorded launches (flashnb's dispatch
+  cache, from 2026-11-26): the host time of a decode loop's step; an int takes the full path every call.  Device metadata is checked by the kernels, never copied
   to the host (no sync; before 2026-11-26 each such call synchronised on a host copy).  ``flashnb (pages in
   order)``: the dense cache's own memory read as pages through a block table ``0, 1, 2, ..``: the paged
   kernel at the dense row's addresses, which separates the cost of the table from that of scattered pages.
@@ -196,9 +198,10 @@ def run(torch, seqlens=SEQLENS, sweep=False, log=print):
             ("flashnb", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n)),
             ("flashnb (seqlens tensor)", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens_t)),
             ("flashnb +append", "dense", lambda: flashnb.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=n - 1)),
-            ("flashnb", "paged", lambda: flashnb.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=n, block_table=table)),
+            ("flashnb", "paged", lambda: flashnb.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens_t,
+                                                                         block_table=table)),
             ("flashnb (pages in order)", "paged", lambda: flashnb.flash_attn_with_kvcache(
-                q, kpo, vpo, cache_seqlens=n, block_table=table_o)),
+                q, kpo, vpo, cache_seqlens=lens_t, block_table=table_o)),
         ]
         if sweep:
             for splits in (1, 4, 8):

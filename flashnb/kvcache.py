@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from . import _arrays, _options
+from . import _arrays, _dispatch, _options
 from .kernels import decode as _decode
 from .kernels._jit import SIMULATOR, launch
 
@@ -331,7 +331,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         stream: as ``flash_attention``.
 
     Returns ``out`` (like ``q``) or ``(out, lse)``; a row that sees no key gives ``out = 0``, ``lse = -inf``.
+
+    Host time: a call whose arrays are all in device memory and whose ``cache_seqlens`` is None or a device
+    array replays the launches recorded by the first call of its signature (``_dispatch``: a decode loop's
+    calls after the first); an int ``cache_seqlens`` (its value decides the split plan) or metadata on the
+    host takes the full path every call.
     """
+    uniform = isinstance(cache_seqlens, (int, np.integer))
+    return _dispatch.cached_call(
+        "kvcache", (q, k_cache, v_cache, k, v, None if uniform else cache_seqlens, block_table, alibi_slopes),
+        (num_splits, softmax_scale, causal, window_size, softcap, return_softmax_lse),
+        lambda: _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, softmax_scale,
+                              causal, window_size, softcap, alibi_slopes, return_softmax_lse, stream),
+        cacheable=stream is None and not uniform)
+
+
+def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, return_softmax_lse, stream):
+    """``flash_attn_with_kvcache``'s full path: check, plan, allocate, launch."""
     c = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse)
     kind = c.kind
     launch_stream = _arrays.resolve_stream(stream, kind, q)

@@ -172,3 +172,51 @@ def test_the_float32_hopper_forward_replays_maps_of_its_temporaries(monkeypatch,
     full = host(flashnb.flash_attention(*new, **opts))[0]
     assert_bitwise_equal(replayed, full, "replayed out")
     assert not np.allclose(replayed, host(flashnb.flash_attention(q, k, v, **opts))[0]), "the replay ignored its inputs"
+
+
+# ------------------------------------------------------------------------------------------------ KV cache
+def kv_arrays(seed, paged, dtype=np.float32):
+    """A decode call's device arrays: q (2 sequences, 1 token, 4 heads over 2 KV heads, head dim 8), the caches
+    (dense 32 rows, or 4 pages of 16 in reverse order), one new row to append, the lengths 5 and 20, the table."""
+    rng = np.random.default_rng(seed)
+    shape = (4, 16, 2, 8) if paged else (2, 32, 2, 8)
+    host_arrays = [rng.standard_normal(s).astype(dtype) for s in ((2, 1, 4, 8), shape, shape, (2, 1, 2, 8),
+                                                                   (2, 1, 2, 8))]
+    q, kc, vc, kn, vn = (cuda.to_device(x) for x in host_arrays)
+    lens = cuda.to_device(np.array([5, 20], np.int32))
+    table = cuda.to_device(np.array([[3, 2], [1, 0]], np.int32)) if paged else None
+    return dict(q=q, k_cache=kc, v_cache=vc, k=kn, v=vn, cache_seqlens=lens, block_table=table)
+
+
+def kv_call(a, **opts):
+    """The call on ``a``; host copies of out, lse and the caches after the append."""
+    out, lse = flashnb.flash_attn_with_kvcache(**a, return_softmax_lse=True, **opts)
+    return host(out, lse, a["k_cache"], a["v_cache"])
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_replay_computes_what_the_full_path_computes(paged):
+    """A decode loop's second call replays the first's launches (the append, the split decode, the combine)
+    with its own arrays: out, lse and the appended caches bit for bit those of the full path."""
+    opts = dict(causal=True, softcap=3.0, num_splits=2)
+    first = kv_call(kv_arrays(0, paged), **opts)
+    assert _dispatch.stats["recorded"] == 1
+    replayed = kv_call(kv_arrays(1, paged), **opts)                   # the same signature, other data
+    assert _dispatch.stats["hits"] == 1
+    _dispatch.clear()
+    full = kv_call(kv_arrays(1, paged), **opts)
+    assert _dispatch.stats["hits"] == 0
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), replayed, full):
+        assert_bitwise_equal(a, b, f"replayed {name}")
+    assert not np.allclose(replayed[0], first[0]), "the replay ignored its inputs"
+
+
+def test_kvcache_calls_the_cache_does_not_take():
+    """An int cache_seqlens (its value plans the splits: a decode loop's would be a new key every step) and
+    host metadata take the full path every call."""
+    a = kv_arrays(0, paged=True)
+    for changes in (dict(cache_seqlens=5), dict(cache_seqlens=np.array([5, 20], np.int32)),
+                    dict(block_table=np.array([[3, 2], [1, 0]], np.int32))):
+        flashnb.flash_attn_with_kvcache(**dict(a, **changes))
+        flashnb.flash_attn_with_kvcache(**dict(a, **changes))
+    assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0}

@@ -271,6 +271,35 @@ def test_dispatch_cache_replays_what_the_full_path_computes(dtype):
     assert _dispatch.stats["hits"] == 2
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_dispatch_cache_replays_a_decode_step(paged):
+    """flash_attn_with_kvcache with CUDA metadata (a decode loop's step): the second call of a signature replays
+    the first's launches (append, split decode, combine); out, lse and the appended caches equal the full
+    path's bit for bit, and the replay reads its own arrays."""
+    def step(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        shape = (8, 256, 2, 128) if paged else (4, 512, 2, 128)
+        kc, vc = (torch.randn(shape, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+        q = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.float16, generator=g)
+        kn, vn = (torch.randn(4, 1, 2, 128, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+        lens = torch.tensor([3, 300, 511, 0], dtype=torch.int32, device="cuda")
+        table = torch.tensor([[7, 6], [5, 4], [3, 2], [1, 0]], dtype=torch.int32, device="cuda") if paged else None
+        out, lse = flashnb.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table,
+                                                   num_splits=3, causal=True, return_softmax_lse=True)
+        return out, lse, kc, vc
+
+    _dispatch.clear()
+    first = step(0)
+    assert _dispatch.stats["recorded"] == 1
+    replayed = step(1)
+    assert _dispatch.stats["hits"] == 1
+    _dispatch.clear()
+    full = step(1)
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), replayed, full):
+        assert torch.equal(a, b), f"replayed {name} differs from the full path's"
+    assert not torch.equal(replayed[0], first[0]), "the replay read the first call's arrays"
+
+
 @pytest.mark.parametrize("replay_maps", [False, True])
 def test_dispatch_cache_and_the_hopper_forwards_tensor_maps(monkeypatch, replay_maps):
     """backend="wgmma" (compute capability 9.0): the tensor maps hold the inputs' addresses; unrecorded without
