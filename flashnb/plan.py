@@ -586,9 +586,12 @@ _TC_SIM_TILES = (16, 16)
 # device's shared memory per block is smaller than the H100's (8.0: 163 KB; 8.6 / 8.9: 99 KB)
 _TC_BWD_TILES = ((64, ((32, 128), (32, 64))), (128, ((64, 128), (32, 64))),
                  (256, ((64, 64), (32, 64), (16, 64), (16, 32))))
-# float32 (tf32 operands), not yet measured: a row of K, V, Q, dO takes twice a 16-bit row's shared memory, and
-# 3xTF32 adds the small parts of K_j, Q_i, dO_i (make_dkdv_tc); the largest tiles with 8 warps (one m-tile of keys
-# each, _tc_bwd_layout) whose 3xTF32 kernel fits the H100's 227 KB, then smaller ones
+# float32 (tf32 operands): a row of K, V, Q, dO takes twice a 16-bit row's shared memory, and 3xTF32 adds the small
+# parts of K_j, Q_i, dO_i (make_dkdv_tc); the largest tiles with 8 warps (one m-tile of keys each, _tc_bwd_layout)
+# whose 3xTF32 kernel fits the H100's 227 KB, then smaller ones.  Measured on the H100 at "highest", N 4096
+# (bench/results/h100-tf32-wgmma-2026-11-26.md, tools.tune_tc --pass bwd --dtype float32): the first of each
+# head-dim class is the fastest of the tiles swept (d 64: 32 x 64, 64 x 64, 16 x 128, 64 x 32; d 128: 16 x 64,
+# 32 x 32)
 _TC_BWD_TILES_F32 = ((64, ((32, 128), (32, 64), (16, 64))), (128, ((32, 64), (16, 64), (16, 32))),
                      (256, ((32, 32), (16, 32), (16, 16))))
 

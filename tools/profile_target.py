@@ -17,7 +17,7 @@ The profiles in docs/performance.md and docs/notes/tensorcore.md were taken this
 
 profiles ``bench.decode``'s shape instead (batch 16, one query token, 32 query heads over 8 KV heads, head dim 128,
 float16, ``--seqlen`` cached keys): one ``flash_attn_with_kvcache`` call on the dense cache, the paged copy (pages
-in random order) or the dense cache's memory read as pages in order, twice (``-k regex:make_decode``); with
+in random order) or the dense cache's memory read as pages in order, twice (``-k regex:"^decode"``); with
 ``--impl sdpa-flash`` SDPA's FlashAttention-2 call of the bench (``-k regex:flash_fwd_splitkv``); with ``--host``
 the host side of the call, as below.
 
