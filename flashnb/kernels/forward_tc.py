@@ -134,7 +134,7 @@ def make_swizzled_tile_copy(NROWS, ROW_WORDS, HEAD_WORDS, NTHREADS):
 @kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False, TF32X3=True,
-                    WGMMA=False, TMA=False):
+                    WGMMA=False, TMA=False, QS_REG=False):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -179,7 +179,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     (``make_prepare_tf32``: K's tf32 parts, V^T with the keys relabelled as ``pv_tile_tf32``'s), whose tiles the
     copy engine brings ready, four to a stage (K_j, V_j^T and, ``TF32X3``, their small parts); Q is split once,
     after it lands; S and P V_j as three products each, P V_j's into a per-tile partial (docs/notes/hopper.md,
-    steps 8 and 10).
+    steps 8 and 10).  ``QS_REG`` (with ``WG_TF32`` and ``TF32X3``): Q's small parts in registers, as the a
+    fragments of ``S``'s small-part product (``wgmma_rs``; 4 words a k-step, 64 at head dim 128), not in
+    shared memory, so two warpgroups' Q fits beside two stages at head dim 128; P V_j's three products then
+    accumulate into ``acc`` itself (the partial's registers are Q's).
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
@@ -219,7 +222,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     Q_WORDS = BLOCK_Q * STRIDE if Q_SMEM else 0
     SMALL = Q_OFF + Q_WORDS                  # SPLIT: the small parts of K_j, V_j (one buffer), then of Q
     SMALL_Q = SMALL if WG_TF32 else SMALL + 2 * TILE   # (WG_TF32: K_j's, V_j^T's small parts are in the stages)
-    SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT else SMALL
+    QS_REG = QS_REG and WG_TF32 and SPLIT    # Q's small parts in registers (wgmma_rs), not at SMALL_Q
+    QS_WORDS = 4 * KSTEPS_D if QS_REG else 1  # (their a fragments: 4 words a k-step)
+    SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT and not QS_REG else SMALL
     SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
     if TMA:   # the copy engine fills the stages; barriers after the tiles: full[s], empty[s], Q's
@@ -266,6 +271,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         pack_p = make_pack_a(DTYPE_NAME, KSTEPS_K)
     if WG_TF32:   # tf32: P V_j from V_j^T, K-major (keys contiguous: D_PAD rows of BLOCK_K values)
         wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), k_major_steps(NT_D * 8, KSTEPS_K))
+    if QS_REG:    # S's small-part product with Q's small parts as register a fragments
+        wgmma_qk_rs = make_wgmma("rs", DTYPE_NAME, BLOCK_K, (), k_major_steps(BLOCK_K, KSTEPS_D))
     if TMA:
         tma = tma_primitives()
         mbar_init, mbar_fence_init, mbar_wait, mbar_arrive = (
@@ -585,9 +592,29 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 smem[Q_OFF + i] = round_bits(smem[Q_OFF + i])
 
     @device_function
-    def score_tile_wgmma_tf32(smem, base, q_bytes, s_reg):
+    def split_q_fragments(smem, warp, g, t, q_small_a):
+        """``QS_REG``: this thread's a-fragment words of Q (rows ``16 warp + g (+ 8)``, columns ``8 ks + t (+ 4)``;
+        each word of the tile is one thread's) -> their big parts in place, their small parts into
+        ``q_small_a`` (4 a k-step); the caller's fence and barrier hand the big parts to the tensor cores.
+        In the 128-byte swizzle (``swizzled_offset``, 32 words a row, 4 a chunk) column ``8 ks + t + 4 h`` of row
+        ``r`` is word ``t`` of chunk ``(2 ks + h) % 8 ^ r % 8`` of block ``ks // 4``; rows ``r``, ``r + 8`` share
+        ``r % 8``."""
+        r = 16 * warp + g
+        row_word = Q_OFF + 32 * r + t
+        for ks in range(KSTEPS_D):
+            for h in range(2):
+                i = row_word + (ks // 4) * (32 * BLOCK_Q) + 4 * (((2 * ks + h) % 8) ^ (r % 8))
+                smem[i], q_small_a[4 * ks + 2 * h] = split_bits(smem[i])
+                smem[i + 256], q_small_a[4 * ks + 2 * h + 1] = split_bits(smem[i + 256])
+
+    @device_function
+    def score_tile_wgmma_tf32(smem, base, q_bytes, s_reg, q_small_a):
         """S = Q K_j^T on tf32 wgmma; SPLIT: the small parts' products first, then the big parts'."""
-        if SPLIT:
+        if QS_REG:
+            wgmma_qk_rs(s_reg, q_small_a, smem, 4 * base, 0)
+            wgmma_qk(s_reg, smem, q_bytes, 4 * (base + K_SMALL), 1)
+            wgmma_qk(s_reg, smem, q_bytes, 4 * base, 1)
+        elif SPLIT:
             wgmma_qk(s_reg, smem, q_bytes + 4 * (SMALL_Q - Q_OFF), 4 * base, 0)
             wgmma_qk(s_reg, smem, q_bytes, 4 * (base + K_SMALL), 1)
             wgmma_qk(s_reg, smem, q_bytes, 4 * base, 1)
@@ -595,10 +622,26 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             wgmma_qk(s_reg, smem, q_bytes, 4 * base, 0)
 
     @device_function
+    def split_p(s_reg, p_all, which):
+        """``QS_REG``: P's a fragments from S's accumulators (keys relabelled as V_j^T's): part ``which`` of each
+        value's split (0 big, 1 small)."""
+        for kk in range(KSTEPS_K):
+            for e in range(4):
+                p_all[4 * kk + e] = split_value(s_reg[0, kk, (e % 2) * 2 + e // 2])[which]
+
+    @device_function
     def pv_tile_wgmma_tf32(smem, base, s_reg, p_all, p_small, acc, part):
         """acc += P V_j on tf32 wgmma, P's a fragments from S's accumulators (keys relabelled as V_j^T's), rounded
         or split; SPLIT: the three products into a zeroed partial added to ``acc`` by round-to-nearest adds (as
-        ``pv_tile_tf32``'s per k-step; here per tile)."""
+        ``pv_tile_tf32``'s per k-step; here per tile); ``QS_REG``: into ``acc``, P's small parts and then its big
+        parts in the same registers (``p_all``)."""
+        if QS_REG:
+            split_p(s_reg, p_all, 1)
+            wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
+            split_p(s_reg, p_all, 0)
+            wgmma_pv(acc, p_all, smem, 4 * (base + VT_SMALL), 1)
+            wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
+            return
         for kk in range(KSTEPS_K):
             for e in range(4):
                 x = s_reg[0, kk, (e % 2) * 2 + e // 2]
@@ -686,8 +729,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         s_reg = cuda.local.array((MT, NT_K, 4), F32)             # S, then P, of the key tile
         p_reg = cuda.local.array((MT, 4), np.uint32)             # P's a fragments of one k-step
         p_all = cuda.local.array(P_ALL, np.uint32)              # WGMMA: P's a fragments of every k-step
-        p_all_s = cuda.local.array(P_ALL if WG_TF32 and SPLIT else 1, np.uint32)   # WG_TF32: their small parts
-        wpart = cuda.local.array((1, NT_D if WG_TF32 and SPLIT else 1, 4), F32)   # and P V_j's partial
+        p_all_s = cuda.local.array(P_ALL if WG_TF32 and SPLIT and not QS_REG else 1, np.uint32)   # their small parts
+        wpart = cuda.local.array((1, NT_D if WG_TF32 and SPLIT and not QS_REG else 1, 4), F32)   # P V_j's partial
+        q_small_a = cuda.local.array(QS_WORDS, np.uint32)        # QS_REG: Q's small parts
         q_bytes = 4 * Q_OFF + (warp // 4) * 64 * SWIZZLE_BYTES   # WGMMA: this warpgroup's 64 rows of the Q tile
         acc = cuda.local.array((MT, NT_D, 4), F32)               # O_i, unnormalised
         m_i = cuda.local.array(ROWS, F32)  # row 2 m + r: running max (base-2 units)
@@ -752,7 +796,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 if i == 0:
                     mbar_wait(smem, Q_FULL, 0)
                 mbar_wait(smem, FULL + 8 * buf, (i // STAGES) % 2)   # K_j, V_j have landed in stage buf
-                if WG_TF32 and i == 0:                       # Q's tf32 parts, once
+                if QS_REG and i == 0:                        # Q's tf32 parts, once: the small ones kept
+                    split_q_fragments(smem, warp, g, t, q_small_a)
+                elif WG_TF32 and i == 0:
                     prepare_q_tf32(smem, tid)
                 if VARLEN and k0 + BLOCK_K > seqlen_k:       # the next sequence's values past this one's end
                     zero_rows_past(smem, buf * STAGE_WORDS + V_OFF, seqlen_k - k0, tid)
@@ -778,7 +824,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 cuda.syncthreads()
 
             if WG_TF32:                                                                    # S = Q K_j^T
-                score_tile_wgmma_tf32(smem, base, q_bytes, s_reg)
+                score_tile_wgmma_tf32(smem, base, q_bytes, s_reg, q_small_a)
             elif WGMMA:
                 wgmma_qk(s_reg, smem, q_bytes, 4 * base, 0)
             else:

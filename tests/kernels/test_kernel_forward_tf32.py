@@ -118,6 +118,7 @@ def test_wgmma_tf32_within_the_bound_of_its_precision(precision, p):
     check_forward(expected(p, backward=False) if precision == "highest" else _high_expected(p), out, lse)
     a, kw = built[-1]
     assert a[3] == "float32" and kw["WGMMA"] and kw["TF32X3"] == (precision == "highest"), built[-1]
+    assert kw.get("QS_REG", False) == (precision == "highest" and plan.WGMMA_TF32_QS_REG), built[-1]
 
 
 def test_precision_is_checked_forward_and_backward():
