@@ -189,7 +189,8 @@ def _forward_tc_launch(call, bq, bk, tma):
         return None
     d = call.headdim
     if _hopper(call):
-        mt, qs, extra = 1, True, {"WGMMA": True, "TMA": tma, **_wgmma_tf32_keywords(call.dtype, call.precision)}
+        mt, qs, extra = 1, True, {"WGMMA": True, "TMA": tma,
+                                  **_wgmma_tf32_keywords(call.dtype, call.precision, call.headdim)}
     else:
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
@@ -424,17 +425,25 @@ _WGMMA_SIM_TILES = (64, 16)
 # parts fill shared memory); "high" 6.84x / 5.41x at 64 (128 x 128), 5.60x / 4.36x at 128 (128 x 64)
 _WGMMA_TF32_TILES = {"highest": ((64, (128, 64)), (128, (64, 32))), "high": ((64, (128, 128)), (128, (128, 64)))}
 WGMMA_TF32 = True
-# "highest" with Q's small parts in registers (``make_forward_tc(QS_REG=True)``: S's small-part product from
-# registers, P V_j's products straight into acc): Q's tile no longer needs twice its shared memory, so two
-# warpgroups (128 x 32) fit at head dim 128
+# "highest" above head dim 64 with Q's small parts in registers (``make_forward_tc(QS_REG=True)``: S's small-part
+# product from registers, P V_j's partial by halves of the dims): Q's tile no longer needs twice its shared memory,
+# so two warpgroups (128 x 32) fit at head dim 128.  At 64 it measured no faster (H100, N 4096, into acc without
+# the partial: 3.09x against 3.08x SDPA memory-efficient) with 52-74 more registers, so it starts above 64
 WGMMA_TF32_QS_REG = True
-_WGMMA_TF32_QS_TILES = ((64, (128, 64)), (128, (128, 32)))
+WGMMA_TF32_QS_MIN_HEADDIM = 65
+_WGMMA_TF32_QS_TILES = ((128, (128, 32)),)
 
 
-def _wgmma_tf32_keywords(dtype, precision):
-    """The Hopper forward's float32 keywords: ``_tf32_keywords``, and ``QS_REG`` at "highest" (``WGMMA_TF32_QS_REG``)."""
+def _qs_reg(dtype, precision, headdim):
+    """Whether the Hopper tf32 forward keeps Q's small parts in registers (``WGMMA_TF32_QS_REG``)."""
+    return (dtype == "float32" and precision == "highest" and WGMMA_TF32_QS_REG
+            and WGMMA_TF32_QS_MIN_HEADDIM <= headdim <= 128)
+
+
+def _wgmma_tf32_keywords(dtype, precision, headdim):
+    """The Hopper forward's float32 keywords: ``_tf32_keywords``, and ``QS_REG`` where ``_qs_reg``."""
     kw = _tf32_keywords(dtype, precision)
-    if dtype == "float32" and precision == "highest" and WGMMA_TF32_QS_REG:
+    if _qs_reg(dtype, precision, headdim):
         kw["QS_REG"] = True
     return kw
 
@@ -462,7 +471,7 @@ def default_wgmma_tiles(headdim, block_q=None, block_k=None, dtype="float16", pr
         bq, bk = _WGMMA_SIM_TILES
     else:
         table = _WGMMA_TF32_TILES[precision] if dtype == "float32" else _WGMMA_TILES
-        if dtype == "float32" and precision == "highest" and WGMMA_TF32_QS_REG:
+        if _qs_reg(dtype, precision, headdim):
             table = _WGMMA_TF32_QS_TILES
         bq, bk = next(tiles for max_d, tiles in table if headdim <= max_d)
     return block_q or bq, block_k or bk
@@ -507,7 +516,8 @@ WGMMA_AUTO_MIN_HEADDIM = 64
 def wgmma_shared_bytes(block_q, block_k, headdim, dtype="float16", precision="highest"):
     """Dynamic shared memory per block of the Hopper forward."""
     return make_forward_tc(block_q, block_k, headdim, "float32" if dtype == "float32" else "float16", True, 1, True,
-                           *([False] * 7), WGMMA=True, TMA=WGMMA_TMA, **_wgmma_tf32_keywords(dtype, precision))[1]
+                           *([False] * 7), WGMMA=True, TMA=WGMMA_TMA,
+                           **_wgmma_tf32_keywords(dtype, precision, headdim))[1]
 
 
 def _layout_refusal(layout):

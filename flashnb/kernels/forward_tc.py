@@ -181,8 +181,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     after it lands; S and P V_j as three products each, P V_j's into a per-tile partial (docs/notes/hopper.md,
     steps 8 and 10).  ``QS_REG`` (with ``WG_TF32`` and ``TF32X3``): Q's small parts in registers, as the a
     fragments of ``S``'s small-part product (``wgmma_rs``; 4 words a k-step, 64 at head dim 128), not in
-    shared memory, so two warpgroups' Q fits beside two stages at head dim 128; P V_j's three products then
-    accumulate into ``acc`` itself (the partial's registers are Q's).
+    shared memory, so two warpgroups' Q fits beside two stages at head dim 128; P V_j's partial then covers
+    half the dims at a time (its other half of registers are Q's).
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
@@ -224,6 +224,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     SMALL_Q = SMALL if WG_TF32 else SMALL + 2 * TILE   # (WG_TF32: K_j's, V_j^T's small parts are in the stages)
     QS_REG = QS_REG and WG_TF32 and SPLIT    # Q's small parts in registers (wgmma_rs), not at SMALL_Q
     QS_WORDS = 4 * KSTEPS_D if QS_REG else 1  # (their a fragments: 4 words a k-step)
+    HALF_D = NT_D * 4                         # QS_REG: P V_j's partial covers half of the (padded) dims
+    PART_NT = NT_D // 2 if QS_REG else NT_D if WG_TF32 and SPLIT else 1   # the partial's n-tiles
     SMEM_WORDS = SMALL_Q + Q_WORDS if SPLIT and not QS_REG else SMALL
     SCRATCH = NTHREADS * 2 * MT if SIMULATOR else 0  # the quad reduction's scratch (simulator only), after the tiles
     SHARED_BYTES = (SMEM_WORDS + SCRATCH) * 4
@@ -271,8 +273,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         pack_p = make_pack_a(DTYPE_NAME, KSTEPS_K)
     if WG_TF32:   # tf32: P V_j from V_j^T, K-major (keys contiguous: D_PAD rows of BLOCK_K values)
         wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), k_major_steps(NT_D * 8, KSTEPS_K))
-    if QS_REG:    # S's small-part product with Q's small parts as register a fragments
+    if QS_REG:    # S's small-part product with Q's small parts as register a fragments; P V_j by halves of the dims
         wgmma_qk_rs = make_wgmma("rs", DTYPE_NAME, BLOCK_K, (), k_major_steps(BLOCK_K, KSTEPS_D))
+        wgmma_pv_half = make_wgmma("rs", DTYPE_NAME, HALF_D, (), k_major_steps(NT_D * 8, KSTEPS_K))
     if TMA:
         tma = tma_primitives()
         mbar_init, mbar_fence_init, mbar_wait, mbar_arrive = (
@@ -634,13 +637,20 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         """acc += P V_j on tf32 wgmma, P's a fragments from S's accumulators (keys relabelled as V_j^T's), rounded
         or split; SPLIT: the three products into a zeroed partial added to ``acc`` by round-to-nearest adds (as
         ``pv_tile_tf32``'s per k-step; here per tile); ``QS_REG``: into ``acc``, P's small parts and then its big
-        parts in the same registers (``p_all``)."""
+        parts in the same registers (``p_all``), into a partial of half the dims at a time, added to ``acc`` by
+        round-to-nearest adds (the tensor cores' accumulation truncates: into ``acc`` itself, measured 8-16x the
+        SIMT kernels' error)."""
         if QS_REG:
-            split_p(s_reg, p_all, 1)
-            wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
-            split_p(s_reg, p_all, 0)
-            wgmma_pv(acc, p_all, smem, 4 * (base + VT_SMALL), 1)
-            wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
+            for half in range(2):                # (a partial of half the dims: its registers are Q's)
+                dims = half * HALF_D * SWIZZLE_BYTES             # V_j^T's rows of these dims
+                split_p(s_reg, p_all, 1)
+                wgmma_pv_half(part, p_all, smem, 4 * (base + V_OFF) + dims, 0)
+                split_p(s_reg, p_all, 0)
+                wgmma_pv_half(part, p_all, smem, 4 * (base + VT_SMALL) + dims, 1)
+                wgmma_pv_half(part, p_all, smem, 4 * (base + V_OFF) + dims, 1)
+                for n in range(NT_D // 2):
+                    for e in range(4):
+                        acc[0, half * (NT_D // 2) + n, e] += part[0, n, e]
             return
         for kk in range(KSTEPS_K):
             for e in range(4):
@@ -730,7 +740,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         p_reg = cuda.local.array((MT, 4), np.uint32)             # P's a fragments of one k-step
         p_all = cuda.local.array(P_ALL, np.uint32)              # WGMMA: P's a fragments of every k-step
         p_all_s = cuda.local.array(P_ALL if WG_TF32 and SPLIT and not QS_REG else 1, np.uint32)   # their small parts
-        wpart = cuda.local.array((1, NT_D if WG_TF32 and SPLIT and not QS_REG else 1, 4), F32)   # P V_j's partial
+        wpart = cuda.local.array((1, PART_NT, 4), F32)           # WG_TF32 and SPLIT: P V_j's partial
         q_small_a = cuda.local.array(QS_WORDS, np.uint32)        # QS_REG: Q's small parts
         q_bytes = 4 * Q_OFF + (warp // 4) * 64 * SWIZZLE_BYTES   # WGMMA: this warpgroup's 64 rows of the Q tile
         acc = cuda.local.array((MT, NT_D, 4), F32)               # O_i, unnormalised

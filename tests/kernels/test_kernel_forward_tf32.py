@@ -104,21 +104,43 @@ WG_TILES = st.just((64, 16)) if SIMULATOR else st.sampled_from([(None, None), (6
 WG_HEADDIMS = (4, 8, 12, 36) if SIMULATOR else (4, 32, 64, 100, 128)
 
 
-@pytest.mark.parametrize("precision", plan.PRECISIONS)
+@pytest.mark.parametrize("precision, qs_min", [("highest", 0), ("highest", 65), ("high", 65)])
 @settings(max_examples=examples(2, 10), deadline=None)
 @given(p=kernel_problems(dtypes=(np.float32,), tiles=WG_TILES, headdims=WG_HEADDIMS, max_seqlen=MAX_SEQLEN))
-def test_wgmma_tf32_within_the_bound_of_its_precision(precision, p):
+def test_wgmma_tf32_within_the_bound_of_its_precision(precision, qs_min, p):
+    """``qs_min``: the head dims from which "highest" keeps Q's small parts in registers (``QS_REG``; 0: every
+    head dim, as the simulator's small ones stand for the GPU's above 64)."""
     built = []
     real = plan.make_forward_tc
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plan, "WGMMA_TF32", True)
+        mp.setattr(plan, "WGMMA_TF32_QS_MIN_HEADDIM", qs_min)
         mp.setattr(plan, "make_forward_tc", lambda *a, **kw: (built.append((a, kw)), real(*a, **kw))[1])
         _dispatch.clear()
         out, lse = kernel_forward(p, backend="wgmma", precision=precision)
     check_forward(expected(p, backward=False) if precision == "highest" else _high_expected(p), out, lse)
     a, kw = built[-1]
     assert a[3] == "float32" and kw["WGMMA"] and kw["TF32X3"] == (precision == "highest"), built[-1]
-    assert kw.get("QS_REG", False) == (precision == "highest" and plan.WGMMA_TF32_QS_REG), built[-1]
+    assert kw.get("QS_REG", False) == (precision == "highest" and qs_min <= p.q.shape[3] <= 128), built[-1]
+
+
+def test_wgmma_tf32_q_small_parts_in_registers_every_dim():
+    """``QS_REG`` at a head dim whose dims fill both halves of P V_j's partial (36 of the padded 64 in the
+    simulator, 128 on a GPU), causal over a key tail: every output dim against the oracle."""
+    d, bq, bk = (36, 64, 16) if SIMULATOR else (128, 128, 32)
+    rng = np.random.default_rng(36)
+    q, k, v = (rng.standard_normal((1, n, 2, d)).astype(np.float32) for n in (40, 45, 45))
+    p = S.Problem(q, k, v, np.ones_like(q), {"causal": True}, bq, bk)
+    built = []
+    real = plan.make_forward_tc
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "WGMMA_TF32", True)
+        mp.setattr(plan, "WGMMA_TF32_QS_MIN_HEADDIM", 0)
+        mp.setattr(plan, "make_forward_tc", lambda *a, **kw: (built.append(kw), real(*a, **kw))[1])
+        _dispatch.clear()
+        out, lse = kernel_forward(p, backend="wgmma", precision="highest")
+    assert built[-1].get("QS_REG"), built[-1]
+    check_forward(expected(p, backward=False), out, lse)
 
 
 def test_precision_is_checked_forward_and_backward():
