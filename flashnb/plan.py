@@ -422,13 +422,18 @@ _WGMMA_SIM_TILES = (64, 16)
 # V^T made once per call by a pre-pass: measured on the H100 (bench/results/h100-tf32-wgmma-2026-11-26.md,
 # tools.tune_tc --dtype float32 --backend wgmma, N 4096, against SDPA's memory-efficient backend, non-causal /
 # causal): "highest" 3.03x / 2.68x at head dim 64 (128 x 64), 1.42x / 1.30x at 128 (64 x 32: 3xTF32's small
-# parts fill shared memory); "high" 6.84x / 5.41x at 64 (128 x 128), 5.60x / 4.36x at 128 (128 x 64)
+# parts fill shared memory; with Q's in registers, below, 128 x 32); "high" 6.84x / 5.41x at 64 (128 x 128),
+# 5.60x / 4.36x at 128 (128 x 64)
 _WGMMA_TF32_TILES = {"highest": ((64, (128, 64)), (128, (64, 32))), "high": ((64, (128, 128)), (128, (128, 64)))}
 WGMMA_TF32 = True
 # "highest" above head dim 64 with Q's small parts in registers (``make_forward_tc(QS_REG=True)``: S's small-part
 # product from registers, P V_j's partial by halves of the dims): Q's tile no longer needs twice its shared memory,
-# so two warpgroups (128 x 32) fit at head dim 128.  At 64 it measured no faster (H100, N 4096, into acc without
-# the partial: 3.09x against 3.08x SDPA memory-efficient) with 52-74 more registers, so it starts above 64
+# so two warpgroups (128 x 32) fit at head dim 128.  Measured on the H100 (bench/results/h100-tf32-wgmma-2026-11-26.md,
+# python -m bench --dtype float32, N 2048 / 4096, against SDPA's memory-efficient backend): forward 1.90x / 2.10x
+# (causal 1.53x / 1.80x) against 64 x 32's 1.33x / 1.42x (1.18x / 1.30x), 0.51-0.92x the SIMT kernels' error
+# (python -m tools.tf32_error; P V_j straight into acc: 8-16x), 255 registers and 120-136 bytes of spills.  At
+# 64 it measured no faster (3.09x against 3.08x at N 4096, without the partial) with 52-74 more registers, so
+# it starts above 64
 WGMMA_TF32_QS_REG = True
 WGMMA_TF32_QS_MIN_HEADDIM = 65
 _WGMMA_TF32_QS_TILES = ((128, (128, 32)),)
