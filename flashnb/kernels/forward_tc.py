@@ -608,7 +608,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             for h in range(2):
                 i = row_word + (ks // 4) * (32 * BLOCK_Q) + 4 * (((2 * ks + h) % 8) ^ (r % 8))
                 smem[i], q_small_a[4 * ks + 2 * h] = split_bits(smem[i])
-                smem[i + 256], q_small_a[4 * ks + 2 * h + 1] = split_bits(smem[i + 256])
+                j = i + 8 * 32                                   # (row r + 8)
+                smem[j], q_small_a[4 * ks + 2 * h + 1] = split_bits(smem[j])
 
     @device_function
     def score_tile_wgmma_tf32(smem, base, q_bytes, s_reg, q_small_a):
@@ -636,10 +637,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     def pv_tile_wgmma_tf32(smem, base, s_reg, p_all, p_small, acc, part):
         """acc += P V_j on tf32 wgmma, P's a fragments from S's accumulators (keys relabelled as V_j^T's), rounded
         or split; SPLIT: the three products into a zeroed partial added to ``acc`` by round-to-nearest adds (as
-        ``pv_tile_tf32``'s per k-step; here per tile); ``QS_REG``: into ``acc``, P's small parts and then its big
-        parts in the same registers (``p_all``), into a partial of half the dims at a time, added to ``acc`` by
-        round-to-nearest adds (the tensor cores' accumulation truncates: into ``acc`` itself, measured 8-16x the
-        SIMT kernels' error)."""
+        ``pv_tile_tf32``'s per k-step; here per tile); ``QS_REG``: P's small and then big parts in one register
+        set (``p_all``), the three products into a partial of half the dims at a time, each half added to ``acc``
+        by round-to-nearest adds (the tensor cores' accumulation truncates: accumulated into ``acc`` itself the
+        error measured 8-16x the SIMT kernels')."""
         if QS_REG:
             for half in range(2):                # (a partial of half the dims: its registers are Q's)
                 dims = half * HALF_D * SWIZZLE_BYTES             # V_j^T's rows of these dims
