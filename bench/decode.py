@@ -7,8 +7,9 @@ keys, dense caches and paged ones (page 256, pages in random order).  Rows:
   by the heuristic; ``flashnb (seqlens tensor)``: the dense call with ``cache_seqlens`` a CUDA int32 tensor;
   paged calls pass ``block_table`` and ``cache_seqlens`` as CUDA tensors (an int ``cache_seqlens`` before
   2026-11-26).  With device metadata a call replays its signature's recorded launches (flashnb's dispatch
-  cache, from 2026-11-26): the host time of a decode loop's step; an int takes the full path every call.  Device metadata is checked by the kernels, never copied
-  to the host (no sync; before 2026-11-26 each such call synchronised on a host copy).  ``flashnb (pages in
+  cache, from 2026-11-26): the host time of a decode loop's step; an int takes the full path every call.
+  Device metadata is checked by the kernels, never copied to the host (no sync; before 2026-11-26 each such
+  call synchronised on a host copy).  ``flashnb (pages in
   order)``: the dense cache's own memory read as pages through a block table ``0, 1, 2, ..``: the paged
   kernel at the dense row's addresses, which separates the cost of the table from that of scattered pages.
 * ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` under one backend, with the 4 query heads

@@ -319,8 +319,9 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     per step for the same arithmetic -- a stage that lies wholly before ``hi``, and paged within one page,
     takes each thread's cp.async sources from one offset per tile (paged: one block-table load) and a
     constant step per copy; only the last stage clamps, paged also a stage across pages, ``exp2`` as one
-    ``ex2.approx.ftz`` (``_mma.exp2_ftz``: no denormal fix-up around it), the key-range mask only on the first and last steps, one warp-uniform rescale branch for
-    all rows, and the stage ring stepped instead of taken modulo ``STAGES``.
+    ``ex2.approx.ftz`` (``_mma.exp2_ftz``: no denormal fix-up around it), the key-range mask only on the first
+    and last steps, one warp-uniform rescale branch for all rows, and the stage ring stepped instead of taken
+    modulo ``STAGES``.
     """
     SIXTEEN = DTYPE_NAME in ("float16", "bfloat16")
     EPW = 2 if SIXTEEN else 1                 # values per 32-bit word
