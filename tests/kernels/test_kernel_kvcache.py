@@ -247,7 +247,7 @@ def test_paged_stages_within_and_across_pages(dtype):
     want_out, _, want_kc, want_vc = oracle(c)
     wide = [np.concatenate([x, np.full(x.shape[:-1] + (pad,), np.nan, dtype)], -1) for x in (c.k_cache, c.v_cache)]
     kc, vc = (cuda.to_device(x)[:, :, :, :headdim] for x in wide)
-    for splits in (1, 6):            # 6 splits of 4 pages: splits of 3 steps, half of them cross a page
+    for splits in (1, 6):            # 6 splits: their steps start off the steps' page boundaries, some crossing one
         out, lse = flashnb.flash_attn_with_kvcache(cuda.to_device(c.q), kc, vc, cache_seqlens=c.cache_seqlens,
                                                    block_table=c.block_table, num_splits=splits,
                                                    return_softmax_lse=True)
