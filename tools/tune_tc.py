@@ -213,7 +213,7 @@ def _sweep_bwd_configs(args, dtype, rows, make_dkdv_tc):
             # the plan's choices (each consults the others) for what the configuration leaves out
             plan.tc_bwd_dim_split, plan.tc_bwd_key_tiles, plan.tc_bwd_share = default_split, default_mtk, default_share
             ds = cfg[2] if len(cfg) > 2 else default_split(bq, bk, d)
-            mtk = cfg[3] if len(cfg) > 3 else default_mtk(bq, bk, d)
+            mtk = 1 if f32 else cfg[3] if len(cfg) > 3 else default_mtk(bq, bk, d)   # (float32: always one)
             sh = bool(cfg[4]) if len(cfg) > 4 else default_share(bq, bk, d) and ds == 2
             plan.tc_bwd_dim_split = lambda block_q, block_k, headdim, ds=ds: ds   # the variant under test
             plan.tc_bwd_key_tiles = lambda block_q, block_k, headdim, mtk=mtk: mtk
