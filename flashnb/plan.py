@@ -194,7 +194,8 @@ def _forward_tc_launch(call, bq, bk, tma):
     else:
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
-                                            *_flag_args(call.flags), call.positive_scale, **_varlen(call), **extra)
+                                            *_flag_args(call.flags), call.positive_scale, **_varlen(call), **extra,
+                                            **_section(call))
     check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {d}")
     return Launch(kern, _query_tiles(call, bq), threads, shared)
 
@@ -211,6 +212,17 @@ def _varlen(call):
     """The kernel factories' ``VARLEN`` keyword for a packed batch; none for a dense one, so that the factories'
     ``lru_cache`` sees the same call as from everywhere else (one compiled kernel, not two)."""
     return {} if call.total_q is None else {"VARLEN": True}
+
+
+# the tensor-core kernels' blocks longest first on a window (causal) over a dense batch, in sections of this
+# many (head, batch) pairs (``_tiles.make_tile_order``); 0: tile fastest.  To be measured on the H100.
+LPT_SECTION = 8
+
+
+def _section(call):
+    """The tensor-core factories' ``SECTION`` keyword: ``LPT_SECTION`` where the blocks' work differs by tile (a
+    window, causal among them) in a dense batch; none elsewhere (the factories' ``lru_cache`` as in ``_varlen``)."""
+    return {"SECTION": LPT_SECTION} if LPT_SECTION and call.flags.has_window and call.total_q is None else {}
 
 
 def _rows(call):
@@ -253,14 +265,14 @@ def _backward_tc_plan(call, bq, bk):
     if call.seqlen_k > 0 and _hopper_backward(call, bk):
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
-                                             **_varlen(call))
+                                             **_varlen(call), **_section(call))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
         split, mtk, share = _tc_bwd_layout(bq, bk, d, call.dtype)
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
                                              split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
-                                             **_tf32_keywords(call.dtype, call.precision))
+                                             **_tf32_keywords(call.dtype, call.precision), **_section(call))
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     cast = None

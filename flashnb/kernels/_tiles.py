@@ -49,6 +49,35 @@ def tile_head_batch(n_tiles, nheads):
     return cuda.blockIdx.x - bh * n_tiles, bh - b * nheads, b
 
 
+def make_tile_order(SECTION=0, LAST_FIRST=False):
+    """``tile_head_batch``'s signature with the blocks dealt longest first (FlashAttention-3's LPT order): the
+    (head, batch) pairs in sections of ``SECTION``, a section's blocks tile by tile, each tile across the section's
+    pairs; ``LAST_FIRST`` counts the tiles from the last (a causal forward's longest query tiles are its last, a
+    causal dK/dV kernel's longest key tiles its first).  ``SECTION = 0``: ``tile_head_batch`` itself.
+
+    Why: with tile fastest a head's longest blocks start wherever the head starts, so the last heads' long blocks
+    start near the end of the grid and run on while the other SMs idle (a tail of 3-7% of a causal dK/dV kernel
+    that runs one block an SM, in a list-scheduling model of the benchmark shapes).  Dealt tile by tile across
+    the whole grid, every long block starts first, but a wave then holds one tile of every head, and the queries
+    (keys) each block sweeps do not fit in L2; a section of a few heads keeps the sweep's working set to those
+    heads."""
+    if not SECTION:
+        return tile_head_batch
+
+    @device_function
+    def section_tile_head_batch(n_tiles, nheads):
+        per = SECTION * n_tiles                               # blocks of a whole section
+        s = cuda.blockIdx.x // per
+        r = cuda.blockIdx.x - s * per
+        width = min(SECTION, cuda.gridDim.x // n_tiles - s * SECTION)   # (head, batch) pairs of this section
+        i = r // width
+        bh = s * SECTION + r - i * width
+        b = bh // nheads
+        return (n_tiles - 1 - i if LAST_FIRST else i), bh - b * nheads, b
+
+    return section_tile_head_batch
+
+
 @device_function
 def packed_tile_head_batch(cu_seqlens, nheads):
     """``tile_head_batch`` of a packed (varlen) batch: the grid is ``max_seqlen`` tiles x heads x sequences, the

@@ -46,7 +46,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
-from ._tiles import U, packed_tile_head_batch, sequence_span, tile_head_batch
+from ._tiles import U, make_tile_order, packed_tile_head_batch, sequence_span
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_window_helpers
 from .forward_tc import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
@@ -183,7 +183,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 @kernel_factory
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
-                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False):
+                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, SECTION=0):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -213,6 +213,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     buffer after the item's last barrier, and the copy two items ahead goes into it: the next item issues
     that copy after its first barrier (the deferred dQ, the default), or, with ``DEFER_DQ=False``, a barrier
     after dV, dK (dQ right after it) keeps them apart.
+
+    ``SECTION``: the blocks of a dense batch in ``_tiles.make_tile_order``'s longest-first order, the (key/value
+    head, batch) pairs in sections of ``SECTION``; 0: tile fastest.
 
     ``VARLEN``: a packed batch, as in ``forward.make_forward``: the blocks run over each sequence's key tiles;
     ``dq_accum`` stays the packed ``(1, total_q, nheads, headdim)`` accumulator, which ``dq_phase`` addresses
@@ -326,6 +329,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     query_tile_range = make_query_tile_range(BLOCK_Q)
+    tile_order = make_tile_order(SECTION)             # (a causal dK/dV kernel's longest key tiles are its first)
 
     if WGMMA:
         copy_kv = make_swizzled_tile_copy(BLOCK_K, D_WORDS, HEAD_WORDS, NTHREADS)
@@ -792,7 +796,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             off = n_k - n_q                               # bottom-right alignment per sequence
             dq_b, dq_row0 = 0, q_start                    # where query row i's dQ accumulates: [dq_b, dq_row0 + i]
         else:
-            kt, hk, b = tile_head_batch((k.shape[1] + BLOCK_K - 1) // BLOCK_K, k.shape[2])
+            kt, hk, b = tile_order((k.shape[1] + BLOCK_K - 1) // BLOCK_K, k.shape[2])
             dq_b, dq_row0 = b, 0
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]

@@ -35,7 +35,7 @@ from numba import cuda
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
 from ._scores import make_allowed_fn, make_score_fn, philox_keep
-from ._tiles import U, make_row_allreduce, packed_tile_head_batch, sequence_span, tile_head_batch
+from ._tiles import U, make_row_allreduce, make_tile_order, packed_tile_head_batch, sequence_span
 from ._tma import make_box_load, make_tile_load, tma_primitives
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
                      make_wgmma, mn_major_steps, swizzled_offset)
@@ -134,7 +134,7 @@ def make_swizzled_tile_copy(NROWS, ROW_WORDS, HEAD_WORDS, NTHREADS):
 @kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False, TF32X3=True,
-                    WGMMA=False, TMA=False, QS_REG=False):
+                    WGMMA=False, TMA=False, QS_REG=False, SECTION=0):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -144,7 +144,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     (the row max taken on the raw scores, ``p = exp2(s * scale_log2 - m_i)``: one FFMA per score
     instead of a multiply and a subtract).  (Two experiments measured slower and removed, with their
     records in docs/notes/tensorcore.md: the query tiles last first, ``LPT``, and the window mask by
-    32-bit compares, ``MASK32``.)  ``VARLEN``: a packed batch, as in ``forward.make_forward`` (the word
+    32-bit compares, ``MASK32``.)  ``SECTION``: a dense batch's blocks in ``_tiles.make_tile_order``'s longest-first
+    order, the query tiles last first across sections of ``SECTION`` (head, batch) pairs (0: tile fastest; the
+    ``LPT`` above ran each head's tiles last first, which leaves the last heads' long tiles at the grid's end).
+    ``VARLEN``: a packed batch, as in ``forward.make_forward`` (the word
     views' batch stride is 0, so the base offsets ``b * strides[0]`` vanish), but with each sequence's rows
     addressed from its first (``q_start``, ``k_start``) instead of sliced out: a slice of a C-contiguous array is
     an "A"-layout array whose every index pays for its strides (d = 64: 4368 SASS instructions and 64 / 112
@@ -292,6 +295,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     score = make_score_fn(F32, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    tile_order = make_tile_order(SECTION, LAST_FIRST=True)   # (a causal forward's longest query tiles: its last)
 
     @device_function
     def load_q_frags(q, b, h, row0, seqlen_q, t, q_reg, q_small, m, q_start):
@@ -707,7 +711,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             k_start, seqlen_k = sequence_span(cu_seqlens_k, b)
             off = seqlen_k - seqlen_q                     # bottom-right alignment per sequence
         else:
-            qt, h, b = tile_head_batch((q.shape[1] + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
+            qt, h, b = tile_order((q.shape[1] + BLOCK_Q - 1) // BLOCK_Q, q.shape[2])
             q_start, seqlen_q = 0, q.shape[1]
             k_start, seqlen_k = 0, k.shape[1]
         q0 = qt * BLOCK_Q
