@@ -195,7 +195,7 @@ def _forward_tc_launch(call, bq, bk, tma):
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
                                             *_flag_args(call.flags), call.positive_scale, **_varlen(call), **extra,
-                                            **_section(call))
+                                            **_section(call, LPT_SECTION_FWD))
     check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {d}")
     return Launch(kern, _query_tiles(call, bq), threads, shared)
 
@@ -215,14 +215,19 @@ def _varlen(call):
 
 
 # the tensor-core kernels' blocks longest first on a window (causal) over a dense batch, in sections of this
-# many (head, batch) pairs (``_tiles.make_tile_order``); 0: tile fastest.  To be measured on the H100.
-LPT_SECTION = 8
+# many (head, batch) pairs (``_tiles.make_tile_order``); 0: tile fastest.  Measured on the H100
+# (bench/results/h100-lpt-2026-11-26.md, python -m tools.lpt_ab, causal, 16-bit against SDPA's FlashAttention-2,
+# sections 0 / 4 / 8 / 16): forward+backward 0.947-0.981x -> 0.987-1.035x at d 64 and 128 (section 8), d 256
+# 0.873x -> 0.915x; the forward at d 64 N 4096 and d 256 4-10% less time with 4, but 3-5% more at d 128 with 8
+# or 16 (within 1% of tile fastest with 4)
+LPT_SECTION_FWD = 4
+LPT_SECTION_BWD = 8
 
 
-def _section(call):
-    """The tensor-core factories' ``SECTION`` keyword: ``LPT_SECTION`` where the blocks' work differs by tile (a
+def _section(call, section):
+    """The tensor-core factories' ``SECTION`` keyword: ``section`` where the blocks' work differs by tile (a
     window, causal among them) in a dense batch; none elsewhere (the factories' ``lru_cache`` as in ``_varlen``)."""
-    return {"SECTION": LPT_SECTION} if LPT_SECTION and call.flags.has_window and call.total_q is None else {}
+    return {"SECTION": section} if section and call.flags.has_window and call.total_q is None else {}
 
 
 def _rows(call):
@@ -265,14 +270,14 @@ def _backward_tc_plan(call, bq, bk):
     if call.seqlen_k > 0 and _hopper_backward(call, bk):
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
-                                             **_varlen(call), **_section(call))
+                                             **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
         split, mtk, share = _tc_bwd_layout(bq, bk, d, call.dtype)
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
                                              split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
-                                             **_tf32_keywords(call.dtype, call.precision), **_section(call))
+                                             **_tf32_keywords(call.dtype, call.precision), **_section(call, LPT_SECTION_BWD))
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     cast = None
@@ -310,6 +315,17 @@ WGMMA_BACKWARD_PACKED = True
 # computing S^T and dP^T, as the mma.sync kernel's pairs of warps): measured on the H100 (same record,
 # tools.tune_tc --pass bwd, N 4096, d 256) 7.21 / 4.04 ms against the mma.sync kernel's 7.45 / 4.09
 WGMMA_BACKWARD_256 = True
+
+
+# above head dim 128 the two warpgroups on the same keys each compute one of S^T, dP^T and swap them through shared
+# memory (``make_dkdv_tc(EXCHANGE=True)``) instead of both computing both (1.4x the five products' tensor work).  To
+# be measured on the H100.
+WGMMA_BACKWARD_EXCHANGE = True
+
+
+def _exchange(headdim):
+    """The Hopper dK/dV factory's ``EXCHANGE`` keyword where its warpgroups split the dims and the flag is on."""
+    return {"EXCHANGE": True} if WGMMA_BACKWARD_EXCHANGE and wgmma_bwd_dim_split(headdim) == 2 else {}
 
 
 def wgmma_bwd_dim_split(headdim):

@@ -183,7 +183,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 @kernel_factory
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
-                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, SECTION=0):
+                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -241,7 +241,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     accumulators are the m16n8 fragments the element-wise step reads now; ``S^T = K_j Q_i^T``, ``dP^T = V_j dO_i^T``
     with both operands from 128-byte-swizzled shared tiles (head dim padded to 64), ``dV += P_drop^T dO_i`` and
     ``dK += dS^T Q_i`` with P_drop^T, dS^T packed from the accumulators and dO_i, Q_i MN-major.  dQ keeps
-    ``mma.sync`` (``dq_phase``), reading K_j from a second, unswizzled copy.
+    ``mma.sync`` (``dq_phase``), reading K_j from a second, unswizzled copy.  ``EXCHANGE`` (with ``DSPLIT = 2``):
+    the first warpgroup computes S^T, the second dP^T, and each hands its product to the other through shared
+    memory (``exchange_products``; thread ``tid`` and ``tid + 128`` hold the same keys and queries), so each
+    product is computed once instead of twice.
 
     The kernel body is FA2's Algorithm 2 for one key tile; its steps are the helpers below (``scores_t``,
     ``plain_grad`` / ``option_grad``, ``dv_dk_tile``, ``dq_phase``, ``store_dk_dv``).  (The timing ablations
@@ -297,6 +300,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     if WGMMA:                                # a second copy of K_j with padded rows (ldmatrix.trans, no swizzle)
         KD_OFF, KD_STRIDE = SMEM_WORDS, tc_padded_words(D_WORDS)
         SMEM_WORDS = KD_OFF + BLOCK_K * KD_STRIDE
+    EXCHANGE = EXCHANGE and WGMMA and DSPLIT == 2
+    X_WORDS = 4 * NT_QA * 128                # EXCHANGE: one warpgroup's S^T or dP^T, [element][thread]
+    X_OFF = SMEM_WORDS                       # the first warpgroup's S^T at X_OFF, the second's dP^T after it
+    if EXCHANGE:
+        SMEM_WORDS = X_OFF + 2 * X_WORDS
     SHARED_BYTES = SMEM_WORDS * 4
     A_ALL = 4 * KSTEPS_Q if WGMMA else 1     # WGMMA: words of P_drop^T's (dS^T's) a fragments, every k-step
     LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
@@ -566,6 +574,26 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
                 for m in range(MTK):
                     mma_pair(fb, m, b0, b1, b2, b3, dk_acc, n)
+
+    @device_function
+    def exchange_products(fsmem, s_reg, dp_reg, first):
+        """EXCHANGE: this thread's product (S^T in the first warpgroup, dP^T in the second, both in ``s_reg``) to
+        shared memory, a barrier, and the other warpgroup's product from the thread with the same fragments:
+        then ``s_reg`` holds S^T and ``dp_reg`` dP^T in both.  (The slots are next read after the item's dQ
+        barrier, so the next item's stores cannot overtake these loads.)"""
+        lane128 = cuda.threadIdx.x % 128
+        mine = X_OFF + lane128 + (0 if first else X_WORDS)
+        theirs = X_OFF + lane128 + (X_WORDS if first else 0)
+        for n in range(NT_QA):
+            for e in range(4):
+                fsmem[U(mine + 128 * (4 * n + e))] = s_reg[0, n, e]
+        cuda.syncthreads()
+        for n in range(NT_QA):
+            for e in range(4):
+                x = fsmem[U(theirs + 128 * (4 * n + e))]
+                own = s_reg[0, n, e]
+                s_reg[0, n, e] = own if first else x
+                dp_reg[0, n, e] = x if first else own
 
     @device_function
     def dv_dk_tile_wgmma(smem, qb, db, part_bytes, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc):
@@ -912,6 +940,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
             if TF32:                                                            # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
                 scores_t_tf32(smem, qb, db, a_lane, b_lane, fa, fb, fa_s, fb_s, s_reg, dp_reg)
+            elif WGMMA and EXCHANGE:                    # one product per warpgroup, then swapped
+                first_wg = warp < KW
+                wgmma_t(s_reg, smem, (4 * K_OFF if first_wg else 4 * V_OFF) + wg_rows, 4 * qb if first_wg else 4 * db,
+                        0)
+                exchange_products(fsmem, s_reg, dp_reg, first_wg)
             elif WGMMA:
                 wgmma_t(s_reg, smem, 4 * K_OFF + wg_rows, 4 * qb, 0)
                 wgmma_t(dp_reg, smem, 4 * V_OFF + wg_rows, 4 * db, 0)
