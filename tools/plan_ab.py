@@ -2,7 +2,8 @@
 (``plan.LPT_SECTION_FWD`` / ``LPT_SECTION_BWD``), the Hopper dK/dV kernel's ``WGMMA_BACKWARD_EXCHANGE``, ...
 
     python -m tools.plan_ab --settings "LPT_SECTION_FWD=0 LPT_SECTION_BWD=0;LPT_SECTION_FWD=4 LPT_SECTION_BWD=8"
-                            [--cases float16:64:4096,float32:128:4096] [--causal true|false|both] [--rounds 2]
+                            [--cases float16:64:4096,float32:128:4096] [--causal true|false|both] [--rounds 4]
+                            [--passes fwd,fwdbwd]
     python -m tools.plan_ab --warm "SETTING" [--cases ...]   (compile one setting's kernels into the disk cache)
 
 (a setting: space-separated ``NAME=INT`` assignments of ``flashnb.plan``'s module constants; settings separated by
@@ -11,8 +12,10 @@ dim = 2048; float32 at ``precision="highest"``) and each setting, the forward an
 ``flashnb.flash_attention`` / ``flash_attention_backward`` (``backend="auto"``; float32 ``"wgmma"``: the Hopper
 tf32 forward and the ``mma.sync`` tf32 backward, as the bench's ``flashnb-wgmma-tf32-highest``; or ``--backend``),
 timed by ``tune_simt._time`` (calls queued between CUDA events, inputs rotated over four sets); SDPA's
-FlashAttention-2 backend (16-bit) or memory-efficient one (float32) in the same process.  The settings alternate
-within each round, so that clock and thermal drift fall on all alike; each cell is the median over rounds.
+FlashAttention-2 backend (16-bit) or memory-efficient one (float32) in the same process.  Each round times SDPA,
+then every setting, in turn, in the given order in even rounds and the reverse in odd ones: the setting timed
+first in a round measured up to 6% faster than an identical kernel timed after it (non-causal forwards, which no
+setting here changes); each cell is the median over rounds (use an even number).
 ``--warm`` runs each case once at a small N with one setting, so that several processes can fill the disk cache
 at once before the timed run.
 """
@@ -80,7 +83,8 @@ def main(argv=None):
                                        "float32:128:2048,float32:128:4096")
     ap.add_argument("--causal", choices=("true", "false", "both"), default="true")
     ap.add_argument("--backend", default=None, help="flashnb's backend (default: auto; float32: wgmma)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--warm", action="store_true", help="compile the first setting's kernels, time nothing")
     args = ap.parse_args(argv)
     cases = [(dt, int(d), int(n)) for dt, d, n in (c.split(":") for c in args.cases.split(","))]
@@ -107,10 +111,13 @@ def main(argv=None):
             mine = _flashnb_calls(dt, backend(dt), causal)
             theirs = _sdpa_calls(dt, causal)
             for which, name in ((0, "fwd"), (1, "fwd+bwd")):
+                if ("fwd", "fwdbwd")[which] not in args.passes.split(","):
+                    continue
                 base, got = [], [[] for _ in settings]
-                for _ in range(args.rounds):
+                for r in range(args.rounds):
                     base.append(_time(theirs[which], sets))
-                    for i, setting in enumerate(settings):
+                    order = list(enumerate(settings))
+                    for i, setting in (order if r % 2 == 0 else order[::-1]):
                         _apply(setting)
                         got[i].append(_time(mine[which], sets))
                 b = statistics.median(base)
