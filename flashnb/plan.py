@@ -190,7 +190,8 @@ def _forward_tc_launch(call, bq, bk, tma):
     d = call.headdim
     if _hopper(call):
         mt, qs, extra = 1, True, {"WGMMA": True, "TMA": tma,
-                                  **_wgmma_tf32_keywords(call.dtype, call.precision, call.headdim)}
+                                  **_wgmma_tf32_keywords(call.dtype, call.precision, call.headdim),
+                                  **_two_blocks(call, bq)}
     else:
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
@@ -216,11 +217,12 @@ def _varlen(call):
 
 # the tensor-core kernels' blocks longest first on a window (causal) over a dense batch, in sections of this
 # many (head, batch) pairs (``_tiles.make_tile_order``); 0: tile fastest.  Measured on the H100
-# (bench/results/h100-lpt-2026-11-26.md, python -m tools.lpt_ab, causal, 16-bit against SDPA's FlashAttention-2,
-# sections 0 / 4 / 8 / 16): forward+backward 0.947-0.981x -> 0.987-1.035x at d 64 and 128 (section 8), d 256
-# 0.873x -> 0.915x; the forward at d 64 N 4096 and d 256 4-10% less time with 4, but 3-5% more at d 128 with 8
-# or 16 (within 1% of tile fastest with 4)
-LPT_SECTION_FWD = 4
+# (bench/results/h100-block-order-2026-11-26.md, python -m tools.plan_ab, causal, 4 rounds, against SDPA's
+# FlashAttention-2 / memory-efficient backends): forward+backward at sections 0 / 4 / 8 / 16 of the backward
+# 0.943-0.981x -> 0.974-1.019x at d 128, 0.909-0.936x -> 0.940-0.965x at 256, float32 1.103x -> 1.130x at d 128;
+# the forward 1-10% less time with 8 at every 16-bit head dim and N 2048-4096 (d 64 N 2048 1.039x -> 1.054x,
+# d 128 1.369x -> 1.484x, 256 1.748x -> 1.851x at 4096), 16 within 2% of 8
+LPT_SECTION_FWD = 8
 LPT_SECTION_BWD = 8
 
 
@@ -277,7 +279,8 @@ def _backward_tc_plan(call, bq, bk):
         split, mtk, share = _tc_bwd_layout(bq, bk, d, call.dtype)
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
                                              split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
-                                             **_tf32_keywords(call.dtype, call.precision), **_section(call, LPT_SECTION_BWD))
+                                             **_tf32_keywords(call.dtype, call.precision),
+                                             **_section(call, LPT_SECTION_BWD))
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     cast = None
@@ -318,8 +321,10 @@ WGMMA_BACKWARD_256 = True
 
 
 # above head dim 128 the two warpgroups on the same keys each compute one of S^T, dP^T and swap them through shared
-# memory (``make_dkdv_tc(EXCHANGE=True)``) instead of both computing both (1.4x the five products' tensor work).  To
-# be measured on the H100.
+# memory (``make_dkdv_tc(EXCHANGE=True)``) instead of both computing both (1.4x the five products' tensor work):
+# measured on the H100 (bench/results/h100-block-order-2026-11-26.md, python -m tools.plan_ab, d 256, N 2048 /
+# 4096) forward+backward 5.3-6.7% less time, 0.852x / 0.889x -> 0.909x / 0.948x FlashAttention-2 (causal 0.902x /
+# 0.922x -> 0.949x / 0.980x); 186,880 bytes of shared memory, 244-246 registers, no spill
 WGMMA_BACKWARD_EXCHANGE = True
 
 
@@ -487,6 +492,20 @@ def _wgmma_tf32_keywords(dtype, precision, headdim):
 # FlashAttention-2 at N 4096 against 128 x 128's 1.36x; causal 1.18x against 1.16x at 4096 but 0.70-1.01x against
 # 0.86-1.05x at N 512-2048 (its diagonal tiles), so causal (any window) keeps two warpgroups
 WGMMA_THREE_WARPGROUPS = not SIMULATOR   # (the simulator's suites switch it on where they test it)
+
+
+# the Hopper forward at head dim 64 with two warpgroups (128 query rows), launch-bounded to two blocks an SM
+# (128 registers a thread: 16-144 bytes of spills, ptxas) so that one block's prologue and epilogue overlap the
+# other's products.  To be measured on the H100.
+WGMMA_FWD_TWO_BLOCKS = True
+
+
+def _two_blocks(call, block_q):
+    """The Hopper forward's ``MIN_BLOCKS`` keyword: 2 with ``WGMMA_FWD_TWO_BLOCKS`` for 16-bit inputs up to head
+    dim 64 at 128 query rows (its default beside three warpgroups); none elsewhere."""
+    two = (WGMMA_FWD_TWO_BLOCKS and call.dtype in ("float16", "bfloat16") and call.headdim <= 64
+           and block_q == 128)
+    return {"MIN_BLOCKS": 2} if two else {}
 
 
 def _three_warpgroups(call):

@@ -37,7 +37,7 @@ def compile_forward(bq, bk, d, options, out_dir, ptx_version):
     fold = bool(options.pop("FOLD", 1))
     dtype = "float32" if options.pop("F32", 0) else "float16"        # float32: tf32 operands (TF32X3=0: "high")
     kern, shared, threads = make_forward_tc(bq, bk, d, dtype, True, mt, qs, causal, *([False] * 6), fold,
-                                            **{k: (v if k == "SECTION" else bool(v)) for k, v in options.items()})
+                                            **{k: (v if k in ("SECTION", "MIN_BLOCKS") else bool(v)) for k, v in options.items()})
     u4 = types.Array(types.uint32, 4, "C")
     sig = (u4, u4, u4, u4, types.Array(types.float32, 3, "C"), types.int64, types.int64) + _OPTION_TYPES() + (
         types.Array(types.uint64, 2, "C"),)                                                   # the tensor maps
@@ -94,7 +94,9 @@ def _build(kern, sig, shared, threads, stem, ptx_version, arch="sm_90"):
     """PTX (numba-cuda), cubin (ptxas) and SASS (cuobjdump) of ``kern`` at ``sig``, kept at ``stem``.*
     (``arch="sm_90a"`` for kernels holding wgmma)."""
     from numba import cuda
-    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0, "a") if arch == "sm_90a" else (9, 0))
+    bounds = kern.targetoptions.get("launch_bounds")                 # (make_forward_tc(MIN_BLOCKS=))
+    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0, "a") if arch == "sm_90a" else (9, 0),
+                              **({"launch_bounds": bounds} if bounds else {}))
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     with open(stem + ".ptx", "w") as f:
         f.write(re.sub(r"\.version \d+\.\d+", f".version {ptx_version}", ptx))

@@ -48,8 +48,14 @@ def device_function(fn):
     return cuda.jit(device=True, forceinline=True)(fn)
 
 
-def kernel(fn):
-    """A kernel; lazily compiled per argument types by Numba's dispatcher."""
+def kernel(fn=None, *, min_blocks=None, threads=None):
+    """A kernel; lazily compiled per argument types by Numba's dispatcher.  ``kernel(min_blocks=B,
+    threads=T)``: with launch bounds (``.maxntid T``, ``.minnctapersm B``: ptxas keeps the registers to what B
+    blocks of T threads an SM leave; the simulator takes no launch bounds)."""
+    if fn is None:
+        return lambda f: kernel(f, min_blocks=min_blocks, threads=threads)
+    if min_blocks and not SIMULATOR:
+        return cuda.jit(launch_bounds=(threads, min_blocks))(fn)
     return cuda.jit(fn)
 
 

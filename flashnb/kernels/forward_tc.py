@@ -134,7 +134,7 @@ def make_swizzled_tile_copy(NROWS, ROW_WORDS, HEAD_WORDS, NTHREADS):
 @kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False, TF32X3=True,
-                    WGMMA=False, TMA=False, QS_REG=False, SECTION=0):
+                    WGMMA=False, TMA=False, QS_REG=False, SECTION=0, MIN_BLOCKS=0):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
@@ -699,7 +699,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     if t == 0:
                         lse[b, h, q_start + i] = NEG_INF if l == ZERO else (m_i[2 * m + r] + math.log2(l)) * LN2_T
 
-    @kernel
+    @kernel(min_blocks=MIN_BLOCKS, threads=NTHREADS)
     def flash_forward_tc(q, k, v, out, lse, group, off, scale, softcap, left, right,
                          attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
                          drop_threshold, drop_scale, seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k, maps):
