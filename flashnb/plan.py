@@ -495,16 +495,20 @@ WGMMA_THREE_WARPGROUPS = not SIMULATOR   # (the simulator's suites switch it on 
 
 
 # the Hopper forward at head dim 64 with two warpgroups (128 query rows), launch-bounded to two blocks an SM
-# (128 registers a thread: 16-144 bytes of spills, ptxas) so that one block's prologue and epilogue overlap the
-# other's products.  To be measured on the H100.
+# (128 registers a thread instead of 134 / 149, 16 / 144 bytes of spills, non-causal / causal: ptxas) so that one
+# block's prologue, epilogue and barriers overlap the other's products.  Measured on the H100
+# (bench/results/h100-block-order-2026-11-26.md, python -m tools.plan_ab, 4 rounds, against SDPA's
+# FlashAttention-2): causal forward 0.917x / 1.037x / 1.182x -> 1.193x / 1.328x / 1.485x at N 1024 / 2048 / 4096
+# (bfloat16 at 4096: 1.201x -> 1.472x), forward+backward 0.914-1.058x -> 0.972-1.080x.  Kernels with a score
+# option or a mask, and packed batches, keep their registers (not measured; more of them would spill).
 WGMMA_FWD_TWO_BLOCKS = True
 
 
 def _two_blocks(call, block_q):
     """The Hopper forward's ``MIN_BLOCKS`` keyword: 2 with ``WGMMA_FWD_TWO_BLOCKS`` for 16-bit inputs up to head
-    dim 64 at 128 query rows (its default beside three warpgroups); none elsewhere."""
+    dim 64 at 128 query rows, dense, with no option but a window (causal); none elsewhere."""
     two = (WGMMA_FWD_TWO_BLOCKS and call.dtype in ("float16", "bfloat16") and call.headdim <= 64
-           and block_q == 128)
+           and block_q == 128 and not any(_flag_args(call.flags)[1:]) and call.total_q is None)
     return {"MIN_BLOCKS": 2} if two else {}
 
 

@@ -276,3 +276,29 @@ def test_three_warpgroups_where_their_registers_fit(device, kw, rows):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plan, "WGMMA_THREE_WARPGROUPS", False)
         assert plan.forward(call(**kw)).block_q == 128
+
+
+@pytest.mark.parametrize("kw, two_blocks, section", [
+    (dict(flags=CAUSAL), True, True), (dict(dtype="bfloat16", flags=CAUSAL), True, True),
+    (dict(), False, False),                                  # three warpgroups, no window
+    (dict(flags=SOFTCAP), False, True),                      # a score option keeps its registers
+    (dict(headdim=128, flags=CAUSAL), False, True), (dict(flags=CAUSAL, total_q=4000), False, False)])
+def test_launch_bounds_and_block_order_where_measured(device, monkeypatch, kw, two_blocks, section):
+    """The Hopper forward is launch-bounded to two blocks an SM at head dim 64 with no option but a window
+    (``WGMMA_FWD_TWO_BLOCKS``); windows over dense batches deal their blocks longest first (``LPT_SECTION_FWD``,
+    ``_BWD``); above head dim 128 the Hopper dK/dV kernel's warpgroups exchange S^T and dP^T."""
+    device(**H100)
+    packed = kw.pop("total_q", None)
+    built = {}
+    for name in ("make_forward_tc", "make_dkdv_tc"):
+        real = getattr(plan, name)
+        monkeypatch.setattr(plan, name, lambda *a, _real=real, _name=name, **k: (built.__setitem__(_name, k),
+                                                                               _real(*a, **k))[1])
+    c = call(**kw)._replace(total_q=packed)
+    plan.forward(c)
+    plan.backward(c)
+    assert built["make_forward_tc"].get("MIN_BLOCKS") == (2 if two_blocks else None), built
+    assert built["make_forward_tc"].get("SECTION") == (plan.LPT_SECTION_FWD if section else None), built
+    assert built["make_dkdv_tc"].get("SECTION") == (plan.LPT_SECTION_BWD if section else None), built
+    plan.backward(call(**{**kw, "headdim": 256}))
+    assert built["make_dkdv_tc"].get("EXCHANGE") is True, built
