@@ -490,8 +490,11 @@ def _wgmma_tf32_keywords(dtype, precision, headdim):
 # dense 16-bit forward with no option at all (ptxas: 127-134 registers; causal 146-149; every option 196).
 # Measured on the H100 (bench/results/h100-tf32-wgmma-2026-11-26.md, batch x N = 16k, 32 heads, d 64): 1.48x SDPA
 # FlashAttention-2 at N 4096 against 128 x 128's 1.36x; causal 1.18x against 1.16x at 4096 but 0.70-1.01x against
-# 0.86-1.05x at N 512-2048 (its diagonal tiles), so causal (any window) keeps two warpgroups
-WGMMA_THREE_WARPGROUPS = not SIMULATOR   # (the simulator's suites switch it on where they test it)
+# 0.86-1.05x at N 512-2048 (its diagonal tiles), so causal (any window) keeps two warpgroups.  Off since two
+# warpgroups launch-bounded to two blocks an SM (``WGMMA_FWD_TWO_BLOCKS``) measured faster with no option too
+# (bench/results/h100-block-order-2026-11-26.md, python -m tools.plan_ab, 4 rounds): 1.238x / 1.446x / 1.412x ->
+# 1.650x / 1.777x / 1.591x FlashAttention-2 at N 1024 / 2048 / 4096 (bfloat16 at 4096 1.450x -> 1.621x)
+WGMMA_THREE_WARPGROUPS = False   # (the suites switch it on where they test it)
 
 
 # the Hopper forward at head dim 64 with two warpgroups (128 query rows), launch-bounded to two blocks an SM

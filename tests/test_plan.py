@@ -21,7 +21,6 @@ def device(monkeypatch):
     """``device(cc=, limit=)``: the planner sees a GPU of that compute capability and shared memory per block."""
     def set_device(cc, limit):
         monkeypatch.setattr(plan, "SIMULATOR", False)
-        monkeypatch.setattr(plan, "WGMMA_THREE_WARPGROUPS", True)     # (its default on a GPU)
         monkeypatch.setattr(plan, "compute_capability", lambda: cc)
         monkeypatch.setattr(plan, "shared_limit", lambda: limit)
     return set_device
@@ -38,9 +37,8 @@ PACKED = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads=32)   # (with total_
 # (call keywords, forward: (backend, block_q, block_k), backward: (backend, block_q, block_k)) on the H100
 TABLE = [
     # above head dim 48 (dense; above 64 packed) the forward is the Hopper one (wgmma: two warpgroups), its tiles
-    # _WGMMA_TILES (three warpgroups up to head dim 64 with no option); the backward's dK/dV kernel
-    # too, its query tiles _WGMMA_BWD_BLOCK_Q
-    (dict(headdim=64), ("tensorcore", 192, 128), ("tensorcore", 64, 128)),
+    # _WGMMA_TILES; the backward's dK/dV kernel too, its query tiles _WGMMA_BWD_BLOCK_Q
+    (dict(headdim=64), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=64, flags=CAUSAL), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=64, flags=SOFTCAP), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=40), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
@@ -59,7 +57,7 @@ TABLE = [
     (dict(headdim=64, block_k=8), ("simt", 64, 8), ("simt", 64, 8)),                 # a tile below 16
     (dict(headdim=64, layout=("k", False)), ("simt", 64, 64), ("simt", 64, 64)),     # k's head dim strided
     (dict(headdim=64, backend="simt", layout=None), ("simt", 64, 64), ("simt", 64, 64)),
-    (dict(headdim=64, deterministic=True), ("tensorcore", 192, 128), ("simt", 64, 64)),
+    (dict(headdim=64, deterministic=True), ("tensorcore", 128, 128), ("simt", 64, 64)),
     (dict(headdim=160, block_k=128), ("tensorcore", 128, 128), ("simt", 32, 128)),   # 512 threads refused
 ]
 
@@ -174,7 +172,7 @@ def test_grids_and_launches(device):
     device(**H100)
     c = call(headdim=64, batch=2, seqlen_q=1000, seqlen_k=1500, nheads=8, nheads_k=2)
     f = plan.forward(c)
-    assert f.forward.grid == 6 * 8 * 2 and f.forward.threads == 384          # ceil(1000 / 192) x heads x batch
+    assert f.forward.grid == 8 * 8 * 2 and f.forward.threads == 256          # ceil(1000 / 128) x heads x batch
     b = plan.backward(c)
     assert b.dkdv.grid == 12 * 2 * 2                                           # ceil(1500 / 128) x kv heads x batch
     assert b.atomic and b.preprocess is not None and b.finish.grid > 0        # the dQ accumulator's cast
@@ -265,11 +263,12 @@ def test_the_hopper_backward_on_the_h100_where_enabled(device, monkeypatch, kw, 
     (dict(), 192), (dict(flags=CAUSAL), 128), (dict(dtype="bfloat16", headdim=56), 192), (dict(headdim=72), 128),
     (dict(flags=SOFTCAP), 128), (dict(flags=_options.Flags(False, False, False, False, False, False, True)), 128),
     (dict(block_k=128), 128), (dict(block_q=128), 128)])
-def test_three_warpgroups_where_their_registers_fit(device, kw, rows):
-    """The Hopper forward takes 192 query rows (three warpgroups, 384 threads, at most 170 registers each) up to
-    head dim 64 with no option (causal measured slower), on its own tiles, dense; else two warpgroups; off
-    without WGMMA_THREE_WARPGROUPS."""
+def test_three_warpgroups_where_their_registers_fit(device, monkeypatch, kw, rows):
+    """With WGMMA_THREE_WARPGROUPS (off: two warpgroups at two blocks an SM measured faster) the Hopper forward
+    takes 192 query rows (three warpgroups, 384 threads, at most 170 registers each) up to head dim 64 with no
+    option (causal measured slower), on its own tiles, dense; else two warpgroups; off without the flag."""
     device(**H100)
+    monkeypatch.setattr(plan, "WGMMA_THREE_WARPGROUPS", True)
     f = plan.forward(call(**kw))
     assert f.block_q == rows and f.forward.threads == 2 * rows, f
     assert plan.forward(call(**kw)._replace(total_q=4 * 1000)).block_q == 128          # packed: two
@@ -280,7 +279,7 @@ def test_three_warpgroups_where_their_registers_fit(device, kw, rows):
 
 @pytest.mark.parametrize("kw, two_blocks, section", [
     (dict(flags=CAUSAL), True, True), (dict(dtype="bfloat16", flags=CAUSAL), True, True),
-    (dict(), False, False),                                  # three warpgroups, no window
+    (dict(), True, False),                                   # no window: no section
     (dict(flags=SOFTCAP), False, True),                      # a score option keeps its registers
     (dict(headdim=128, flags=CAUSAL), False, True), (dict(flags=CAUSAL, total_q=4000), False, False)])
 def test_launch_bounds_and_block_order_where_measured(device, monkeypatch, kw, two_blocks, section):

@@ -683,9 +683,9 @@ def test_tc_refuses_a_strided_head_dim_and_auto_falls_back():
                          options=frozenset({"softmax_scale"}), min_seqlen=129,
                          max_seqlen=136 if SIMULATOR else None, max_batch=1, max_nheads=2))
 def test_wgmma_three_warpgroups(p):
-    """The Hopper forward with 192 query rows (three warpgroups: ``plan.WGMMA_THREE_WARPGROUPS``, "auto" on the
-    H100 up to head dim 64 with no option, on its own tiles): flash-attn's rule, with queries
-    past 128 so that the third warpgroup has rows."""
+    """The Hopper forward with 192 query rows (three warpgroups: ``plan.WGMMA_THREE_WARPGROUPS``, off by default
+    since two blocks an SM of two measured faster; with it "auto" takes it on the H100 up to head dim 64 with no
+    option, on its own tiles): flash-attn's rule, with queries past 128 so that the third warpgroup has rows."""
     built = []
     real = plan.make_forward_tc
     with pytest.MonkeyPatch.context() as mp:
