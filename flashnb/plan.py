@@ -218,10 +218,10 @@ def _varlen(call):
 # the tensor-core kernels' blocks longest first on a window (causal) over a dense batch, in sections of this
 # many (head, batch) pairs (``_tiles.make_tile_order``); 0: tile fastest.  Measured on the H100
 # (bench/results/h100-block-order-2026-11-26.md, python -m tools.plan_ab, causal, 4 rounds, against SDPA's
-# FlashAttention-2 / memory-efficient backends): forward+backward at sections 0 / 4 / 8 / 16 of the backward
+# FlashAttention-2 / memory-efficient backends): forward+backward with the backward at 0 -> 8 (N 2048 / 4096)
 # 0.943-0.981x -> 0.974-1.019x at d 128, 0.909-0.936x -> 0.940-0.965x at 256, float32 1.103x -> 1.130x at d 128;
-# the forward 1-10% less time with 8 at every 16-bit head dim and N 2048-4096 (d 64 N 2048 1.039x -> 1.054x,
-# d 128 1.369x -> 1.484x, 256 1.748x -> 1.851x at 4096), 16 within 2% of 8
+# the forward 1-11% less time with 8 at every 16-bit head dim and N 2048-4096 (d 64 N 2048 1.039x -> 1.054x,
+# d 128 1.369x -> 1.484x, 256 1.748x -> 1.851x at 4096); 4 and 16 within 5% of 8, either way
 LPT_SECTION_FWD = 8
 LPT_SECTION_BWD = 8
 
@@ -323,7 +323,7 @@ WGMMA_BACKWARD_256 = True
 # above head dim 128 the two warpgroups on the same keys each compute one of S^T, dP^T and swap them through shared
 # memory (``make_dkdv_tc(EXCHANGE=True)``) instead of both computing both (1.4x the five products' tensor work):
 # measured on the H100 (bench/results/h100-block-order-2026-11-26.md, python -m tools.plan_ab, d 256, N 2048 /
-# 4096) forward+backward 5.3-6.7% less time, 0.852x / 0.889x -> 0.909x / 0.948x FlashAttention-2 (causal 0.902x /
+# 4096) forward+backward 4.9-6.3% less time, 0.852x / 0.889x -> 0.909x / 0.948x FlashAttention-2 (causal 0.902x /
 # 0.922x -> 0.949x / 0.980x); 186,880 bytes of shared memory, 244-246 registers, no spill
 WGMMA_BACKWARD_EXCHANGE = True
 
