@@ -228,7 +228,9 @@ LPT_SECTION_BWD = 8
 
 def _section(call, section):
     """The tensor-core factories' ``SECTION`` keyword: ``section`` where the blocks' work differs by tile (a
-    window, causal among them) in a dense batch; none elsewhere (the factories' ``lru_cache`` as in ``_varlen``)."""
+    window, causal among them) in a dense batch; none elsewhere (the factories' ``lru_cache`` as in ``_varlen``).
+    The kernels take causal's direction (the forward's last query tiles longest, the dK/dV kernel's first key
+    tiles); for a window bounded on the left only it is the reverse, which costs speed, not results."""
     return {"SECTION": section} if section and call.flags.has_window and call.total_q is None else {}
 
 
@@ -324,7 +326,9 @@ WGMMA_BACKWARD_256 = True
 # memory (``make_dkdv_tc(EXCHANGE=True)``) instead of both computing both (1.4x the five products' tensor work):
 # measured on the H100 (bench/results/h100-block-order-2026-11-26.md, python -m tools.plan_ab, d 256, N 2048 /
 # 4096) forward+backward 4.9-6.3% less time, 0.852x / 0.889x -> 0.909x / 0.948x FlashAttention-2 (causal 0.902x /
-# 0.922x -> 0.949x / 0.980x); 186,880 bytes of shared memory, 244-246 registers, no spill
+# 0.922x -> 0.949x / 0.980x), timed first in each round (a bias of up to 6%); across runs the non-causal backward,
+# which no block order touches, went from 0.75x to 0.81x FA2 (7.22 -> 6.66-6.68 ms, `python -m bench`); 186,880 bytes
+# of shared memory, 244-246 registers, no spill
 WGMMA_BACKWARD_EXCHANGE = True
 
 
@@ -498,7 +502,7 @@ WGMMA_THREE_WARPGROUPS = False   # (the suites switch it on where they test it)
 
 
 # the Hopper forward at head dim 64 with two warpgroups (128 query rows), launch-bounded to two blocks an SM
-# (128 registers a thread instead of 134 / 149, 16 / 144 bytes of spills, non-causal / causal: ptxas) so that one
+# (128 registers a thread instead of 134 / 149, 16 / 108 bytes of spills, non-causal / causal: ptxas) so that one
 # block's prologue, epilogue and barriers overlap the other's products.  Measured on the H100
 # (bench/results/h100-block-order-2026-11-26.md, python -m tools.plan_ab, 4 rounds, against SDPA's
 # FlashAttention-2): causal forward 0.917x / 1.037x / 1.182x -> 1.193x / 1.328x / 1.485x at N 1024 / 2048 / 4096

@@ -287,6 +287,7 @@ def test_launch_bounds_and_block_order_where_measured(device, monkeypatch, kw, t
     (``WGMMA_FWD_TWO_BLOCKS``); windows over dense batches deal their blocks longest first (``LPT_SECTION_FWD``,
     ``_BWD``); above head dim 128 the Hopper dK/dV kernel's warpgroups exchange S^T and dP^T."""
     device(**H100)
+    kw = dict(kw)
     packed = kw.pop("total_q", None)
     built = {}
     for name in ("make_forward_tc", "make_dkdv_tc"):

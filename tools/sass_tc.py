@@ -1,7 +1,7 @@
 """The tensor-core forward's resources and SASS for sm_90, compiled on a machine with no GPU.
 
     python -m tools.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1] [WGMMA=1 [TMA=1]]
-                            [F32=1 [TF32X3=0]] [SECTION=N]
+                            [F32=1 [TF32X3=0]] [SECTION=N] [MIN_BLOCKS=2]
     python -m tools.sass_tc --pass bwd BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [DSPLIT=] [MTK=] [SHARE=] [DEFER_DQ=]
                             [WGMMA=1 [EXCHANGE=1]] [SECTION=N]
 
@@ -25,6 +25,9 @@ import re
 import subprocess
 
 
+_INT_OPTIONS = ("SECTION", "MIN_BLOCKS")       # the forward's options that are counts, not flags
+
+
 def compile_forward(bq, bk, d, options, out_dir, ptx_version):
     from numba.cuda import types
     plan = _stand_in_device()
@@ -37,7 +40,7 @@ def compile_forward(bq, bk, d, options, out_dir, ptx_version):
     fold = bool(options.pop("FOLD", 1))
     dtype = "float32" if options.pop("F32", 0) else "float16"        # float32: tf32 operands (TF32X3=0: "high")
     kern, shared, threads = make_forward_tc(bq, bk, d, dtype, True, mt, qs, causal, *([False] * 6), fold,
-                                            **{k: (v if k in ("SECTION", "MIN_BLOCKS") else bool(v)) for k, v in options.items()})
+                                            **{k: (v if k in _INT_OPTIONS else bool(v)) for k, v in options.items()})
     u4 = types.Array(types.uint32, 4, "C")
     sig = (u4, u4, u4, u4, types.Array(types.float32, 3, "C"), types.int64, types.int64) + _OPTION_TYPES() + (
         types.Array(types.uint64, 2, "C"),)                                                   # the tensor maps

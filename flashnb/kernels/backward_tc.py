@@ -301,6 +301,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         KD_OFF, KD_STRIDE = SMEM_WORDS, tc_padded_words(D_WORDS)
         SMEM_WORDS = KD_OFF + BLOCK_K * KD_STRIDE
     EXCHANGE = EXCHANGE and WGMMA and DSPLIT == 2
+    assert not EXCHANGE or KW == 4           # one warpgroup a half: thread tid's partner is tid +- 128
     X_WORDS = 4 * NT_QA * 128                # EXCHANGE: one warpgroup's S^T or dP^T, [element][thread]
     X_OFF = SMEM_WORDS                       # the first warpgroup's S^T at X_OFF, the second's dP^T after it
     if EXCHANGE:
@@ -579,7 +580,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     def exchange_products(fsmem, s_reg, dp_reg, first):
         """EXCHANGE: this thread's product (S^T in the first warpgroup, dP^T in the second, both in ``s_reg``) to
         shared memory, a barrier, and the other warpgroup's product from the thread with the same fragments:
-        then ``s_reg`` holds S^T and ``dp_reg`` dP^T in both.  (The slots are next read after the item's dQ
+        then ``s_reg`` holds S^T and ``dp_reg`` dP^T in both.  (The slots are next written after the item's dQ
         barrier, so the next item's stores cannot overtake these loads.)"""
         lane128 = cuda.threadIdx.x % 128
         mine = X_OFF + lane128 + (0 if first else X_WORDS)
@@ -942,8 +943,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 scores_t_tf32(smem, qb, db, a_lane, b_lane, fa, fb, fa_s, fb_s, s_reg, dp_reg)
             elif WGMMA and EXCHANGE:                    # one product per warpgroup, then swapped
                 first_wg = warp < KW
-                wgmma_t(s_reg, smem, (4 * K_OFF if first_wg else 4 * V_OFF) + wg_rows, 4 * qb if first_wg else 4 * db,
-                        0)
+                a_off = 4 * (K_OFF if first_wg else V_OFF) + wg_rows          # K_j Q_i^T, or V_j dO_i^T
+                b_off = 4 * (qb if first_wg else db)
+                wgmma_t(s_reg, smem, a_off, b_off, 0)
                 exchange_products(fsmem, s_reg, dp_reg, first_wg)
             elif WGMMA:
                 wgmma_t(s_reg, smem, 4 * K_OFF + wg_rows, 4 * qb, 0)

@@ -147,6 +147,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     32-bit compares, ``MASK32``.)  ``SECTION``: a dense batch's blocks in ``_tiles.make_tile_order``'s longest-first
     order, the query tiles last first across sections of ``SECTION`` (head, batch) pairs (0: tile fastest; the
     ``LPT`` above ran each head's tiles last first, which leaves the last heads' long tiles at the grid's end).
+    ``MIN_BLOCKS``: launch bounds asking ptxas for registers that leave ``MIN_BLOCKS`` blocks an SM (0: none).
     ``VARLEN``: a packed batch, as in ``forward.make_forward`` (the word
     views' batch stride is 0, so the base offsets ``b * strides[0]`` vanish), but with each sequence's rows
     addressed from its first (``q_start``, ``k_start``) instead of sliced out: a slice of a C-contiguous array is

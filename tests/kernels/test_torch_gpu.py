@@ -66,13 +66,15 @@ def _check(name, got, truth, low, dtype, floor=0.0):
 
 def _delta_floor(q, k, v, dout, dtype, attn_mask=None, causal=False):
     """(dq's, dk's) absolute floor for the cancellation in dS = P (dP - delta) (module docstring), in the
-    arithmetic the kernels use for ``dtype`` (float32 for 16-bit and float32 inputs): each of delta_i and dP_ij is
-    a sum of d products, so its rounding is at most ``(d + 2) u sum_k |dO_ik| |V_jk|`` (Higham's worst case, u the
-    unit roundoff; O's entries are convex combinations of V's, so V_j's row stands in for O_i's), and dS_ij's at
-    most P_ij times twice that; dq sums them against ``scale |K_j|`` over the keys, dk against ``scale |Q_i|`` over
-    the queries (and the grouped heads).  A worst case: the one-key float32 case that needed it (dq 3.8e-6 off a
-    truth of 0, on the H100) sits ~90x under it, while a wrong kernel misses by a fraction of dq's own size.
-    Layout (batch, heads, seqlen, d), SDPA's masks (bool: True keeps; float: added; causal: top-left)."""
+    arithmetic the kernels use for ``dtype`` (float32 for 16-bit and float32 inputs).  dP_ij = dO_i . V_j and
+    delta_i = dO_i . O_i are sums of d products, each rounded by at most ``(d + 2) u`` times the sum of its
+    absolute products (Higham's worst case, u the unit roundoff), so dS_ij / P_ij by at most ``(d + 2) u
+    (|dO_i| . |V_j| + |dO_i| . |O_i|)``; dq sums that against ``scale |K_j|`` over the keys, dk against
+    ``scale |Q_i|`` over the queries (and the grouped heads).  A worst case: for float32 it is ~1e-4 of dq's size,
+    the kernel suites' own float32 floor (tests/kernel_harness.py, ``REL_FLOOR32``), and the one-key case that
+    needed it (dq 3.8e-6 off a truth of 0 on the H100, where PyTorch's math is exact) sits 60-130x under it; a
+    random-walk constant (``sqrt(d)`` for ``d``) would be ~10x tighter, not yet run on a GPU.  Layout (batch,
+    heads, seqlen, d), SDPA's masks (bool: True keeps; float: added; causal: top-left)."""
     q, k, v, dout = (x.detach().double() for x in (q, k, v, dout))
     d, h, hk = q.shape[-1], q.shape[1], k.shape[1]
     u = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
@@ -86,7 +88,9 @@ def _delta_floor(q, k, v, dout, dtype, attn_mask=None, causal=False):
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), -math.inf)
     p = torch.nan_to_num(torch.softmax(s, -1), nan=0.0)                  # rows that see no key: 0
-    err_ds = p * 2 * (d + 2) * u * (dout.abs() @ vr.abs().transpose(-1, -2))
+    o = p @ vr
+    sums = dout.abs() @ vr.abs().transpose(-1, -2) + (dout.abs() * o.abs()).sum(-1, keepdim=True)
+    err_ds = p * (d + 2) * u * sums
     dq = scale * (err_ds @ kr.abs())
     dk = scale * (err_ds.transpose(-1, -2) @ q.abs())
     dk = dk.reshape(dk.shape[0], hk, h // hk, *dk.shape[2:]).sum(2)
