@@ -51,7 +51,7 @@ from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_ti
 from .forward import LOG2E, make_window_helpers
 from .forward_tc import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
-                     make_wgmma, mn_major_steps)
+                     make_wgmma, mn_major_steps, swizzled_offset)
 
 F32 = np.float32
 U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
@@ -266,7 +266,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     QS = DSPLIT if SHARE else 1              # parts of the queries in S^T, dP^T: warp w computes part w // KW
     assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
     if WGMMA:
-        assert not TF32 and MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
+        assert MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
+    WG_TF32 = WGMMA and TF32                 # float32 on tf32 wgmma: one key tile of 64, the dims split, exchanged
+    if WG_TF32:
+        assert DSPLIT == 2 and EXCHANGE and BLOCK_K == 64 and HEAD_DIM <= 128 and BLOCK_Q <= 32
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
     NTHREADS = 32 * NWARPS
@@ -306,6 +309,22 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     X_OFF = SMEM_WORDS                       # the first warpgroup's S^T at X_OFF, the second's dP^T after it
     if EXCHANGE:
         SMEM_WORDS = X_OFF + 2 * X_WORDS
+    PD_TILE = BLOCK_K * SWIZZLE_BYTES // 4   # WG_TF32: P_drop^T or dS^T, K-major (a key's BLOCK_Q queries a row)
+    if WG_TF32:
+        # every operand tile on a 1024-byte boundary: K_j, V_j, two buffers of Q_i, dO_i (as above); the small
+        # parts (SPLIT) of K_j, V_j and of this item's Q_i, dO_i, at the same offsets from their own start;
+        # P_drop^T's, then dS^T's big part (and small part); lse2 / delta; the exchange.  No second copy of K_j
+        # (dQ reads the swizzled one with 32-bit loads)
+        PARTS = 2 if SPLIT else 1
+        K_SMALL = Q_OFF + 4 * QTILE          # (V_j's small parts after K_j's: V_OFF - K_OFF further)
+        QS_OFF = K_SMALL + (PARTS - 1) * 2 * BLOCK_K * STRIDE
+        P_OFF = QS_OFF + (PARTS - 1) * 2 * QTILE
+        DS_OFF = P_OFF + PARTS * PD_TILE
+        L_OFF = DS_OFF + PARTS * PD_TILE
+        X_OFF = L_OFF + 4 * BLOCK_Q
+        SMEM_WORDS = X_OFF + 2 * X_WORDS
+        KD_OFF = KD_STRIDE = 0
+    assert not WG_TF32 or NT_DW == BLOCK_K // 8       # (dV^T's, dK^T's accumulators: N = the 64 keys)
     SHARED_BYTES = SMEM_WORDS * 4
     A_ALL = 4 * KSTEPS_Q if WGMMA else 1     # WGMMA: words of P_drop^T's (dS^T's) a fragments, every k-step
     LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
@@ -348,11 +367,14 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # dV, dK: A = P_drop^T / dS^T (registers), B = dO_i / Q_i MN-major (k = 16 queries, N = the head dim)
         wgmma_t = make_wgmma("ss", DTYPE_NAME, BLOCK_Q, k_major_steps(BLOCK_K, KSTEPS_D),
                              k_major_steps(BLOCK_Q, KSTEPS_D))
-        wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD // DSPLIT, (), mn_major_steps(KSTEPS_Q),
-                               b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
+        if WG_TF32:     # dV^T, dK^T: A = dO_i^T / Q_i^T (registers), B = P_drop^T / dS^T K-major (N = the 64 keys)
+            wgmma_t_acc = make_wgmma("rs", DTYPE_NAME, BLOCK_K, (), k_major_steps(BLOCK_K, KSTEPS_Q))
+        else:
+            wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD // DSPLIT, (), mn_major_steps(KSTEPS_Q),
+                                   b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
+            pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
         PART_BYTES = D_PAD // DSPLIT // 64 * BLOCK_Q * SWIZZLE_BYTES   # dO_i's, Q_i's blocks of one part of dims
         fence_async = fence_proxy_async()
-        pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
     else:
         copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
         copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
@@ -473,7 +495,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             for p in range(DQ_NT):
                 for e in range(4):
                     dq_reg[p, e] = ZERO
-            if TF32:                                    # (ds_lane, t_lane: the words of 32-bit loads)
+            if WG_TF32:
+                dq_tf32_wg(smem, mq, n, g, t, dq_reg)
+            elif TF32:                                  # (ds_lane, t_lane: the words of 32-bit loads)
                 dq_tf32(smem, ds_base, mq, n, ds_lane, t_lane, dq_reg)
             else:
                 for kk in range(KSTEPS_K):
@@ -808,6 +832,94 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1],
                         dq_reg[p + 1, 2], dq_reg[p + 1, 3])
 
+    # ---- float32 on tf32 wgmma (WG_TF32).  tf32 wgmma reads B K-major only, so the products over the queries run
+    # transposed: dV^T = dO_i^T P_drop and dK^T = Q_i^T dS, B = P_drop^T, dS^T stored a key a row (as S^T's
+    # accumulators hold them), A = dO_i^T, Q_i^T gathered into registers from the K-major tiles that S^T and dP^T
+    # read.  Warpgroup h accumulates dims 64 h .. 64 h + 63 of both (M = 64) over the 64 keys (N).  Every access to
+    # these tiles is a 32-bit word at its swizzled place (``tile_word``), in PTX's own k order.
+
+    @device_function
+    def tile_word(rows, r, c):
+        """Word offset of tf32 column ``c`` of row ``r`` in a 128-byte-swizzled K-major tile of ``rows`` rows."""
+        return (swizzled_offset(rows, r, 2 * (c & -4)) >> 2) + (c & 3)
+
+    @device_function
+    def store_operand_t(smem, base, reg, kw, g, t):
+        """This thread's S^T-layout elements ``reg`` (P_drop^T or dS^T: keys 16 kw + g (+ 8), queries 8 n + 2 t
+        (+ 1)) into the K-major tile at ``base`` as tf32 operands: rounded, or (SPLIT) big parts with the small ones
+        ``PD_TILE`` words further."""
+        for n in range(NT_QA):
+            for e in range(4):
+                at = base + tile_word(BLOCK_K, 16 * kw + g + 8 * (e // 2), 8 * n + 2 * t + (e % 2))
+                if SPLIT:
+                    big, small = split_value(reg[0, n, e])
+                    smem[U(at)] = big
+                    smem[U(at + PD_TILE)] = small
+                else:
+                    smem[U(at)] = round_value(reg[0, n, e])
+
+    @device_function
+    def product_t(smem, x_tile, x_small, b_tile, h, kw, g, t, a_big, a_small, part, acc):
+        """acc += X^T B for this warpgroup's dims: X = dO_i or Q_i (the K-major tile at ``x_tile``; SPLIT: its small
+        parts at ``x_small``), gathered as ``mma.m16n8k8``'s tf32 a fragments (word 4 ks + r: query 8 ks + t +
+        4 (r >> 1), dim 64 h + 16 kw + g + 8 (r & 1)); B = P_drop^T or dS^T at ``b_tile``.  The item's products go
+        into the zeroed ``part``, added by round-to-nearest float32 adds (the tensor cores' accumulation truncates);
+        SPLIT: three products, the small parts' first."""
+        for ks in range(KSTEPS_Q):
+            for r in range(4):
+                at = tile_word(BLOCK_Q, 8 * ks + t + 4 * (r // 2), 64 * h + 16 * kw + g + 8 * (r % 2))
+                a_big[4 * ks + r] = smem[U(x_tile + at)]
+                if SPLIT:
+                    a_small[4 * ks + r] = smem[U(x_small + at)]
+        if SPLIT:
+            wgmma_t_acc(part, a_small, smem, 4 * b_tile, 0)
+            wgmma_t_acc(part, a_big, smem, 4 * (b_tile + PD_TILE), 1)
+            wgmma_t_acc(part, a_big, smem, 4 * b_tile, 1)
+        else:
+            wgmma_t_acc(part, a_big, smem, 4 * b_tile, 0)
+        for j in range(NT_DW):
+            for e in range(4):
+                acc[0, j, e] += part[0, j, e]
+
+    @device_function
+    def dq_tf32_wg(smem, mq, n, g, t, dq_reg):
+        """dq_reg += dS K_j on one dQ unit, a k-step of 8 keys: dS's a fragment (query 16 mq + g (+ 8), key 8 kk + t
+        (+ 4)) from the dS^T tile, K_j's b fragments (key 8 kk + t (+ 4), dim 8 (n + p) + g) from its swizzled tile,
+        both tf32 operands already (SPLIT: with their small parts)."""
+        fq = cuda.local.array((1, 4), U32_DT)
+        fq_s = cuda.local.array((1, 4), U32_DT)
+        for kk in range(KSTEPS_K):
+            for r in range(4):
+                at = DS_OFF + tile_word(BLOCK_K, 8 * kk + t + 4 * (r // 2), 16 * mq + g + 8 * (r % 2))
+                fq[0, r] = smem[U(at)]
+                if SPLIT:
+                    fq_s[0, r] = smem[U(at + PD_TILE)]
+            for p in range(DQ_NT):
+                at0 = tile_word(BLOCK_K, 8 * kk + t, 8 * (n + p) + g)
+                at1 = tile_word(BLOCK_K, 8 * kk + t + 4, 8 * (n + p) + g)
+                b0, b1 = smem[U(K_OFF + at0)], smem[U(K_OFF + at1)]
+                if SPLIT:
+                    dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma3_add(
+                        fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], fq_s[0, 0], fq_s[0, 1], fq_s[0, 2], fq_s[0, 3], b0, b1,
+                        smem[U(K_SMALL + at0)], smem[U(K_SMALL + at1)], dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2],
+                        dq_reg[p, 3])
+                else:
+                    dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma(
+                        fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], b0, b1, dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2],
+                        dq_reg[p, 3])
+
+    @device_function
+    def store_dk_dv_t(dk, dv, dk_acc, dv_acc, b, hk, k0, h, kw, g, t, seqlen_k, scale32):
+        """dK = scale (dK^T)^T, dV = (dV^T)^T from this thread's accumulators: dims 64 h + 16 kw + g (+ 8), keys
+        k0 + 8 j + 2 t (+ 1)."""
+        for j in range(NT_DW):
+            for e in range(4):
+                key = k0 + 8 * j + 2 * t + (e % 2)
+                c = 64 * h + 16 * kw + g + 8 * (e // 2)
+                if key < seqlen_k and c < HEAD_WORDS:
+                    dk[U(b), U(key), U(hk), U(c)] = as_bits(dk_acc[0, j, e] * scale32)
+                    dv[U(b), U(key), U(hk), U(c)] = as_bits(dv_acc[0, j, e])
+
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
@@ -866,7 +978,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         fb_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)
         dq_reg = cuda.local.array((DQ_NT, 4), F32)
         p_all = cuda.local.array(A_ALL, U32_DT)           # WGMMA: P_drop^T's a fragments of every k-step
-        ds_all = cuda.local.array(A_ALL, U32_DT)          # and dS^T's
+        ds_all = cuda.local.array(A_ALL, U32_DT)          # and dS^T's (WG_TF32: dO_i^T's / Q_i^T's, big and small)
+        part = cuda.local.array((1, NT_DW if WG_TF32 else 1, 4), F32)   # WG_TF32: the item's dV^T or dK^T
+        h_dims = warp // KW                               # (WG_TF32: this warpgroup's dims, 64 h_dims ..)
         wg_rows = (kw // 4) * 64 * SWIZZLE_BYTES                         # WGMMA: this warpgroup's K / V rows
         part_bytes = (warp // KW) * PART_BYTES if DSPLIT > 1 else 0        # and its part of the dims (DSPLIT)
         l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
@@ -879,7 +993,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
         copy_kv(k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0, seqlen_k - k0, smem, K_OFF)
         copy_kv(v, (b * v.strides[0] + hk * v.strides[2]) >> 2, v.strides[1] >> 2, k0, seqlen_k - k0, smem, V_OFF)
-        if WGMMA:
+        if WGMMA and not TF32:
             copy_kd(k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0, seqlen_k - k0, smem,
                     KD_OFF)
         cp_async_commit()
@@ -932,20 +1046,27 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             qb = Q_OFF + buf * 2 * QTILE
             db = qb + QTILE
             lb = L_OFF + buf * 2 * BLOCK_Q
-            if SPLIT:                                    # K_j (once), Q_i, dO_i -> big parts, small parts
+            if SPLIT:                                    # K_j (once; WG_TF32: and V_j), Q_i, dO_i -> big, small parts
                 if first:
-                    split_smem(smem, K_OFF, K_SMALL, BLOCK_K * STRIDE)
+                    split_smem(smem, K_OFF, K_SMALL, (2 if WG_TF32 else 1) * BLOCK_K * STRIDE)
                     first = False
                 split_smem(smem, qb, QS_OFF, 2 * QTILE)  # (QS_OFF last read by item w - 1's dV, dK: before the
-                cuda.syncthreads()                       # barrier above)
+                if WGMMA:                                # barrier above)
+                    fence_async()
+                cuda.syncthreads()
 
-            if TF32:                                                            # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
+            if TF32 and not WGMMA:                                              # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
                 scores_t_tf32(smem, qb, db, a_lane, b_lane, fa, fb, fa_s, fb_s, s_reg, dp_reg)
             elif WGMMA and EXCHANGE:                    # one product per warpgroup, then swapped
                 first_wg = warp < KW
                 a_off = 4 * (K_OFF if first_wg else V_OFF) + wg_rows          # K_j Q_i^T, or V_j dO_i^T
                 b_off = 4 * (qb if first_wg else db)
-                wgmma_t(s_reg, smem, a_off, b_off, 0)
+                if SPLIT:                                # 3xTF32: the small parts' products first
+                    wgmma_t(s_reg, smem, a_off, 4 * (QS_OFF + (0 if first_wg else QTILE)), 0)
+                    wgmma_t(s_reg, smem, a_off + 4 * (K_SMALL - K_OFF), b_off, 1)
+                    wgmma_t(s_reg, smem, a_off, b_off, 1)
+                else:
+                    wgmma_t(s_reg, smem, a_off, b_off, 0)
                 exchange_products(fsmem, s_reg, dp_reg, first_wg)
             elif WGMMA:
                 wgmma_t(s_reg, smem, 4 * K_OFF + wg_rows, 4 * qb, 0)
@@ -967,6 +1088,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                             drop_threshold, drop_scale, seed_lo, seed_hi)
 
             ds_buf = DS_OFF + (buf * DS_TILE if DEFER_DQ else 0)
+            if WG_TF32:                                  # P_drop^T by the first warpgroup, dS^T by the second
+                if warp < KW:
+                    store_operand_t(smem, P_OFF, s_reg, kw, g, t)
+                else:
+                    store_operand_t(smem, DS_OFF, dp_reg, kw, g, t)
+                fence_async()
+                cuda.syncthreads()
             if SHARE:                                    # this warp's queries of P_drop^T and dS^T, for all
                 if TF32:
                     store_words_tf32(fsmem, P_OFF + qa, s_reg, kw, g, t)
@@ -976,7 +1104,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     store_words(smem, ds_buf + qa // 2, dp_reg, kw, g, t)
                 cuda.syncthreads()
 
-            if TF32:                                     # dV += P_drop^T dO_i, dK += dS^T Q_i
+            if WG_TF32:                                  # dV^T += dO_i^T P_drop, dK^T += Q_i^T dS
+                product_t(smem, db, QS_OFF + QTILE, P_OFF, h_dims, kw, g, t, p_all, ds_all, part, dv_acc)
+                product_t(smem, qb, QS_OFF, DS_OFF, h_dims, kw, g, t, p_all, ds_all, part, dk_acc)
+            elif TF32:                                   # dV += P_drop^T dO_i, dK += dS^T Q_i
                 dv_dk_tile_tf32(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, fa_s, fb_s, dv_acc,
                                 dk_acc)
             elif WGMMA:
@@ -987,7 +1118,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
             # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans.  With
             # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T; SHARE: written above)
-            if not SHARE and (DSPLIT == 1 or warp < KW):
+            if not SHARE and not WG_TF32 and (DSPLIT == 1 or warp < KW):
                 if TF32:
                     store_words_tf32(fsmem, ds_buf, dp_reg, kw, g, t)
                 else:
@@ -1012,6 +1143,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             cuda.syncthreads()
             dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0, dq_row0 + seqlen_q, warp,
                      g, t, ds_lane, t_lane, scale32, dq_reg)
-        store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
+        if WG_TF32:
+            store_dk_dv_t(dk, dv, dk_acc, dv_acc, b, hk, k0, h_dims, kw, g, t, seqlen_k, scale32)
+        else:
+            store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
 
     return flash_dkdv_tc, SHARED_BYTES, NTHREADS
