@@ -73,6 +73,7 @@ BLOCK_COLS = 64
 ATOM_BYTES = 1024            # 8 rows of 128 bytes: the pattern's period (the tiles' alignment)
 SMEM_ALIGN = None if SIMULATOR else ATOM_BYTES
 MAX_THREADS = 512
+MAX_RS_KSTEPS = 16           # the simulator's wgmma_rs: k-steps of its widest A (tf32 P V at 128 keys)
 WGMMA_FORMATS = {**FORMATS, "tf32": "tf32"}     # dtype_name -> PTX operand type ("float32" means tf32 operands)
 
 
@@ -265,6 +266,7 @@ def _a_fragment(word, ks, tt, reg, fmt):
 def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
     NACC = N // 2
     KSTEPS = len(b_steps)
+    assert KSTEPS <= MAX_RS_KSTEPS
     KS = k_step(fmt)
     j, e = np.meshgrid(np.arange(N // 8), np.arange(4), indexing="ij")
     ACC_ROW, ACC_COL = (8 * (e // 2)).reshape(-1), (8 * j + e % 2).reshape(-1)   # + (16 w + g, 2 t)
@@ -299,7 +301,8 @@ def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
 
     @device_function
     def wgmma_rs(acc, a_regs, smem, b_off, accumulate):
-        frags = cuda.shared.array((MAX_THREADS, 4 * KSTEPS), U32)
+        frags = cuda.shared.array((MAX_THREADS, 4 * MAX_RS_KSTEPS), U32)   # (one shape: the simulator gives every
+        # call of this line the first call's array, whichever product of the kernel it serves)
         tid = cuda.threadIdx.x
         w, lane = (tid // 32) % 4, tid % 32
         g, t = lane // 4, lane % 4

@@ -310,6 +310,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     if EXCHANGE:
         SMEM_WORDS = X_OFF + 2 * X_WORDS
     PD_TILE = BLOCK_K * SWIZZLE_BYTES // 4   # WG_TF32: P_drop^T or dS^T, K-major (a key's BLOCK_Q queries a row)
+    DSQ_TILE = BLOCK_Q * BLOCK_K             # WG_TF32: dS, K-major (a query's 64 keys a row, two 128-byte blocks)
     if WG_TF32:
         # every operand tile on a 1024-byte boundary: K_j, V_j, two buffers of Q_i, dO_i (as above); the small
         # parts (SPLIT) of K_j, V_j and of this item's Q_i, dO_i, at the same offsets from their own start;
@@ -320,11 +321,14 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         QS_OFF = K_SMALL + (PARTS - 1) * 2 * BLOCK_K * STRIDE
         P_OFF = QS_OFF + (PARTS - 1) * 2 * QTILE
         DS_OFF = P_OFF + PARTS * PD_TILE
-        L_OFF = DS_OFF + PARTS * PD_TILE
+        DSQ_OFF = DS_OFF + PARTS * PD_TILE   # dS again, K-major along the keys (a query a row: dQ^T's B)
+        L_OFF = DSQ_OFF + PARTS * DSQ_TILE
         X_OFF = L_OFF + 4 * BLOCK_Q
         SMEM_WORDS = X_OFF + 2 * X_WORDS
         KD_OFF = KD_STRIDE = 0
     assert not WG_TF32 or NT_DW == BLOCK_K // 8       # (dV^T's, dK^T's accumulators: N = the 64 keys)
+    KT_WORDS = 2 * KSTEPS_K if WG_TF32 else 1        # K_j^T's a fragments of 32 keys (dQ^T), and their small parts
+    KT_SMALL_WORDS = KT_WORDS if SPLIT else 1
     SHARED_BYTES = SMEM_WORDS * 4
     A_ALL = 4 * KSTEPS_Q if WGMMA else 1     # WGMMA: words of P_drop^T's (dS^T's) a fragments, every k-step
     LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
@@ -367,8 +371,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # dV, dK: A = P_drop^T / dS^T (registers), B = dO_i / Q_i MN-major (k = 16 queries, N = the head dim)
         wgmma_t = make_wgmma("ss", DTYPE_NAME, BLOCK_Q, k_major_steps(BLOCK_K, KSTEPS_D),
                              k_major_steps(BLOCK_Q, KSTEPS_D))
-        if WG_TF32:     # dV^T, dK^T: A = dO_i^T / Q_i^T (registers), B = P_drop^T / dS^T K-major (N = the 64 keys)
+        if WG_TF32:     # dV^T, dK^T: A = dO_i^T / Q_i^T (registers), B = P_drop^T / dS^T K-major (N = the 64 keys);
             wgmma_t_acc = make_wgmma("rs", DTYPE_NAME, BLOCK_K, (), k_major_steps(BLOCK_K, KSTEPS_Q))
+            # dQ^T: A = K_j^T (registers, gathered once), B = dS K-major (N = BLOCK_Q, k = the 64 keys)
+            # (by halves of the keys, 32 each: all 64 keys' a fragments at once spill)
+            wgmma_dq = make_wgmma("rs", DTYPE_NAME, BLOCK_Q, (), k_major_steps(BLOCK_Q, KSTEPS_K // 2))
         else:
             wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD // DSPLIT, (), mn_major_steps(KSTEPS_Q),
                                    b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
@@ -495,9 +502,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             for p in range(DQ_NT):
                 for e in range(4):
                     dq_reg[p, e] = ZERO
-            if WG_TF32:
-                dq_tf32_wg(smem, mq, n, g, t, dq_reg)
-            elif TF32:                                  # (ds_lane, t_lane: the words of 32-bit loads)
+            if TF32:                                  # (ds_lane, t_lane: the words of 32-bit loads)
                 dq_tf32(smem, ds_base, mq, n, ds_lane, t_lane, dq_reg)
             else:
                 for kk in range(KSTEPS_K):
@@ -859,6 +864,19 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     smem[U(at)] = round_value(reg[0, n, e])
 
     @device_function
+    def store_ds_rows(smem, reg, n, kw, g, t):
+        """n-tile ``n`` of this thread's dS^T elements ``reg`` into the dS tile at ``DSQ_OFF`` (a query a row, its
+        64 keys K-major) as tf32 operands (SPLIT: small parts ``DSQ_TILE`` further)."""
+        for e in range(4):
+            at = DSQ_OFF + tile_word(BLOCK_Q, 8 * n + 2 * t + (e % 2), 16 * kw + g + 8 * (e // 2))
+            if SPLIT:
+                big, small = split_value(reg[0, n, e])
+                smem[U(at)] = big
+                smem[U(at + DSQ_TILE)] = small
+            else:
+                smem[U(at)] = round_value(reg[0, n, e])
+
+    @device_function
     def product_t(smem, x_tile, x_small, b_tile, h, kw, g, t, a_big, a_small, part, acc):
         """acc += X^T B for this warpgroup's dims: X = dO_i or Q_i (the K-major tile at ``x_tile``; SPLIT: its small
         parts at ``x_small``), gathered as ``mma.m16n8k8``'s tf32 a fragments (word 4 ks + r: query 8 ks + t +
@@ -882,31 +900,37 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 acc[0, j, e] += part[0, j, e]
 
     @device_function
-    def dq_tf32_wg(smem, mq, n, g, t, dq_reg):
-        """dq_reg += dS K_j on one dQ unit, a k-step of 8 keys: dS's a fragment (query 16 mq + g (+ 8), key 8 kk + t
-        (+ 4)) from the dS^T tile, K_j's b fragments (key 8 kk + t (+ 4), dim 8 (n + p) + g) from its swizzled tile,
-        both tf32 operands already (SPLIT: with their small parts)."""
-        fq = cuda.local.array((1, 4), U32_DT)
-        fq_s = cuda.local.array((1, 4), U32_DT)
-        for kk in range(KSTEPS_K):
+    def gather_k_t(smem, half, h, kw, g, t, kt_big, kt_small):
+        """The a fragments of K_j^T (this warpgroup's dims x keys 32 half ..) from K_j's split tile: word 4 ks + r
+        is K_j[key 32 half + 8 ks + t + 4 (r >> 1)][dim 64 h + 16 kw + g + 8 (r & 1)]."""
+        for ks in range(KSTEPS_K // 2):
             for r in range(4):
-                at = DS_OFF + tile_word(BLOCK_K, 8 * kk + t + 4 * (r // 2), 16 * mq + g + 8 * (r % 2))
-                fq[0, r] = smem[U(at)]
+                at = tile_word(BLOCK_K, 32 * half + 8 * ks + t + 4 * (r // 2), 64 * h + 16 * kw + g + 8 * (r % 2))
+                kt_big[4 * ks + r] = smem[U(K_OFF + at)]
                 if SPLIT:
-                    fq_s[0, r] = smem[U(at + PD_TILE)]
-            for p in range(DQ_NT):
-                at0 = tile_word(BLOCK_K, 8 * kk + t, 8 * (n + p) + g)
-                at1 = tile_word(BLOCK_K, 8 * kk + t + 4, 8 * (n + p) + g)
-                b0, b1 = smem[U(K_OFF + at0)], smem[U(K_OFF + at1)]
-                if SPLIT:
-                    dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma3_add(
-                        fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], fq_s[0, 0], fq_s[0, 1], fq_s[0, 2], fq_s[0, 3], b0, b1,
-                        smem[U(K_SMALL + at0)], smem[U(K_SMALL + at1)], dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2],
-                        dq_reg[p, 3])
-                else:
-                    dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2], dq_reg[p, 3] = mma(
-                        fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], b0, b1, dq_reg[p, 0], dq_reg[p, 1], dq_reg[p, 2],
-                        dq_reg[p, 3])
+                    kt_small[4 * ks + r] = smem[U(K_SMALL + at)]
+
+    @device_function
+    def dq_wgmma_tf32(smem, dq_accum, b, h, q0, seqlen_q, h_dims, kw, g, t, kt_big, kt_small, dq_t, scale32):
+        """dQ_i += dS K_j as dQ_i^T = K_j^T dS^T for this warpgroup's dims: A = K_j^T gathered by halves of the keys
+        (``gather_k_t``; all 64 keys' fragments at once spill), B = dS at ``DSQ_OFF`` (a half is its second
+        128-byte block); the item's products into ``dq_t``, added to ``dq_accum`` (head ``h``, query rows from
+        ``q0``) by scalar float32 atomics: dim 64 h_dims + 16 kw + g (+ 8), query 8 j + 2 t (+ 1)."""
+        for half in range(2):
+            b_off = 4 * DSQ_OFF + half * BLOCK_Q * SWIZZLE_BYTES
+            gather_k_t(smem, half, h_dims, kw, g, t, kt_big, kt_small)
+            if SPLIT:
+                wgmma_dq(dq_t, kt_small, smem, b_off, half)
+                wgmma_dq(dq_t, kt_big, smem, b_off + 4 * DSQ_TILE, 1)
+                wgmma_dq(dq_t, kt_big, smem, b_off, 1)
+            else:
+                wgmma_dq(dq_t, kt_big, smem, b_off, half)
+        for j in range(NT_Q):
+            for e in range(4):
+                i = q0 + 8 * j + 2 * t + (e % 2)
+                c = 64 * h_dims + 16 * kw + g + 8 * (e // 2)
+                if i < seqlen_q and c < HEAD_DIM:
+                    cuda.atomic.add(dq_accum, (b, i, h, c), dq_t[0, j, e] * scale32)
 
     @device_function
     def store_dk_dv_t(dk, dv, dk_acc, dv_acc, b, hk, k0, h, kw, g, t, seqlen_k, scale32):
@@ -980,6 +1004,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         p_all = cuda.local.array(A_ALL, U32_DT)           # WGMMA: P_drop^T's a fragments of every k-step
         ds_all = cuda.local.array(A_ALL, U32_DT)          # and dS^T's (WG_TF32: dO_i^T's / Q_i^T's, big and small)
         part = cuda.local.array((1, NT_DW if WG_TF32 else 1, 4), F32)   # WG_TF32: the item's dV^T or dK^T
+        dq_t = cuda.local.array((1, NT_Q if WG_TF32 else 1, 4), F32)    # and dQ^T
+        kt_big = cuda.local.array(KT_WORDS, U32_DT)      # WG_TF32: K_j^T's a fragments
+        kt_small = cuda.local.array(KT_SMALL_WORDS, U32_DT)
         h_dims = warp // KW                               # (WG_TF32: this warpgroup's dims, 64 h_dims ..)
         wg_rows = (kw // 4) * 64 * SWIZZLE_BYTES                         # WGMMA: this warpgroup's K / V rows
         part_bytes = (warp // KW) * PART_BYTES if DSPLIT > 1 else 0        # and its part of the dims (DSPLIT)
@@ -1093,6 +1120,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     store_operand_t(smem, P_OFF, s_reg, kw, g, t)
                 else:
                     store_operand_t(smem, DS_OFF, dp_reg, kw, g, t)
+                for n in range(NT_QA):                   # and dS a query a row, half of it each
+                    if n % 2 == h_dims:
+                        store_ds_rows(smem, dp_reg, n, kw, g, t)
                 fence_async()
                 cuda.syncthreads()
             if SHARE:                                    # this warp's queries of P_drop^T and dS^T, for all
@@ -1127,6 +1157,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 pending = True
                 ph = h
                 pq0 = q0
+            elif WG_TF32:
+                cuda.syncthreads()      # every warp is past its reads of buffer buf (dS complete since the last barrier)
+                dq_wgmma_tf32(smem, dq_accum, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, h_dims, kw, g, t, kt_big,
+                              kt_small, dq_t, scale32)
             else:
                 cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
                 dq_phase(smem, dq_accum, DS_OFF, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
