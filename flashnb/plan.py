@@ -266,17 +266,16 @@ def _cast_launch(kern, n):
 
 def _backward_tc_plan(call, bq, bk):
     if _hopper_backward(call, bk) and call.block_q is None:
-        bq = WGMMA_TF32_BWD_BLOCK_Q if call.dtype == "float32" else wgmma_bwd_block_q(call.headdim)
+        bq = wgmma_bwd_block_q(call.headdim)
     if _empty(call, True):
         return BackwardPlan(call, "tensorcore", bq, bk, "float32", None, None, True, None)
     d, words = call.headdim, call.headdim // (1 if call.dtype == "float32" else 2)
     dkdv = None
     if call.seqlen_k > 0 and _hopper_backward(call, bk):
-        split, extra = ((2, {"EXCHANGE": True, **_tf32_keywords(call.dtype, call.precision)})
-                        if call.dtype == "float32" else (wgmma_bwd_dim_split(d), _exchange(d)))
-        kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags), split, _red2(),
-                                             DEFER_DQ=False, WGMMA=True, **_varlen(call),
-                                             **_section(call, LPT_SECTION_BWD), **extra)
+        kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
+                                             wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
+                                             **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
+                                             **({"DQ_BULK": True} if WGMMA_DQ_BULK else {}))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -299,17 +298,12 @@ def _hopper_backward(call, block_k):
     (``backend="wgmma"``), or "auto" on compute capability 9.0 (``WGMMA_AUTO``) above head dim 48; 16-bit
     batches up to head dim 128 (dK's and dV's accumulators in one warp's registers; to 256 with
     ``WGMMA_BACKWARD_256``, two warps a 16 keys), dense (packed with ``WGMMA_BACKWARD_PACKED``), key tiles of
-    whole warpgroups (64 keys), 16-byte rows; float32 with ``WGMMA_TF32_BACKWARD``: dense batches up to head dim
-    128 above 64 (each warpgroup's 64 dims), key tiles of 64; else the tensor-core one."""
+    whole warpgroups (64 keys), 16-byte rows; else the tensor-core one."""
     asked = call.backend == "wgmma" or (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR
                                         and call.headdim > 48 and compute_capability() == (9, 0))
-    if call.dtype == "float32":
-        served = (WGMMA_TF32_BACKWARD and 64 < call.headdim <= 128 and call.headdim % 4 == 0 and block_k == 64
-                  and call.total_q is None)
-    else:
-        served = (call.dtype in ("float16", "bfloat16") and call.headdim <= (256 if WGMMA_BACKWARD_256 else 128)
-                  and call.headdim % 8 == 0 and block_k % 64 == 0 and (call.total_q is None or WGMMA_BACKWARD_PACKED))
-    return WGMMA_BACKWARD and asked and served and call.layout is not None and call.layout[1]
+    return (WGMMA_BACKWARD and asked and call.dtype in ("float16", "bfloat16")
+            and call.headdim <= (256 if WGMMA_BACKWARD_256 else 128) and call.headdim % 8 == 0 and block_k % 64 == 0
+            and (call.total_q is None or WGMMA_BACKWARD_PACKED) and call.layout is not None and call.layout[1])
 
 
 # measured on the H100 (bench/results/h100-hopper-bwd-2026-11-25.md, tools.tune_tc --pass bwd, N 4096): the
@@ -327,12 +321,11 @@ WGMMA_BACKWARD_PACKED = True
 # computing S^T and dP^T, as the mma.sync kernel's pairs of warps): measured on the H100 (same record,
 # tools.tune_tc --pass bwd, N 4096, d 256) 7.21 / 4.04 ms against the mma.sync kernel's 7.45 / 4.09
 WGMMA_BACKWARD_256 = True
-# float32 on tf32 wgmma (``make_dkdv_tc(WGMMA=True)`` with float32: the dims split over two warpgroups that exchange
-# S^T and dP^T, dV^T = dO^T P and dK^T = Q^T dS with dO^T, Q^T gathered into registers; docs/notes/hopper.md step
-# 16): 16 x 64 tiles (K_j, V_j and their small parts take 128 KB; two buffers of Q_i, dO_i of 16 queries 32 KB).
-# Not yet run on a GPU
-WGMMA_TF32_BACKWARD = False
-WGMMA_TF32_BWD_BLOCK_Q = 16
+# dQ by Hopper's bulk reductions (``make_dkdv_tc(DQ_BULK=True)``: a warp's unit staged in shared memory, one
+# ``cp.reduce.async.bulk`` a query row) instead of a vector atomic per pair of dims.  Measured on the H100
+# (bench/results/h100-dq-bulk-2026-11-26.md, call 3) with dQ's atomics left out altogether, the Hopper backward takes
+# 7-8% less time at head dim 128 and 18-20% less at 256: the atomics' share.  Not yet run on a GPU
+WGMMA_DQ_BULK = False
 
 
 # above head dim 128 the two warpgroups on the same keys each compute one of S^T, dP^T and swap them through shared

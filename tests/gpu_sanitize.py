@@ -37,14 +37,12 @@ OPTION_SETS = {
 
 DTYPES = {"float16": (np.float16, ("tensorcore", "simt", "wgmma", "wgmma-bwd")),
           "bfloat16": ("bfloat16", ("tensorcore", "wgmma", "wgmma-bwd")),
-          "float32": (np.float32, ("simt", "tensorcore:highest", "tensorcore:high", "wgmma:highest", "wgmma:high",
-                                  "wgmma-bwd:highest", "wgmma-bwd:high")),
+          "float32": (np.float32, ("simt", "tensorcore:highest", "tensorcore:high", "wgmma:highest", "wgmma:high")),
           "float64": (np.float64, ("simt",))}
 # "tensorcore:PRECISION": float32 on tf32 tensor cores, forward and backward at that precision; "wgmma": the Hopper
 # forward (compute capability 9.0 only; its backward is the tensor-core one); "wgmma-bwd": the Hopper forward and
 # the Hopper dK/dV kernel (plan.WGMMA_BACKWARD, and WGMMA_BACKWARD_256 above head dim 128); "wgmma:PRECISION": float32 on tf32 wgmma
-# (plan.WGMMA_TF32, up to head dim 128), its backward the tf32 tensor-core one; "wgmma-bwd:PRECISION": and the Hopper tf32
-# dK/dV kernel (plan.WGMMA_TF32_BACKWARD, above head dim 64)
+# (plan.WGMMA_TF32, up to head dim 128), its backward the tf32 tensor-core one
 
 
 def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
@@ -65,14 +63,12 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
                         continue
                     if backend.startswith("wgmma") and tuple(cuda.get_current_device().compute_capability) != (9, 0):
                         continue
-                    if backend.startswith(("wgmma:", "wgmma-bwd:")) and d > 128:
+                    if backend.startswith("wgmma:") and d > 128:
                         continue
-                    hopper_bwd = backend.startswith("wgmma-bwd")
-                    flashnb.plan.WGMMA_BACKWARD = flashnb.plan.WGMMA_BACKWARD_256 = hopper_bwd
-                    flashnb.plan.WGMMA_TF32 = backend.startswith(("wgmma:", "wgmma-bwd:"))
-                    flashnb.plan.WGMMA_TF32_BACKWARD = hopper_bwd
-                    bwd_backend = "wgmma" if hopper_bwd else "tensorcore"
-                    backend = backend.replace("wgmma-bwd", "wgmma")
+                    flashnb.plan.WGMMA_BACKWARD = flashnb.plan.WGMMA_BACKWARD_256 = backend == "wgmma-bwd"
+                    flashnb.plan.WGMMA_TF32 = backend.startswith("wgmma:")
+                    bwd_backend = "wgmma" if backend == "wgmma-bwd" else "tensorcore"
+                    backend = "wgmma" if backend == "wgmma-bwd" else backend
                     arrays = _cast((q, k, v, dout), dtype)
                     backend, _, precision = backend.partition(":")
                     extra = dict(precision=precision) if precision else {}

@@ -51,7 +51,7 @@ from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_ti
 from .forward import LOG2E, make_window_helpers
 from .forward_tc import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
-                     make_wgmma, mn_major_steps, swizzled_offset)
+                     make_wgmma, mn_major_steps)
 
 F32 = np.float32
 U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
@@ -183,7 +183,8 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 @kernel_factory
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
-                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0):
+                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0,
+                 DQ_BULK=False):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -213,6 +214,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     buffer after the item's last barrier, and the copy two items ahead goes into it: the next item issues
     that copy after its first barrier (the deferred dQ, the default), or, with ``DEFER_DQ=False``, a barrier
     after dV, dK (dQ right after it) keeps them apart.
+
+    ``DQ_BULK`` (with ``WGMMA``): each warp's dQ unit goes to global memory as Hopper's bulk reductions
+    (``cp.reduce.async.bulk ... add.f32``, the tensor-copy engine), one per query row of the unit from a staging
+    tile of the warp in shared memory, instead of a ``red.global.add.v2.f32`` per pair of dims: 16 operations a
+    unit instead of 128-256.
 
     ``SECTION``: the blocks of a dense batch in ``_tiles.make_tile_order``'s longest-first order, the (key/value
     head, batch) pairs in sections of ``SECTION``; 0: tile fastest.
@@ -266,10 +272,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     QS = DSPLIT if SHARE else 1              # parts of the queries in S^T, dP^T: warp w computes part w // KW
     assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
     if WGMMA:
-        assert MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
-    WG_TF32 = WGMMA and TF32                 # float32 on tf32 wgmma: one key tile of 64, the dims split, exchanged
-    if WG_TF32:
-        assert DSPLIT == 2 and EXCHANGE and BLOCK_K == 64 and HEAD_DIM <= 128 and BLOCK_Q <= 32
+        assert not TF32 and MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
     NTHREADS = 32 * NWARPS
@@ -309,26 +312,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     X_OFF = SMEM_WORDS                       # the first warpgroup's S^T at X_OFF, the second's dP^T after it
     if EXCHANGE:
         SMEM_WORDS = X_OFF + 2 * X_WORDS
-    PD_TILE = BLOCK_K * SWIZZLE_BYTES // 4   # WG_TF32: P_drop^T or dS^T, K-major (a key's BLOCK_Q queries a row)
-    DSQ_TILE = BLOCK_Q * BLOCK_K             # WG_TF32: dS, K-major (a query's 64 keys a row, two 128-byte blocks)
-    if WG_TF32:
-        # every operand tile on a 1024-byte boundary: K_j, V_j, two buffers of Q_i, dO_i (as above); the small
-        # parts (SPLIT) of K_j, V_j and of this item's Q_i, dO_i, at the same offsets from their own start;
-        # P_drop^T's, then dS^T's big part (and small part); lse2 / delta; the exchange.  No second copy of K_j
-        # (dQ reads the swizzled one with 32-bit loads)
-        PARTS = 2 if SPLIT else 1
-        K_SMALL = Q_OFF + 4 * QTILE          # (V_j's small parts after K_j's: V_OFF - K_OFF further)
-        QS_OFF = K_SMALL + (PARTS - 1) * 2 * BLOCK_K * STRIDE
-        P_OFF = QS_OFF + (PARTS - 1) * 2 * QTILE
-        DS_OFF = P_OFF + PARTS * PD_TILE
-        DSQ_OFF = DS_OFF + PARTS * PD_TILE   # dS again, K-major along the keys (a query a row: dQ^T's B)
-        L_OFF = DSQ_OFF + PARTS * DSQ_TILE
-        X_OFF = L_OFF + 4 * BLOCK_Q
-        SMEM_WORDS = X_OFF + 2 * X_WORDS
-        KD_OFF = KD_STRIDE = 0
-    assert not WG_TF32 or NT_DW == BLOCK_K // 8       # (dV^T's, dK^T's accumulators: N = the 64 keys)
-    KT_WORDS = 2 * KSTEPS_K if WG_TF32 else 1        # K_j^T's a fragments of 32 keys (dQ^T), and their small parts
-    KT_SMALL_WORDS = KT_WORDS if SPLIT else 1
     SHARED_BYTES = SMEM_WORDS * 4
     A_ALL = 4 * KSTEPS_Q if WGMMA else 1     # WGMMA: words of P_drop^T's (dS^T's) a fragments, every k-step
     LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
@@ -339,6 +322,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     DQ_NT = 2 * DQ_NP                        # n-tiles of one unit
     DQ_UNITS = MQ * NU_D                     # dQ = dS K_j in 16 x 16 DQ_NP units (m-tile, DQ_NP pairs) over the warps
     DQ_ROUNDS = -(-DQ_UNITS // NWARPS)
+    DQ_BULK = DQ_BULK and WGMMA and HEAD_DIM % 4 == 0
+    STAGE_STRIDE = 16 * DQ_NP + 4            # DQ_BULK: a row of a warp's staged unit (16-byte rows, padded)
+    STAGE_OFF = -(-SMEM_WORDS // 4) * 4      # each warp's 16 rows of the unit, 16-byte aligned
+    if DQ_BULK:
+        SMEM_WORDS = STAGE_OFF + NWARPS * 16 * STAGE_STRIDE
+        SHARED_BYTES = SMEM_WORDS * 4
     CW = 4 if VEC16 else 1
     PLAIN = not (HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_DROPOUT)   # P, dS need no per-element option
     # masked tiles by comparisons: a window and no mask held in memory (without a window, only the last key
@@ -357,10 +346,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
     exp2, red_add_f32x2 = mem["exp2_ftz"], mem["red_add_f32x2"]
+    bulk_reduce, bulk_commit, bulk_wait_read, bulk_wait_all, warp_sync = (
+        mem[name] for name in ("bulk_reduce_add_f32", "bulk_commit", "bulk_wait_read", "bulk_wait_all", "warp_sync"))
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     query_tile_range = make_query_tile_range(BLOCK_Q)
+    fence_async = fence_proxy_async()                # (WGMMA, DQ_BULK)
     tile_order = make_tile_order(SECTION)             # (a causal dK/dV kernel's longest key tiles are its first)
 
     if WGMMA:
@@ -371,17 +363,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # dV, dK: A = P_drop^T / dS^T (registers), B = dO_i / Q_i MN-major (k = 16 queries, N = the head dim)
         wgmma_t = make_wgmma("ss", DTYPE_NAME, BLOCK_Q, k_major_steps(BLOCK_K, KSTEPS_D),
                              k_major_steps(BLOCK_Q, KSTEPS_D))
-        if WG_TF32:     # dV^T, dK^T: A = dO_i^T / Q_i^T (registers), B = P_drop^T / dS^T K-major (N = the 64 keys);
-            wgmma_t_acc = make_wgmma("rs", DTYPE_NAME, BLOCK_K, (), k_major_steps(BLOCK_K, KSTEPS_Q))
-            # dQ^T: A = K_j^T (registers, gathered once), B = dS K-major (N = BLOCK_Q, k = the 64 keys)
-            # (by halves of the keys, 32 each: all 64 keys' a fragments at once spill)
-            wgmma_dq = make_wgmma("rs", DTYPE_NAME, BLOCK_Q, (), k_major_steps(BLOCK_Q, KSTEPS_K // 2))
-        else:
-            wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD // DSPLIT, (), mn_major_steps(KSTEPS_Q),
-                                   b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
-            pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
+        wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD // DSPLIT, (), mn_major_steps(KSTEPS_Q),
+                               b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
         PART_BYTES = D_PAD // DSPLIT // 64 * BLOCK_Q * SWIZZLE_BYTES   # dO_i's, Q_i's blocks of one part of dims
-        fence_async = fence_proxy_async()
+        pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
     else:
         copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
         copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
@@ -479,7 +464,32 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 smem[U(row + 8 * DS_STRIDE + 4 * n)] = pack2(reg[m, n, 2], reg[m, n, 3])
 
     @device_function
-    def dq_phase(smem, dq_accum, ds_base, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg):
+    def stage_unit(fsmem, dq_accum, dq_reg, b, h, row0, seqlen_q, d0, active, warp, g, t, scale32):
+        """DQ_BULK: this warp's dQ unit (queries ``row0`` .., dims ``d0`` ..; ``dq_reg`` unscaled) into its staging
+        rows, then lane ``l < 16`` adds row ``l`` to ``dq_accum`` by one bulk reduction (the rows past the queries or
+        the head dim left out).  The lanes first wait until their previous reduction has read the rows."""
+        lane = 4 * g + t
+        stage = STAGE_OFF + warp * 16 * STAGE_STRIDE
+        if lane < 16:
+            bulk_wait_read()
+        warp_sync()
+        for p in range(DQ_NT):
+            for r in range(2):
+                at = stage + (g + 8 * r) * STAGE_STRIDE + 8 * p + 2 * t
+                fsmem[U(at)] = dq_reg[p, 2 * r] * scale32
+                fsmem[U(at + 1)] = dq_reg[p, 2 * r + 1] * scale32
+        fence_async()
+        warp_sync()
+        i = row0 + lane
+        ncols = min(16 * DQ_NP, HEAD_DIM - d0)
+        if lane < 16 and active and i < seqlen_q and ncols > 0:
+            nheads = dq_accum.shape[2]
+            bulk_reduce(dq_accum, ((b * seqlen_q + i) * nheads + h) * HEAD_DIM + d0, fsmem, stage + lane * STAGE_STRIDE,
+                        4 * ncols)
+            bulk_commit()
+
+    @device_function
+    def dq_phase(smem, fsmem, dq_accum, ds_base, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg):
         """dQ_i += dS K_j for the query tile at ``q0`` of head ``h``, dS^T read from the words at ``ds_base``
         (a packed batch's: ``b`` 0, ``q0`` and ``seqlen_q`` counted from the packed accumulator's row 0)."""
         # 16 x 16 DQ_NP units (m-tile mq, n-tiles n .. n + 2 DQ_NP - 1) dealt to the warps in rounds; every warp runs
@@ -502,7 +512,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             for p in range(DQ_NT):
                 for e in range(4):
                     dq_reg[p, e] = ZERO
-            if TF32:                                  # (ds_lane, t_lane: the words of 32-bit loads)
+            if TF32:                                    # (ds_lane, t_lane: the words of 32-bit loads)
                 dq_tf32(smem, ds_base, mq, n, ds_lane, t_lane, dq_reg)
             else:
                 for kk in range(KSTEPS_K):
@@ -515,6 +525,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
                             a0, a1, a2, a3, b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2],
                             dq_reg[p + 1, 3])
+            if DQ_BULK:
+                stage_unit(fsmem, dq_accum, dq_reg, b, h, q0 + 16 * mq, seqlen_q, 8 * n, active, warp, g, t, scale32)
+                continue
             if RED2 and (not KEEP_APART or PATHS_APART in ("", "-")) and active and q_full and D_PAD == HEAD_DIM:
                 for r in range(2):
                     o = dq_off + 8 * r * dq_rs
@@ -837,113 +850,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1],
                         dq_reg[p + 1, 2], dq_reg[p + 1, 3])
 
-    # ---- float32 on tf32 wgmma (WG_TF32).  tf32 wgmma reads B K-major only, so the products over the queries run
-    # transposed: dV^T = dO_i^T P_drop and dK^T = Q_i^T dS, B = P_drop^T, dS^T stored a key a row (as S^T's
-    # accumulators hold them), A = dO_i^T, Q_i^T gathered into registers from the K-major tiles that S^T and dP^T
-    # read.  Warpgroup h accumulates dims 64 h .. 64 h + 63 of both (M = 64) over the 64 keys (N).  Every access to
-    # these tiles is a 32-bit word at its swizzled place (``tile_word``), in PTX's own k order.
-
-    @device_function
-    def tile_word(rows, r, c):
-        """Word offset of tf32 column ``c`` of row ``r`` in a 128-byte-swizzled K-major tile of ``rows`` rows."""
-        return (swizzled_offset(rows, r, 2 * (c & -4)) >> 2) + (c & 3)
-
-    @device_function
-    def store_operand_t(smem, base, reg, kw, g, t):
-        """This thread's S^T-layout elements ``reg`` (P_drop^T or dS^T: keys 16 kw + g (+ 8), queries 8 n + 2 t
-        (+ 1)) into the K-major tile at ``base`` as tf32 operands: rounded, or (SPLIT) big parts with the small ones
-        ``PD_TILE`` words further."""
-        for n in range(NT_QA):
-            for e in range(4):
-                at = base + tile_word(BLOCK_K, 16 * kw + g + 8 * (e // 2), 8 * n + 2 * t + (e % 2))
-                if SPLIT:
-                    big, small = split_value(reg[0, n, e])
-                    smem[U(at)] = big
-                    smem[U(at + PD_TILE)] = small
-                else:
-                    smem[U(at)] = round_value(reg[0, n, e])
-
-    @device_function
-    def store_ds_rows(smem, reg, n, kw, g, t):
-        """n-tile ``n`` of this thread's dS^T elements ``reg`` into the dS tile at ``DSQ_OFF`` (a query a row, its
-        64 keys K-major) as tf32 operands (SPLIT: small parts ``DSQ_TILE`` further)."""
-        for e in range(4):
-            at = DSQ_OFF + tile_word(BLOCK_Q, 8 * n + 2 * t + (e % 2), 16 * kw + g + 8 * (e // 2))
-            if SPLIT:
-                big, small = split_value(reg[0, n, e])
-                smem[U(at)] = big
-                smem[U(at + DSQ_TILE)] = small
-            else:
-                smem[U(at)] = round_value(reg[0, n, e])
-
-    @device_function
-    def product_t(smem, x_tile, x_small, b_tile, h, kw, g, t, a_big, a_small, part, acc):
-        """acc += X^T B for this warpgroup's dims: X = dO_i or Q_i (the K-major tile at ``x_tile``; SPLIT: its small
-        parts at ``x_small``), gathered as ``mma.m16n8k8``'s tf32 a fragments (word 4 ks + r: query 8 ks + t +
-        4 (r >> 1), dim 64 h + 16 kw + g + 8 (r & 1)); B = P_drop^T or dS^T at ``b_tile``.  The item's products go
-        into the zeroed ``part``, added by round-to-nearest float32 adds (the tensor cores' accumulation truncates);
-        SPLIT: three products, the small parts' first."""
-        for ks in range(KSTEPS_Q):
-            for r in range(4):
-                at = tile_word(BLOCK_Q, 8 * ks + t + 4 * (r // 2), 64 * h + 16 * kw + g + 8 * (r % 2))
-                a_big[4 * ks + r] = smem[U(x_tile + at)]
-                if SPLIT:
-                    a_small[4 * ks + r] = smem[U(x_small + at)]
-        if SPLIT:
-            wgmma_t_acc(part, a_small, smem, 4 * b_tile, 0)
-            wgmma_t_acc(part, a_big, smem, 4 * (b_tile + PD_TILE), 1)
-            wgmma_t_acc(part, a_big, smem, 4 * b_tile, 1)
-        else:
-            wgmma_t_acc(part, a_big, smem, 4 * b_tile, 0)
-        for j in range(NT_DW):
-            for e in range(4):
-                acc[0, j, e] += part[0, j, e]
-
-    @device_function
-    def gather_k_t(smem, half, h, kw, g, t, kt_big, kt_small):
-        """The a fragments of K_j^T (this warpgroup's dims x keys 32 half ..) from K_j's split tile: word 4 ks + r
-        is K_j[key 32 half + 8 ks + t + 4 (r >> 1)][dim 64 h + 16 kw + g + 8 (r & 1)]."""
-        for ks in range(KSTEPS_K // 2):
-            for r in range(4):
-                at = tile_word(BLOCK_K, 32 * half + 8 * ks + t + 4 * (r // 2), 64 * h + 16 * kw + g + 8 * (r % 2))
-                kt_big[4 * ks + r] = smem[U(K_OFF + at)]
-                if SPLIT:
-                    kt_small[4 * ks + r] = smem[U(K_SMALL + at)]
-
-    @device_function
-    def dq_wgmma_tf32(smem, dq_accum, b, h, q0, seqlen_q, h_dims, kw, g, t, kt_big, kt_small, dq_t, scale32):
-        """dQ_i += dS K_j as dQ_i^T = K_j^T dS^T for this warpgroup's dims: A = K_j^T gathered by halves of the keys
-        (``gather_k_t``; all 64 keys' fragments at once spill), B = dS at ``DSQ_OFF`` (a half is its second
-        128-byte block); the item's products into ``dq_t``, added to ``dq_accum`` (head ``h``, query rows from
-        ``q0``) by scalar float32 atomics: dim 64 h_dims + 16 kw + g (+ 8), query 8 j + 2 t (+ 1)."""
-        for half in range(2):
-            b_off = 4 * DSQ_OFF + half * BLOCK_Q * SWIZZLE_BYTES
-            gather_k_t(smem, half, h_dims, kw, g, t, kt_big, kt_small)
-            if SPLIT:
-                wgmma_dq(dq_t, kt_small, smem, b_off, half)
-                wgmma_dq(dq_t, kt_big, smem, b_off + 4 * DSQ_TILE, 1)
-                wgmma_dq(dq_t, kt_big, smem, b_off, 1)
-            else:
-                wgmma_dq(dq_t, kt_big, smem, b_off, half)
-        for j in range(NT_Q):
-            for e in range(4):
-                i = q0 + 8 * j + 2 * t + (e % 2)
-                c = 64 * h_dims + 16 * kw + g + 8 * (e // 2)
-                if i < seqlen_q and c < HEAD_DIM:
-                    cuda.atomic.add(dq_accum, (b, i, h, c), dq_t[0, j, e] * scale32)
-
-    @device_function
-    def store_dk_dv_t(dk, dv, dk_acc, dv_acc, b, hk, k0, h, kw, g, t, seqlen_k, scale32):
-        """dK = scale (dK^T)^T, dV = (dV^T)^T from this thread's accumulators: dims 64 h + 16 kw + g (+ 8), keys
-        k0 + 8 j + 2 t (+ 1)."""
-        for j in range(NT_DW):
-            for e in range(4):
-                key = k0 + 8 * j + 2 * t + (e % 2)
-                c = 64 * h + 16 * kw + g + 8 * (e // 2)
-                if key < seqlen_k and c < HEAD_WORDS:
-                    dk[U(b), U(key), U(hk), U(c)] = as_bits(dk_acc[0, j, e] * scale32)
-                    dv[U(b), U(key), U(hk), U(c)] = as_bits(dv_acc[0, j, e])
-
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
@@ -1002,12 +908,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         fb_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)
         dq_reg = cuda.local.array((DQ_NT, 4), F32)
         p_all = cuda.local.array(A_ALL, U32_DT)           # WGMMA: P_drop^T's a fragments of every k-step
-        ds_all = cuda.local.array(A_ALL, U32_DT)          # and dS^T's (WG_TF32: dO_i^T's / Q_i^T's, big and small)
-        part = cuda.local.array((1, NT_DW if WG_TF32 else 1, 4), F32)   # WG_TF32: the item's dV^T or dK^T
-        dq_t = cuda.local.array((1, NT_Q if WG_TF32 else 1, 4), F32)    # and dQ^T
-        kt_big = cuda.local.array(KT_WORDS, U32_DT)      # WG_TF32: K_j^T's a fragments
-        kt_small = cuda.local.array(KT_SMALL_WORDS, U32_DT)
-        h_dims = warp // KW                               # (WG_TF32: this warpgroup's dims, 64 h_dims ..)
+        ds_all = cuda.local.array(A_ALL, U32_DT)          # and dS^T's
         wg_rows = (kw // 4) * 64 * SWIZZLE_BYTES                         # WGMMA: this warpgroup's K / V rows
         part_bytes = (warp // KW) * PART_BYTES if DSPLIT > 1 else 0        # and its part of the dims (DSPLIT)
         l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
@@ -1020,7 +921,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
         copy_kv(k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0, seqlen_k - k0, smem, K_OFF)
         copy_kv(v, (b * v.strides[0] + hk * v.strides[2]) >> 2, v.strides[1] >> 2, k0, seqlen_k - k0, smem, V_OFF)
-        if WGMMA and not TF32:
+        if WGMMA:
             copy_kd(k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0, seqlen_k - k0, smem,
                     KD_OFF)
         cp_async_commit()
@@ -1059,7 +960,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 load_rows(lse2, delta, b, hk * group + gn, qn, seqlen_q, l_row, d_row)
             if DEFER_DQ:
                 if pending:
-                    dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0,
+                    dq_phase(smem, fsmem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0,
                              dq_row0 + seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg)
             else:
                 if wn < n_work:
@@ -1073,27 +974,20 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             qb = Q_OFF + buf * 2 * QTILE
             db = qb + QTILE
             lb = L_OFF + buf * 2 * BLOCK_Q
-            if SPLIT:                                    # K_j (once; WG_TF32: and V_j), Q_i, dO_i -> big, small parts
+            if SPLIT:                                    # K_j (once), Q_i, dO_i -> big parts, small parts
                 if first:
-                    split_smem(smem, K_OFF, K_SMALL, (2 if WG_TF32 else 1) * BLOCK_K * STRIDE)
+                    split_smem(smem, K_OFF, K_SMALL, BLOCK_K * STRIDE)
                     first = False
                 split_smem(smem, qb, QS_OFF, 2 * QTILE)  # (QS_OFF last read by item w - 1's dV, dK: before the
-                if WGMMA:                                # barrier above)
-                    fence_async()
-                cuda.syncthreads()
+                cuda.syncthreads()                       # barrier above)
 
-            if TF32 and not WGMMA:                                              # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
+            if TF32:                                                            # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
                 scores_t_tf32(smem, qb, db, a_lane, b_lane, fa, fb, fa_s, fb_s, s_reg, dp_reg)
             elif WGMMA and EXCHANGE:                    # one product per warpgroup, then swapped
                 first_wg = warp < KW
                 a_off = 4 * (K_OFF if first_wg else V_OFF) + wg_rows          # K_j Q_i^T, or V_j dO_i^T
                 b_off = 4 * (qb if first_wg else db)
-                if SPLIT:                                # 3xTF32: the small parts' products first
-                    wgmma_t(s_reg, smem, a_off, 4 * (QS_OFF + (0 if first_wg else QTILE)), 0)
-                    wgmma_t(s_reg, smem, a_off + 4 * (K_SMALL - K_OFF), b_off, 1)
-                    wgmma_t(s_reg, smem, a_off, b_off, 1)
-                else:
-                    wgmma_t(s_reg, smem, a_off, b_off, 0)
+                wgmma_t(s_reg, smem, a_off, b_off, 0)
                 exchange_products(fsmem, s_reg, dp_reg, first_wg)
             elif WGMMA:
                 wgmma_t(s_reg, smem, 4 * K_OFF + wg_rows, 4 * qb, 0)
@@ -1115,16 +1009,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                             drop_threshold, drop_scale, seed_lo, seed_hi)
 
             ds_buf = DS_OFF + (buf * DS_TILE if DEFER_DQ else 0)
-            if WG_TF32:                                  # P_drop^T by the first warpgroup, dS^T by the second
-                if warp < KW:
-                    store_operand_t(smem, P_OFF, s_reg, kw, g, t)
-                else:
-                    store_operand_t(smem, DS_OFF, dp_reg, kw, g, t)
-                for n in range(NT_QA):                   # and dS a query a row, half of it each
-                    if n % 2 == h_dims:
-                        store_ds_rows(smem, dp_reg, n, kw, g, t)
-                fence_async()
-                cuda.syncthreads()
             if SHARE:                                    # this warp's queries of P_drop^T and dS^T, for all
                 if TF32:
                     store_words_tf32(fsmem, P_OFF + qa, s_reg, kw, g, t)
@@ -1134,10 +1018,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     store_words(smem, ds_buf + qa // 2, dp_reg, kw, g, t)
                 cuda.syncthreads()
 
-            if WG_TF32:                                  # dV^T += dO_i^T P_drop, dK^T += Q_i^T dS
-                product_t(smem, db, QS_OFF + QTILE, P_OFF, h_dims, kw, g, t, p_all, ds_all, part, dv_acc)
-                product_t(smem, qb, QS_OFF, DS_OFF, h_dims, kw, g, t, p_all, ds_all, part, dk_acc)
-            elif TF32:                                   # dV += P_drop^T dO_i, dK += dS^T Q_i
+            if TF32:                                     # dV += P_drop^T dO_i, dK += dS^T Q_i
                 dv_dk_tile_tf32(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, fa_s, fb_s, dv_acc,
                                 dk_acc)
             elif WGMMA:
@@ -1148,7 +1029,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
             # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans.  With
             # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T; SHARE: written above)
-            if not SHARE and not WG_TF32 and (DSPLIT == 1 or warp < KW):
+            if not SHARE and (DSPLIT == 1 or warp < KW):
                 if TF32:
                     store_words_tf32(fsmem, ds_buf, dp_reg, kw, g, t)
                 else:
@@ -1157,13 +1038,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 pending = True
                 ph = h
                 pq0 = q0
-            elif WG_TF32:
-                cuda.syncthreads()      # every warp is past its reads of buffer buf (dS complete since the last barrier)
-                dq_wgmma_tf32(smem, dq_accum, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, h_dims, kw, g, t, kt_big,
-                              kt_small, dq_t, scale32)
             else:
                 cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
-                dq_phase(smem, dq_accum, DS_OFF, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
+                dq_phase(smem, fsmem, dq_accum, DS_OFF, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
                          t_lane, scale32, dq_reg)
             if wn < n_work:
                 # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
@@ -1173,13 +1050,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             w, gi, qi = wn, gn, qn_i
 
         wait_all()                                       # no copy may outlive the block
+        if DQ_BULK:
+            bulk_wait_all()
         if DEFER_DQ and pending:                         # the last item's dQ
             cuda.syncthreads()
-            dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0, dq_row0 + seqlen_q, warp,
+            dq_phase(smem, fsmem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0, dq_row0 + seqlen_q, warp,
                      g, t, ds_lane, t_lane, scale32, dq_reg)
-        if WG_TF32:
-            store_dk_dv_t(dk, dv, dk_acc, dv_acc, b, hk, k0, h_dims, kw, g, t, seqlen_k, scale32)
-        else:
-            store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
+        store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
 
     return flash_dkdv_tc, SHARED_BYTES, NTHREADS

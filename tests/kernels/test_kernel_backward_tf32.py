@@ -30,7 +30,7 @@ from hypothesis import assume, given, settings, strategies as st
 import flashnb
 import reference
 import strategies as S
-from flashnb import _dispatch, plan
+from flashnb import plan
 from flashnb.kernels._jit import SIMULATOR
 from kernel_harness import (EPS32, LAYOUT_GRID, check_backward, examples, expected, kernel_backward, kernel_forward,
                             kernel_problems, poison_outputs, rel_bound)  # noqa: F401
@@ -54,18 +54,17 @@ TF32_EPS = 2.0 ** -10                   # truncation's relative error; rounding'
 def problems(**kw):
     kw.setdefault("headdims", HEADDIMS)
     kw.setdefault("tiles", TILES)
-    kw.setdefault("max_seqlen", MAX_SEQLEN)
-    return kernel_problems(dtypes=(np.float32,), **kw)
+    return kernel_problems(dtypes=(np.float32,), max_seqlen=MAX_SEQLEN, **kw)
 
 
-def _tc_backward(p, precision, out=None, lse=None, backend="tensorcore"):
+def _tc_backward(p, precision, out=None, lse=None):
     """dq, dk, dv on the tensor cores at ``precision`` for the problem (``out``, ``lse``: default the tensor-core
     forward's at that precision); tiles the planner refuses for their threads are not drawn."""
     bq, bk = plan.default_tc_bwd_tiles(p.headdim, None, None, "float32", precision)
     assume(plan.tc_bwd_threads(p.block_q or bq, p.block_k or bk, p.headdim, "float32") <= 256)
     if out is None:
         out, lse = kernel_forward(p, backend="tensorcore", precision=precision)
-    return out, lse, kernel_backward(p, out, lse, backend=backend, precision=precision)
+    return out, lse, kernel_backward(p, out, lse, backend="tensorcore", precision=precision)
 
 
 def _assert_within_twice_simt(p, exp, grads, out, lse):
@@ -82,12 +81,8 @@ def _assert_within_twice_simt(p, exp, grads, out, lse):
             f"{name}: 3xTF32 error {err:.3g} > 2 x SIMT's {simt_err:.3g} + {floor:.3g}"
 
 
-def _check_highest(p, backend="tensorcore", oracle_forward=False):
-    """(``oracle_forward``: the oracle's ``out`` and ``lse`` in float32, not the tensor-core forward's.)"""
-    out = lse = None
-    if oracle_forward:
-        out, lse = (x.astype(np.float32) for x in reference.attention(p.q, p.k, p.v, **p.opts))
-    out, lse, grads = _tc_backward(p, "highest", out, lse, backend=backend)
+def _check_highest(p):
+    out, lse, grads = _tc_backward(p, "highest")
     exp = expected(p)
     check_backward(exp, grads)                                    # the float32 bound
     if SIMULATOR:                                                 # (module docstring: on a GPU the bound only)
@@ -103,9 +98,9 @@ def _high_expected(p):
     return exp
 
 
-def _check_high(p, backend="tensorcore"):
+def _check_high(p):
     out, lse = (x.astype(np.float32) for x in reference.attention(p.q, p.k, p.v, **p.opts))
-    _, _, grads = _tc_backward(p, "high", out, lse, backend=backend)
+    _, _, grads = _tc_backward(p, "high", out, lse)
     check_backward(_high_expected(p), grads)
 
 
@@ -186,38 +181,6 @@ def test_highest_packed_batches(lens, causal, seed):
             scale = max(float(np.max(np.abs(r), initial=0.0)), 1.0)
             err = float(np.max(np.abs(got[rows] - r[0]), initial=0.0))
             assert err <= tol * scale, f"sequence {b} {name}: error {err:.3g} > {tol:.3g} x {scale:.3g}"
-
-
-@pytest.mark.parametrize("precision", plan.PRECISIONS)
-@settings(max_examples=examples(1, 10), deadline=None)
-@given(data=st.data())
-def test_wgmma_backward(precision, data):
-    """The Hopper dK/dV kernel on tf32 operands (``make_dkdv_tc(WGMMA=True)`` with float32, ``backend="wgmma"``):
-    two warpgroups on 64 keys, each with 64 of the (padded) dims, exchanging S^T and dP^T; dV^T, dK^T with dO_i^T,
-    Q_i^T gathered from the K-major tiles and P_drop^T, dS^T stored K-major; dQ by ``mma.sync`` from the swizzled
-    tiles.  The same bounds as the ``mma.sync`` kernel's, any options.  In the simulator (some 20 s a work item:
-    256 threads) head dim 72 puts real dims in both warpgroups' halves, the oracle's forward stands in for the
-    tensor cores', one batch element and head; "highest" draws two query tiles (both of the kernel's Q_i, dO_i
-    buffers) and the options a mask is made of, "high" one tile and any options."""
-    two = precision == "highest" or not SIMULATOR
-    p = data.draw(problems(tiles=st.just((16, 64)) if SIMULATOR else st.sampled_from([(None, None), (16, 64)]),
-                           headdims=(72,) if SIMULATOR else (68, 80, 128),
-                           min_seqlen=MIN_SEQLEN if two else 1, max_seqlen=(MAX_SEQLEN if two else 16) or 300,
-                           **(dict(max_batch=1, max_nheads=1, options=S.ALL_OPTIONS if not two else
-                                   frozenset({"softmax_scale", "causal", "window_size"})) if SIMULATOR else {})),
-                  label="problem")
-    built = []
-    real = plan.make_dkdv_tc
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan, "WGMMA_TF32_BACKWARD", True)
-        mp.setattr(plan, "make_dkdv_tc", lambda *a, **kw: (built.append(kw), real(*a, **kw))[1])
-        _dispatch.clear()                                # (no replay of another example's call: planned)
-        if precision == "highest":
-            _check_highest(p, backend="wgmma", oracle_forward=SIMULATOR)
-        else:
-            _check_high(p, backend="wgmma")
-    if p.k.shape[1]:
-        assert built and built[-1].get("WGMMA") and built[-1].get("TF32X3") == (precision == "highest"), built
 
 
 def test_precision_is_checked_and_auto_keeps_float32_on_simt(monkeypatch):
