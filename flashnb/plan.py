@@ -274,8 +274,7 @@ def _backward_tc_plan(call, bq, bk):
     if call.seqlen_k > 0 and _hopper_backward(call, bk):
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
-                                             **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
-                                             **({"DQ_BULK": True} if WGMMA_DQ_BULK else {}))
+                                             **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -321,11 +320,6 @@ WGMMA_BACKWARD_PACKED = True
 # computing S^T and dP^T, as the mma.sync kernel's pairs of warps): measured on the H100 (same record,
 # tools.tune_tc --pass bwd, N 4096, d 256) 7.21 / 4.04 ms against the mma.sync kernel's 7.45 / 4.09
 WGMMA_BACKWARD_256 = True
-# dQ by Hopper's bulk reductions (``make_dkdv_tc(DQ_BULK=True)``: a warp's unit staged in shared memory, one
-# ``cp.reduce.async.bulk`` a query row) instead of a vector atomic per pair of dims.  Measured on the H100
-# (bench/results/h100-dq-bulk-2026-11-26.md, call 3) with dQ's atomics left out altogether, the Hopper backward takes
-# 7-8% less time at head dim 128 and 18-20% less at 256: the atomics' share.  Not yet run on a GPU
-WGMMA_DQ_BULK = False
 
 
 # above head dim 128 the two warpgroups on the same keys each compute one of S^T, dP^T and swap them through shared

@@ -233,46 +233,9 @@ def _gpu_memory_primitives():
 
         return sig, codegen
 
-    @intrinsic
-    def bulk_reduce_add_f32(typingctx, ary, off, smem, i, nbytes):
-        """``ary.flat[off:off + nbytes / 4] += smem[i:i + nbytes / 4]`` by the tensor-copy engine (sm_90:
-        ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``; both addresses 16-byte aligned, ``nbytes``
-        a multiple of 16), in this thread's current bulk group.  The shared words must have been made visible to
-        the async proxy (``fence.proxy.async``) and stay unwritten until ``bulk_wait_read``."""
-        sig = types.void(ary, off, smem, i, nbytes)
-
-        def codegen(context, builder, signature, args):
-            tys = signature.args
-            assert tys[0].layout == "C", tys[0]
-            arr = context.make_array(tys[0])(context, builder, args[0])
-            o = builder.mul(context.cast(builder, args[1], tys[1], types.int64), ir.Constant(i64, 4))
-            g = builder.add(builder.ptrtoint(arr.data, i64), o)
-            sa = shared_address(context, builder, tys[2], args[2], tys[3], args[3])
-            n = builder.trunc(context.cast(builder, args[4], tys[4], types.int64), i32)
-            ptx = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $0; "
-                   "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [ga], [$1], $2; }")
-            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i32, i32]), ptx, "l,r,r",
-                                      side_effect=True), [g, sa, n])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    def make_bulk_op(ptx):
-        @intrinsic
-        def op(typingctx):
-            def codegen(context, builder, signature, args):
-                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), ptx, "", side_effect=True), [])
-                return context.get_dummy_value()
-            return types.void(), codegen
-        return op
-
     return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(16), cp_async4=make_cp_async(4), cp_async_commit=cp_async_commit,
                 cp_async_wait_all=make_wait(0), cp_async_wait_prev=make_wait(1),
-                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=red_add_f32x2,
-                bulk_reduce_add_f32=bulk_reduce_add_f32, bulk_commit=make_bulk_op("cp.async.bulk.commit_group;"),
-                bulk_wait_read=make_bulk_op("cp.async.bulk.wait_group.read 0;"),
-                bulk_wait_all=make_bulk_op("cp.async.bulk.wait_group 0;"),
-                warp_sync=make_bulk_op("bar.warp.sync 0xffffffff;"))
+                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=red_add_f32x2)
 
 
 # --------------------------------------------------------------------------------------
@@ -415,23 +378,9 @@ def _sim_memory_primitives():
         cuda.atomic.add(flat, off, x)
         cuda.atomic.add(flat, off + 1, y)
 
-    @device_function
-    def bulk_reduce_add_f32(ary, off, smem, i, nbytes):
-        a = getattr(ary, "_ary", ary)
-        assert a.flags.c_contiguous and nbytes % 16 == 0 and off % 4 == 0 and i % 4 == 0   # (16-byte alignment)
-        flat = a.reshape(-1)
-        for w in range(nbytes // 4):
-            cuda.atomic.add(flat, off + w, smem[i + w])
-
-    @device_function
-    def block_sync():
-        cuda.syncthreads()
-
     return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(4), cp_async4=make_cp_async(1), cp_async_commit=nothing,
                 cp_async_wait_all=nothing, cp_async_wait_prev=nothing,
-                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=red_add_f32x2,
-                bulk_reduce_add_f32=bulk_reduce_add_f32, bulk_commit=nothing, bulk_wait_read=nothing,
-                bulk_wait_all=nothing, warp_sync=block_sync)
+                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=red_add_f32x2)
 
 
 # alignment of the dynamic shared-memory array: cp.async (16 bytes) and ldmatrix rows need 16;
@@ -444,9 +393,7 @@ _cache = {}
 
 def memory_primitives():
     """``cp.async`` (16 or 4 bytes, commit, wait), ``ldmatrix.x4`` (plain and ``.trans``), ``ex2.approx.ftz``,
-    ``red.global.add.v2.f32`` (compute capability 9.0+), the bulk reduction of shared float32 words into global ones
-    with its group's commit and waits (9.0+), and ``warp_sync`` (``bar.warp.sync``; the simulator has no warp
-    barrier: a block barrier, so its callers run it in every thread of the block alike), as a dict."""
+    ``red.global.add.v2.f32`` (compute capability 9.0+), as a dict."""
     if "memory" not in _cache:
         _cache["memory"] = _sim_memory_primitives() if SIMULATOR else _gpu_memory_primitives()
     return _cache["memory"]

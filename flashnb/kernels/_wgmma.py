@@ -301,8 +301,9 @@ def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
 
     @device_function
     def wgmma_rs(acc, a_regs, smem, b_off, accumulate):
-        frags = cuda.shared.array((MAX_THREADS, 4 * MAX_RS_KSTEPS), U32)   # (one shape: the simulator gives every
-        # call of this line the first call's array, whichever product of the kernel it serves)
+        # one shape for every product: the simulator hands each call of this line the array of its first call,
+        # so a kernel with two wgmma_rs shapes (the tf32 dK/dV kernel tried on 2026-11-26) overran a smaller one
+        frags = cuda.shared.array((MAX_THREADS, 4 * MAX_RS_KSTEPS), U32)
         tid = cuda.threadIdx.x
         w, lane = (tid // 32) % 4, tid % 32
         g, t = lane // 4, lane % 4

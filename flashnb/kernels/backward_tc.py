@@ -183,8 +183,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 @kernel_factory
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
-                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0,
-                 DQ_BULK=False):
+                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -214,11 +213,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     buffer after the item's last barrier, and the copy two items ahead goes into it: the next item issues
     that copy after its first barrier (the deferred dQ, the default), or, with ``DEFER_DQ=False``, a barrier
     after dV, dK (dQ right after it) keeps them apart.
-
-    ``DQ_BULK`` (with ``WGMMA``): each warp's dQ unit goes to global memory as Hopper's bulk reductions
-    (``cp.reduce.async.bulk ... add.f32``, the tensor-copy engine), one per query row of the unit from a staging
-    tile of the warp in shared memory, instead of a ``red.global.add.v2.f32`` per pair of dims: 16 operations a
-    unit instead of 128-256.
 
     ``SECTION``: the blocks of a dense batch in ``_tiles.make_tile_order``'s longest-first order, the (key/value
     head, batch) pairs in sections of ``SECTION``; 0: tile fastest.
@@ -322,12 +316,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     DQ_NT = 2 * DQ_NP                        # n-tiles of one unit
     DQ_UNITS = MQ * NU_D                     # dQ = dS K_j in 16 x 16 DQ_NP units (m-tile, DQ_NP pairs) over the warps
     DQ_ROUNDS = -(-DQ_UNITS // NWARPS)
-    DQ_BULK = DQ_BULK and WGMMA and HEAD_DIM % 4 == 0
-    STAGE_STRIDE = 16 * DQ_NP + 4            # DQ_BULK: a row of a warp's staged unit (16-byte rows, padded)
-    STAGE_OFF = -(-SMEM_WORDS // 4) * 4      # each warp's 16 rows of the unit, 16-byte aligned
-    if DQ_BULK:
-        SMEM_WORDS = STAGE_OFF + NWARPS * 16 * STAGE_STRIDE
-        SHARED_BYTES = SMEM_WORDS * 4
     CW = 4 if VEC16 else 1
     PLAIN = not (HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_DROPOUT)   # P, dS need no per-element option
     # masked tiles by comparisons: a window and no mask held in memory (without a window, only the last key
@@ -346,13 +334,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
     exp2, red_add_f32x2 = mem["exp2_ftz"], mem["red_add_f32x2"]
-    bulk_reduce, bulk_commit, bulk_wait_read, bulk_wait_all, warp_sync = (
-        mem[name] for name in ("bulk_reduce_add_f32", "bulk_commit", "bulk_wait_read", "bulk_wait_all", "warp_sync"))
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
     query_tile_range = make_query_tile_range(BLOCK_Q)
-    fence_async = fence_proxy_async()                # (WGMMA, DQ_BULK)
     tile_order = make_tile_order(SECTION)             # (a causal dK/dV kernel's longest key tiles are its first)
 
     if WGMMA:
@@ -366,6 +351,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD // DSPLIT, (), mn_major_steps(KSTEPS_Q),
                                b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
         PART_BYTES = D_PAD // DSPLIT // 64 * BLOCK_Q * SWIZZLE_BYTES   # dO_i's, Q_i's blocks of one part of dims
+        fence_async = fence_proxy_async()
         pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
     else:
         copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
@@ -464,32 +450,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 smem[U(row + 8 * DS_STRIDE + 4 * n)] = pack2(reg[m, n, 2], reg[m, n, 3])
 
     @device_function
-    def stage_unit(fsmem, dq_accum, dq_reg, b, h, row0, seqlen_q, d0, active, warp, g, t, scale32):
-        """DQ_BULK: this warp's dQ unit (queries ``row0`` .., dims ``d0`` ..; ``dq_reg`` unscaled) into its staging
-        rows, then lane ``l < 16`` adds row ``l`` to ``dq_accum`` by one bulk reduction (the rows past the queries or
-        the head dim left out).  The lanes first wait until their previous reduction has read the rows."""
-        lane = 4 * g + t
-        stage = STAGE_OFF + warp * 16 * STAGE_STRIDE
-        if lane < 16:
-            bulk_wait_read()
-        warp_sync()
-        for p in range(DQ_NT):
-            for r in range(2):
-                at = stage + (g + 8 * r) * STAGE_STRIDE + 8 * p + 2 * t
-                fsmem[U(at)] = dq_reg[p, 2 * r] * scale32
-                fsmem[U(at + 1)] = dq_reg[p, 2 * r + 1] * scale32
-        fence_async()
-        warp_sync()
-        i = row0 + lane
-        ncols = min(16 * DQ_NP, HEAD_DIM - d0)
-        if lane < 16 and active and i < seqlen_q and ncols > 0:
-            nheads = dq_accum.shape[2]
-            bulk_reduce(dq_accum, ((b * seqlen_q + i) * nheads + h) * HEAD_DIM + d0, fsmem, stage + lane * STAGE_STRIDE,
-                        4 * ncols)
-            bulk_commit()
-
-    @device_function
-    def dq_phase(smem, fsmem, dq_accum, ds_base, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg):
+    def dq_phase(smem, dq_accum, ds_base, b, h, q0, seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg):
         """dQ_i += dS K_j for the query tile at ``q0`` of head ``h``, dS^T read from the words at ``ds_base``
         (a packed batch's: ``b`` 0, ``q0`` and ``seqlen_q`` counted from the packed accumulator's row 0)."""
         # 16 x 16 DQ_NP units (m-tile mq, n-tiles n .. n + 2 DQ_NP - 1) dealt to the warps in rounds; every warp runs
@@ -525,9 +486,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
                             a0, a1, a2, a3, b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2],
                             dq_reg[p + 1, 3])
-            if DQ_BULK:
-                stage_unit(fsmem, dq_accum, dq_reg, b, h, q0 + 16 * mq, seqlen_q, 8 * n, active, warp, g, t, scale32)
-                continue
             if RED2 and (not KEEP_APART or PATHS_APART in ("", "-")) and active and q_full and D_PAD == HEAD_DIM:
                 for r in range(2):
                     o = dq_off + 8 * r * dq_rs
@@ -960,7 +918,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 load_rows(lse2, delta, b, hk * group + gn, qn, seqlen_q, l_row, d_row)
             if DEFER_DQ:
                 if pending:
-                    dq_phase(smem, fsmem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0,
+                    dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0,
                              dq_row0 + seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg)
             else:
                 if wn < n_work:
@@ -1040,7 +998,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 pq0 = q0
             else:
                 cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
-                dq_phase(smem, fsmem, dq_accum, DS_OFF, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
+                dq_phase(smem, dq_accum, DS_OFF, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
                          t_lane, scale32, dq_reg)
             if wn < n_work:
                 # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
@@ -1050,11 +1008,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             w, gi, qi = wn, gn, qn_i
 
         wait_all()                                       # no copy may outlive the block
-        if DQ_BULK:
-            bulk_wait_all()
         if DEFER_DQ and pending:                         # the last item's dQ
             cuda.syncthreads()
-            dq_phase(smem, fsmem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0, dq_row0 + seqlen_q, warp,
+            dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0, dq_row0 + seqlen_q, warp,
                      g, t, ds_lane, t_lane, scale32, dq_reg)
         store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32)
 
