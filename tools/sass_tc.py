@@ -55,11 +55,11 @@ def compile_backward(bq, bk, d, options, out_dir, ptx_version):
     from flashnb.kernels.backward_tc import make_dkdv_tc
 
     causal = options.pop("causal", 0) == 1
-    kw = dict(DSPLIT=plan.tc_bwd_dim_split(bq, bk, d), MTK=plan.tc_bwd_key_tiles(bq, bk, d),
-              SHARE=plan.tc_bwd_share(bq, bk, d))
+    dtype = "float32" if options.pop("F32", 0) else "float16"        # float32: tf32 operands (TF32X3=0: "high")
+    split, mtk, share = plan._tc_bwd_layout(bq, bk, d, dtype)
+    kw = dict(DSPLIT=split, MTK=mtk, SHARE=share)
     if options.get("WGMMA"):                     # the Hopper dK/dV kernel: one warp per 16 keys, dQ undeferred
         kw = dict(DSPLIT=1, MTK=1, SHARE=False, DEFER_DQ=False)
-    dtype = "float32" if options.pop("F32", 0) else "float16"        # float32: tf32 operands (TF32X3=0: "high")
     kw.update({k: (bool(v) if k in ("SHARE", "DEFER_DQ", "WGMMA", "EXCHANGE", "TF32X3") else v)
                for k, v in options.items()})
     wgmma = kw.get("WGMMA", False)
