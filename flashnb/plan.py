@@ -274,8 +274,7 @@ def _backward_tc_plan(call, bq, bk):
     if call.seqlen_k > 0 and _hopper_backward(call, bk):
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
-                                             **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
-                                             **({"ROTATE": True} if WGMMA_BWD_ROTATE else {}))
+                                             **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -321,11 +320,6 @@ WGMMA_BACKWARD_PACKED = True
 # computing S^T and dP^T, as the mma.sync kernel's pairs of warps): measured on the H100 (same record,
 # tools.tune_tc --pass bwd, N 4096, d 256) 7.21 / 4.04 ms against the mma.sync kernel's 7.45 / 4.09
 WGMMA_BACKWARD_256 = True
-# each block of the Hopper dK/dV kernel starts its query tiles at its key tile's index and wraps
-# (``make_dkdv_tc(ROTATE=True)``), so that the blocks of a head do not all add dQ into the same rows at once: dQ's
-# atomics are 6-8% of this backward at head dim 128 and 17-21% at 256 (bench/results/h100-tf32-bwd-dq-2026-11-26.md,
-# call 3), and bulk reductions, 16 operations where there were 256-512, cost the same (call 4).  Not yet measured
-WGMMA_BWD_ROTATE = False
 
 
 # above head dim 128 the two warpgroups on the same keys each compute one of S^T, dP^T and swap them through shared

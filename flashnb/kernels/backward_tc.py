@@ -183,8 +183,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 @kernel_factory
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
-                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0,
-                 ROTATE=False):
+                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -214,10 +213,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     buffer after the item's last barrier, and the copy two items ahead goes into it: the next item issues
     that copy after its first barrier (the deferred dQ, the default), or, with ``DEFER_DQ=False``, a barrier
     after dV, dK (dQ right after it) keeps them apart.
-
-    ``ROTATE``: block ``kt`` (its key tile) starts its query tiles at the ``kt``-th (mod their count) and wraps,
-    so that the blocks of one head add their dQ into different query rows at a time rather than all into the
-    same ones.
 
     ``SECTION``: the blocks of a dense batch in ``_tiles.make_tile_order``'s longest-first order, the (key/value
     head, batch) pairs in sections of ``SECTION``; 0: tile fastest.
@@ -394,18 +389,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     plain_grad, plain_grad_masked = make_plain_grad(False), make_plain_grad(True)
 
     @device_function
-    def item_q0(qt_lo, qi, rot, nqt):
-        """First query of item tile ``qi`` (0 .. nqt - 1): tile ``qt_lo + qi``, or (ROTATE) ``qi`` moved on by
-        ``rot`` (< nqt) and wrapped."""
-        if ROTATE:
-            qi += rot
-            if qi >= nqt:
-                qi -= nqt
-        return (qt_lo + qi) * BLOCK_Q
-
-    @device_function
     def next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right,
-                  block_mask, bm_q, bm_k, rot):
+                  block_mask, bm_q, bm_k):
         """The first work item after ``w`` (item = query head ``gi`` of the group x query tile ``qt_lo + qi``,
         ``w = gi nqt + qi``) the block mask keeps, as ``(w, gi, qi)``: stepped, never divided."""
         w += 1
@@ -415,7 +400,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             gi += 1
         if HAS_BLOCK_MASK:
             while w < n_work:
-                q0 = item_q0(qt_lo, qi, rot, nqt)
+                q0 = (qt_lo + qi) * BLOCK_Q
                 visible, _ = tile_state(b, hk * group + gi, q0, min(q0 + BLOCK_Q, seqlen_q) - 1, k0, seqlen_k,
                                         off, left, right, block_mask, bm_q, bm_k)
                 if visible:
@@ -902,12 +887,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # item w + 1's Q, dO (cp.async) and lse2, delta (registers) are in flight while item w computes
         qt_lo, qt_hi = query_tile_range(k0, k_last, off, left, right, seqlen_q)
         nqt = max(qt_hi - qt_lo, 1)
-        rot = kt % nqt if ROTATE else 0
         n_work = group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
         w, gi, qi = next_work(-1, 0, -1, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
-                              right, block_mask, bm_q, bm_k, rot)
+                              right, block_mask, bm_q, bm_k)
         if w < n_work:
-            q0 = item_q0(qt_lo, qi, rot, nqt)
+            q0 = (qt_lo + qi) * BLOCK_Q
             start_q_copy(q, dout, b, hk * group + gi, q0, seqlen_q, smem, Q_OFF)
             load_rows(lse2, delta, b, hk * group + gi, q0, seqlen_q, l_row, d_row)
             store_rows(fsmem, L_OFF, l_row, d_row)
@@ -918,10 +902,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         pq0 = 0
         while w < n_work:
             h = hk * group + gi
-            q0 = item_q0(qt_lo, qi, rot, nqt)
+            q0 = (qt_lo + qi) * BLOCK_Q
             q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
             wn, gn, qn_i = next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
-                                     right, block_mask, bm_q, bm_k, rot)
+                                     right, block_mask, bm_q, bm_k)
             if DEFER_DQ:
                 wait_all()
                 # item w's Q, dO, lse2, delta have landed for everyone; every warp is done with item w - 1
@@ -929,7 +913,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 cuda.syncthreads()
             if wn < n_work:
                 # buffer 1 - buf was last read before this barrier (DEFER_DQ) or the previous item's dQ barrier
-                qn = item_q0(qt_lo, qn_i, rot, nqt)
+                qn = (qt_lo + qn_i) * BLOCK_Q
                 start_q_copy(q, dout, b, hk * group + gn, qn, seqlen_q, smem, Q_OFF + (1 - buf) * 2 * QTILE)
                 load_rows(lse2, delta, b, hk * group + gn, qn, seqlen_q, l_row, d_row)
             if DEFER_DQ:

@@ -319,10 +319,9 @@ def test_wgmma_bfloat16_within_twice_bfloat16_oracle_error(p):
 WG_BWD_TILES = st.just((16, 64)) if SIMULATOR else st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([64, 128]))
 
 
-def _wgmma_backward_matches_oracle(p, split=None, exchange=True, rotate=True):
+def _wgmma_backward_matches_oracle(p, split=None, exchange=True):
     """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel (``split``: its warps per 16 keys forced, else
-    the plan's, with ``WGMMA_BACKWARD_256``; ``exchange``: ``WGMMA_BACKWARD_EXCHANGE``; ``rotate``:
-    ``WGMMA_BWD_ROTATE``, each block's query tiles from its key tile's index): flash-attn's rule."""
+    the plan's, with ``WGMMA_BACKWARD_256``; ``exchange``: ``WGMMA_BACKWARD_EXCHANGE``): flash-attn's rule."""
     out, lse = kernel_forward(p, backend="tensorcore")
     built = []
     real = plan.make_dkdv_tc
@@ -330,7 +329,6 @@ def _wgmma_backward_matches_oracle(p, split=None, exchange=True, rotate=True):
         mp.setattr(plan, "WGMMA_BACKWARD", True)
         mp.setattr(plan, "WGMMA_BACKWARD_256", True)
         mp.setattr(plan, "WGMMA_BACKWARD_EXCHANGE", exchange)
-        mp.setattr(plan, "WGMMA_BWD_ROTATE", rotate)
         mp.setattr(plan, "make_dkdv_tc", lambda *a, **kw: (built.append((a, kw)), real(*a, **kw))[1])
         if split is not None:
             mp.setattr(plan, "wgmma_bwd_dim_split", lambda headdim: split)
@@ -342,7 +340,6 @@ def _wgmma_backward_matches_oracle(p, split=None, exchange=True, rotate=True):
         assert kw.get("WGMMA"), "backend='wgmma' ran another dK/dV kernel"
         assert a[12] == (split or plan.wgmma_bwd_dim_split(p.headdim)), a[12]      # DSPLIT
         assert kw.get("EXCHANGE", False) == (exchange and a[12] == 2), kw
-        assert kw.get("ROTATE", False) == rotate, kw
 
 
 @settings(max_examples=examples(2, 12), deadline=None)
@@ -360,20 +357,8 @@ def test_wgmma_backward_within_twice_float16_oracle_error(p):
 def test_wgmma_backward_with_the_dims_split(p, exchange):
     """The Hopper dK/dV kernel with two warpgroups on the same keys, each with half of dK's and dV's dims (its
     form above head dim 128, ``WGMMA_BACKWARD_256``; forced at a small head dim in the simulator), each computing
-    one of S^T, dP^T and swapping them (``EXCHANGE``) or both computing both; the query tiles rotated with the
-    exchange, in order without."""
-    _wgmma_backward_matches_oracle(p, split=2 if SIMULATOR else None, exchange=exchange, rotate=exchange)
-
-
-@settings(max_examples=examples(1, 6), deadline=None)
-@given(p=kernel_problems(dtypes=(np.float16,), tiles=WG_BWD_TILES, headdims=(16,) if SIMULATOR else (64, 128, 256),
-                         min_seqlen=65 if SIMULATOR else 1, max_seqlen=72 if SIMULATOR else None, max_batch=1,
-                         max_nheads=1 if SIMULATOR else 4))
-def test_wgmma_backward_query_tiles_rotated(p):
-    """``WGMMA_BWD_ROTATE``: each block of the Hopper dK/dV kernel starts its query tiles at its key tile's index
-    and wraps (in the simulator two key tiles of 64 and five query tiles of 16, so the second block starts at its
-    second tile); any options, the block mask's skipped items among them."""
-    _wgmma_backward_matches_oracle(p, rotate=True)
+    one of S^T, dP^T and swapping them (``EXCHANGE``) or both computing both."""
+    _wgmma_backward_matches_oracle(p, split=2 if SIMULATOR else None, exchange=exchange)
 
 
 @pytest.mark.parametrize("dtype,headdim,tiles,match", [
