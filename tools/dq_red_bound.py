@@ -1,0 +1,122 @@
+"""What dQ's float32 reductions cost on their own: the Hopper dK/dV kernel's ``red.global.add.v2.f32`` pattern
+with a stand-in for its products, so that the L2's reduction work can be timed apart from everything else.
+
+    python -m tools.dq_red_bound [--headdim 256] [--seqlen 4096] [--block-q 32] [--block-k 64]
+                                 [--work 0,600,1200,1800] [--rounds 5]
+
+Each block plays one key tile of one (batch, head), 256 threads, one block an SM (dynamic shared memory held, as
+the kernel's 187 KB); it walks the head's ``seqlen / block_q`` query tiles, and for each runs ``work`` dependent
+float32 FMAs a thread (the products' stand-in) and then adds a ``block_q x headdim`` tile into the
+``(batch, seqlen, heads, headdim)`` float32 accumulator as the kernel does: a warp's instruction covers 8 query
+rows x 8 dims (a lane: row ``g``, dims ``2t, 2t+1``), each warp a 16th, 8th... of the tile's units. Three modes:
+
+* ``none``: the FMAs only;
+* ``burst``: the tile's reductions after the item's FMAs (the kernel's order: ``dq_phase`` after the products);
+* ``spread``: the same reductions, one a slice of the FMAs (what interleaving dQ with the next item's products
+  would give).
+
+The shape is flash-attn's benchmark's (batch * seqlen = 16k tokens, heads * headdim = 2048), non-causal: each
+accumulator element receives ``seqlen / block_k`` additions. Prints milliseconds (minimum over rounds of the
+median of 5 launches) and the reductions' rate (bytes of float32 added per second).
+"""
+import argparse
+
+import numpy as np
+
+
+def make_kernel(D, BQ, WORK, MODE):
+    from numba import cuda, float32
+    from flashnb.kernels._jit import kernel
+    from flashnb.kernels._mma import memory_primitives
+    red_add_f32x2 = memory_primitives()["red_add_f32x2"]
+    UNITS = (BQ // 8) * (D // 8)               # 8 rows x 8 dims an instruction of a warp
+    assert UNITS % 8 == 0
+    UPW = UNITS // 8                           # a warp's instructions an item
+    D8 = D // 8
+    CHUNK = max(WORK // UPW, 1)
+
+    @kernel
+    def reds(dq, nk, nq, heads):
+        smem = cuda.shared.array(0, float32)   # holds the SM (one block, as the kernel's shared memory does)
+        blk = cuda.blockIdx.x
+        bh = blk // nk
+        b = bh // heads
+        h = bh - b * heads
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        g = (tid & 31) >> 2
+        t = tid & 3
+        seqlen = nq * BQ
+        rows = heads * D
+        x = float32(tid) * float32(1e-3)
+        for i in range(nq):
+            base = ((b * seqlen + i * BQ) * heads + h) * D + g * rows + 2 * t
+            if MODE == 2:
+                for u in range(UPW):
+                    for w in range(CHUNK):
+                        x = x * float32(0.9999) + float32(1e-4)
+                    unit = warp * UPW + u
+                    rb = unit // D8
+                    red_add_f32x2(dq, base + 8 * rb * rows + 8 * (unit - rb * D8), x, x)
+            else:
+                for w in range(WORK):
+                    x = x * float32(0.9999) + float32(1e-4)
+                if MODE == 1:
+                    for u in range(UPW):
+                        unit = warp * UPW + u
+                        rb = unit // D8
+                        red_add_f32x2(dq, base + 8 * rb * rows + 8 * (unit - rb * D8), x, x)
+        if x == float32(-1.0):                 # never: keeps the FMAs alive in mode 0
+            smem[0] = x
+            dq[0] = smem[0]
+
+    return reds
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--headdim", type=int, default=256)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--block-q", type=int, default=32)
+    ap.add_argument("--block-k", type=int, default=64)
+    ap.add_argument("--work", default="0,600,1200,1800")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shared", type=int, default=187 * 1024)
+    a = ap.parse_args()
+    from numba import cuda
+    from flashnb._arrays import Stream
+    from flashnb.kernels._jit import launch
+    D, N = a.headdim, a.seqlen
+    B, H = max(16384 // N, 1), 2048 // D
+    nk, nq = N // a.block_k, N // a.block_q
+    dq = cuda.to_device(np.zeros((B, N, H, D), np.float32))
+    stream = Stream(0)
+    grid = nk * B * H
+    red_bytes = 4.0 * B * N * H * D * nk
+    print(f"d {D}, N {N}, batch {B}, heads {H}, {a.block_q} x {a.block_k} tiles: {grid} blocks, "
+          f"{red_bytes / 1e9:.2f} GB of float32 reductions ({nk} an element)")
+    print("| work (FMAs an item) | none ms | burst ms | spread ms | burst - none | burst GB/s | spread GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for work in (int(w) for w in a.work.split(",")):
+        kerns = [make_kernel(D, a.block_q, work, m) for m in range(3)]
+        best = [float("inf")] * 3
+        for _ in range(a.rounds):
+            for m, kern in enumerate(kerns):
+                launch(kern, grid, 256, stream, a.shared, (dq, nk, nq, H))       # compile, warm
+                cuda.synchronize()
+                times = []
+                for _ in range(5):
+                    e0, e1 = cuda.event(), cuda.event()
+                    e0.record()
+                    launch(kern, grid, 256, stream, a.shared, (dq, nk, nq, H))
+                    e1.record()
+                    e1.synchronize()
+                    times.append(cuda.event_elapsed_time(e0, e1))
+                best[m] = min(best[m], float(np.median(times)))
+        none, burst, spread = best
+        print(f"| {work} | {none:.3f} | {burst:.3f} | {spread:.3f} | {burst - none:.3f} | "
+              f"{red_bytes / burst / 1e6:.0f} | {red_bytes / spread / 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
