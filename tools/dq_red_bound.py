@@ -8,7 +8,10 @@ Each block plays one key tile of one (batch, head), 256 threads, one block an SM
 the kernel's 187 KB); it walks the head's ``seqlen / block_q`` query tiles, and for each runs ``work`` dependent
 float32 FMAs a thread (the products' stand-in) and then adds a ``block_q x headdim`` tile into the
 ``(batch, seqlen, heads, headdim)`` float32 accumulator as the kernel does: a warp's instruction covers 8 query
-rows x 8 dims (a lane: row ``g``, dims ``2t, 2t+1``), each warp a 16th, 8th... of the tile's units. Three modes:
+rows x 8 dims (a lane: row ``g``, dims ``2t, 2t+1``), each warp an 8th of the tile's units.  ``--frag``: the
+accumulator in the mma fragments' order instead (each 16 rows x 8 dims a block of 128 floats): ``--frag 4``,
+``lane * 4 + e``, so that a warp's ``red.global.add.v4.f32`` covers 512 contiguous bytes; ``--frag 2``, two
+halves of ``lane * 2 + e``, two ``v2`` of 256 contiguous bytes.  Three modes:
 
 * ``none``: the FMAs only;
 * ``burst``: the tile's reductions after the item's FMAs (the kernel's order: ``dq_phase`` after the products);
@@ -24,16 +27,34 @@ import argparse
 import numpy as np
 
 
-def make_kernel(D, BQ, WORK, MODE):
+def make_kernel(D, BQ, WORK, MODE, FRAG=0):
     from numba import cuda, float32
     from flashnb.kernels._jit import kernel
     from flashnb.kernels._mma import memory_primitives
     red_add_f32x2 = memory_primitives()["red_add_f32x2"]
+    red_add_f32x4 = memory_primitives()["red_add_f32x4"]
     UNITS = (BQ // 8) * (D // 8)               # 8 rows x 8 dims an instruction of a warp
     assert UNITS % 8 == 0
     UPW = UNITS // 8                           # a warp's instructions an item
     D8 = D // 8
+    if FRAG:                                   # 16 rows x 8 dims a unit, one v4 a lane: (UNITS / 2) units
+        UPW //= 2
     CHUNK = max(WORK // UPW, 1)
+
+    @cuda.jit(device=True, inline=True)
+    def add_unit(dq, row0, lane, rows, g, t, unit, x):
+        if FRAG == 4:                          # 16-row slabs of D dims, 128-float blocks in fragment order
+            ms = unit // D8
+            red_add_f32x4(dq, (row0 + 16 * ms) * rows + 128 * (unit - ms * D8) + 4 * lane, x, x, x, x)
+        elif FRAG == 2:                        # the same blocks as two halves of (lane, 2): two v2 a lane
+            ms = unit // D8
+            o = (row0 + 16 * ms) * rows + 128 * (unit - ms * D8) + 2 * lane
+            red_add_f32x2(dq, o, x, x)
+            red_add_f32x2(dq, o + 64, x, x)
+        else:                                  # rows of the (batch, seqlen, heads, headdim) accumulator
+            rb = unit // D8
+            o = (row0 + 8 * rb + g) * rows + 8 * (unit - rb * D8) + 2 * t
+            red_add_f32x2(dq, o, x, x)
 
     @kernel
     def reds(dq, nk, nq, heads):
@@ -44,28 +65,26 @@ def make_kernel(D, BQ, WORK, MODE):
         h = bh - b * heads
         tid = cuda.threadIdx.x
         warp = tid >> 5
-        g = (tid & 31) >> 2
+        lane = tid & 31
+        g = lane >> 2
         t = tid & 3
-        seqlen = nq * BQ
-        rows = heads * D
         x = float32(tid) * float32(1e-3)
+        seqlen = nq * BQ
         for i in range(nq):
-            base = ((b * seqlen + i * BQ) * heads + h) * D + g * rows + 2 * t
+            # FRAG: (batch, head) slabs, rows of D floats; else (batch, seqlen, heads, D)
+            row0 = (bh * seqlen + i * BQ) if FRAG else ((b * seqlen + i * BQ) * heads + h)
+            rows = D if FRAG else heads * D
             if MODE == 2:
                 for u in range(UPW):
                     for w in range(CHUNK):
                         x = x * float32(0.9999) + float32(1e-4)
-                    unit = warp * UPW + u
-                    rb = unit // D8
-                    red_add_f32x2(dq, base + 8 * rb * rows + 8 * (unit - rb * D8), x, x)
+                    add_unit(dq, row0, lane, rows, g, t, warp * UPW + u, x)
             else:
                 for w in range(WORK):
                     x = x * float32(0.9999) + float32(1e-4)
                 if MODE == 1:
                     for u in range(UPW):
-                        unit = warp * UPW + u
-                        rb = unit // D8
-                        red_add_f32x2(dq, base + 8 * rb * rows + 8 * (unit - rb * D8), x, x)
+                        add_unit(dq, row0, lane, rows, g, t, warp * UPW + u, x)
         if x == float32(-1.0):                 # never: keeps the FMAs alive in mode 0
             smem[0] = x
             dq[0] = smem[0]
@@ -82,6 +101,8 @@ def main():
     ap.add_argument("--work", default="0,600,1200,1800")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shared", type=int, default=187 * 1024)
+    ap.add_argument("--frag", type=int, choices=(0, 2, 4), default=0,
+                    help="the accumulator in fragment order, one v4 (4) or two v2 (2) a lane")
     a = ap.parse_args()
     from numba import cuda
     from flashnb._arrays import Stream
@@ -93,12 +114,13 @@ def main():
     stream = Stream(0)
     grid = nk * B * H
     red_bytes = 4.0 * B * N * H * D * nk
-    print(f"d {D}, N {N}, batch {B}, heads {H}, {a.block_q} x {a.block_k} tiles: {grid} blocks, "
+    print(f"d {D}, N {N}, batch {B}, heads {H}, {a.block_q} x {a.block_k} tiles, "
+          f"{('rows, v2', '', 'fragment order, v2', '', 'fragment order, v4')[a.frag]}: {grid} blocks, "
           f"{red_bytes / 1e9:.2f} GB of float32 reductions ({nk} an element)")
     print("| work (FMAs an item) | none ms | burst ms | spread ms | burst - none | burst GB/s | spread GB/s |")
     print("|---|---|---|---|---|---|---|")
     for work in (int(w) for w in a.work.split(",")):
-        kerns = [make_kernel(D, a.block_q, work, m) for m in range(3)]
+        kerns = [make_kernel(D, a.block_q, work, m, a.frag) for m in range(3)]
         best = [float("inf")] * 3
         for _ in range(a.rounds):
             for m, kern in enumerate(kerns):

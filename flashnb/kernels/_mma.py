@@ -211,12 +211,13 @@ def _gpu_memory_primitives():
 
         return sig, codegen
 
-    @intrinsic
-    def red_add_f32x2(typingctx, ary, off, x, y):
-        """``ary.flat[off] += x; ary.flat[off + 1] += y`` (``ary`` C-contiguous float32) as one vector
-        reduction (sm_90: ``red.global.add.v2.f32``; the pair must be 8-byte aligned), half the atomic
-        instructions.  The flat offset lets the caller step it instead of recomputing four indices."""
-        sig = types.void(ary, off, x, y)
+    def make_red_add(n):
+        """``ary.flat[off + e] += x_e`` for ``n`` (2 or 4) float32 values (``ary`` C-contiguous float32) as one
+        vector reduction (sm_90: ``red.global.add.v2.f32`` / ``.v4.f32``; the ``4 n`` bytes must be aligned to
+        their size).  The flat offset lets the caller step it instead of recomputing four indices."""
+        regs = ", ".join(f"${e + 1}" for e in range(n))
+        ptx = f"{{ .reg .u64 ga; cvta.to.global.u64 ga, $0; red.global.add.v{n}.f32 [ga], {{{regs}}}; }}"
+        f32 = ir.FloatType()
 
         def codegen(context, builder, signature, args):
             tys = signature.args
@@ -224,18 +225,25 @@ def _gpu_memory_primitives():
             arr = context.make_array(tys[0])(context, builder, args[0])
             o = builder.mul(context.cast(builder, args[1], tys[1], types.int64), ir.Constant(i64, 4))
             a = builder.add(builder.ptrtoint(arr.data, i64), o)
-            f32 = ir.FloatType()
-            xv, yv = (context.cast(builder, v, t, types.float32) for v, t in zip(args[2:], tys[2:]))
-            ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; red.global.add.v2.f32 [ga], {$1, $2}; }"
-            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, f32, f32]), ptx, "l,f,f",
-                                      side_effect=True), [a, xv, yv])
+            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args[2:], tys[2:])]
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64] + [f32] * n), ptx, "l" + ",f" * n,
+                                      side_effect=True), [a] + vals)
             return context.get_dummy_value()
 
-        return sig, codegen
+        if n == 2:
+            @intrinsic
+            def red_add(typingctx, ary, off, x, y):
+                return types.void(ary, off, x, y), codegen
+        else:
+            @intrinsic
+            def red_add(typingctx, ary, off, x, y, z, w):
+                return types.void(ary, off, x, y, z, w), codegen
+        return red_add
 
     return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(16), cp_async4=make_cp_async(4), cp_async_commit=cp_async_commit,
                 cp_async_wait_all=make_wait(0), cp_async_wait_prev=make_wait(1),
-                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=red_add_f32x2)
+                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=make_red_add(2),
+                red_add_f32x4=make_red_add(4))
 
 
 # --------------------------------------------------------------------------------------
@@ -378,9 +386,15 @@ def _sim_memory_primitives():
         cuda.atomic.add(flat, off, x)
         cuda.atomic.add(flat, off + 1, y)
 
+    @device_function
+    def red_add_f32x4(ary, off, x, y, z, w):
+        red_add_f32x2(ary, off, x, y)
+        red_add_f32x2(ary, off + 2, z, w)
+
     return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(4), cp_async4=make_cp_async(1), cp_async_commit=nothing,
                 cp_async_wait_all=nothing, cp_async_wait_prev=nothing,
-                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=red_add_f32x2)
+                ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=red_add_f32x2,
+                red_add_f32x4=red_add_f32x4)
 
 
 # alignment of the dynamic shared-memory array: cp.async (16 bytes) and ldmatrix rows need 16;
@@ -393,7 +407,7 @@ _cache = {}
 
 def memory_primitives():
     """``cp.async`` (16 or 4 bytes, commit, wait), ``ldmatrix.x4`` (plain and ``.trans``), ``ex2.approx.ftz``,
-    ``red.global.add.v2.f32`` (compute capability 9.0+), as a dict."""
+    ``red.global.add.v2.f32`` and ``.v4.f32`` (compute capability 9.0+), as a dict."""
     if "memory" not in _cache:
         _cache["memory"] = _sim_memory_primitives() if SIMULATOR else _gpu_memory_primitives()
     return _cache["memory"]
