@@ -11,12 +11,10 @@ float32 FMAs a thread (the products' stand-in) and then adds a ``block_q x headd
 rows x 8 dims (a lane: row ``g``, dims ``2t, 2t+1``), each warp an 8th of the tile's units.  ``--frag``: the
 accumulator in the mma fragments' order instead (each 16 rows x 8 dims a block of 128 floats): ``--frag 4``,
 ``lane * 4 + e``, so that a warp's ``red.global.add.v4.f32`` covers 512 contiguous bytes; ``--frag 2``, two
-halves of ``lane * 2 + e``, two ``v2`` of 256 contiguous bytes.  Three modes:
-
-* ``none``: the FMAs only;
-* ``burst``: the tile's reductions after the item's FMAs (the kernel's order: ``dq_phase`` after the products);
-* ``spread``: the same reductions, one a slice of the FMAs (what interleaving dQ with the next item's products
-  would give).
+halves of ``lane * 2 + e``, two ``v2`` of 256 contiguous bytes.  Two modes: ``none``, the FMAs only; ``burst``,
+the tile's reductions after the item's FMAs (the kernel's order: ``dq_phase`` after the products).  The FMA loop
+is a crude stand-in (its cycles per FMA depend on how the compiler unrolls it): the row ``work 0`` is the
+measurement, the reductions' rate alone.
 
 The shape is flash-attn's benchmark's (batch * seqlen = 16k tokens, heads * headdim = 2048), non-causal: each
 accumulator element receives ``seqlen / block_k`` additions. Prints milliseconds (minimum over rounds of the
@@ -39,21 +37,21 @@ def make_kernel(D, BQ, WORK, MODE, FRAG=0):
     D8 = D // 8
     if FRAG:                                   # 16 rows x 8 dims a unit, one v4 a lane: (UNITS / 2) units
         UPW //= 2
-    CHUNK = max(WORK // UPW, 1)
 
     @cuda.jit(device=True, inline=True)
     def add_unit(dq, row0, lane, rows, g, t, unit, x):
+        # unit: FRAG, 16 rows x 8 dims; else 8 x 8; rows: floats between query rows of the rows layout
         if FRAG == 4:                          # 16-row slabs of D dims, 128-float blocks in fragment order
             ms = unit // D8
-            red_add_f32x4(dq, (row0 + 16 * ms) * rows + 128 * (unit - ms * D8) + 4 * lane, x, x, x, x)
+            red_add_f32x4(dq, (row0 + 16 * ms) * D + 128 * (unit - ms * D8) + 4 * lane, x, x, x, x)
         elif FRAG == 2:                        # the same blocks as two halves of (lane, 2): two v2 a lane
             ms = unit // D8
-            o = (row0 + 16 * ms) * rows + 128 * (unit - ms * D8) + 2 * lane
+            o = (row0 + 16 * ms) * D + 128 * (unit - ms * D8) + 2 * lane
             red_add_f32x2(dq, o, x, x)
             red_add_f32x2(dq, o + 64, x, x)
         else:                                  # rows of the (batch, seqlen, heads, headdim) accumulator
             rb = unit // D8
-            o = (row0 + 8 * rb + g) * rows + 8 * (unit - rb * D8) + 2 * t
+            o = row0 * D + (8 * rb + g) * rows + 8 * (unit - rb * D8) + 2 * t
             red_add_f32x2(dq, o, x, x)
 
     @kernel
@@ -71,20 +69,14 @@ def make_kernel(D, BQ, WORK, MODE, FRAG=0):
         x = float32(tid) * float32(1e-3)
         seqlen = nq * BQ
         for i in range(nq):
-            # FRAG: (batch, head) slabs, rows of D floats; else (batch, seqlen, heads, D)
+            # the tile's first row: FRAG, of the (batch, head)'s slabs; else of (batch, seqlen, heads, D)
             row0 = (bh * seqlen + i * BQ) if FRAG else ((b * seqlen + i * BQ) * heads + h)
-            rows = D if FRAG else heads * D
-            if MODE == 2:
+            rows = heads * D
+            for w in range(WORK):
+                x = x * float32(0.9999) + float32(1e-4)
+            if MODE == 1:
                 for u in range(UPW):
-                    for w in range(CHUNK):
-                        x = x * float32(0.9999) + float32(1e-4)
                     add_unit(dq, row0, lane, rows, g, t, warp * UPW + u, x)
-            else:
-                for w in range(WORK):
-                    x = x * float32(0.9999) + float32(1e-4)
-                if MODE == 1:
-                    for u in range(UPW):
-                        add_unit(dq, row0, lane, rows, g, t, warp * UPW + u, x)
         if x == float32(-1.0):                 # never: keeps the FMAs alive in mode 0
             smem[0] = x
             dq[0] = smem[0]
@@ -117,11 +109,11 @@ def main():
     print(f"d {D}, N {N}, batch {B}, heads {H}, {a.block_q} x {a.block_k} tiles, "
           f"{('rows, v2', '', 'fragment order, v2', '', 'fragment order, v4')[a.frag]}: {grid} blocks, "
           f"{red_bytes / 1e9:.2f} GB of float32 reductions ({nk} an element)")
-    print("| work (FMAs an item) | none ms | burst ms | spread ms | burst - none | burst GB/s | spread GB/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| work (FMAs an item) | none ms | burst ms | burst - none | burst GB/s |")
+    print("|---|---|---|---|---|")
     for work in (int(w) for w in a.work.split(",")):
-        kerns = [make_kernel(D, a.block_q, work, m, a.frag) for m in range(3)]
-        best = [float("inf")] * 3
+        kerns = [make_kernel(D, a.block_q, work, m, a.frag) for m in range(2)]
+        best = [float("inf")] * 2
         for _ in range(a.rounds):
             for m, kern in enumerate(kerns):
                 launch(kern, grid, 256, stream, a.shared, (dq, nk, nq, H))       # compile, warm
@@ -135,9 +127,8 @@ def main():
                     e1.synchronize()
                     times.append(cuda.event_elapsed_time(e0, e1))
                 best[m] = min(best[m], float(np.median(times)))
-        none, burst, spread = best
-        print(f"| {work} | {none:.3f} | {burst:.3f} | {spread:.3f} | {burst - none:.3f} | "
-              f"{red_bytes / burst / 1e6:.0f} | {red_bytes / spread / 1e6:.0f} |")
+        none, burst = best
+        print(f"| {work} | {none:.3f} | {burst:.3f} | {burst - none:.3f} | {red_bytes / burst / 1e6:.0f} |")
 
 
 if __name__ == "__main__":
