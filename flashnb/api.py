@@ -230,7 +230,7 @@ def _backward_launches(p, dout, q, k, v, out, lse, dq, dk, dv, opts, stream, kin
     if p.preprocess is not None:
         _run(p.preprocess, stream, (dout, out, lse, delta, lse2))
     if p.atomic:
-        dq_accum = _arrays.scratch((c.batch, c.seqlen_q, c.nheads, c.headdim), acc, kind, like, stream)
+        dq_accum = _arrays.scratch(p.accum_shape(), acc, kind, like, stream)
         if c.seqlen_q > 0:
             memset_zero(dq_accum, stream)
     else:
@@ -238,7 +238,7 @@ def _backward_launches(p, dout, q, k, v, out, lse, dq, dk, dv, opts, stream, kin
     if p.dkdv is not None:
         _run(p.dkdv, stream, p.dkdv_args(q, k, v, dout, lse2, delta, dk, dv, dq_accum, opts))
     if p.finish is not None:
-        args = ((_arrays.flat(dq_accum), _arrays.flat(dq)) if p.atomic
+        args = ((_arrays.flat(dq_accum), _arrays.flat(dq)) + p.cast_args() if p.atomic
                 else p.dq_args(q, k, v, dout, lse2, delta, dq, opts))
         _run(p.finish, stream, args)
 

@@ -23,7 +23,7 @@ from .kernels._jit import SIMULATOR, compute_capability, shared_limit
 from .kernels._tiles import np_acc
 from .kernels.backward import (CAST_THREADS, PREPROCESS_THREADS, cast_grid, make_cast, make_dkdv, make_dq,
                                make_preprocess, preprocess_grid, preprocess_threads)
-from .kernels.backward_tc import make_cast_tc, make_dkdv_tc
+from .kernels.backward_tc import dq_frag_shape, make_cast_frag, make_cast_tc, make_dkdv_tc
 from .kernels.forward import LOG2E, make_forward, tile_threads
 from .kernels.forward_tc import make_forward_tc, make_prepare_tf32, tf32_head_words
 from .kernels._tma import tensor_maps
@@ -97,6 +97,19 @@ class BackwardPlan(NamedTuple):
     dkdv: Optional[Launch]          # dK, dV (and with ``atomic`` dQ's partial sums)
     atomic: bool                    # dQ summed with atomics into an accumulator, which ``finish`` casts
     finish: Optional[Launch]        # the accumulator's cast, or the dQ pass (atomic False)
+    dq_frag: Optional[tuple] = None  # the Hopper kernel's fragment-ordered accumulator's shape (``dq_frag_shape``)
+
+    def accum_shape(self):
+        """The dQ accumulator's shape: ``(batch, seqlen_q, nheads, headdim)``, or the fragment-ordered one."""
+        c = self.call
+        return self.dq_frag or (c.batch, c.seqlen_q, c.nheads, c.headdim)
+
+    def cast_args(self):
+        """The accumulator's cast's arguments after the two flat arrays (the fragment-ordered one's sizes)."""
+        if self.dq_frag is None:
+            return ()
+        c = self.call
+        return c.nheads, c.seqlen_q, self.dq_frag[2], self.dq_frag[3], c.headdim
 
     def dkdv_args(self, q, k, v, dout, lse2, delta, dk, dv, dq_accum, opts):
         return (q, k, v, dout, lse2, delta, dk, dv, dq_accum) + _group_off(self.call) + self._options(opts)
@@ -271,10 +284,14 @@ def _backward_tc_plan(call, bq, bk):
         return BackwardPlan(call, "tensorcore", bq, bk, "float32", None, None, True, None)
     d, words = call.headdim, call.headdim // (1 if call.dtype == "float32" else 2)
     dkdv = None
+    frag = None
     if call.seqlen_k > 0 and _hopper_backward(call, bk):
+        if WGMMA_DQ_FRAG and call.total_q is None:
+            frag = dq_frag_shape(call.batch, call.nheads, call.seqlen_q, d, bq, wgmma_bwd_dim_split(d))
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
-                                             **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d))
+                                             **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
+                                             **({"DQ_FRAG": True} if frag else {}))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -286,10 +303,12 @@ def _backward_tc_plan(call, bq, bk):
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     cast = None
-    if call.seqlen_q > 0:
+    if call.seqlen_q > 0 and frag:
+        cast = _cast_launch(make_cast_frag(call.dtype), frag[0] * frag[1] * frag[2] * frag[3] // 4)
+    elif call.seqlen_q > 0:
         cast = _cast_launch(make_cast_tc(call.dtype), _rows(call)[0] * _rows(call)[1] * call.nheads * words)
     return BackwardPlan(call, "tensorcore", bq, bk, "float32", _preprocess_launch(call, "float32", call.dtype),
-                        dkdv, True, cast)
+                        dkdv, True, cast, frag)
 
 
 def _hopper_backward(call, block_k):
@@ -330,6 +349,14 @@ WGMMA_BACKWARD_256 = True
 # which no block order touches, went from 0.75x to 0.81x FA2 (7.22 -> 6.66-6.68 ms, `python -m bench`); 186,880 bytes
 # of shared memory, 244-246 registers, no spill
 WGMMA_BACKWARD_EXCHANGE = True
+
+
+# dQ's partial sums into an accumulator in the mma fragments' order (``make_dkdv_tc(DQ_FRAG=True)``, dense
+# batches), one red.global.add.v4.f32 a lane covering four whole 128-byte lines, instead of 8 rows x 32 bytes a
+# warp's reduction: the L2 reduced 3.3 TB/s of float32 that way against 1.85 alone (tools.dq_red_bound, H100,
+# bench/results/h100-dq-frag-2026-11-26.md), where the rows layout's reductions alone take 4.6 ms of the d-256
+# backward's 6.5 (N 4096, non-causal; Nsight Compute: one sector an L2 request against FlashAttention-2's four)
+WGMMA_DQ_FRAG = True
 
 
 def _exchange(headdim):

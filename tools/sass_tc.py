@@ -3,7 +3,7 @@
     python -m tools.sass_tc BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [MT=2] [QS=0|1] [FOLD=0|1] [WGMMA=1 [TMA=1]]
                             [F32=1 [TF32X3=0]] [SECTION=N] [MIN_BLOCKS=2]
     python -m tools.sass_tc --pass bwd BLOCK_Q BLOCK_K HEAD_DIM [causal=1] [DSPLIT=] [MTK=] [SHARE=] [DEFER_DQ=]
-                            [WGMMA=1 [EXCHANGE=1]] [F32=1 [TF32X3=0]] [SECTION=N]
+                            [WGMMA=1 [EXCHANGE=1] [DQ_FRAG=1]] [F32=1 [TF32X3=0]] [SECTION=N]
 
 (``--pass bwd``: the tensor-core dK/dV kernel, ``make_dkdv_tc``, with the defaults ``plan.backward`` picks;
 ``WGMMA=1``: the Hopper forward, ``MT=1``, Q in shared memory, compiled for sm_90a; ``TMA=1``: its tiles by the
@@ -60,7 +60,7 @@ def compile_backward(bq, bk, d, options, out_dir, ptx_version):
     kw = dict(DSPLIT=split, MTK=mtk, SHARE=share)
     if options.get("WGMMA"):                     # the Hopper dK/dV kernel: one warp per 16 keys, dQ undeferred
         kw = dict(DSPLIT=1, MTK=1, SHARE=False, DEFER_DQ=False)
-    kw.update({k: (bool(v) if k in ("SHARE", "DEFER_DQ", "WGMMA", "EXCHANGE", "TF32X3") else v)
+    kw.update({k: (bool(v) if k in ("SHARE", "DEFER_DQ", "WGMMA", "EXCHANGE", "TF32X3", "DQ_FRAG") else v)
                for k, v in options.items()})
     wgmma = kw.get("WGMMA", False)
     dsplit = kw.pop("DSPLIT")

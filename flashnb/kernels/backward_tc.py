@@ -168,6 +168,52 @@ def make_cast_tc(DTYPE_NAME):
     return cast_tc
 
 
+def dq_frag_shape(batch, nheads, seqlen_q, headdim, block_q, dsplit):
+    """The fragment-ordered dQ accumulator of ``make_dkdv_tc(DQ_FRAG=True)``: ``(batch, nheads, rows, dims)``
+    float32, the query rows padded to whole query tiles and the dims to the Hopper kernel's ``D_PAD``, so that
+    the kernel's reductions need no bounds.  Each 16 rows x ``dims`` slab is a run of 128-float blocks, one an
+    n-tile of 8 dims, in the mma accumulator's order: float ``4 lane + e`` of a block is lane ``lane = 4 g + t``'s
+    value ``e``, that is row ``g + 8 (e // 2)``, dim ``2 t + e % 2`` of the block (``make_cast_frag`` undoes it)."""
+    rows = -(-seqlen_q // block_q) * block_q
+    dims = -(-headdim // (64 * dsplit)) * 64 * dsplit
+    return batch, nheads, rows, dims
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_cast_frag(DTYPE_NAME):
+    """dQ's 16-bit words from the fragment-ordered accumulator (``dq_frag_shape``): ``src`` the accumulator's
+    floats, flat; ``dst`` the words of the ``(batch, seqlen_q, nheads, headdim)`` dQ, flat.  A thread takes one
+    lane's four floats of a block (one 16-byte load; ``cast_grid`` over ``src.size / 4``) and writes its two
+    words (rows ``g`` and ``g + 8``, dims ``2 t, 2 t + 1``) where they fall inside dQ."""
+    _, pack2, _ = primitives(DTYPE_NAME)
+
+    @kernel
+    def cast_frag(src, dst, nheads, seqlen_q, rows, dims, headdim):
+        nt_d = dims >> 3                                # blocks (n-tiles) of a 16-row slab
+        slabs = rows >> 4                               # slabs of a (batch, head)
+        half_d = headdim >> 1                           # words of a dQ row
+        base = cuda.blockIdx.x * (CAST_THREADS * CAST_ITEMS) + cuda.threadIdx.x
+        for e in range(CAST_ITEMS):
+            q = base + e * CAST_THREADS                 # floats 4 q .. 4 q + 3: lane q % 32 of block q / 32
+            if 4 * q < src.shape[0]:
+                lane = q & 31
+                blk = q >> 5
+                slab = blk // nt_d
+                nt = blk - slab * nt_d
+                bh = slab // slabs
+                i = 16 * (slab - bh * slabs) + (lane >> 2)
+                b = bh // nheads
+                if 8 * nt < headdim:
+                    o = ((b * seqlen_q + i) * nheads + bh - b * nheads) * half_d + 4 * nt + (lane & 3)
+                    if i < seqlen_q:
+                        dst[o] = pack2(src[4 * q], src[4 * q + 1])
+                    if i + 8 < seqlen_q:
+                        dst[o + 8 * nheads * half_d] = pack2(src[4 * q + 2], src[4 * q + 3])
+
+    return cast_frag
+
+
 def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
     """n-tile pairs per dQ unit: the most dividing ``NP_D`` that still leaves a unit for every warp, up to 4
     with the head-dim split and 2 without.  Measured (bench/results/h100-tune-tc-bwd-2026-11-22.md, sixth
@@ -183,7 +229,8 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 @kernel_factory
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
-                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0):
+                 DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0,
+                 DQ_FRAG=False):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -246,6 +293,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     memory (``exchange_products``; thread ``tid`` and ``tid + 128`` hold the same keys and queries), so each
     product is computed once instead of twice.
 
+    ``DQ_FRAG`` (with ``WGMMA``, dense batches): ``dq_accum`` is ``dq_frag_shape``'s fragment-ordered accumulator,
+    and each lane adds its four floats of an n-tile with one ``red.global.add.v4.f32``, so that a warp's
+    reduction covers 512 contiguous bytes (four whole 128-byte lines) instead of 8 rows x 32 bytes: the L2 takes
+    a request of four sectors where it took four requests of one (bench/results/h100-dq-frag-2026-11-26.md).
+
     The kernel body is FA2's Algorithm 2 for one key tile; its steps are the helpers below (``scores_t``,
     ``plain_grad`` / ``option_grad``, ``dv_dk_tile``, ``dq_phase``, ``store_dk_dv``).  (The timing ablations
     of the dQ phase, the atomics and the element-wise step, whose results were wrong by design, were measured
@@ -267,6 +319,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
     if WGMMA:
         assert not TF32 and MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
+    assert not DQ_FRAG or (WGMMA and not VARLEN)
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
     NTHREADS = 32 * NWARPS
@@ -333,7 +386,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     mem = memory_primitives()
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
-    exp2, red_add_f32x2 = mem["exp2_ftz"], mem["red_add_f32x2"]
+    exp2, red_add_f32x2, red_add_f32x4 = mem["exp2_ftz"], mem["red_add_f32x2"], mem["red_add_f32x4"]
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
@@ -458,10 +511,15 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # and adds nothing
         # flat offsets into dq_accum (C-contiguous): this thread's row q0 + g, dims 2t, 2t + 1;
         # a whole query tile and an unpadded head dim need no bounds
-        nheads = dq_accum.shape[2]
-        dq_rs = nheads * HEAD_DIM                       # elements per query row of dq_accum
-        dq_row = ((b * seqlen_q + q0 + g) * nheads + h) * HEAD_DIM + 2 * t
-        q_full = q0 + BLOCK_Q <= seqlen_q
+        if DQ_FRAG:             # dq_frag_shape's blocks: this lane's four floats of the tile's first block
+            dq_row = ((b * dq_accum.shape[1] + h) * dq_accum.shape[2] + q0) * D_PAD + 4 * (4 * g + t)
+            dq_rs = 0
+            q_full = True
+        else:
+            nheads = dq_accum.shape[2]
+            dq_rs = nheads * HEAD_DIM                   # elements per query row of dq_accum
+            dq_row = ((b * seqlen_q + q0 + g) * nheads + h) * HEAD_DIM + 2 * t
+            q_full = q0 + BLOCK_Q <= seqlen_q
         for rnd in range(DQ_ROUNDS):
             u = rnd * NWARPS + warp
             active = True if DQ_UNITS % NWARPS == 0 else u < DQ_UNITS
@@ -486,6 +544,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2], dq_reg[p + 1, 3] = mma(
                             a0, a1, a2, a3, b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1], dq_reg[p + 1, 2],
                             dq_reg[p + 1, 3])
+            if DQ_FRAG:                                 # rows and dims padded: no bounds
+                if active:
+                    o = dq_row + 16 * D_PAD * mq + 128 * n
+                    for p in range(DQ_NT):
+                        red_add_f32x4(dq_accum, o + 128 * p, dq_reg[p, 0] * scale32, dq_reg[p, 1] * scale32,
+                                      dq_reg[p, 2] * scale32, dq_reg[p, 3] * scale32)
+                continue
             if RED2 and (not KEEP_APART or PATHS_APART in ("", "-")) and active and q_full and D_PAD == HEAD_DIM:
                 for r in range(2):
                     o = dq_off + 8 * r * dq_rs

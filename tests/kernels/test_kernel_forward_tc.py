@@ -319,9 +319,11 @@ def test_wgmma_bfloat16_within_twice_bfloat16_oracle_error(p):
 WG_BWD_TILES = st.just((16, 64)) if SIMULATOR else st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([64, 128]))
 
 
-def _wgmma_backward_matches_oracle(p, split=None, exchange=True):
+def _wgmma_backward_matches_oracle(p, split=None, exchange=True, frag=True):
     """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel (``split``: its warps per 16 keys forced, else
-    the plan's, with ``WGMMA_BACKWARD_256``; ``exchange``: ``WGMMA_BACKWARD_EXCHANGE``): flash-attn's rule."""
+    the plan's, with ``WGMMA_BACKWARD_256``; ``exchange``: ``WGMMA_BACKWARD_EXCHANGE``; ``frag``:
+    ``WGMMA_DQ_FRAG``, dQ's accumulator in the fragments' order, whose padded rows and dims the draws cross):
+    flash-attn's rule."""
     out, lse = kernel_forward(p, backend="tensorcore")
     built = []
     real = plan.make_dkdv_tc
@@ -329,6 +331,7 @@ def _wgmma_backward_matches_oracle(p, split=None, exchange=True):
         mp.setattr(plan, "WGMMA_BACKWARD", True)
         mp.setattr(plan, "WGMMA_BACKWARD_256", True)
         mp.setattr(plan, "WGMMA_BACKWARD_EXCHANGE", exchange)
+        mp.setattr(plan, "WGMMA_DQ_FRAG", frag)
         mp.setattr(plan, "make_dkdv_tc", lambda *a, **kw: (built.append((a, kw)), real(*a, **kw))[1])
         if split is not None:
             mp.setattr(plan, "wgmma_bwd_dim_split", lambda headdim: split)
@@ -340,14 +343,16 @@ def _wgmma_backward_matches_oracle(p, split=None, exchange=True):
         assert kw.get("WGMMA"), "backend='wgmma' ran another dK/dV kernel"
         assert a[12] == (split or plan.wgmma_bwd_dim_split(p.headdim)), a[12]      # DSPLIT
         assert kw.get("EXCHANGE", False) == (exchange and a[12] == 2), kw
+        assert kw.get("DQ_FRAG", False) == frag, kw
 
 
 @settings(max_examples=examples(2, 12), deadline=None)
 @given(p=kernel_problems(dtypes=(np.float16,), tiles=WG_BWD_TILES, headdims=(16, 40) if SIMULATOR else (64, 96, 128),
-                         max_seqlen=TC_MAX_SEQLEN))
-def test_wgmma_backward_within_twice_float16_oracle_error(p):
-    """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel, any options: flash-attn's rule."""
-    _wgmma_backward_matches_oracle(p)
+                         max_seqlen=TC_MAX_SEQLEN), frag=st.booleans())
+def test_wgmma_backward_within_twice_float16_oracle_error(p, frag):
+    """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel, any options, dQ's accumulator in either
+    layout: flash-attn's rule."""
+    _wgmma_backward_matches_oracle(p, frag=frag)
 
 
 @settings(max_examples=examples(1, 8), deadline=None)
@@ -357,8 +362,9 @@ def test_wgmma_backward_within_twice_float16_oracle_error(p):
 def test_wgmma_backward_with_the_dims_split(p, exchange):
     """The Hopper dK/dV kernel with two warpgroups on the same keys, each with half of dK's and dV's dims (its
     form above head dim 128, ``WGMMA_BACKWARD_256``; forced at a small head dim in the simulator), each computing
-    one of S^T, dP^T and swapping them (``EXCHANGE``) or both computing both."""
-    _wgmma_backward_matches_oracle(p, split=2 if SIMULATOR else None, exchange=exchange)
+    one of S^T, dP^T and swapping them (``EXCHANGE``) or both computing both; dQ's accumulator in the fragments'
+    order with the exchange and in rows without (so that the simulator runs both layouts every time)."""
+    _wgmma_backward_matches_oracle(p, split=2 if SIMULATOR else None, exchange=exchange, frag=exchange)
 
 
 @pytest.mark.parametrize("dtype,headdim,tiles,match", [
