@@ -353,9 +353,10 @@ WGMMA_BACKWARD_EXCHANGE = True
 
 # dQ's partial sums into an accumulator in the mma fragments' order (``make_dkdv_tc(DQ_FRAG=True)``, dense
 # batches), one red.global.add.v4.f32 a lane covering four whole 128-byte lines, instead of 8 rows x 32 bytes a
-# warp's reduction: the L2 reduced 3.3 TB/s of float32 that way against 1.85 alone (tools.dq_red_bound, H100,
-# bench/results/h100-dq-frag-2026-11-26.md), where the rows layout's reductions alone take 4.6 ms of the d-256
-# backward's 6.5 (N 4096, non-causal; Nsight Compute: one sector an L2 request against FlashAttention-2's four)
+# warp's reduction (one sector an L2 request, against FlashAttention-2's four): measured on the H100
+# (bench/results/h100-dq-frag-2026-11-26.md, python -m tools.plan_ab, float16 and bfloat16, N 2048-4096)
+# forward+backward 0.92-0.97x -> 1.08-1.13x FlashAttention-2 at head dim 256, 0.98-1.03x -> 1.09-1.15x at 128,
+# 1.06-1.09x -> 1.15-1.17x at 64; the reductions alone ran at 3.3 TB/s against 1.85 (tools.dq_red_bound)
 WGMMA_DQ_FRAG = True
 
 
