@@ -97,7 +97,7 @@ class BackwardPlan(NamedTuple):
     dkdv: Optional[Launch]          # dK, dV (and with ``atomic`` dQ's partial sums)
     atomic: bool                    # dQ summed with atomics into an accumulator, which ``finish`` casts
     finish: Optional[Launch]        # the accumulator's cast, or the dQ pass (atomic False)
-    dq_frag: Optional[tuple] = None  # the Hopper kernel's fragment-ordered accumulator's shape (``dq_frag_shape``)
+    dq_frag: Optional[tuple] = None  # the fragment-ordered dQ accumulator's shape (``dq_frag_shape``)
 
     def accum_shape(self):
         """The dQ accumulator's shape: ``(batch, seqlen_q, nheads, headdim)``, or the fragment-ordered one."""
@@ -287,7 +287,7 @@ def _backward_tc_plan(call, bq, bk):
     frag = None
     if call.seqlen_k > 0 and _hopper_backward(call, bk):
         if WGMMA_DQ_FRAG and call.total_q is None:
-            frag = dq_frag_shape(call.batch, call.nheads, call.seqlen_q, d, bq, wgmma_bwd_dim_split(d))
+            frag = dq_frag_shape(call.batch, call.nheads, call.seqlen_q, d, bq, wgmma_bwd_dim_split(d), True)
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
                                              **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
@@ -296,10 +296,12 @@ def _backward_tc_plan(call, bq, bk):
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
         split, mtk, share = _tc_bwd_layout(bq, bk, d, call.dtype)
+        if TC_DQ_FRAG and call.total_q is None and call.dtype != "float32" and _red2():
+            frag = dq_frag_shape(call.batch, call.nheads, call.seqlen_q, d, bq, split, False)
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
                                              split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
                                              **_tf32_keywords(call.dtype, call.precision),
-                                             **_section(call, LPT_SECTION_BWD))
+                                             **_section(call, LPT_SECTION_BWD), **({"DQ_FRAG": True} if frag else {}))
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     cast = None
@@ -358,6 +360,9 @@ WGMMA_BACKWARD_EXCHANGE = True
 # forward+backward 0.92-0.97x -> 1.08-1.13x FlashAttention-2 at head dim 256, 0.98-1.03x -> 1.09-1.15x at 128,
 # 1.06-1.09x -> 1.15-1.17x at 64; the reductions alone ran at 3.3 TB/s against 1.85 (tools.dq_red_bound)
 WGMMA_DQ_FRAG = True
+# the same for the mma.sync 16-bit dK/dV kernel where red.global.add.v4.f32 exists (compute capability 9.0; the
+# H100 runs it below head dim 48 and with backend="tensorcore")
+TC_DQ_FRAG = True
 
 
 def _exchange(headdim):

@@ -168,15 +168,20 @@ def make_cast_tc(DTYPE_NAME):
     return cast_tc
 
 
-def dq_frag_shape(batch, nheads, seqlen_q, headdim, block_q, dsplit):
+def dkdv_dims(headdim, dsplit, wgmma):
+    """The dK/dV kernel's padded head dim ``D_PAD``: each of its ``dsplit`` parts whole pairs of n-tiles (16
+    dims), or with ``wgmma`` whole swizzled blocks of 64 values."""
+    unit = (64 if wgmma else 16) * dsplit
+    return -(-headdim // unit) * unit
+
+
+def dq_frag_shape(batch, nheads, seqlen_q, headdim, block_q, dsplit, wgmma):
     """The fragment-ordered dQ accumulator of ``make_dkdv_tc(DQ_FRAG=True)``: ``(batch, nheads, rows, dims)``
-    float32, the query rows padded to whole query tiles and the dims to the Hopper kernel's ``D_PAD``, so that
-    the kernel's reductions need no bounds.  Each 16 rows x ``dims`` slab is a run of 128-float blocks, one an
+    float32, the query rows padded to whole query tiles and the dims to the kernel's ``D_PAD`` (``dkdv_dims``),
+    so that the kernel's reductions need no bounds.  Each 16 rows x ``dims`` slab is a run of 128-float blocks, one an
     n-tile of 8 dims, in the mma accumulator's order: float ``4 lane + e`` of a block is lane ``lane = 4 g + t``'s
     value ``e``, that is row ``g + 8 (e // 2)``, dim ``2 t + e % 2`` of the block (``make_cast_frag`` undoes it)."""
-    rows = -(-seqlen_q // block_q) * block_q
-    dims = -(-headdim // (64 * dsplit)) * 64 * dsplit
-    return batch, nheads, rows, dims
+    return batch, nheads, -(-seqlen_q // block_q) * block_q, dkdv_dims(headdim, dsplit, wgmma)
 
 
 @lru_cache(maxsize=None)
@@ -204,7 +209,7 @@ def make_cast_frag(DTYPE_NAME):
                 bh = slab // slabs
                 i = 16 * (slab - bh * slabs) + (lane >> 2)
                 b = bh // nheads
-                if 8 * nt < headdim:
+                if 8 * nt + 2 * (lane & 3) < headdim:       # (an even head dim: so is the dim after it)
                     o = ((b * seqlen_q + i) * nheads + bh - b * nheads) * half_d + 4 * nt + (lane & 3)
                     if i < seqlen_q:
                         dst[o] = pack2(src[4 * q], src[4 * q + 1])
@@ -293,8 +298,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     memory (``exchange_products``; thread ``tid`` and ``tid + 128`` hold the same keys and queries), so each
     product is computed once instead of twice.
 
-    ``DQ_FRAG`` (with ``WGMMA``, dense batches): ``dq_accum`` is ``dq_frag_shape``'s fragment-ordered accumulator,
-    and each lane adds its four floats of an n-tile with one ``red.global.add.v4.f32``, so that a warp's
+    ``DQ_FRAG`` (16-bit inputs, dense batches, compute capability 9.0): ``dq_accum`` is ``dq_frag_shape``'s
+    fragment-ordered accumulator, and each lane adds its four floats of an n-tile with one
+    ``red.global.add.v4.f32``, so that a warp's
     reduction covers 512 contiguous bytes (four whole 128-byte lines) instead of 8 rows x 32 bytes: the L2 takes
     a request of four sectors where it took four requests of one (bench/results/h100-dq-frag-2026-11-26.md).
 
@@ -319,13 +325,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
     if WGMMA:
         assert not TF32 and MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
-    assert not DQ_FRAG or (WGMMA and not VARLEN)
+    assert not DQ_FRAG or not (TF32 or VARLEN)
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
     NTHREADS = 32 * NWARPS
-    D_PAD = -(-HEAD_DIM // (16 * DSPLIT)) * 16 * DSPLIT   # each part of dK, dV: whole pairs of n-tiles
-    if WGMMA:
-        D_PAD = -(-HEAD_DIM // (64 * DSPLIT)) * 64 * DSPLIT   # whole swizzled blocks of 64 values (each part's)
+    D_PAD = dkdv_dims(HEAD_DIM, DSPLIT, WGMMA)   # each part of dK, dV: whole pairs of n-tiles (WGMMA: blocks of 64)
     HEAD_WORDS = HEAD_DIM // VALS
     D_WORDS = D_PAD // VALS
     KSTEPS_D = D_WORDS // 8                  # k-steps of K Q^T and V dO^T (8 words each)
