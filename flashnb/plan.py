@@ -296,7 +296,8 @@ def _backward_tc_plan(call, bq, bk):
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
         split, mtk, share = _tc_bwd_layout(bq, bk, d, call.dtype)
-        if TC_DQ_FRAG and call.total_q is None and call.dtype != "float32" and _red2():
+        if (TC_DQ_FRAG and call.total_q is None and call.dtype != "float32" and _red2()
+                and d <= TC_DQ_FRAG_MAX_HEADDIM):
             frag = dq_frag_shape(call.batch, call.nheads, call.seqlen_q, d, bq, split, False)
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
                                              split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
@@ -360,9 +361,13 @@ WGMMA_BACKWARD_EXCHANGE = True
 # forward+backward 0.92-0.97x -> 1.08-1.13x FlashAttention-2 at head dim 256, 0.98-1.03x -> 1.09-1.15x at 128,
 # 1.06-1.09x -> 1.15-1.17x at 64; the reductions alone ran at 3.3 TB/s against 1.85 (tools.dq_red_bound)
 WGMMA_DQ_FRAG = True
-# the same for the mma.sync 16-bit dK/dV kernel where red.global.add.v4.f32 exists (compute capability 9.0; the
-# H100 runs it below head dim 48 and with backend="tensorcore")
+# the same for the mma.sync 16-bit dK/dV kernel where red.global.add.v4.f32 exists (compute capability 9.0; on the
+# H100 "auto" runs it up to head dim 48): measured there (same record, call 6, python -m tools.plan_ab --backend
+# tensorcore, 2 rounds) forward+backward 0.982x / 1.012x -> 1.030x / 1.058x FlashAttention-2 at head dim 32
+# (causal after the slash), 1.095x / 1.043x -> 1.141x / 1.087x at 48; above 48 not measured (the timing ran out)
+# and ptxas spills more with it at 128 (168 bytes against 40), so those keep the rows layout
 TC_DQ_FRAG = True
+TC_DQ_FRAG_MAX_HEADDIM = 48
 
 
 def _exchange(headdim):

@@ -496,8 +496,8 @@ def _tc_backward_matches_oracle_with_layout(p, split, key_tiles, share):
 @given(p=tc_problems(), frag=st.booleans())
 def test_tc_backward_float16_within_twice_float16_oracle_error(p, frag):
     """dq, dk, dv of the tensor-core backward (atomic dQ) against the float64 oracle, flash-attn's rule; dQ's
-    accumulator in rows or in the fragments' order (``TC_DQ_FRAG``; the float32 kernel and devices below
-    compute capability 9.0 keep rows)."""
+    accumulator in rows or in the fragments' order (``TC_DQ_FRAG``, up to ``TC_DQ_FRAG_MAX_HEADDIM``; the float32
+    kernel and devices below compute capability 9.0 keep rows)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plan, "TC_DQ_FRAG", frag)
         _dispatch.clear()
