@@ -146,6 +146,7 @@ def _backward_launches(p, dout, q, k, v, out, lse, dq, dk, dv, opts, stream, kin
     if p.preprocess is not None:
         api._run(p.preprocess, stream, tuple(_packed(x, 1) for x in (dout, out, lse, delta, lse2)))
     if p.atomic:
+        assert p.dq_frag is None, "a packed batch's dQ accumulator is in rows"
         dq_accum = _arrays.scratch((1, c.total_q, c.nheads, c.headdim), acc, kind, like, stream)
         if c.total_q > 0:
             memset_zero(dq_accum, stream)

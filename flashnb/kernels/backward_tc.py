@@ -189,8 +189,8 @@ def dq_frag_shape(batch, nheads, seqlen_q, headdim, block_q, dsplit, wgmma):
 def make_cast_frag(DTYPE_NAME):
     """dQ's 16-bit words from the fragment-ordered accumulator (``dq_frag_shape``): ``src`` the accumulator's
     floats, flat; ``dst`` the words of the ``(batch, seqlen_q, nheads, headdim)`` dQ, flat.  A thread takes one
-    lane's four floats of a block (one 16-byte load; ``cast_grid`` over ``src.size / 4``) and writes its two
-    words (rows ``g`` and ``g + 8``, dims ``2 t, 2 t + 1``) where they fall inside dQ."""
+    lane's four floats of a block (16 contiguous bytes, four float loads; ``cast_grid`` over ``src.size / 4``)
+    and writes its two words (rows ``g`` and ``g + 8``, dims ``2 t, 2 t + 1``) where they fall inside dQ."""
     _, pack2, _ = primitives(DTYPE_NAME)
 
     @kernel
@@ -299,8 +299,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     product is computed once instead of twice.
 
     ``DQ_FRAG`` (16-bit inputs, dense batches, compute capability 9.0): ``dq_accum`` is ``dq_frag_shape``'s
-    fragment-ordered accumulator, and each lane adds its four floats of an n-tile with one
-    ``red.global.add.v4.f32``, so that a warp's
+    fragment-ordered accumulator, and each lane adds its four floats of an n-tile (but n-tiles of padding only)
+    with one ``red.global.add.v4.f32``, so that a warp's
     reduction covers 512 contiguous bytes (four whole 128-byte lines) instead of 8 rows x 32 bytes: the L2 takes
     a request of four sectors where it took four requests of one (bench/results/h100-dq-frag-2026-11-26.md).
 
@@ -552,8 +552,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 if active:
                     o = dq_row + 16 * D_PAD * mq + 128 * n
                     for p in range(DQ_NT):
-                        red_add_f32x4(dq_accum, o + 128 * p, dq_reg[p, 0] * scale32, dq_reg[p, 1] * scale32,
-                                      dq_reg[p, 2] * scale32, dq_reg[p, 3] * scale32)
+                        if D_PAD == HEAD_DIM or 8 * (n + p) < HEAD_DIM:      # (n-tiles of padding: nothing to add)
+                            red_add_f32x4(dq_accum, o + 128 * p, dq_reg[p, 0] * scale32, dq_reg[p, 1] * scale32,
+                                          dq_reg[p, 2] * scale32, dq_reg[p, 3] * scale32)
                 continue
             if RED2 and (not KEEP_APART or PATHS_APART in ("", "-")) and active and q_full and D_PAD == HEAD_DIM:
                 for r in range(2):

@@ -504,6 +504,27 @@ def test_tc_backward_float16_within_twice_float16_oracle_error(p, frag):
         _tc_backward_matches_oracle(p)
 
 
+def test_tc_backward_dq_in_the_fragments_order_over_m_tiles_and_padding():
+    """dQ's accumulator in the fragments' order (``make_dkdv_tc(DQ_FRAG=True)``) on a fixed problem that the draws
+    reach only now and then: two query m-tiles a tile (block_q 32: the slab offset of the second), a head dim
+    padded past its last n-tile (24 -> 32: an n-tile of padding, not added), query rows past the last whole
+    tile (40), GQA (the accumulator's heads are the query heads)."""
+    rng = np.random.default_rng(11)
+    q, dout = (rng.standard_normal((1, 40, 2, 24)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 24, 1, 24)).astype(np.float16) for _ in range(2))
+    p = S.Problem(q=q, k=k, v=v, dout=dout, opts=types.MappingProxyType({}), block_q=32, block_k=16)
+    built = []
+    real = plan.make_dkdv_tc
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "TC_DQ_FRAG", True)
+        mp.setattr(plan, "make_dkdv_tc", lambda *a, **kw: (built.append(kw), real(*a, **kw))[1])
+        _dispatch.clear()
+        out, lse = kernel_forward(p, backend="tensorcore")
+        grads = kernel_backward(p, out, lse, backend="tensorcore")
+    assert built and built[-1].get("DQ_FRAG", False) == plan._red2(), built       # (the last: the launched one)
+    check_backward(expected(p), grads)
+
+
 @settings(max_examples=examples(3, 4))
 @given(p=tc_problems(headdims=(18, 24, 32) if SIMULATOR else (40, 128, 160), min_seqlen=17, **LAYOUT_GRID))
 def test_tc_backward_with_the_head_dim_split(p):
