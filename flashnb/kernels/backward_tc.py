@@ -178,9 +178,10 @@ def dkdv_dims(headdim, dsplit, wgmma):
 def dq_frag_shape(batch, nheads, seqlen_q, headdim, block_q, dsplit, wgmma):
     """The fragment-ordered dQ accumulator of ``make_dkdv_tc(DQ_FRAG=True)``: ``(batch, nheads, rows, dims)``
     float32, the query rows padded to whole query tiles and the dims to the kernel's ``D_PAD`` (``dkdv_dims``),
-    so that the kernel's reductions need no bounds.  Each 16 rows x ``dims`` slab is a run of 128-float blocks, one an
-    n-tile of 8 dims, in the mma accumulator's order: float ``4 lane + e`` of a block is lane ``lane = 4 g + t``'s
-    value ``e``, that is row ``g + 8 (e // 2)``, dim ``2 t + e % 2`` of the block (``make_cast_frag`` undoes it)."""
+    so that the kernel's reductions need no bounds.  Each 16 rows x ``dims`` slab is a run of 128-float blocks,
+    one an n-tile of 8 dims, in the mma accumulator's order: float ``4 lane + e`` of a block is lane
+    ``lane = 4 g + t``'s value ``e``, that is row ``g + 8 (e // 2)``, dim ``2 t + e % 2`` of the block
+    (``make_cast_frag`` undoes it)."""
     return batch, nheads, -(-seqlen_q // block_q) * block_q, dkdv_dims(headdim, dsplit, wgmma)
 
 
@@ -299,10 +300,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     product is computed once instead of twice.
 
     ``DQ_FRAG`` (16-bit inputs, dense batches, compute capability 9.0): ``dq_accum`` is ``dq_frag_shape``'s
-    fragment-ordered accumulator, and each lane adds its four floats of an n-tile (but n-tiles of padding only)
-    with one ``red.global.add.v4.f32``, so that a warp's
-    reduction covers 512 contiguous bytes (four whole 128-byte lines) instead of 8 rows x 32 bytes: the L2 takes
-    a request of four sectors where it took four requests of one (bench/results/h100-dq-frag-2026-11-26.md).
+    fragment-ordered accumulator, and each lane adds its four floats of an n-tile (n-tiles that are all padding
+    excepted) with one ``red.global.add.v4.f32``, so that a warp's reduction covers 512 contiguous bytes (four
+    whole 128-byte lines) instead of 8 rows x 32 bytes: the L2 takes a request of four sectors where it took
+    four requests of one (bench/results/h100-dq-frag-2026-11-26.md).
 
     The kernel body is FA2's Algorithm 2 for one key tile; its steps are the helpers below (``scores_t``,
     ``plain_grad`` / ``option_grad``, ``dv_dk_tile``, ``dq_phase``, ``store_dk_dv``).  (The timing ablations
