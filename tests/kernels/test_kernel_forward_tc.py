@@ -319,20 +319,26 @@ def test_wgmma_bfloat16_within_twice_bfloat16_oracle_error(p):
 WG_BWD_TILES = st.just((16, 64)) if SIMULATOR else st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([64, 128]))
 
 
+def _record_factory(mp, name, pick):
+    """Patch ``plan.<name>`` (a kernel factory) through ``mp`` so that each call also appends ``pick(args,
+    kwargs)`` to the list returned (the last entry: the kernel the call launched)."""
+    built, real = [], getattr(plan, name)
+    mp.setattr(plan, name, lambda *a, **kw: (built.append(pick(a, kw)), real(*a, **kw))[1])
+    return built
+
+
 def _wgmma_backward_matches_oracle(p, split=None, exchange=True, frag=True):
     """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel (``split``: its warps per 16 keys forced, else
     the plan's, with ``WGMMA_BACKWARD_256``; ``exchange``: ``WGMMA_BACKWARD_EXCHANGE``; ``frag``:
     ``WGMMA_DQ_FRAG``, dQ's accumulator in the fragments' order, whose padded rows and dims the draws cross):
     flash-attn's rule."""
     out, lse = kernel_forward(p, backend="tensorcore")
-    built = []
-    real = plan.make_dkdv_tc
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plan, "WGMMA_BACKWARD", True)
         mp.setattr(plan, "WGMMA_BACKWARD_256", True)
         mp.setattr(plan, "WGMMA_BACKWARD_EXCHANGE", exchange)
         mp.setattr(plan, "WGMMA_DQ_FRAG", frag)
-        mp.setattr(plan, "make_dkdv_tc", lambda *a, **kw: (built.append((a, kw)), real(*a, **kw))[1])
+        built = _record_factory(mp, "make_dkdv_tc", lambda a, kw: (a, kw))
         if split is not None:
             mp.setattr(plan, "wgmma_bwd_dim_split", lambda headdim: split)
         _dispatch.clear()                                # (no replay of another example's call: planned)
@@ -513,15 +519,13 @@ def test_tc_backward_dq_in_the_fragments_order_over_m_tiles_and_padding():
     q, dout = (rng.standard_normal((1, 40, 2, 24)).astype(np.float16) for _ in range(2))
     k, v = (rng.standard_normal((1, 24, 1, 24)).astype(np.float16) for _ in range(2))
     p = S.Problem(q=q, k=k, v=v, dout=dout, opts=types.MappingProxyType({}), block_q=32, block_k=16)
-    built = []
-    real = plan.make_dkdv_tc
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plan, "TC_DQ_FRAG", True)
-        mp.setattr(plan, "make_dkdv_tc", lambda *a, **kw: (built.append(kw), real(*a, **kw))[1])
+        built = _record_factory(mp, "make_dkdv_tc", lambda a, kw: kw)
         _dispatch.clear()
         out, lse = kernel_forward(p, backend="tensorcore")
         grads = kernel_backward(p, out, lse, backend="tensorcore")
-    assert built and built[-1].get("DQ_FRAG", False) == plan._red2(), built       # (the last: the launched one)
+    assert built and built[-1].get("DQ_FRAG", False) == plan._red2(), built
     check_backward(expected(p), grads)
 
 
@@ -718,11 +722,9 @@ def test_wgmma_three_warpgroups(p):
     """The Hopper forward with 192 query rows (three warpgroups: ``plan.WGMMA_THREE_WARPGROUPS``, off by default
     since two blocks an SM of two measured faster; with it "auto" takes it on the H100 up to head dim 64 with no
     option, on its own tiles): flash-attn's rule, with queries past 128 so that the third warpgroup has rows."""
-    built = []
-    real = plan.make_forward_tc
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plan, "WGMMA_THREE_WARPGROUPS", True)
-        mp.setattr(plan, "make_forward_tc", lambda *a, **kw: (built.append(a), real(*a, **kw))[1])
+        built = _record_factory(mp, "make_forward_tc", lambda a, kw: a)
         _dispatch.clear()
         out, lse = kernel_forward(p, backend="wgmma")
     check_forward(expected(p, backward=False), out, lse)
