@@ -518,7 +518,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # a whole query tile and an unpadded head dim need no bounds
         if DQ_FRAG:             # dq_frag_shape's blocks: this lane's four floats of the tile's first block
             dq_row = ((b * dq_accum.shape[1] + h) * dq_accum.shape[2] + q0) * D_PAD + 4 * (4 * g + t)
-            dq_rs = 0
+            dq_rs = D_PAD                               # (a 16-row slab: 16 rows of D_PAD floats)
             q_full = True
         else:
             nheads = dq_accum.shape[2]
@@ -532,7 +532,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 u = 0
             mq = u // NU_D
             n = DQ_NT * (u - mq * NU_D)
-            dq_off = dq_row + 16 * mq * dq_rs + 8 * n
+            dq_off = dq_row + 16 * mq * dq_rs + (128 if DQ_FRAG else 8) * n   # (an n-tile: a block, or 8 dims)
             for p in range(DQ_NT):
                 for e in range(4):
                     dq_reg[p, e] = ZERO
@@ -551,10 +551,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                             dq_reg[p + 1, 3])
             if DQ_FRAG:                                 # rows and dims padded: no bounds
                 if active:
-                    o = dq_row + 16 * D_PAD * mq + 128 * n
                     for p in range(DQ_NT):
                         if D_PAD == HEAD_DIM or 8 * (n + p) < HEAD_DIM:      # (n-tiles of padding: nothing to add)
-                            red_add_f32x4(dq_accum, o + 128 * p, dq_reg[p, 0] * scale32, dq_reg[p, 1] * scale32,
+                            red_add_f32x4(dq_accum, dq_off + 128 * p, dq_reg[p, 0] * scale32, dq_reg[p, 1] * scale32,
                                           dq_reg[p, 2] * scale32, dq_reg[p, 3] * scale32)
                 continue
             if RED2 and (not KEEP_APART or PATHS_APART in ("", "-")) and active and q_full and D_PAD == HEAD_DIM:
