@@ -7,6 +7,7 @@ type.  Bad input raises ``ValueError`` or ``TypeError`` naming the argument.
 """
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,6 +95,24 @@ def _is_int(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def window_pair(window_size):
+    """``window_size`` as a pair of Python ints ``>= -1``.  As flash-attn, any integer-like pair is taken: a
+    tuple or list, or a NumPy array or tensor of two integers (flash-attn's own tests pass
+    ``torch.randint(0, n, (2,))``); bools and non-integral values are refused (ValueError)."""
+    try:
+        pair = tuple(window_size)
+    except TypeError:
+        pair = None
+    if pair is not None and len(pair) == 2 and not any(isinstance(w, (bool, np.bool_)) for w in pair):
+        try:
+            pair = tuple(operator.index(w) for w in pair)   # ints, NumPy integers, integer tensors of one element
+        except TypeError:
+            pair = None
+        if pair is not None and all(w >= -1 for w in pair):
+            return pair
+    raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
+
+
 def _as_4d(x, name, full_shape, dtype_kind, stream):
     """Validate a broadcastable mask/bias and return its device array with 4 dimensions (size-1 broadcast)."""
     kind = _arrays.kind_of(x, name)
@@ -138,9 +157,7 @@ def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softma
         raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(_is_int(w) and w >= -1 for w in window_size)):
-        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    window_size = window_pair(window_size)
     # a side at or beyond max(seqlen_q, seqlen_k) bounds nothing (|key - (query + off)| is below it): clamped
     # there, so that no side, however large, overflows the kernels' 64-bit index arithmetic
     bound = max(seqlen_q, seqlen_k, 1)

@@ -7,7 +7,7 @@ kernel factories in ``flashnb.kernels`` (one compiled kernel per specialisation 
 """
 import numpy as np
 
-from . import _arrays, _dispatch, _options, plan
+from . import _arrays, _dispatch, _options, kvcache, plan
 from .plan import BACKENDS  # noqa: F401  (flashnb.BACKENDS)
 from .kernels._jit import launch, memset_zero
 from .kernels import forward_tc
@@ -61,6 +61,8 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     Inputs are never written.
     """
     del deterministic  # the forward is deterministic by construction (no atomics)
+    if type(window_size) is not tuple:      # a list, an array or tensor of two ints (flash-attn takes them)
+        window_size = _options.window_pair(window_size)
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, attn_mask=attn_mask,
                    attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
                    block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
@@ -78,6 +80,11 @@ def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, pr
     plan.check_backend(backend)
     plan.check_precision(precision)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
+    plain = all(options[n] is None for n in ("attn_mask", "attn_bias", "block_mask")) and options["dropout_p"] == 0
+    if (plan.split_kv(kind.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, backend,
+                      block_q is not None or block_k is not None, plain)
+            and _decode_layout(kind, (q, k, v), launch_stream)):
+        return kvcache.attend(q, k, v, options, return_lse, stream)
     with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
         opts, call = _setup(kind, q, (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), launch_stream,
                             block_q, block_k, backend, False, **options)
@@ -102,6 +109,14 @@ def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, pr
                 out_ret.copy_(_torch_from(out_k))
         out = _arrays.finish(kind, out_ret, out_d, launch_stream)
         return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_lse else out
+
+
+def _decode_layout(kind, arrays, stream):
+    """Whether the split-KV decode kernels can read the arrays as they are: float32 any strides, 16-bit ones as
+    32-bit words (a contiguous head dimension, rows 4-byte aligned); NumPy arrays are copied contiguous."""
+    if kind.dtype == "float32" or kind.lib == "numpy":
+        return True
+    return all(_arrays.word_view(_arrays.to_device_bits(x, stream)) is not None for x in arrays)
 
 
 def _tf32_operands(p, k, v, kind, like, stream):
@@ -149,6 +164,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     tf32 product, as ``flash_attention`` takes it) chooses the tensor cores' precision, independently of the
     forward's.
     """
+    if type(window_size) is not tuple:
+        window_size = _options.window_pair(window_size)
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, attn_mask=attn_mask,
                    attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
                    block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)

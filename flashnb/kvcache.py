@@ -292,9 +292,10 @@ def _dummy(ndim, dtype):
     return _options._dummy(ndim, dtype)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, num_splits=0,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                            return_softmax_lse=False, stream=None):
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, stream=None):
     """Attention of ``q`` over a KV cache, after appending ``k``/``v`` to it in place (flash-attn's conventions).
 
     Arguments:
@@ -307,10 +308,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1`` of sequence ``b`` **in place** (the one
             exception to "inputs are never written"; NumPy caches are copied to the device and back).
             ``cache_seqlens`` itself is not updated (as in flash-attn).
+        rotary_cos, rotary_sin, rotary_interleaved: flash-attn's rotary embedding inside the call; not served
+            yet: anything but None raises ValueError (apply the rotary embedding to q and k before the call).
         cache_seqlens: int32 ``(batch,)`` array or an int: the rows each sequence holds before the append;
             None: the whole cache (minus ``seqlen_new``). Each must satisfy ``0 <= cache_seqlens[b]`` and
             ``cache_seqlens[b] + seqlen_new <= capacity`` (the dense cache's rows, or page_size x
             pages_per_sequence).
+        cache_batch_idx: int32 ``(batch,)`` or None: sequence ``b`` reads and appends to row
+            ``cache_batch_idx[b]`` of a dense cache (None: row ``b``); the cache may then hold more rows than
+            the batch. Served as a paged cache of one page a sequence, so the cache's rows (``k_cache.shape[1]``)
+            must be a multiple of 16; not together with ``block_table`` (as flash-attn). Indices on the host
+            are checked before any launch; rows chosen twice are appended to twice (flash-attn's caveat).
+        cache_leftpad: flash-attn's left padding of the cache; not served yet: anything but None raises
+            ValueError.
         block_table: int32 ``(batch, pages_per_sequence)`` page indices; the page size must be a multiple of 16.
             The pages a sequence touches (its first ``ceil((cache_seqlens[b] + seqlen_new) / page_size)``
             entries) must lie in ``0..num_pages - 1``; entries past them are never read.
@@ -337,6 +347,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     calls after the first); an int ``cache_seqlens`` (its value decides the split plan) or metadata on the
     host takes the full path every call.
     """
+    for value, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin"), (cache_leftpad, "cache_leftpad")):
+        if value is not None:
+            raise ValueError(f"{name} is not served by flashnb.flash_attn_with_kvcache yet (pass None; apply the "
+                             f"rotary embedding / left padding before the call)")
+    if not isinstance(rotary_interleaved, (bool, np.bool_)):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
+    if type(window_size) is not tuple:
+        window_size = _options.window_pair(window_size)
+    if cache_batch_idx is not None:
+        k_cache, v_cache, block_table = _batch_idx_as_pages(k_cache, v_cache, cache_batch_idx, block_table, q)
     uniform = isinstance(cache_seqlens, (int, np.integer))
     return _dispatch.cached_call(
         "kvcache", (q, k_cache, v_cache, k, v, None if uniform else cache_seqlens, block_table, alibi_slopes),
@@ -344,6 +364,36 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         lambda: _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, softmax_scale,
                               causal, window_size, softcap, alibi_slopes, return_softmax_lse, stream),
         cacheable=stream is None and not uniform)
+
+
+def attend(q, k, v, options, return_lse, stream):
+    """``flash_attention``'s small-query calls (``plan.split_kv``): q over k, v as a full dense cache, no
+    append, through the decode kernels (their split over the keys and the combine).  ``options``: the forward's
+    (``plan.split_kv`` has ruled out masks, bias and dropout)."""
+    return _with_kvcache(q, k, v, None, None, None, None, 0, options["softmax_scale"], options["causal"],
+                         options["window_size"], options["softcap"], options["alibi_slopes"], return_lse, stream)
+
+
+def _batch_idx_as_pages(k_cache, v_cache, cache_batch_idx, block_table, q):
+    """``cache_batch_idx`` over a dense cache as a paged cache of one page a sequence: the caches unchanged (their
+    rows are the pages) and the table ``cache_batch_idx.reshape(batch, 1)`` (a view: the append and the decode
+    read it as they read any table, and a device array stays on the device)."""
+    if block_table is not None:
+        raise ValueError("cache_batch_idx cannot be given with block_table (a paged cache): pass one (as flash-attn)")
+    if isinstance(cache_batch_idx, numbers.Integral) or len(getattr(cache_batch_idx, "shape", ())) != 1:
+        raise ValueError(f"cache_batch_idx must be an int32 array of shape (batch,), got {cache_batch_idx!r}")
+    batch = int(q.shape[0]) if len(q.shape) == 4 else -1
+    if int(cache_batch_idx.shape[0]) != batch:
+        raise ValueError(f"cache_batch_idx must have shape ({batch},), got {tuple(cache_batch_idx.shape)}")
+    rows = int(k_cache.shape[1]) if len(k_cache.shape) == 4 else 0
+    if rows % _decode.KEY_ALIGN:
+        raise ValueError(f"cache_batch_idx needs a cache whose rows (k_cache.shape[1] = {rows}) are a multiple of "
+                         f"{_decode.KEY_ALIGN} (it is served as a paged cache of one page a sequence)")
+    host, _ = _metadata(cache_batch_idx, "cache_batch_idx", (batch,))
+    if host is not None and batch and (host.min() < 0 or host.max() >= int(k_cache.shape[0])):
+        b = int(np.argmax((host < 0) | (host >= int(k_cache.shape[0]))))
+        raise ValueError(f"cache_batch_idx[{b}] = {int(host[b])} is outside the cache's rows 0..{int(k_cache.shape[0]) - 1}")
+    return k_cache, v_cache, cache_batch_idx.reshape(batch, 1)
 
 
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, softmax_scale, causal,

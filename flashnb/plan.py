@@ -178,6 +178,24 @@ def backward(call):
     return _backward_simt_plan(call, bq, bk, acc)
 
 
+# Small queries (decoding, speculative decoding, a chunked prefill's tail) over a KV head: "auto" runs them on the
+# split-KV decode kernels (``flashnb.kvcache``'s), which spread each sequence's keys over the SMs, where the generic
+# forward's grid has one block per query tile and head and leaves most SMs idle.  Rows are query tokens x the query
+# heads of a KV head (GQA packed into one block, as the decode kernel does).
+SPLIT_KV_MAX_ROWS = 16
+SPLIT_KV_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def split_kv(dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, backend, tiles_given, plain):
+    """Whether ``flash_attention`` runs the call on the split-KV decode kernels: ``backend="auto"``, no tiles
+    asked for, ``plain`` (no attn_mask, attn_bias, block_mask or dropout: the decode kernels serve causal,
+    windows, softcap and ALiBi), a dtype they take (16-bit: an even head dim), at most ``SPLIT_KV_MAX_ROWS``
+    query rows per KV head, and something to compute (empty calls keep the generic path's conventions)."""
+    return (backend == "auto" and not tiles_given and plain and dtype in SPLIT_KV_DTYPES
+            and (dtype == "float32" or headdim % 2 == 0) and batch > 0 and seqlen_q > 0 and seqlen_k > 0
+            and nheads > 0 and seqlen_q * (nheads // nheads_k) <= SPLIT_KV_MAX_ROWS)
+
+
 def _use_tensor_cores(call, refusal):
     """True for the tensor-core kernels: forced, or "auto" with nothing against them (the layout included)."""
     if refusal is None and call.backend != "simt":

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import api, varlen
+from . import _options, api, varlen
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "sdpa_patched",
            "supports_sdpa_call"]
@@ -54,8 +54,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     if not isinstance(return_attn_probs, bool):
         raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    window_size = _options.window_pair(window_size)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, softmax_scale, causal,
@@ -81,8 +80,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     if not isinstance(return_attn_probs, bool):
         raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    window_size = _options.window_pair(window_size)
     if dropout_p != 0:
         raise ValueError(f"dropout_p is not defined for packed (varlen) batches (pass 0.0), got {dropout_p!r}")
     if softmax_scale is None:

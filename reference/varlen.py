@@ -121,13 +121,26 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
     return k_cache, v_cache
 
 
-def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, **opts):
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                           cache_batch_idx=None, **opts):
     """``(out, lse, k_cache, v_cache)``: ``k``/``v`` appended (``kvcache_append``; the returned caches are
     copies), then the attention of q ``(batch, seqlen_q, nheads, headdim)`` over each sequence's first
     ``cache_seqlens[b] + seqlen_new`` cached rows (all rows without ``cache_seqlens``), bottom-right aligned per
-    sequence.  ``lse`` is ``(batch, nheads, seqlen_q)``."""
+    sequence.  ``lse`` is ``(batch, nheads, seqlen_q)``.  ``cache_batch_idx`` (dense caches): sequence ``b``
+    is row ``cache_batch_idx[b]`` of the caches (distinct rows), which may hold more rows than the batch."""
     q = np.asarray(q)
     batch = q.shape[0]
+    if cache_batch_idx is not None:
+        if block_table is not None:
+            raise ValueError("cache_batch_idx is for dense caches, not with block_table")
+        rows_of = np.asarray(cache_batch_idx).astype(np.int64)
+        if len(set(rows_of.tolist())) != batch or np.any(rows_of < 0) or np.any(rows_of >= k_cache.shape[0]):
+            raise ValueError(f"cache_batch_idx must pick {batch} distinct rows of 0..{k_cache.shape[0] - 1}")
+        out, lse, kc, vc = attention_with_kvcache(q, np.asarray(k_cache)[rows_of], np.asarray(v_cache)[rows_of], k, v,
+                                                  cache_seqlens, **opts)
+        k_cache, v_cache = np.array(k_cache), np.array(v_cache)
+        k_cache[rows_of], v_cache[rows_of] = kc, vc
+        return out, lse, k_cache, v_cache
     rows = k_cache.shape[1] * (np.asarray(block_table).shape[1] if block_table is not None else 1)
     lens = np.full(batch, rows if k is None else rows - np.asarray(k).shape[1]) if cache_seqlens is None \
         else np.asarray(cache_seqlens)

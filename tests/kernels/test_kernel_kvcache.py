@@ -502,8 +502,9 @@ def test_torch_decode_long_cache(dtype, paged):
     q, kn, vn, kc, vc = (rnd(x) for x in (q, kn, vn, kc, vc))
     dev = lambda x: torch.from_numpy(x).to("cuda", tdt)
     tkc, tvc = dev(kc), dev(vc)
-    out, lse = flashnb.flash_attn_with_kvcache(dev(q), tkc, tvc, dev(kn), dev(vn), torch.from_numpy(lens).cuda(),
-                                               None if table is None else torch.from_numpy(table).cuda(),
+    out, lse = flashnb.flash_attn_with_kvcache(dev(q), tkc, tvc, dev(kn), dev(vn),
+                                               cache_seqlens=torch.from_numpy(lens).cuda(),
+                                               block_table=None if table is None else torch.from_numpy(table).cuda(),
                                                causal=True, return_softmax_lse=True)
     torch.cuda.synchronize()
     want_out, want_lse, want_kc, _ = varlen.attention_with_kvcache(q, kc, vc, kn, vn, lens, table, causal=True)

@@ -1,0 +1,93 @@
+"""flashnb as a Hugging Face transformers attention implementation.
+
+    import flashnb.transformers                      # registers "numba_attention"
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="numba_attention")
+    model.set_attn_implementation("numba_attention")  # or switch a loaded model
+
+Importing this module registers ``attention_forward`` under the name ``"numba_attention"`` (``NAME``) with
+transformers' ``AttentionInterface``, and transformers' SDPA mask builder (``sdpa_mask``: a boolean ``(batch, 1, seqlen_q,
+seqlen_k)`` mask, or None where the mask is plain causal, as for SDPA) with its ``AttentionMaskInterface``.
+Every model whose attention layers call the interface then runs flashnb's kernels through ``flashnb.torch``
+(differentiable; custom ops under ``torch.compile``):
+
+* transformers' layout ``(batch, heads, seqlen, head_dim)`` is read as flash-attn's ``(batch, seqlen, heads,
+  head_dim)`` through a transposed view (no copy), and the output comes back as the contiguous ``(batch, seqlen,
+  heads, head_dim)`` the attention layers expect;
+* grouped-query heads are served as they are (no ``repeat_kv``); ``scaling``, ``dropout`` (training),
+  ``softcap`` (Gemma 2) are passed to the kernels; sliding windows arrive inside the mask transformers builds
+  (``sliding_window`` itself is then not needed);
+* no mask: causal (top-left, as SDPA) or not (``is_causal``), with no mask read; a one-token decoding step
+  runs on the split-KV kernels (``plan.split_kv``); a mask (padding, windows, packed sequences): a boolean
+  mask, or an additive float one, read by the kernels.
+
+What flashnb does not compute -- a value head dim unlike the query's, head dims above 256, a learned
+``position_bias`` (T5) -- falls back to transformers' own SDPA implementation, with a warning naming the
+reason once per reason. ``output_attentions=True`` returns no weights (None), as SDPA's implementation.
+"""
+import math
+import warnings
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import _options
+from .torch import _attention
+
+NAME = "numba_attention"    # not "flashnb": transformers takes any name holding "flash" for a flash-attn build
+__all__ = ["NAME", "attention_forward", "fallback_reason"]
+
+
+def fallback_reason(query, key, value, attention_mask=None, position_bias=None):
+    """Why flashnb cannot serve an attention layer's call (then transformers' SDPA does), or None."""
+    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
+        return (f"value head dim {value.shape[-1]} / key head dim {key.shape[-1]} differ from the query's "
+                f"{query.shape[-1]}")
+    if query.shape[-1] > _options.MAX_HEAD_DIM:
+        return f"head dim {query.shape[-1]} is above flashnb's {_options.MAX_HEAD_DIM}"
+    if position_bias is not None:
+        return "a position_bias (learned relative bias) is given"
+    return None
+
+
+_warned = set()
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      softcap=None, sliding_window=None, position_bias=None, **kwargs):
+    """transformers' attention-function signature: ``query`` ``(batch, heads, seqlen_q, head_dim)``, ``key``,
+    ``value`` ``(batch, kv_heads, seqlen_k, head_dim)``, ``attention_mask`` boolean (True = attend) or additive,
+    broadcastable to ``(batch, heads, seqlen_q, seqlen_k)``, or None.  Returns ``(out, None)`` with ``out``
+    ``(batch, seqlen_q, heads, head_dim)``."""
+    del sliding_window       # (the mask transformers builds holds the window wherever it bounds anything)
+    reason = fallback_reason(query, key, value, attention_mask, position_bias)
+    if reason is not None:
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"flashnb: {reason}; this attention runs on transformers' SDPA implementation",
+                          stacklevel=2)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, position_bias=position_bias, softcap=softcap, **kwargs)
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor or None (flashnb registers transformers' SDPA mask "
+                        f"builder), got {type(attention_mask).__name__}")
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and attention_mask is None
+    right = -1
+    if causal and seqlen_q > 1:          # SDPA's top-left causal mask (transformers' convention without a mask)
+        if seqlen_k > seqlen_q:          # keys past seqlen_q are never seen (an empty static cache's prefill)
+            k, v = k[:, :seqlen_q], v[:, :seqlen_q]
+        right = max(seqlen_q - k.shape[1], 0)    # top-left = a bottom-right window reaching this far right
+    mask = bias = None
+    if attention_mask is not None:
+        mask, bias = (attention_mask, None) if attention_mask.dtype == torch.bool else (None, attention_mask)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
+    out, _ = _attention(q, k, v, mask, bias, None, None, scale, False, -1, right,
+                        float(softcap) if softcap else 0.0, (128, 128), float(dropout), False, "auto")
+    return out, None
+
+
+AttentionInterface.register(NAME, attention_forward)
+AttentionMaskInterface.register(NAME, sdpa_mask)

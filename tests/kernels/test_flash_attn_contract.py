@@ -1,0 +1,120 @@
+"""flash-attn's calling contract where flashnb takes flash-attn's names: the parameters in flash-attn's order
+(a positional caller's arguments keep their meaning), integer-like ``window_size`` pairs, ``cache_batch_idx``
+(against the oracle, ``reference.attention_with_kvcache(cache_batch_idx=...)``), and the parameters not served
+yet refused with an error naming them, before any launch and with the caches untouched."""
+import inspect
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import flashnb
+from kernel_harness import Untouched, examples
+from reference import varlen
+
+# flash_attn/flash_attn_interface.py (flash-attn 2.x): the parameters of the functions flashnb names after it
+FLASH_ATTN_KVCACHE = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                      "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal", "window_size",
+                      "softcap", "rotary_interleaved", "alibi_slopes", "num_splits", "return_softmax_lse")
+
+
+def test_kvcache_parameters_in_flash_attn_order():
+    params = list(inspect.signature(flashnb.flash_attn_with_kvcache).parameters.values())
+    positional = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
+    assert positional == FLASH_ATTN_KVCACHE
+    assert all(p.kind == p.KEYWORD_ONLY for p in params[len(positional):])     # flashnb's additions (stream)
+
+
+def _dense(rng, batch, rows, nheads_k, headdim, dtype=np.float32, cache_rows=None):
+    shape = (cache_rows or batch, rows, nheads_k, headdim)
+    return (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+
+
+@settings(max_examples=examples(6, 8))
+@given(seed=st.integers(0, 2**32 - 1), spare=st.integers(0, 2), append=st.booleans(), causal=st.booleans(),
+       dtype=st.sampled_from((np.float32, np.float16)))
+def test_cache_batch_idx_matches_oracle(seed, spare, append, causal, dtype):
+    """Sequence b reads and appends to cache row ``cache_batch_idx[b]`` (rows in random order, spare rows nobody
+    uses, which stay as they were): out, lse within float32's / float16's bound, the caches bit-exact."""
+    rng = np.random.default_rng(seed)
+    batch, nheads, nheads_k, headdim, rows = 2, 4, 2, 4, 16
+    new = 2 if append else 0
+    q = rng.standard_normal((batch, 1, nheads, headdim)).astype(dtype)
+    kc, vc = _dense(rng, batch, rows, nheads_k, headdim, dtype, batch + spare)
+    k = v = None
+    if append:
+        k, v = (rng.standard_normal((batch, new, nheads_k, headdim)).astype(dtype) for _ in range(2))
+    lens = rng.integers(0, rows - new + 1, batch).astype(np.int32)
+    idx = rng.permutation(batch + spare)[:batch].astype(np.int32)
+    want_out, want_lse, want_kc, want_vc = varlen.attention_with_kvcache(q, kc, vc, k, v, lens,
+                                                                         cache_batch_idx=idx, causal=causal)
+    kc2, vc2 = kc.copy(), vc.copy()
+    with Untouched(q, k, v, lens, idx):
+        out, lse = flashnb.flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=lens, cache_batch_idx=idx,
+                                                   causal=causal, return_softmax_lse=True)
+    np.testing.assert_array_equal(kc2, want_kc)
+    np.testing.assert_array_equal(vc2, want_vc)
+    tol = 1e-5 if dtype == np.float32 else 2e-3       # |out| <= max |v| ~ 4: float16's half-ulp there is 2e-3
+    np.testing.assert_allclose(out.astype(np.float64), want_out, atol=tol, rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-4, rtol=0)
+
+
+def test_cache_batch_idx_is_not_the_identity():
+    """A fixed case where the picked rows differ from the batch order: the result differs from ignoring it."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 1, 2, 4)).astype(np.float32)
+    kc, vc = _dense(rng, 2, 16, 2, 4, cache_rows=3)
+    idx = np.array([2, 0], np.int32)
+    out = flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=np.array([16, 16], np.int32), cache_batch_idx=idx)
+    want, _, _, _ = varlen.attention_with_kvcache(q, kc[idx], vc[idx])
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=0)
+    plain = flashnb.flash_attn_with_kvcache(q, kc[:2], vc[:2])
+    assert np.abs(out - plain).max() > 1e-2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(rotary_cos=np.ones((16, 2), np.float32)), "rotary_cos"),
+    (dict(rotary_sin=np.ones((16, 2), np.float32)), "rotary_sin"),
+    (dict(cache_leftpad=np.zeros(2, np.int32)), "cache_leftpad"),
+    (dict(cache_batch_idx=np.array([0, 5], np.int32)), r"cache_batch_idx\[1\]"),
+    (dict(cache_batch_idx=np.array([0, 1], np.int64)), "cache_batch_idx must be an int32"),
+    (dict(cache_batch_idx=np.array([0], np.int32)), r"cache_batch_idx must have shape \(2,\)"),
+    (dict(cache_batch_idx=np.array([0, 1], np.int32), block_table=np.zeros((2, 1), np.int32)), "block_table"),
+    (dict(window_size=(1.5, 0)), "window_size"),
+    (dict(window_size=(True, 0)), "window_size"),
+    (dict(window_size=(-2, 0)), "window_size"),
+])
+def test_kvcache_refusals_name_the_argument(bad, match):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 2, 4)).astype(np.float32)
+    kc, vc = _dense(rng, 2, 16, 2, 4, cache_rows=3)
+    k, v = (rng.standard_normal((2, 1, 2, 4)).astype(np.float32) for _ in range(2))
+    with Untouched(q, kc, vc, k, v), pytest.raises((ValueError, TypeError), match=match):
+        flashnb.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=np.array([3, 4], np.int32),
+                                        **{"cache_batch_idx": np.array([2, 0], np.int32), **bad})
+
+
+def test_cache_batch_idx_needs_whole_pages():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, 2, 4)).astype(np.float32)
+    kc, vc = _dense(rng, 1, 12, 2, 4, cache_rows=2)
+    with pytest.raises(ValueError, match=r"cache_batch_idx needs .* multiple of 16"):
+        flashnb.flash_attn_with_kvcache(q, kc, vc, cache_batch_idx=np.array([1], np.int32))
+
+
+@pytest.mark.parametrize("form", [list, np.array, lambda w: tuple(np.int32(x) for x in w)])
+def test_window_size_integer_like(form):
+    """``window_size`` as a list, a NumPy array of two ints or NumPy integers gives the tuple's result, in
+    ``flash_attention``, its backward and ``flash_attn_with_kvcache``."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 6, 2, 4)).astype(np.float32) for _ in range(3))
+    want = flashnb.flash_attention(q, k, v, window_size=(2, 1))
+    np.testing.assert_array_equal(flashnb.flash_attention(q, k, v, window_size=form((2, 1))), want)
+    out, lse = flashnb.flash_attention(q, k, v, window_size=(2, 1), return_lse=True)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    grads = flashnb.flash_attention_backward(dout, q, k, v, out, lse, window_size=(2, 1))
+    for a, b in zip(flashnb.flash_attention_backward(dout, q, k, v, out, lse, window_size=form((2, 1))), grads):
+        np.testing.assert_array_equal(a, b)
+    kc, vc = _dense(rng, 1, 16, 2, 4)
+    want = flashnb.flash_attn_with_kvcache(q[:, :1], kc, vc, window_size=(3, 0))
+    np.testing.assert_array_equal(flashnb.flash_attn_with_kvcache(q[:, :1], kc, vc, window_size=form((3, 0))), want)

@@ -1,0 +1,116 @@
+"""``flashnb.transformers``: the ``"flashnb"`` attention implementation inside tiny, randomly initialised
+transformers models on CPU tensors (Numba's simulator), against transformers' own ``sdpa`` (Llama, Mistral) or
+``eager`` (Gemma 2's softcap, which SDPA refuses) implementations with the same weights, in float64: logits,
+gradients of every parameter, a padded batch (a 2-D attention mask), sliding windows shorter than the sequence,
+GQA without ``repeat_kv``, greedy ``generate()`` with a KV cache, and the fallback.  Needs torch and
+transformers (not installed in CI: skipped there with the reason; the GPU runs are recorded in bench/results/).
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+fnt = pytest.importorskip("flashnb.transformers")
+
+TOL = 1e-9          # float64 throughout: the kernels and PyTorch's math agree to rounding
+
+
+def _model(family, seed=0, dtype=torch.float64, **extra):
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    }[family]
+    cfg = cfg_cls(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, **extra)
+    torch.manual_seed(seed)
+    return model_cls(cfg).to(dtype).eval()
+
+
+def _pair(family, baseline, **extra):
+    ours, ref = _model(family, **extra), _model(family, **extra)
+    ref.load_state_dict(ours.state_dict())
+    ours.set_attn_implementation(fnt.NAME)
+    ref.set_attn_implementation(baseline)
+    return ours, ref
+
+
+def _compare(ours, ref, ids, mask=None, grads=True, tol=TOL):
+    with torch.enable_grad():
+        lo = ours(input_ids=ids, attention_mask=mask).logits
+        lr = ref(input_ids=ids, attention_mask=mask).logits
+        keep = torch.ones_like(lo[..., :1]) if mask is None else mask[..., None].to(lo.dtype)   # padded rows: any
+        torch.testing.assert_close(lo * keep, lr * keep, rtol=tol, atol=tol)
+        if grads:
+            w = torch.randn(lo.shape, dtype=lo.dtype, generator=torch.Generator().manual_seed(1)) * keep
+            (lo * w).sum().backward()
+            (lr * w).sum().backward()
+            for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=tol * 10, atol=tol * 10, msg=lambda m: f"{name}: {m}")
+
+
+def _ids(batch, seqlen, seed=2):
+    return torch.randint(0, 61, (batch, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def test_llama_logits_and_gradients_match_sdpa():
+    ours, ref = _pair("llama", "sdpa")
+    _compare(ours, ref, _ids(2, 11))
+
+
+def test_llama_padded_batch_matches_sdpa():
+    """Left padding through a 2-D attention mask: transformers builds the boolean mask, the kernels read it."""
+    ours, ref = _pair("llama", "sdpa")
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    _compare(ours, ref, _ids(2, 10, seed=3), mask)
+
+
+def test_mistral_sliding_window_matches_sdpa():
+    """A window of 4 over 12 tokens: the mask transformers builds bounds the keys."""
+    ours, ref = _pair("mistral", "sdpa", sliding_window=4)
+    _compare(ours, ref, _ids(1, 12, seed=4))
+
+
+def test_gemma2_softcap_and_sliding_layers_match_eager():
+    """Gemma 2's eager attention takes its softmax in float32 (``dtype=torch.float32``) even for float64 models:
+    its rounding (~6e-8 relative) bounds the agreement, 1e-6."""
+    ours, ref = _pair("gemma2", "eager", sliding_window=5, attn_logit_softcapping=3.0, query_pre_attn_scalar=8)
+    _compare(ours, ref, _ids(1, 9, seed=5), tol=1e-6)
+
+
+def test_generate_with_a_kv_cache_matches_sdpa(monkeypatch):
+    """Greedy decoding over a DynamicCache, float32 (the split-KV kernels take float16, bfloat16 and float32):
+    every step's one query token runs on them (counted), and the tokens and the logits equal SDPA's to float32
+    rounding."""
+    from flashnb import kvcache
+    steps = []
+    real = kvcache.attend
+    monkeypatch.setattr(kvcache, "attend", lambda *a, **kw: steps.append(1) or real(*a, **kw))
+    ours, ref = _pair("llama", "sdpa", dtype=torch.float32)
+    ids = _ids(2, 9, seed=6)         # the prompt: 9 tokens x 2 query heads a KV head, above plan.SPLIT_KV_MAX_ROWS
+    kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    go, gr = ours.generate(ids, **kw), ref.generate(ids, **kw)
+    assert torch.equal(go.sequences, gr.sequences)
+    for a, b in zip(go.logits, gr.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(steps) == 3 * 2      # 3 decoding steps (after the prompt's) x 2 layers
+
+
+def test_fallback_for_a_value_head_dim_unlike_the_querys():
+    q = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    v = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    assert "value head dim 4" in fnt.fallback_reason(q, k, v)
+    module = torch.nn.Module()
+    module.is_causal = True
+    with pytest.warns(UserWarning, match="value head dim"):
+        out, _ = fnt.attention_forward(module, q, k, v, None)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=TOL, atol=TOL)
+
+
+def test_attention_forward_refuses_a_mask_of_another_type():
+    q = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="attention_mask"):
+        fnt.attention_forward(torch.nn.Module(), q, q, q, np.ones((1, 1, 3, 3), bool))
