@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="only the packed-batch (varlen) table (bench/varlen.py: random lengths, 16k tokens, d 64 "
                            "and 128, causal or not, fwd and fwd+bwd, against the dense kernels on the same tokens and "
                            "padding to the longest with flashnb and SDPA flash; needs a GPU)")
+    mode.add_argument("--model", choices=("llama",), default=None,
+                      help="a randomly initialised transformers model's training step and generate() with "
+                           "attn_implementation='numba_attention' against SDPA (bench/model.py; its own options "
+                           "follow; needs a GPU, torch and transformers)")
     mode.add_argument("--host", action="store_true",
                       help="only the host time of one call (tiny float16 shape, back-to-back calls; needs a GPU)")
     w.add_argument("--list", action="store_true", help="list the implementations and whether they can run here")
@@ -244,6 +248,10 @@ def _io_cases(args):
 # ---- the two paths --------------------------------------------------------------------------
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--model" in argv or any(a.startswith("--model=") for a in argv):
+        from bench.model import main as model_main      # (its options are its own: parsed there)
+        return model_main(argv)
     args = parse_args(argv)
     if args.decode:
         from bench.decode import main as decode_main

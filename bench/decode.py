@@ -203,6 +203,11 @@ def run(torch, seqlens=SEQLENS, sweep=False, log=print):
                                                                          block_table=table)),
             ("flashnb (pages in order)", "paged", lambda: flashnb.flash_attn_with_kvcache(
                 q, kpo, vpo, cache_seqlens=lens_t, block_table=table_o)),
+            # the generic call a model's attention makes (plan.split_kv routes it to the decode kernels), and the
+            # same call kept on the generic tensor-core forward (what it ran before the routing)
+            ("flashnb flash_attention", "dense", lambda: flashnb.flash_attention(q, kc, vc, causal=True)),
+            ("flashnb flash_attention backend=tensorcore", "dense",
+             lambda: flashnb.flash_attention(q, kc, vc, causal=True, backend="tensorcore")),
         ]
         if sweep:
             for splits in (1, 4, 8):

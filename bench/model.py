@@ -1,0 +1,146 @@
+"""A Hugging Face model with flashnb against PyTorch's attention: ``python -m bench --model llama``.
+
+A randomly initialised transformers ``LlamaForCausalLM`` (no download; bfloat16 on the GPU), timed as a user
+runs it, host time included, every implementation in the same process and on the same weights:
+
+* ``train``: one training step (forward, loss, backward, optimizer step; AdamW) at ``--batch`` x ``--seqlen``
+  tokens; the median of ``--steps`` steps after warm-up, in ms;
+* ``generate``: ``model.generate`` of ``--new-tokens`` tokens after a ``--prompt``-token prompt, greedy, batch
+  ``--gen-batch``, transformers' default (dynamic) KV cache; tokens/s (new tokens x batch / seconds, the prefill
+  included), the median of ``--rounds`` runs.
+
+Implementations (``--impl``): ``sdpa`` (transformers' SDPA attention with PyTorch's default backend choice),
+``sdpa-cudnn`` and ``sdpa-flash`` (the same with SDPA restricted to one backend by ``torch.nn.attention.
+sdpa_kernel``) and ``numba_attention`` (``import flashnb.transformers``; ``attn_implementation=
+"numba_attention"``).  The greedy tokens of every implementation are compared with the first's (a mismatch is
+reported: bfloat16 rounding can flip a near tie).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+
+IMPLS = ("sdpa", "sdpa-cudnn", "sdpa-flash", "numba_attention")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench --model llama", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama", choices=("llama",))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--batch", type=int, default=2, help="training batch (default %(default)s)")
+    p.add_argument("--seqlen", type=int, default=4096, help="training sequence length (default %(default)s)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--gen-batch", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--what", default="train,generate")
+    p.add_argument("--impl", default=",".join(IMPLS))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    return p.parse_args(argv)
+
+
+def build(args, impl, torch, transformers):
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 4,
+                                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                   num_key_value_heads=args.kv_heads, max_position_embeddings=args.seqlen
+                                   + args.prompt + args.new_tokens)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", getattr(torch, args.dtype))
+    model.set_attn_implementation("sdpa" if impl.startswith("sdpa") else impl)
+    return model
+
+
+def backend_scope(impl, torch):
+    if impl == "sdpa-cudnn":
+        return torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+    if impl == "sdpa-flash":
+        return torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    return contextlib.nullcontext()
+
+
+def train_ms(model, args, torch):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(1))
+    times, losses = [], []
+    for i in range(args.steps + 3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - t0) * 1e3)
+        losses.append(float(loss))
+    return statistics.median(times), losses
+
+
+def generate_tps(model, args, torch):
+    ids = torch.randint(0, model.config.vocab_size, (args.gen_batch, args.prompt), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(2))
+    kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, **dict(kw, max_new_tokens=8, min_new_tokens=8))      # warm-up (compiles, allocates)
+        rates, out = [], None
+        for _ in range(args.rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kw)
+            torch.cuda.synchronize()
+            rates.append(args.new_tokens * args.gen_batch / (time.perf_counter() - t0))
+    return statistics.median(rates), out[:, args.prompt:]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import transformers
+    import flashnb.transformers  # noqa: F401  (registers "numba_attention")
+    impls = [x.strip() for x in args.impl.split(",") if x.strip()]
+    what = {x.strip() for x in args.what.split(",")}
+    print(f"# {args.model}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV) of "
+          f"{args.hidden // args.heads}, {args.dtype}; {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}")
+    rows, first_tokens = [], None
+    for impl in impls:
+        model = build(args, impl, torch, transformers)
+        row = {"impl": impl}
+        with backend_scope(impl, torch):
+            if "train" in what:
+                model.train()
+                row["train ms"], losses = train_ms(model, args, torch)
+                row["loss 1st/last"] = f"{losses[0]:.4f}/{losses[-1]:.4f}"
+                model = build(args, impl, torch, transformers)      # fresh weights for generate
+            if "generate" in what:
+                model.eval()
+                row["gen tok/s"], tokens = generate_tps(model, args, torch)
+                if first_tokens is None:
+                    first_tokens = tokens
+                row["tokens = 1st impl"] = f"{(tokens == first_tokens).float().mean().item():.3f}"
+        del model
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(row, file=sys.stderr, flush=True)
+    base = rows[0]
+    cols = [c for c in ("train ms", "gen tok/s", "loss 1st/last", "tokens = 1st impl") if c in base]
+    print("| impl | " + " | ".join(cols) + f" | train vs {base['impl']} | generate vs {base['impl']} |")
+    print("|---" * (len(cols) + 3) + "|")
+    for r in rows:
+        vs_t = f"{base['train ms'] / r['train ms']:.3f}x" if "train ms" in r else ""
+        vs_g = f"{r['gen tok/s'] / base['gen tok/s']:.3f}x" if "gen tok/s" in r else ""
+        cells = [f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+        print(f"| {r['impl']} | " + " | ".join(cells) + f" | {vs_t} | {vs_g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
