@@ -164,6 +164,14 @@ def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softma
     left, right = (min(int(w), bound) for w in window_size)
     if causal:  # causal is the window's right edge at the diagonal (bottom-right aligned)
         right = 0 if right < 0 else min(right, 0)
+    # a side that bounds no key of any row is dropped, so that the kernels compile no window check for it: query i
+    # sees keys i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q + right, so the right side bounds nothing
+    # once right >= seqlen_q - 1 (a decoding step's causal mask: one query row at the bottom sees every key) and
+    # the left once left >= seqlen_k - 1 (packed batches pass their longest sequences: still nothing bounded)
+    if right >= seqlen_q - 1:
+        right = -1
+    if left >= seqlen_k - 1:
+        left = -1
     if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:

@@ -199,11 +199,12 @@ def test_single_query_against_long_keys(dtype, opts):
 def test_window_sides_beyond_the_sequence_bound_nothing(dtype, side, causal):
     """A window side of any size (up to and past int64's range) masks like an unbounded one. The sides are
     clamped to max(seqlen_q, seqlen_k) before any launch (near 2^63 they wrapped around in the kernels' 64-bit
-    arithmetic and masked every key on a GPU; past 2^63 they did not fit a kernel argument)."""
+    arithmetic and masked every key on a GPU; past 2^63 they did not fit a kernel argument), and then dropped
+    as the sides that bound nothing are (``test_window_sides_that_bound_nothing_are_dropped``)."""
     from flashnb import _options
     opts = _options.normalise(batch=1, seqlen_q=21, seqlen_k=19, nheads=2, headdim=4, acc=np.float32, stream=None,
                               window_size=(side, side), causal=causal)
-    assert (opts.left, opts.right) == (21, 0 if causal else 21), (opts.left, opts.right)
+    assert (opts.left, opts.right) == (-1, 0 if causal else -1), (opts.left, opts.right)
     headdim = 4 if SIMULATOR else 64
     base = problem(1, 21, 19, 2, 1, headdim, dtype, block_q=4 if SIMULATOR else None,
                    block_k=4 if SIMULATOR else None, causal=causal)
@@ -212,6 +213,32 @@ def test_window_sides_beyond_the_sequence_bound_nothing(dtype, side, causal):
     out, lse = kernel_forward(huge)
     check_forward(exp, out, lse)
     check_backward(exp, kernel_backward(huge, out, lse))
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, window, causal, want", [
+    (1, 100, (-1, -1), True, (-1, -1)),       # a decoding step's causal mask: the one row sees every key
+    (3, 100, (-1, -1), True, (-1, 0)),        # three rows: the first two do not see the last keys
+    (3, 100, (-1, 2), False, (-1, -1)),       # right >= seqlen_q - 1: nothing bounded
+    (3, 100, (-1, 1), False, (-1, 1)),
+    (3, 100, (99, -1), False, (-1, -1)),      # left >= seqlen_k - 1: nothing bounded
+    (3, 100, (98, -1), False, (98, -1)),
+    (5, 3, (-1, -1), True, (-1, 0)),          # seqlen_q > seqlen_k: the first rows see no key
+])
+def test_window_sides_that_bound_nothing_are_dropped(seqlen_q, seqlen_k, window, causal, want):
+    """``normalise`` drops a window side that masks no key of any row (bottom-right aligned: row i sees keys
+    ``i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q + right``), so that the kernels compile no
+    window check for it; the sides it keeps bound at least one key (the oracle's masks say which)."""
+    from flashnb import _options
+    opts = _options.normalise(batch=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=1, headdim=4, acc=np.float32,
+                              stream=None, window_size=window, causal=causal)
+    assert (opts.left, opts.right) == want
+    assert opts.flags.has_window == (want != (-1, -1))
+    i, j = np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :]
+    off = seqlen_k - seqlen_q
+    if want[0] >= 0:
+        assert (j < i + off - want[0]).any(), "the kept left side bounds no key"
+    if want[1] >= 0:
+        assert (j > i + off + want[1]).any(), "the kept right side bounds no key"
 
 
 # ---------------------------------------------------------------------------------- NaN inputs
