@@ -1,6 +1,6 @@
 """The packed-batch (varlen) and KV-cache kernels once each, small, for ``compute-sanitizer`` (not a pytest module).
 
-    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache]      # once without the tool: fills the disk cache
+    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache] [routed]   # once without the tool: fills the disk cache
     compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool synccheck python3 tests/gpu_sanitize_inference.py kvcache
@@ -113,11 +113,42 @@ def kvcache(rng):
         print(f"ok {what}", flush=True)
 
 
+def routed(rng):
+    """``flash_attention``'s small-query calls (plan.split_kv: the decode kernels over q, k, v as a full cache;
+    float16, bfloat16, float32; GQA; causal or a window; one query and several; short and split key ranges) and
+    ``flash_attn_with_kvcache(cache_batch_idx=...)`` (a dense cache served as pages of one row each, device
+    indices, an append)."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for seqlen_q, seqlen_k, opts in ((1, 700, dict(causal=True)), (4, 700, dict(causal=True)),
+                                         (2, 3000, dict(window_size=(100, 0))), (1, 37, {})):
+            q = rng.standard_normal((2, seqlen_q, 8, 128))
+            k, v = (rng.standard_normal((2, seqlen_k, 2, 128)) for _ in range(2))
+            ref, _ = reference.attention(q, k, v, **opts)
+            t = lambda x: torch.as_tensor(x, device="cuda").to(dtype)  # noqa: E731
+            out = flashnb.flash_attention(t(q), t(k), t(v), **opts).double().cpu()
+            err = float((out - torch.as_tensor(ref)).abs().max())
+            assert err < 0.1, f"routed {dtype} {seqlen_q}x{seqlen_k} {opts}: {err}"
+            print(f"ok routed {dtype} q={seqlen_q} k={seqlen_k} {opts}", flush=True)
+    q = rng.standard_normal((2, 1, 8, 128))
+    kc, vc = (rng.standard_normal((5, 512, 2, 128)) for _ in range(2))
+    kn, vn = (rng.standard_normal((2, 1, 2, 128)) for _ in range(2))
+    idx, lens = np.array([4, 1], np.int32), np.array([300, 511], np.int32)
+    ref, _, _, _ = reference.attention_with_kvcache(q, kc, vc, kn, vn, lens, cache_batch_idx=idx, causal=True)
+    t = lambda x: torch.as_tensor(x, device="cuda").to(torch.float16)  # noqa: E731
+    out = flashnb.flash_attn_with_kvcache(t(q), t(kc), t(vc), t(kn), t(vn), cache_seqlens=torch.as_tensor(lens).cuda(),
+                                          cache_batch_idx=torch.as_tensor(idx).cuda(), causal=True)
+    err = float((out.double().cpu() - torch.as_tensor(ref)).abs().max())
+    assert err < 0.1, f"cache_batch_idx: {err}"
+    print("ok cache_batch_idx", flush=True)
+
+
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["varlen", "kvcache"]
+    parts = sys.argv[1:] or ["varlen", "kvcache", "routed"]
     rng = np.random.default_rng(0)
     if "varlen" in parts:
         varlen(rng)
     if "kvcache" in parts:
         kvcache(rng)
+    if "routed" in parts:
+        routed(rng)
     print("done", flush=True)
