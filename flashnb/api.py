@@ -48,8 +48,10 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
             float32 on the tensor cores: tf32 operands, compute capability >= 8.0 (``precision``).
             "wgmma": Hopper's forward (compute capability 9.0; float16/bfloat16 head dims up to 256,
             float32 up to 128 on tf32 wgmma, dense batches, its K and V prepared by a pre-pass into
-            temporaries about 4x K's size at "highest", 2x at "high"); "auto" runs it for 16-bit inputs on
-            an H100 above head dim 48.
+            temporaries about 4x K's size at "highest", 2x at "high"); "auto" runs it on an H100 above head dim
+            48 for 16-bit inputs and for float32 up to head dim 128 (``plan.WGMMA_AUTO_FLOAT32``).
+            Small queries (``plan.split_kv``: at most 16 query rows per KV head, no mask, bias or dropout)
+            run under "auto" on the split-KV decode kernels of ``flash_attn_with_kvcache``.
         precision: float32 on the tensor cores, as ``torch.set_float32_matmul_precision``: "highest" (the
             default: each operand split into two tf32 parts, three products, float32's accuracy; docs/api.md
             has the error tables) or "high" (one tf32 product: about 3 decimal digits); other dtypes ignore it.

@@ -435,10 +435,11 @@ def _tc_choice(call, backward):
     """(tiles, refusal): the tensor-core kernel's tiles for the call, and why it cannot serve it (None if it can,
     the layout aside); the checks in the order the caller reads them."""
     refusal = tensorcore_refusal(call.dtype, call.headdim, call.block_q, call.block_k)
-    if refusal is None and call.dtype == "float32" and call.backend == "auto":
-        # measured on the H100 (bench/results/h100-tf32-2026-11-25.md): the 3xTF32 forward is 1.4x the SIMT kernels'
-        # speed at head dim 64 but slower at 128, and 4-16x their error (the tensor cores' float32 accumulation); so
-        # float32 (forward and backward) stays on SIMT unless the caller asks for the tensor cores
+    if refusal is None and call.dtype == "float32" and call.backend == "auto" and (backward or not _hopper(call)):
+        # measured on the H100 (bench/results/h100-tf32-2026-11-25.md): the mma.sync 3xTF32 forward is 1.4x the SIMT
+        # kernels' speed at head dim 64 but slower at 128, and 4-16x their error (the tensor cores' float32
+        # accumulation); so float32 stays on SIMT unless the caller asks for the tensor cores, except for the
+        # Hopper forward (``WGMMA_AUTO_FLOAT32``)
         refusal = "float32 runs on the tensor cores only when asked for (backend='tensorcore')"
     if refusal is None and call.backend == "wgmma" and not backward:      # ("auto" falls back to mma.sync)
         refusal = wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout,
@@ -604,12 +605,14 @@ def _hopper(call):
     kernel they test."""
     if call.backend == "wgmma":
         return True
-    return (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR and call.dtype != "float32"
+    if not (call.backend == "auto" and WGMMA_AUTO and not SIMULATOR
+            and (call.dtype != "float32" or WGMMA_AUTO_FLOAT32)
             and call.headdim > (48 if WGMMA_TMA else WGMMA_AUTO_MIN_HEADDIM)
             and wgmma_refusal(call.dtype, call.headdim, call.block_q, call.block_k, call.layout,
-                              call.total_q is not None) is None
-            and shared_refusal(wgmma_shared_bytes(*default_wgmma_tiles(call.headdim, call.block_q, call.block_k),
-                                                  call.headdim), "") is None)
+                              call.total_q is not None) is None):
+        return False
+    tiles = default_wgmma_tiles(call.headdim, call.block_q, call.block_k, call.dtype, call.precision)
+    return shared_refusal(wgmma_shared_bytes(*tiles, call.headdim, call.dtype, call.precision), "") is None
 
 
 def _tma(call):
@@ -630,6 +633,11 @@ WGMMA_TMA = True
 # measured below 64 (padded to 64 there)
 WGMMA_AUTO = True
 WGMMA_AUTO_MIN_HEADDIM = 64
+# float32 forwards too ("auto", above head dim 48 up to 128, dense; the backward stays on SIMT): measured on the H100
+# (bench/results/h100-tf32-wgmma-2026-11-26.md) "highest" at 0.48-1.09x (calls 6, 11: 0.51-0.92x at head dim 128 in
+# the shipped form) the SIMT kernels' largest error against float64, and 1.3-3.1x the speed of SDPA's
+# memory-efficient backend, where the SIMT kernels run at 0.33-0.63x of it
+WGMMA_AUTO_FLOAT32 = True
 
 
 def wgmma_shared_bytes(block_q, block_k, headdim, dtype="float16", precision="highest"):

@@ -258,7 +258,8 @@ def _forward_impl(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale
     opts = _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
                          bm_q, bm_k, dropout_p, seed)
     if q.is_cuda:           # (autograd is off here: in an autograd.Function's forward, in a custom op)
-        return api.flash_attention(q, k, v, return_lse=True, backend=backend, deterministic=deterministic, **opts)
+        return api.flash_attention(q, k, v, return_lse=True, backend=backend, deterministic=deterministic,
+                                   precision=_precision(q), **opts)
     out, lse = api.flash_attention(*_numpy(q, k, v), return_lse=True, backend=backend, **_numpy_options(opts))
     return _from_numpy(out, q.dtype), torch.from_numpy(lse)
 
@@ -271,7 +272,7 @@ def _backward_impl(dout, q, k, v, out, lse, attn_mask, attn_bias, alibi_slopes, 
         dout = dout.contiguous()
     if q.is_cuda:
         return api.flash_attention_backward(dout, q, k, v, out, lse, backend=backend, deterministic=deterministic,
-                                            **opts)
+                                            precision=_precision(q), **opts)
     grads = api.flash_attention_backward(*_numpy(dout, q, k, v, out), lse.detach().numpy(), backend=backend,
                                          deterministic=deterministic, **_numpy_options(opts))
     return tuple(_from_numpy(g, q.dtype) for g in grads)
@@ -305,6 +306,15 @@ def _varlen_backward_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ali
                                               *_numpy(cu_q, cu_k), max_q, max_k, backend=backend,
                                               deterministic=deterministic, **_numpy_options(opts))
     return tuple(_from_numpy(g, q.dtype) for g in grads)
+
+
+def _precision(q):
+    """float32's tensor-core precision from ``torch.get_float32_matmul_precision()``, read at each call:
+    "highest" (PyTorch's default) -> "highest" (3xTF32, float32's accuracy), "high" or "medium" -> "high" (one
+    tf32 product, what PyTorch's own float32 matmuls then do); other dtypes ignore it."""
+    if q.dtype != torch.float32:
+        return "highest"
+    return "highest" if torch.get_float32_matmul_precision() == "highest" else "high"
 
 
 # CPU tensors (tests without a GPU): NumPy copies; bfloat16 as float32

@@ -48,10 +48,13 @@ TABLE = [
     (dict(headdim=128, block_q=64), ("tensorcore", 64, 128), ("tensorcore", 64, 128)),
     (dict(headdim=128, block_q=32), ("tensorcore", 32, 64), ("tensorcore", 32, 128)),  # mma.sync: 32 rows
     (dict(headdim=64, block_q=32, block_k=32), ("tensorcore", 32, 32), ("tensorcore", 32, 32)),
-    # float32: SIMT unless the tensor cores are asked for; then the forward on tf32 tensor cores (tiles of the
-    # 16-bit head dim of the same words, 3xTF32's Q halves in shared memory)
-    (dict(dtype="float32", headdim=64), ("simt", 64, 64), ("simt", 64, 64)),
-    (dict(dtype="float32", headdim=128), ("simt", 64, 32), ("simt", 64, 32)),
+    # float32: the forward on the Hopper tf32 kernel above head dim 48 up to 128 (WGMMA_AUTO_FLOAT32: 3xTF32, its
+    # "highest" tiles; Q's small parts in registers above 64), else SIMT; the backward on SIMT
+    (dict(dtype="float32", headdim=64), ("tensorcore", 128, 64), ("simt", 64, 64)),
+    (dict(dtype="float32", headdim=128), ("tensorcore", 128, 32), ("simt", 64, 32)),
+    (dict(dtype="float32", headdim=32), ("simt", 64, 64), ("simt", 64, 64)),
+    (dict(dtype="float32", headdim=160), ("simt", 32, 32), ("simt", 32, 32)),
+    (dict(dtype="float32", headdim=66), ("simt", 64, 32), ("simt", 64, 32)),        # not a multiple of 4
     (dict(dtype="float64", headdim=64), ("simt", 64, 32), ("simt", 64, 32)),
     (dict(headdim=63), ("simt", 64, 64), ("simt", 64, 64)),                         # odd head dim
     (dict(headdim=64, block_k=8), ("simt", 64, 8), ("simt", 64, 8)),                 # a tile below 16
@@ -68,7 +71,9 @@ TABLE = [
     (dict(headdim=128), True), (dict(headdim=128, **PACKED), True), (dict(dtype="bfloat16", headdim=256), True),
     (dict(headdim=128, block_q=32), False), (dict(headdim=120), True), (dict(headdim=122), False),
     (dict(headdim=128, layout=(None, False)), False), (dict(headdim=128, backend="tensorcore"), False),
-    (dict(headdim=64, backend="wgmma"), True), (dict(dtype="float32", headdim=128, backend="tensorcore"), False)])
+    (dict(headdim=64, backend="wgmma"), True), (dict(dtype="float32", headdim=128, backend="tensorcore"), False),
+    (dict(dtype="float32", headdim=64), True), (dict(dtype="float32", headdim=128), True),    # WGMMA_AUTO_FLOAT32
+    (dict(dtype="float32", headdim=48), False), (dict(dtype="float32", headdim=132), False)])
 def test_auto_runs_the_hopper_forward_on_the_h100_above_head_dim_64(device, monkeypatch, kw, hopper):
     """backend="auto" on compute capability 9.0: the wgmma forward above head dim 48 where it can serve the call
     (a multiple of 8, block_q a multiple of 64, 16-byte rows), else the mma.sync one; asked for, always.  Its
@@ -79,13 +84,18 @@ def test_auto_runs_the_hopper_forward_on_the_h100_above_head_dim_64(device, monk
     monkeypatch.setattr(plan, "make_forward_tc", lambda *a, **kw: (built.append(kw), real(*a, **kw))[1])
     c = call(**kw)._replace(total_q=4 * 4096) if "batch" in kw else call(**kw)
     plan.forward(c)
-    assert built[-1].get("WGMMA", False) == hopper, built[-1]
+    last = built[-1] if built else {}           # (float32 on SIMT builds no tensor-core kernel)
+    assert last.get("WGMMA", False) == hopper, last
     tma = hopper
-    assert built[-1].get("TMA", False) == tma and plan.forward(c).tma == tma
+    assert last.get("TMA", False) == tma and plan.forward(c).tma == tma
     device(cc=(8, 0), limit=163 * 1024)
     if hopper and kw.get("backend") != "wgmma":
-        plan.forward(c)
-        assert not built[-1].get("WGMMA", False), "the Hopper forward on compute capability 8.0"
+        n = len(built)
+        f = plan.forward(c)
+        if c.dtype == "float32":
+            assert f.backend == "simt" and len(built) == n, "float32 'auto' off Hopper: the SIMT kernels"
+        else:
+            assert not built[-1].get("WGMMA", False), "the Hopper forward on compute capability 8.0"
 
 
 @pytest.mark.parametrize("kw, fwd, bwd", TABLE)
@@ -207,7 +217,9 @@ def test_wants_words_only_where_the_tensor_cores_may_serve(device):
     assert plan.wants_words(call(layout=None), backward=True)
     assert not plan.wants_words(call(layout=None, backend="simt"))
     assert not plan.wants_words(call(dtype="float64", layout=None))
-    assert not plan.wants_words(call(dtype="float32", layout=None))
+    assert plan.wants_words(call(dtype="float32", layout=None))                   # the Hopper tf32 forward
+    assert not plan.wants_words(call(dtype="float32", layout=None), backward=True)
+    assert not plan.wants_words(call(dtype="float32", headdim=32, layout=None))
     assert plan.wants_words(call(dtype="float32", layout=None, backend="tensorcore"))
     assert plan.wants_words(call(dtype="float32", layout=None, backend="tensorcore"), backward=True)
     assert plan.wants_words(call(layout=None, deterministic=True))
