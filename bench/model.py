@@ -7,7 +7,7 @@ runs it, host time included, every implementation in the same process and on the
   tokens; the median of ``--steps`` steps after warm-up, in ms;
 * ``generate``: ``model.generate`` of ``--new-tokens`` tokens after a ``--prompt``-token prompt, greedy, batch
   ``--gen-batch``, transformers' default (dynamic) KV cache; tokens/s (new tokens x batch / seconds, the prefill
-  included), the median of ``--rounds`` runs.
+  included), the median of ``--rounds`` runs, the implementations' rounds interleaved.
 
 Implementations (``--impl``): ``sdpa`` (transformers' SDPA attention with PyTorch's default backend choice),
 ``sdpa-cudnn`` and ``sdpa-flash`` (the same with SDPA restricted to one backend by ``torch.nn.attention.
@@ -80,24 +80,21 @@ def train_ms(model, args, torch):
         torch.cuda.synchronize()
         if i >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return statistics.median(times), losses
 
 
-def generate_tps(model, args, torch):
+def generate_once(model, args, torch, new_tokens=None):
+    """(tokens/s, the new tokens) of one greedy ``generate()``."""
+    n = new_tokens or args.new_tokens
     ids = torch.randint(0, model.config.vocab_size, (args.gen_batch, args.prompt), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(2))
-    kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        model.generate(ids, **dict(kw, max_new_tokens=8, min_new_tokens=8))      # warm-up (compiles, allocates)
-        rates, out = [], None
-        for _ in range(args.rounds):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = model.generate(ids, **kw)
-            torch.cuda.synchronize()
-            rates.append(args.new_tokens * args.gen_batch / (time.perf_counter() - t0))
-    return statistics.median(rates), out[:, args.prompt:]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+    return n * args.gen_batch / (time.perf_counter() - t0), out[:, args.prompt:]
 
 
 def main(argv=None) -> int:
@@ -110,26 +107,34 @@ def main(argv=None) -> int:
     print(f"# {args.model}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV) of "
           f"{args.hidden // args.heads}, {args.dtype}; {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}")
-    rows, first_tokens = [], None
-    for impl in impls:
-        model = build(args, impl, torch, transformers)
-        row = {"impl": impl}
-        with backend_scope(impl, torch):
-            if "train" in what:
+    rows = [{"impl": impl} for impl in impls]
+    if "train" in what:
+        for row in rows:
+            model = build(args, row["impl"], torch, transformers)
+            with backend_scope(row["impl"], torch):
                 model.train()
                 row["train ms"], losses = train_ms(model, args, torch)
-                row["loss 1st/last"] = f"{losses[0]:.4f}/{losses[-1]:.4f}"
-                model = build(args, impl, torch, transformers)      # fresh weights for generate
-            if "generate" in what:
-                model.eval()
-                row["gen tok/s"], tokens = generate_tps(model, args, torch)
-                if first_tokens is None:
-                    first_tokens = tokens
-                row["tokens = 1st impl"] = f"{(tokens == first_tokens).float().mean().item():.3f}"
-        del model
-        torch.cuda.empty_cache()
-        rows.append(row)
-        print(row, file=sys.stderr, flush=True)
+            row["loss 1st/last"] = f"{losses[0]:.4f}/{losses[-1]:.4f}"
+            del model
+            torch.cuda.empty_cache()
+            print(row, file=sys.stderr, flush=True)
+    if "generate" in what:
+        # generate() at this size is bound by the host, whose speed drifts over a run: the implementations' rounds
+        # are interleaved (round r of every implementation, then round r + 1), each model built once
+        models = {row["impl"]: build(args, row["impl"], torch, transformers).eval() for row in rows}
+        rates, tokens = {impl: [] for impl in models}, {}
+        for r in range(args.rounds + 1):
+            for impl, model in models.items():
+                with backend_scope(impl, torch):
+                    rate, tokens[impl] = generate_once(model, args, torch, 8 if r == 0 else None)  # round 0: warm-up
+                if r:
+                    rates[impl].append(rate)
+        first = tokens[impls[0]]
+        for row in rows:
+            row["gen tok/s"] = statistics.median(rates[row["impl"]])
+            row["tokens = 1st impl"] = f"{(tokens[row['impl']] == first).float().mean().item():.3f}"
+            print(row, file=sys.stderr, flush=True)
+        del models
     base = rows[0]
     cols = [c for c in ("train ms", "gen tok/s", "loss 1st/last", "tokens = 1st impl") if c in base]
     print("| impl | " + " | ".join(cols) + f" | train vs {base['impl']} | generate vs {base['impl']} |")

@@ -1,0 +1,67 @@
+"""Host time of decoding steps whose key count grows by one a step, as a transformers ``generate()`` loop makes
+them (each step a new shape: the dispatch cache misses and the full path runs).  Batch 8, one query token,
+8 heads of 128 over 8 KV heads, bfloat16, 1024 -> 1024 + STEPS keys (views of one cache).  Per-step time of
+``flashnb.flash_attention`` (routed to the split-KV kernels), ``flashnb.transformers.attention_forward`` and
+SDPA, back to back with one synchronisation, then cProfile of the flashnb steps (largest own and cumulative
+times).  ``python -m tools.profile_decode_host`` on a GPU machine."""
+import cProfile
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flashnb
+import flashnb.transformers as fnt
+
+STEPS = 256
+
+
+def per_step_us(step, reps=3):
+    best = None
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i in range(STEPS):
+            step(i)
+        torch.cuda.synchronize()
+        us = (time.perf_counter() - t) / STEPS * 1e6
+        best = us if best is None else min(best, us)
+    return best
+
+
+def main():
+    torch.manual_seed(0)
+    b, h, hk, d, n0 = 8, 8, 8, 128, 1024
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+    kf, vf = (torch.randn(b, n0 + STEPS, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kt, vt = kf.transpose(1, 2), vf.transpose(1, 2)          # transformers' layout, views
+    qt = q.transpose(1, 2)
+    module = torch.nn.Module()
+    module.is_causal = True
+    steps = {
+        "flashnb.flash_attention": lambda i: flashnb.flash_attention(q, kf[:, :n0 + i], vf[:, :n0 + i], causal=True),
+        "flashnb.transformers.attention_forward": lambda i: fnt.attention_forward(
+            module, qt, kt[:, :, :n0 + i], vt[:, :, :n0 + i], None),
+        "flashnb.flash_attn_with_kvcache (int seqlens)": lambda i: flashnb.flash_attn_with_kvcache(
+            q, kf, vf, cache_seqlens=n0 + i),
+        "SDPA (default backend)": lambda i: F.scaled_dot_product_attention(qt, kt[:, :, :n0 + i], vt[:, :, :n0 + i]),
+    }
+    with torch.no_grad():
+        for name, step in steps.items():
+            step(0)
+            print(f"{name}: {per_step_us(step):.1f} us a step (min of 3 loops of {STEPS} steps)", flush=True)
+        for name in ("flashnb.flash_attention", "flashnb.transformers.attention_forward"):
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(STEPS):
+                steps[name](i)
+            torch.cuda.synchronize()
+            prof.disable()
+            print(f"==== {name}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(22)
+
+
+if __name__ == "__main__":
+    main()
