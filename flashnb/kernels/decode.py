@@ -261,14 +261,21 @@ def lane_layout(head_dim, dtype_name, rows, vec16, e_budget):
 def stages_that_fit(stages, dtype_name, head_dim, lk, t, nwarps, max_bytes=96 * 1024):
     """``stages``, lowered (to 2 at least) until the staged K/V tiles take at most ``max_bytes`` of shared
     memory: the blocks meant to share an SM still fit it (``kvcache`` passes its share of the SM: 96 KB for two
-    blocks; one row of a 256-wide head at the default shape would ask 128 KB)."""
+    blocks; one row of a 256-wide head at the default shape would ask 128 KB); 0 (the registers' pipeline)
+    where not even two stages fit (float32 rows of 64 dims or more, one query row: two lanes a key, 128 KB a
+    stage; a launch asking for it failed on the H200)."""
     if stages == 0:
         return 0
-    words = (head_dim * (2 if dtype_name in ("float16", "bfloat16") else 4)) // 4
-    stage_bytes = 2 * nwarps * (32 // lk) * t * words * 4
+    stage_bytes = stage_size(dtype_name, head_dim, lk, t, nwarps)
     while stages > 2 and stages * stage_bytes > max_bytes:
         stages -= 1
-    return stages
+    return stages if stages * stage_bytes <= max_bytes else 0
+
+
+def stage_size(dtype_name, head_dim, lk, t, nwarps):
+    """Bytes of one stage (a K and a V tile of one block step)."""
+    words = (head_dim * (2 if dtype_name in ("float16", "bfloat16") else 4)) // 4
+    return 2 * nwarps * (32 // lk) * t * words * 4
 
 
 # ------------------------------------------------------------------------------------------------ metadata

@@ -514,3 +514,29 @@ def test_torch_decode_long_cache(dtype, paged):
     low = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[dtype] * np.max(np.abs(want_out))
     assert err <= 4 * low, f"max |kernel - oracle| = {err:.3g}, 4 half-ulps of the output = {4 * low:.3g}"
     np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_stages_fit_the_shared_memory_at_every_head_dim(dtype):
+    """At the GPU's settings (8 warps, one block an SM, 192 KB of stages, 64 values a lane), every head dim and
+    row count gets stages that fit, or none (the registers' pipeline): float32 rows of 64+ dims with one query row
+    asked 256 KB before (two stages of 128 KB), which the launch refused."""
+    from flashnb.kernels import decode
+    for rows in (1, 2, 4, 8):
+        for head_dim in range(8, 257, 8):
+            for vec16 in (False, True):
+                lk = decode.lane_layout(head_dim, dtype, rows, vec16, 64)[0]
+                st_ = decode.stages_that_fit(4, dtype, head_dim, lk, kvcache.KEYS_PER_LANE, 8, 192 * 1024)
+                size = decode.stage_size(dtype, head_dim, lk, kvcache.KEYS_PER_LANE, 8)
+                assert st_ == 0 or 2 <= st_ <= 4 and st_ * size <= 192 * 1024, (rows, head_dim, vec16, st_)
+    assert decode.stages_that_fit(4, "float32", 64, 2, 2, 8, 192 * 1024) == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_decode_without_stages_matches_oracle(dtype, monkeypatch):
+    """Stages that do not fit fall back to the registers' pipeline (``STAGES`` 0): the same results."""
+    monkeypatch.setattr(kvcache, "STAGE_BYTES_PER_SM", 1)
+    c = _decode_case(dtype, lens=(20, 13), rows=24, new=1)
+    for splits in (1, 2):
+        c.num_splits = splits
+        check_case(c)
