@@ -21,6 +21,7 @@ from numba import cuda
 
 from . import _arrays, _dispatch, _options
 from .kernels import decode as _decode
+from .kernels import rotary as _rotary
 from .kernels._jit import SIMULATOR, launch
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -308,8 +309,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1`` of sequence ``b`` **in place** (the one
             exception to "inputs are never written"; NumPy caches are copied to the device and back).
             ``cache_seqlens`` itself is not updated (as in flash-attn).
-        rotary_cos, rotary_sin, rotary_interleaved: flash-attn's rotary embedding inside the call; not served
-            yet: anything but None raises ValueError (apply the rotary embedding to q and k before the call).
+        rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)``, q's kind and dtype (``rotary_dim`` a multiple
+            of 4 up to the head dim), with ``k``: flash-attn's rotary embedding inside the call
+            (``reference.apply_rotary``): the new keys rotated at rows ``cache_seqlens[b] + i`` before the
+            append, q at its own rows too when causal or windowed, else every query at ``cache_seqlens[b]``;
+            ``rotary_interleaved`` pairs dims ``(2i, 2i + 1)`` (True, GPT-J) or ``(i, i + rotary_dim / 2)``
+            (GPT-NeoX). Computed in float32, rounded to the input dtype.  Positions past the tables: a ValueError
+            where ``cache_seqlens`` is on the host, NaN rows where it is in device memory.
         cache_seqlens: int32 ``(batch,)`` array or an int: the rows each sequence holds before the append;
             None: the whole cache (minus ``seqlen_new``). Each must satisfy ``0 <= cache_seqlens[b]`` and
             ``cache_seqlens[b] + seqlen_new <= capacity`` (the dense cache's rows, or page_size x
@@ -347,22 +353,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     calls after the first); an int ``cache_seqlens`` (its value decides the split plan) or metadata on the
     host takes the full path every call.
     """
-    for value, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin"), (cache_leftpad, "cache_leftpad")):
-        if value is not None:
-            raise ValueError(f"{name} is not served by flashnb.flash_attn_with_kvcache yet (pass None; apply the "
-                             f"rotary embedding / left padding before the call)")
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad is not served by flashnb.flash_attn_with_kvcache yet (pass None)")
     if not isinstance(rotary_interleaved, (bool, np.bool_)):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     if type(window_size) is not tuple:
         window_size = _options.window_pair(window_size)
     if cache_batch_idx is not None:
         k_cache, v_cache, block_table = _batch_idx_as_pages(k_cache, v_cache, cache_batch_idx, block_table, q)
+    rotary = None
+    if rotary_cos is not None or rotary_sin is not None:
+        rotary = (rotary_cos, rotary_sin, bool(rotary_interleaved),
+                  bool(causal) or tuple(window_size) != (-1, -1))     # flash-attn: q at its own rows if local
     uniform = isinstance(cache_seqlens, (int, np.integer))
     return _dispatch.cached_call(
-        "kvcache", (q, k_cache, v_cache, k, v, None if uniform else cache_seqlens, block_table, alibi_slopes),
-        (num_splits, softmax_scale, causal, window_size, softcap, return_softmax_lse),
+        "kvcache", (q, k_cache, v_cache, k, v, None if uniform else cache_seqlens, block_table, alibi_slopes,
+                    rotary_cos, rotary_sin),
+        (num_splits, softmax_scale, causal, window_size, softcap, return_softmax_lse, bool(rotary_interleaved)),
         lambda: _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, softmax_scale,
-                              causal, window_size, softcap, alibi_slopes, return_softmax_lse, stream),
+                              causal, window_size, softcap, alibi_slopes, return_softmax_lse, stream, rotary),
         cacheable=stream is None and not uniform)
 
 
@@ -397,9 +406,12 @@ def _batch_idx_as_pages(k_cache, v_cache, cache_batch_idx, block_table, q):
 
 
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, softmax_scale, causal,
-                  window_size, softcap, alibi_slopes, return_softmax_lse, stream):
-    """``flash_attn_with_kvcache``'s full path: check, plan, allocate, launch."""
+                  window_size, softcap, alibi_slopes, return_softmax_lse, stream, rotary=None):
+    """``flash_attn_with_kvcache``'s full path: check, plan, allocate, launch.  ``rotary``: ``(cos, sin,
+    interleaved, local)`` or None."""
     c = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse)
+    if rotary is not None:
+        _check_rotary(c, q, k, cache_seqlens, *rotary)
     kind = c.kind
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
@@ -410,10 +422,14 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
         seqlens_d = _dummy(1, np.int32) if c.seqlens is None else _arrays.to_device(c.seqlens, launch_stream)
         table_d = _dummy(2, np.int32) if c.table is None else _arrays.to_device(c.table, launch_stream)
         base_len = max(c.uniform, 0)
+        if rotary is not None:
+            q_w = _rotated(q_w, rotary, not rotary[3], c, seqlens_d, base_len, kind, q, launch_stream)
 
         if k is not None and c.batch * c.seqlen_new * c.nheads_k > 0:
             kn_w, _ = _device_words(k, "k", kind, launch_stream)
             vn_w, _ = _device_words(v, "v", kind, launch_stream)
+            if rotary is not None:
+                kn_w = _rotated(kn_w, rotary, False, c, seqlens_d, base_len, kind, q, launch_stream)
             per_seq = c.seqlen_new * c.nheads_k * int(kn_w.shape[3])       # words of one sequence's new rows
             blocks_per_seq = max(1, min(-(-per_seq // APPEND_THREADS), 8192 // c.batch))
             launch(_decode.make_append(c.table is not None, c.seqlens is not None),
@@ -432,6 +448,51 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
                 host[...] = back.copy_to_host(stream=launch_stream.numba)
         out = _arrays.finish(kind, out_ret, out_d, launch_stream)
         return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_softmax_lse else out
+
+
+def _check_rotary(c, q, k, cache_seqlens, cos, sin, interleaved, local):
+    """The rotary tables against the call (flash-attn's contract), before any launch."""
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together (or neither)")
+    if k is None:
+        raise ValueError("rotary_cos/rotary_sin need the new keys k and v (flash-attn rotates k before the append)")
+    for x, name in ((cos, "rotary_cos"), (sin, "rotary_sin")):
+        kd = _arrays.kind_of(x, name)
+        if kd.lib != c.kind.lib or kd.dtype != c.kind.dtype:
+            raise TypeError(f"{name} is a {kd.lib} {kd.dtype} array but q is a {c.kind.lib} {c.kind.dtype} array")
+        if len(x.shape) != 2:
+            raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2), got {tuple(x.shape)}")
+        _arrays.check_same_device(x, name, q)
+    if tuple(cos.shape) != tuple(sin.shape):
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    seqlen_ro, half = map(int, cos.shape)
+    if half == 0 or (2 * half) % 4 or 2 * half > c.headdim:
+        raise ValueError(f"rotary_dim (2 x rotary_cos.shape[1] = {2 * half}) must be a positive multiple of 4 up to "
+                         f"the head dim {c.headdim}")
+    lens = None
+    if c.seqlens is None:
+        lens = np.full(c.batch, max(c.uniform, 0), np.int64)
+    elif isinstance(c.seqlens, np.ndarray):
+        lens = c.seqlens.astype(np.int64)
+    if lens is not None and c.batch:            # (a device cache_seqlens: the kernel writes NaN rows past the table)
+        last = int(lens.max()) + max(c.seqlen_new, c.seqlen_q if local else 1) - 1
+        if last >= seqlen_ro:
+            raise ValueError(f"the rotary tables have {seqlen_ro} rows but position {last} is needed "
+                             f"(cache_seqlens + the new tokens)")
+
+
+def _rotated(x_w, rotary, at_start, c, seqlens_d, base_len, kind, like, stream):
+    """A rotated copy of the word view ``x_w`` (q or the new keys), by ``kernels.rotary``."""
+    cos, sin, interleaved, _ = rotary
+    cos_w, _ = _device_words(cos, "rotary_cos", kind, stream)
+    sin_w, _ = _device_words(sin, "rotary_sin", kind, stream)
+    out = _arrays.scratch(tuple(x_w.shape), np.float32 if kind.dtype == "float32" else np.uint32, kind, like, stream)
+    n = int(np.prod(x_w.shape))
+    if n:
+        launch(_rotary.make_rotary(kind.dtype, interleaved, c.seqlens is not None, at_start), _rotary.grid(n),
+               _rotary.THREADS, stream, 0, (x_w, out, cos_w, sin_w, seqlens_d, base_len, int(cos.shape[1])))
+    return out
 
 
 def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts, num_splits, kind, like, stream):

@@ -11,7 +11,8 @@ the next.
 * ``dropout_keep_mask``, ``philox4x32_10``     the dropout generator -- ``reference.dropout``
 * ``io_model``                                 HBM traffic: closed forms and counted oracles
 * ``attention_varlen``, ``attention_varlen_backward``, ``attention_with_kvcache``, ``kvcache_append``,
-  ``combine_splits``                           packed batches, KV caches, split-KV merge -- ``reference.varlen``
+  ``combine_splits``, ``apply_rotary``         packed batches, KV caches (rotary embedding), split-KV merge
+                                                       -- ``reference.varlen``
 * ``ring_attention``, ``ring_attention_backward``, ``zigzag_positions``, ``contiguous_positions``
                                                a sequence sharded over P ranks, K/V passed round a ring
                                                        -- ``reference.ring``
@@ -25,8 +26,8 @@ from .flash import attention_delta, flash_backward, flash_backward_v1, flash_for
 from .io_model import IOCount
 from .ring import contiguous_positions, ring_attention, ring_attention_backward, zigzag_positions
 from .standard import attention, attention_backward, attention_probs
-from .varlen import (attention_varlen, attention_varlen_backward, attention_with_kvcache, combine_splits,
-                     kvcache_append)
+from .varlen import (apply_rotary, attention_varlen, attention_varlen_backward, attention_with_kvcache,
+                     combine_splits, kvcache_append)
 
 __all__ = [
     "attention", "attention_backward", "attention_probs", "attention_delta",
@@ -34,5 +35,6 @@ __all__ = [
     "dropout_keep_mask", "dropout_keep", "philox4x32_10", "PHILOX4x32_10_KNOWN_ANSWERS",
     "io_model", "IOCount", "OPTION_DEFAULTS",
     "attention_varlen", "attention_varlen_backward", "attention_with_kvcache", "kvcache_append", "combine_splits",
+    "apply_rotary",
     "ring_attention", "ring_attention_backward", "zigzag_positions", "contiguous_positions",
 ]

@@ -121,15 +121,52 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
     return k_cache, v_cache
 
 
+def apply_rotary(x, cos, sin, positions, interleaved=True):
+    """The rotary embedding (RoFormer; flash-attn's convention): ``x`` ``(batch, seqlen, nheads, headdim)``,
+    ``cos``/``sin`` ``(seqlen_ro, rotary_dim / 2)``, ``positions`` ``(batch, seqlen)`` the table row of each
+    token.  The first ``rotary_dim`` dims are rotated in pairs by the angle whose cosine and sine the table holds:
+    ``(x[2i], x[2i + 1])`` with ``interleaved`` (GPT-J), ``(x[i], x[i + rotary_dim / 2])`` without (GPT-NeoX);
+    the other dims are kept.  In float64."""
+    x = np.array(x, np.float64)
+    half = np.asarray(cos).shape[1]
+    c = np.asarray(cos, np.float64)[np.asarray(positions)][:, :, None, :]     # (batch, seqlen, 1, half)
+    s = np.asarray(sin, np.float64)[np.asarray(positions)][:, :, None, :]
+    if interleaved:
+        x0, x1 = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
+        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = x0 * c - x1 * s, x0 * s + x1 * c
+    else:
+        x0, x1 = x[..., :half].copy(), x[..., half:2 * half].copy()
+        x[..., :half], x[..., half:2 * half] = x0 * c - x1 * s, x0 * s + x1 * c
+    return x
+
+
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                           cache_batch_idx=None, **opts):
+                           cache_batch_idx=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                           **opts):
     """``(out, lse, k_cache, v_cache)``: ``k``/``v`` appended (``kvcache_append``; the returned caches are
     copies), then the attention of q ``(batch, seqlen_q, nheads, headdim)`` over each sequence's first
     ``cache_seqlens[b] + seqlen_new`` cached rows (all rows without ``cache_seqlens``), bottom-right aligned per
     sequence.  ``lse`` is ``(batch, nheads, seqlen_q)``.  ``cache_batch_idx`` (dense caches): sequence ``b``
-    is row ``cache_batch_idx[b]`` of the caches (distinct rows), which may hold more rows than the batch."""
+    is row ``cache_batch_idx[b]`` of the caches (distinct rows), which may hold more rows than the batch.
+    ``rotary_cos``/``rotary_sin`` (with ``k``; ``apply_rotary``): ``k``'s new rows rotated at their positions
+    ``cache_seqlens[b] + i`` before the append, ``q``'s too where causal or windowed, else all of q at position
+    ``cache_seqlens[b]`` (flash-attn's rule); the appended rows are rounded to the caches' dtype."""
     q = np.asarray(q)
     batch = q.shape[0]
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos/rotary_sin need the new rows k, v")
+        rows = k_cache.shape[1] * (np.asarray(block_table).shape[1] if block_table is not None else 1)
+        lens0 = (np.full(batch, rows - np.asarray(k).shape[1]) if cache_seqlens is None
+                 else np.broadcast_to(np.asarray(cache_seqlens), (batch,)))
+        seqlen_new, seqlen_q = np.asarray(k).shape[1], q.shape[1]
+        local = opts.get("causal", False) or tuple(opts.get("window_size", (-1, -1))) != (-1, -1)
+        pos_k = lens0[:, None] + np.arange(seqlen_new)[None, :]
+        pos_q = lens0[:, None] + (np.arange(seqlen_q)[None, :] if local else np.zeros((1, seqlen_q), int))
+        k = apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved).astype(np.asarray(k_cache).dtype)
+        q = apply_rotary(q, rotary_cos, rotary_sin, pos_q, rotary_interleaved)
+        return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
+                                      **opts)
     if cache_batch_idx is not None:
         if block_table is not None:
             raise ValueError("cache_batch_idx is for dense caches, not with block_table")

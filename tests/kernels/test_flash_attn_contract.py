@@ -73,8 +73,6 @@ def test_cache_batch_idx_is_not_the_identity():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(rotary_cos=np.ones((16, 2), np.float32)), "rotary_cos"),
-    (dict(rotary_sin=np.ones((16, 2), np.float32)), "rotary_sin"),
     (dict(cache_leftpad=np.zeros(2, np.int32)), "cache_leftpad"),
     (dict(cache_batch_idx=np.array([0, 5], np.int32)), r"cache_batch_idx\[1\]"),
     (dict(cache_batch_idx=np.array([0, 1], np.int64)), "cache_batch_idx must be an int32"),
@@ -118,3 +116,108 @@ def test_window_size_integer_like(form):
     kc, vc = _dense(rng, 1, 16, 2, 4)
     want = flashnb.flash_attn_with_kvcache(q[:, :1], kc, vc, window_size=(3, 0))
     np.testing.assert_array_equal(flashnb.flash_attn_with_kvcache(q[:, :1], kc, vc, window_size=form((3, 0))), want)
+
+
+def _rope(seqlen_ro, half, dtype):
+    ang = np.arange(seqlen_ro)[:, None] * (10000.0 ** (-np.arange(half) / half))[None, :]
+    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+
+
+@settings(max_examples=examples(6, 12))
+@given(seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from((np.float32, np.float16)),
+       interleaved=st.booleans(), mode=st.sampled_from(("causal", "window", "none")),
+       paged=st.booleans(), lens_form=st.sampled_from(("array", "int", "none")), seqlen_q=st.integers(1, 3),
+       half=st.sampled_from((2, 4)), device_lens=st.booleans())
+def test_rotary_matches_oracle(seed, dtype, interleaved, mode, paged, lens_form, seqlen_q, half, device_lens):
+    """flash-attn's rotary embedding inside the call: the new keys rotated at ``cache_seqlens[b] + i`` before the
+    append, q at its own rows when causal or windowed, else at ``cache_seqlens[b]``; rotary_dim 4 or 8 of head
+    dim 8 (the other dims kept).  Against the oracle given the rotated q and k rounded to the input dtype (the
+    kernel rounds them there): out and lse to the dtype's rounding, the caches' appended rows to one unit of
+    the dtype's rounding (float32 arithmetic against float64's), every other row exact."""
+    from numba import cuda
+    import reference
+    rng = np.random.default_rng(seed)
+    batch, nheads, nheads_k, d, new = 2, 4, 2, 8, 2
+    q = rng.standard_normal((batch, seqlen_q, nheads, d)).astype(dtype)
+    k, v = (rng.standard_normal((batch, new, nheads_k, d)).astype(dtype) for _ in range(2))
+    if paged:
+        table = rng.permutation(5)[:4].reshape(batch, 2).astype(np.int32)
+        kc, vc = (rng.standard_normal((5, 16, nheads_k, d)).astype(dtype) for _ in range(2))
+        capacity = 32
+    else:
+        table = None
+        kc, vc = (rng.standard_normal((batch, 20, nheads_k, d)).astype(dtype) for _ in range(2))
+        capacity = 20
+    lens = rng.integers(0, capacity - new + 1, batch).astype(np.int32)
+    if lens_form == "int":
+        lens[:] = lens[0]
+    elif lens_form == "none":
+        lens[:] = capacity - new
+    arg = {"array": lens, "int": int(lens[0]), "none": None}[lens_form]
+    if device_lens and lens_form == "array":
+        arg = cuda.to_device(lens)
+    cos, sin = _rope(capacity + 3, half, dtype)
+    opts = {"causal": dict(causal=True), "window": dict(window_size=(5, 1)), "none": {}}[mode]
+    local = mode != "none"
+    pos_k = lens[:, None] + np.arange(new)[None, :]
+    pos_q = lens[:, None] + (np.arange(seqlen_q)[None, :] if local else np.zeros((1, seqlen_q), int))
+    q_rot = reference.apply_rotary(q, cos, sin, pos_q, interleaved).astype(dtype)
+    k_rot = reference.apply_rotary(k, cos, sin, pos_k, interleaved).astype(dtype)
+    want_out, want_lse, want_kc, want_vc = varlen.attention_with_kvcache(q_rot, kc, vc, k_rot, v, lens, table, **opts)
+    kc2, vc2 = kc.copy(), vc.copy()
+    with Untouched(q, k, v, cos, sin, lens):
+        out, lse = flashnb.flash_attn_with_kvcache(q, kc2, vc2, k, v, cos, sin, arg, block_table=table,
+                                                   rotary_interleaved=interleaved, return_softmax_lse=True, **opts)
+    np.testing.assert_array_equal(vc2, want_vc)
+    ulp = np.finfo(dtype).eps
+    np.testing.assert_allclose(kc2.astype(np.float64), want_kc.astype(np.float64), rtol=ulp, atol=ulp)
+    moved = kc2 != want_kc
+    assert not np.any(moved & (np.abs(want_kc.astype(np.float64)) < 1e30) & ~_appended(kc2.shape, lens, new, table))
+    tol = 1e-5 if dtype == np.float32 else 2e-3
+    np.testing.assert_allclose(out.astype(np.float64), want_out, atol=tol, rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-4, rtol=0)
+
+
+def _appended(shape, lens, new, table):
+    """The cache rows the append writes (dense: rows lens[b]..lens[b] + new of row b; paged: through the table)."""
+    mask = np.zeros(shape, bool)
+    for b in range(len(lens)):
+        for r in range(int(lens[b]), int(lens[b]) + new):
+            if table is None:
+                mask[b, r] = True
+            else:
+                mask[table[b, r // shape[1]], r % shape[1]] = True
+    return mask
+
+
+def test_rotary_is_applied():
+    """A fixed case where the rotation matters: the result differs from the call without the tables."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 1, 2, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 1, 2, 8)).astype(np.float32) for _ in range(2))
+    kc, vc = (rng.standard_normal((1, 16, 2, 8)).astype(np.float32) for _ in range(2))
+    cos, sin = _rope(16, 4, np.float32)
+    a = flashnb.flash_attn_with_kvcache(q, kc.copy(), vc.copy(), k, v, cos, sin, 9)
+    b = flashnb.flash_attn_with_kvcache(q, kc.copy(), vc.copy(), k, v, cache_seqlens=9)
+    assert np.abs(a - b).max() > 1e-2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(rotary_cos=np.ones((16, 2), np.float32)), "together"),
+    (dict(rotary_cos=np.ones((16, 2), np.float16), rotary_sin=np.ones((16, 2), np.float16)), "rotary_cos is a"),
+    (dict(rotary_cos=np.ones((16, 3), np.float32), rotary_sin=np.ones((16, 3), np.float32)), "multiple of 4"),
+    (dict(rotary_cos=np.ones((16, 6), np.float32), rotary_sin=np.ones((16, 6), np.float32)), "up to the head dim"),
+    (dict(rotary_cos=np.ones((16, 2), np.float32), rotary_sin=np.ones((15, 2), np.float32)), "same shape"),
+    (dict(rotary_cos=np.ones((4, 2), np.float32), rotary_sin=np.ones((4, 2), np.float32)), "position 4"),
+    (dict(rotary_cos=np.ones((16, 2), np.float32), rotary_sin=np.ones((16, 2), np.float32), k=None, v=None),
+     "need the new keys"),
+    (dict(rotary_interleaved=1), "rotary_interleaved"),
+])
+def test_rotary_refusals_name_the_argument(bad, match):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 2, 4)).astype(np.float32)
+    kc, vc = _dense(rng, 2, 16, 2, 4)
+    k, v = (rng.standard_normal((2, 1, 2, 4)).astype(np.float32) for _ in range(2))
+    args = {**dict(k=k, v=v, cache_seqlens=np.array([3, 4], np.int32)), **bad}
+    with Untouched(q, kc, vc, k, v), pytest.raises((ValueError, TypeError), match=match):
+        flashnb.flash_attn_with_kvcache(q, kc, vc, **args)
