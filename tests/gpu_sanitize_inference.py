@@ -1,6 +1,6 @@
 """The packed-batch (varlen) and KV-cache kernels once each, small, for ``compute-sanitizer`` (not a pytest module).
 
-    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache] [routed]   # once without the tool: fills the disk cache
+    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache] [routed] [rotary]   # once without the tool: fills the disk cache
     compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool synccheck python3 tests/gpu_sanitize_inference.py kvcache
@@ -143,8 +143,42 @@ def routed(rng):
     print("ok cache_batch_idx", flush=True)
 
 
+def rotary(rng):
+    """``flash_attn_with_kvcache`` with ``rotary_cos``/``rotary_sin`` (kernels/rotary.py): float16, bfloat16 and
+    float32, interleaved or not, rotary_dim 64 or the whole head dim 128, causal (q at its own rows) or not (q
+    at cache_seqlens), cache_seqlens on the device, a paged cache, 3 new tokens."""
+    batch, heads, heads_k, d, page, new = 2, 8, 2, 128, 256, 3
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for interleaved, half, causal, paged in ((True, 32, True, False), (False, 64, False, True),
+                                                 (False, 32, True, True), (True, 64, False, False)):
+            q = rng.standard_normal((batch, new, heads, d))
+            kn, vn = (rng.standard_normal((batch, new, heads_k, d)) for _ in range(2))
+            rows = 2 * page
+            if paged:
+                table = np.array([[3, 0], [1, 2]], np.int32)
+                kc, vc = (rng.standard_normal((4, page, heads_k, d)) for _ in range(2))
+            else:
+                table = None
+                kc, vc = (rng.standard_normal((batch, rows, heads_k, d)) for _ in range(2))
+            lens = np.array([100, rows - new], np.int32)
+            ang = np.arange(rows)[:, None] * (10000.0 ** (-np.arange(half) / half))[None, :]
+            cos, sin = np.cos(ang), np.sin(ang)
+            ref, _, _, _ = reference.attention_with_kvcache(q, kc, vc, kn, vn, lens, table, rotary_cos=cos,
+                                                            rotary_sin=sin, rotary_interleaved=interleaved,
+                                                            causal=causal)
+            t = lambda x: torch.as_tensor(x, device="cuda").to(dtype)  # noqa: E731
+            out = flashnb.flash_attn_with_kvcache(
+                t(q), t(kc), t(vc), t(kn), t(vn), t(cos), t(sin), torch.as_tensor(lens, device="cuda"),
+                block_table=None if table is None else torch.as_tensor(table, device="cuda"), causal=causal,
+                rotary_interleaved=interleaved)
+            err = float((out.double().cpu() - torch.as_tensor(ref)).abs().max())
+            what = f"rotary {dtype} interleaved={interleaved} dim={2 * half} causal={causal} paged={paged}"
+            assert err < 0.1, f"{what}: {err}"
+            print(f"ok {what}", flush=True)
+
+
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["varlen", "kvcache", "routed"]
+    parts = sys.argv[1:] or ["varlen", "kvcache", "routed", "rotary"]
     rng = np.random.default_rng(0)
     if "varlen" in parts:
         varlen(rng)
@@ -152,4 +186,6 @@ if __name__ == "__main__":
         kvcache(rng)
     if "routed" in parts:
         routed(rng)
+    if "rotary" in parts:
+        rotary(rng)
     print("done", flush=True)
