@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from .. import api
 from ..torch import attention_function
+from . import _agree as _agreement
 from ._schedule import LAYOUTS, block, positions
 
 __all__ = ["ring_attention", "shard", "unshard"]
@@ -27,6 +28,7 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     world, rank = _ring_of(group)
     _check(q, k, v, layout, world, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    _agree(q, k, group, world, layout, causal, scale, backend)
     settings = (group, world, rank, layout, bool(causal), scale, backend)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _RingAttention.apply(q, k, v, settings)
@@ -84,6 +86,31 @@ def _check(q, k, v, layout, world, causal):
         raise ValueError(f"the zigzag layout holds two chunks per rank: the shard length {q.shape[1]} must be even")
     if world < 1:
         raise ValueError("the process group is empty")
+
+
+_AGREED = set()          # (group, signature) pairs every rank of the group has been seen to agree on
+
+
+def _agree(q, k, group, world, layout, causal, scale, backend):
+    """Before the first exchange of a signature on a group: gather every rank's ``_agree.encode`` row (one
+    ``all_gather`` of 10 int64s a rank) and raise ``ValueError`` on every rank where they
+    differ (``_agree.disagreement`` names the fields and the ranks' values).  A signature once agreed on is not
+    checked again, so a training loop pays the collective once.  (A rank that changes its signature alone
+    after an agreed step is checked while the others are not: that case ends at the process group's timeout,
+    docs/distributed.md.)"""
+    dtype = str(q.dtype).removeprefix("torch.")
+    row = _agreement.encode(dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[2], layout, causal,
+                            scale, backend)
+    key = (id(group) if group is not None else None, tuple(row))
+    if world == 1 or key in _AGREED:
+        return
+    mine = torch.tensor(row, dtype=torch.int64, device=q.device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    message = _agreement.disagreement([r.cpu().tolist() for r in rows])
+    if message is not None:
+        raise ValueError(message)
+    _AGREED.add(key)
 
 
 # ------------------------------------------------------------------------------------------------ the ring

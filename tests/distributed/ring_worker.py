@@ -43,13 +43,46 @@ def check(case, seed, rank, world):
         assert err < 2e-5, f"rank {rank}/{world} {case} seed {seed}: {name} relative error {err:.2e}"
 
 
+def disagree(case, seed, rank, world):
+    """Rank 1 passes something else than the others (``case["rank1"]``: dtype, length, heads, causal): every
+    rank must raise ValueError naming it (``case["expect"]``), before any exchange; then an agreeing call runs
+    (the group is still usable), and its repeat gathers nothing (the agreement is remembered).  Each case's
+    signatures are new to every rank (``case["agree_length"]``): the check runs at a signature's first call,
+    and a rank whose signature the group agreed on earlier does not gather again (docs/distributed.md)."""
+    from flashnb.distributed import ring
+    rng = np.random.default_rng(seed)
+    mine = dict(dtype="float32", length=8, heads=2, causal=True)
+    if rank == 1:
+        mine.update(case["rank1"])
+    dtype = getattr(torch, mine["dtype"])
+    q = torch.from_numpy(rng.standard_normal((1, mine["length"], mine["heads"], 8))).to(dtype)
+    k = v = torch.from_numpy(rng.standard_normal((1, mine["length"], 1, 8))).to(dtype)
+    try:
+        ring_attention(q, k, v, causal=mine["causal"])
+    except ValueError as e:
+        assert case["expect"] in str(e), f"rank {rank}: {e}"
+    else:
+        raise AssertionError(f"rank {rank}: no error for {case}")
+    n = case["agree_length"]
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, n, h, 8)).astype(np.float32)) for h in (2, 1, 1))
+    ring_attention(q, k, v, causal=True)
+    calls = []
+    real = ring.dist.all_gather
+    ring.dist.all_gather = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        ring_attention(q, k, v, causal=True)
+    finally:
+        ring.dist.all_gather = real
+    assert not calls, f"rank {rank}: the agreed signature was gathered again"
+
+
 def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     seed, cases = int(sys.argv[1]), json.loads(sys.argv[2])
     try:
         for i, case in enumerate(cases):
-            check(case, seed + i, rank, world)
+            (disagree if "rank1" in case else check)(case, seed + i, rank, world)
     finally:
         dist.destroy_process_group()
 

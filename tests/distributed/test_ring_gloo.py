@@ -49,3 +49,15 @@ def test_two_ranks_every_layout_causal_and_gqa():
 
 def test_three_ranks_zigzag_causal():
     _run_ring(3, [dict(seqlen=24, nheads=2, nheads_k=1, headdim=8, causal=True, layout="zigzag")])
+
+
+def test_ranks_that_disagree_all_raise_naming_it():
+    """Rank 1 of 2 passes another dtype, shard length, head count or causal flag: every rank raises ValueError
+    naming the field and each rank's value, with no hang (before: NCCL blocked until its watchdog, or returned
+    another rank's bytes read as the wrong dtype); the group then runs an agreeing call, whose repeat gathers
+    nothing.  tests/distributed/test_ring_agree.py checks the messages of every field without torch."""
+    _run_ring(2, [dict(rank1=dict(dtype="float64"), expect="dtype (rank 0: float32, rank 1: float64)", agree_length=10),
+                  dict(rank1=dict(length=6), expect="shard length (rank 0: 8, rank 1: 6)", agree_length=12),
+                  dict(rank1=dict(heads=4), expect="query heads (rank 0: 2, rank 1: 4)", agree_length=14),
+                  dict(rank1=dict(causal=False), expect="causal (rank 0: True, rank 1: False)", agree_length=16)],
+              timeout=120)
