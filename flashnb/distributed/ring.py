@@ -1,5 +1,6 @@
 """Ring attention on ``torch.distributed``: the autograd function, the ring loops, one block's kernels
 (the package docstring, ``flashnb.distributed``, says what it computes and how to call it)."""
+import datetime
 import math
 
 import numpy as np
@@ -15,7 +16,7 @@ __all__ = ["ring_attention", "shard", "unshard"]
 
 
 def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout="zigzag", return_lse=False,
-                   backend="auto"):
+                   backend="auto", timeout=None):
     """This rank's rows of ``attention(q_full, k_full, v_full)`` for a sequence sharded over the ranks of
     ``group`` (default: the whole world), differentiable in q, k, v.
 
@@ -24,12 +25,18 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     causal: query position ``i`` sees key position ``j <= i`` (global positions; queries and keys are the
     same sequence). Returns ``out`` like q, or ``(out, lse)`` with lse ``(batch, nheads, L)`` float32
     (float64 for float64 inputs).
+
+    timeout: None (wait as the process group does: its own timeout), or a ``datetime.timedelta`` / seconds:
+    the longest this rank waits for one exchange (the agreement's gather, each step's shards) before raising
+    ``RuntimeError`` naming the step and the peers, so that a rank that failed or stalled ends the others within
+    about ``timeout`` (forward and backward alike; docs/distributed.md).
     """
     world, rank = _ring_of(group)
     _check(q, k, v, layout, world, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    _agree(q, k, group, world, layout, causal, scale, backend)
-    settings = (group, world, rank, layout, bool(causal), scale, backend)
+    timeout = _timeout(timeout)
+    _agree(q, k, group, world, layout, causal, scale, backend, timeout)
+    settings = (group, world, rank, layout, bool(causal), scale, backend, timeout)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _RingAttention.apply(q, k, v, settings)
     else:
@@ -91,7 +98,15 @@ def _check(q, k, v, layout, world, causal):
 _AGREED = set()          # (group, signature) pairs every rank of the group has been seen to agree on
 
 
-def _agree(q, k, group, world, layout, causal, scale, backend):
+def _timeout(timeout):
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return datetime.timedelta(seconds=timeout)
+    raise ValueError(f"timeout must be None, a datetime.timedelta or a number of seconds > 0, got {timeout!r}")
+
+
+def _agree(q, k, group, world, layout, causal, scale, backend, timeout=None):
     """Before the first exchange of a signature on a group: gather every rank's ``_agree.encode`` row (one
     ``all_gather`` of 10 int64s a rank) and raise ``ValueError`` on every rank where they
     differ (``_agree.disagreement`` names the fields and the ranks' values).  A signature once agreed on is not
@@ -106,7 +121,8 @@ def _agree(q, k, group, world, layout, causal, scale, backend):
         return
     mine = torch.tensor(row, dtype=torch.int64, device=q.device)
     rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
+    work = dist.all_gather(rows, mine, group=group, async_op=True)
+    _wait([work], timeout, "the ranks' agreement (an all_gather)")
     message = _agreement.disagreement([r.cpu().tolist() for r in rows])
     if message is not None:
         raise ValueError(message)
@@ -129,16 +145,25 @@ def _global_rank(group, group_rank):
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def _wait(requests):
+def _wait(requests, timeout=None, what="an exchange"):
+    """Wait for ``requests``; with a ``timeout``, at most that long for each, then ``RuntimeError``."""
     for r in requests:
-        r.wait()
+        if timeout is None:
+            r.wait()
+            continue
+        try:
+            r.wait(timeout=timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"ring_attention: {what} did not complete within {timeout}: a rank of the ring failed "
+                               f"or stalled (after this, destroy the process group: its communicator may be "
+                               f"unusable). {e}") from e
 
 
 def _acc_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _ring_forward(q, k, v, group, world, rank, layout, causal, scale, backend):
+def _ring_forward(q, k, v, group, world, rank, layout, causal, scale, backend, timeout=None):
     """``(out, lse)`` of this rank's queries over every shard, merged step by step (``reference.ring``)."""
     acc = _acc_dtype(q)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -152,7 +177,8 @@ def _ring_forward(q, k, v, group, world, rank, layout, causal, scale, backend):
             o, l = _attend(q[:, qs], kv[0][:, ks], kv[1][:, ks], block_causal, scale, backend)
             _merge(out[:, qs], lse[:, :, qs], o, l)
         if pending is not None:
-            _wait(pending[0])
+            _wait(pending[0], timeout, f"rank {rank}'s forward exchange of step {step} (to rank {(rank + 1) % world}, "
+                                       f"from rank {(rank - 1) % world})")
             kv = tuple(pending[1])
     return out.to(q.dtype), lse
 
@@ -166,7 +192,7 @@ def _merge(out, lse, o, l):
     lse.copy_(new)
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, world, rank, layout, causal, scale, backend):
+def _ring_backward(dout, q, k, v, out, lse, group, world, rank, layout, causal, scale, backend, timeout=None):
     """``(dq, dk, dv)``: each step's share from the final ``lse``; dK/dV accumulate while travelling with their
     shard, one last hop brings them home (``reference.ring.ring_attention_backward``)."""
     acc = _acc_dtype(q)
@@ -181,19 +207,21 @@ def _ring_backward(dout, q, k, v, out, lse, group, world, rank, layout, causal, 
             shares = _attend_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                                       lse[:, :, qs].contiguous(), block_causal, scale, backend)
             dq[:, qs] += shares[0]
+        what = (f"rank {rank}'s backward exchange of step {step} (to rank {(rank + 1) % world}, from rank "
+                f"{(rank - 1) % world})")
         if incoming is None:
             dkv = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]
         else:
-            _wait(incoming[0])
+            _wait(incoming[0], timeout, what)
             dkv = incoming[1]
         if shares is not None:
             dkv[0][:, ks] += shares[1]
             dkv[1][:, ks] += shares[2]
         incoming = _exchange(dkv, group, world, rank) if world > 1 else ([], dkv)
         if pending is not None:
-            _wait(pending[0])
+            _wait(pending[0], timeout, what)
             kv = tuple(pending[1])
-    _wait(incoming[0])
+    _wait(incoming[0], timeout, f"rank {rank}'s last backward exchange")
     dk, dv = incoming[1]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -76,15 +76,47 @@ def disagree(case, seed, rank, world):
     assert not calls, f"rank {rank}: the agreed signature was gathered again"
 
 
+def fail(case, seed, rank, world):
+    """Rank 1 fails (``case["fail"]``: "before" the call, as an out-of-memory before it would; or in its first
+    block "backward") and stays alive for twice the timeout: every other rank, calling with ``timeout``, must
+    end with ring_attention's RuntimeError within the timeout and a margin, not wait for the process group's."""
+    import time
+    from flashnb.distributed import ring
+    timeout = case["timeout"]
+    q, k, v = (torch.randn(1, 8, h, 8, requires_grad=True) for h in (2, 1, 1))
+    if rank == 1:
+        if case["fail"] == "backward":
+            def broken(*args, **kwargs):
+                raise RuntimeError("injected failure")
+            ring._attend_backward = broken
+            try:
+                ring_attention(q, k, v, causal=True, timeout=timeout).sum().backward()
+            except RuntimeError as e:
+                assert "injected failure" in str(e), str(e)
+        time.sleep(2 * timeout)
+        return
+    t0 = time.perf_counter()
+    try:
+        ring_attention(q, k, v, causal=True, timeout=timeout).sum().backward()
+    except RuntimeError as e:
+        took = time.perf_counter() - t0
+        assert "did not complete within" in str(e), f"rank {rank}: {e}"
+        assert took < timeout + 10, f"rank {rank} ended after {took:.1f} s (timeout {timeout} s)"
+        print(f"rank {rank}: {str(e)[:160]} after {took:.1f} s", flush=True)
+    else:
+        raise AssertionError(f"rank {rank}: no error although rank 1 failed ({case})")
+
+
 def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     seed, cases = int(sys.argv[1]), json.loads(sys.argv[2])
     try:
         for i, case in enumerate(cases):
-            (disagree if "rank1" in case else check)(case, seed + i, rank, world)
+            (disagree if "rank1" in case else fail if "fail" in case else check)(case, seed + i, rank, world)
     finally:
-        dist.destroy_process_group()
+        if not any("fail" in case for case in cases):     # (a failed ring's group is left to the process's end)
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

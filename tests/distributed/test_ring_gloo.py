@@ -61,3 +61,12 @@ def test_ranks_that_disagree_all_raise_naming_it():
                   dict(rank1=dict(heads=4), expect="query heads (rank 0: 2, rank 1: 4)", agree_length=14),
                   dict(rank1=dict(causal=False), expect="causal (rank 0: True, rank 1: False)", agree_length=16)],
               timeout=120)
+
+
+@pytest.mark.parametrize("where", ["before", "backward"])
+def test_a_failing_rank_ends_the_others_within_the_timeout(where):
+    """Rank 1 fails before the call or in its first block's backward and then lingers: rank 0, calling with
+    ``timeout=3``, ends with ring_attention's RuntimeError (naming the exchange) within the timeout and a
+    margin, instead of waiting for the process group's timeout (30 minutes by default for gloo, 10 for NCCL).
+    Mutation-checked: without the timeout passed to the waits, rank 0 waits past the harness's limit."""
+    _run_ring(2, [dict(fail=where, timeout=3)], timeout=90)
