@@ -147,6 +147,16 @@ def _dummy(ndim, dtype):
     return _dummies[key]
 
 
+def check_seed_and_block_size(seed, block_mask_size):
+    """``seed`` and ``block_mask_size``, which every forward and backward call validates (also where no
+    dropout or block mask uses them, as a call on another path would)."""
+    if not _is_int(seed) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    if (not isinstance(block_mask_size, (tuple, list)) or len(block_mask_size) != 2
+            or not all(_is_int(s) and s > 0 for s in block_mask_size)):
+        raise ValueError(f"block_mask_size must be a pair of positive ints, got {block_mask_size!r}")
+
+
 def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softmax_scale=None,
               causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None, alibi_slopes=None,
               softcap=0.0, block_mask=None, block_mask_size=(128, 128), dropout_p=0.0, seed=0):
@@ -176,11 +186,7 @@ def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softma
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if not _is_int(seed) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-    if (not isinstance(block_mask_size, (tuple, list)) or len(block_mask_size) != 2
-            or not all(_is_int(s) and s > 0 for s in block_mask_size)):
-        raise ValueError(f"block_mask_size must be a pair of positive ints, got {block_mask_size!r}")
+    check_seed_and_block_size(seed, block_mask_size)
 
     full = (batch, nheads, seqlen_q, seqlen_k)
     mask_d = _as_4d(attn_mask, "attn_mask", full, "bool", stream) if attn_mask is not None else _dummy(4, np.uint8)

@@ -86,6 +86,7 @@ def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, pr
     if (plan.split_kv(kind.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, backend,
                       block_q is not None or block_k is not None, plain)
             and _decode_layout(kind, (q, k, v), launch_stream)):
+        _options.check_seed_and_block_size(options["seed"], options["block_mask_size"])
         return kvcache.attend(q, k, v, options, return_lse, stream)
     with _arrays.stream_scope(launch_stream, kind, q):   # the library's own work of the call runs there too
         opts, call = _setup(kind, q, (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), launch_stream,

@@ -149,7 +149,7 @@ class _Call(NamedTuple):
     table: object        # block_table as the kernels get it: a NumPy or device array, or None (dense)
 
 
-def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse):
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse, alibi_slopes=None):
     """Every argument against the contract (docstring of ``flash_attn_with_kvcache``), before any launch."""
     names = ("q", "k_cache", "v_cache")
     kinds = [_arrays.kind_of(x, n) for x, n in zip((q, k_cache, v_cache), names)]
@@ -179,7 +179,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, re
         raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k_cache ({nheads_k})")
     _arrays.check_device(q, "q")
     for x, n in ((k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"), (v, "v"), (cache_seqlens, "cache_seqlens"),
-                 (block_table, "block_table")):
+                 (block_table, "block_table"), (alibi_slopes, "alibi_slopes")):
         if x is not None and not isinstance(x, numbers.Integral):
             _arrays.check_same_device(x, n, q)
 
@@ -314,8 +314,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (``reference.apply_rotary``): the new keys rotated at rows ``cache_seqlens[b] + i`` before the
             append, q at its own rows too when causal or windowed, else every query at ``cache_seqlens[b]``;
             ``rotary_interleaved`` pairs dims ``(2i, 2i + 1)`` (True, GPT-J) or ``(i, i + rotary_dim / 2)``
-            (GPT-NeoX). Computed in float32, rounded to the input dtype.  Positions past the tables: a ValueError
-            where ``cache_seqlens`` is on the host, NaN rows where it is in device memory.
+            (GPT-NeoX). Computed in float32, rounded to the input dtype.  The tables must have at least the
+            cache's rows (``seqlen_ro >= capacity``, as flash-attn); "windowed" counts window sides below the
+            capacity only (flash-attn drops the others).
         cache_seqlens: int32 ``(batch,)`` array or an int: the rows each sequence holds before the append;
             None: the whole cache (minus ``seqlen_new``). Each must satisfy ``0 <= cache_seqlens[b]`` and
             ``cache_seqlens[b] + seqlen_new <= capacity`` (the dense cache's rows, or page_size x
@@ -363,8 +364,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_cache, v_cache, block_table = _batch_idx_as_pages(k_cache, v_cache, cache_batch_idx, block_table, q)
     rotary = None
     if rotary_cos is not None or rotary_sin is not None:
-        rotary = (rotary_cos, rotary_sin, bool(rotary_interleaved),
-                  bool(causal) or tuple(window_size) != (-1, -1))     # flash-attn: q at its own rows if local
+        rotary = (rotary_cos, rotary_sin, bool(rotary_interleaved))
     uniform = isinstance(cache_seqlens, (int, np.integer))
     return _dispatch.cached_call(
         "kvcache", (q, k_cache, v_cache, k, v, None if uniform else cache_seqlens, block_table, alibi_slopes,
@@ -409,9 +409,9 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
                   window_size, softcap, alibi_slopes, return_softmax_lse, stream, rotary=None):
     """``flash_attn_with_kvcache``'s full path: check, plan, allocate, launch.  ``rotary``: ``(cos, sin,
     interleaved, local)`` or None."""
-    c = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse)
+    c = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse, alibi_slopes)
     if rotary is not None:
-        _check_rotary(c, q, k, cache_seqlens, *rotary)
+        _check_rotary(c, q, k, *rotary)
     kind = c.kind
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
@@ -422,12 +422,15 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
         seqlens_d = _dummy(1, np.int32) if c.seqlens is None else _arrays.to_device(c.seqlens, launch_stream)
         table_d = _dummy(2, np.int32) if c.table is None else _arrays.to_device(c.table, launch_stream)
         base_len = max(c.uniform, 0)
-        if rotary is not None:
-            q_w = _rotated(q_w, rotary, not rotary[3], c, seqlens_d, base_len, kind, q, launch_stream)
-
-        if k is not None and c.batch * c.seqlen_new * c.nheads_k > 0:
+        appending = k is not None and c.batch * c.seqlen_new * c.nheads_k > 0
+        if appending:                                  # (every layout checked before the first launch)
             kn_w, _ = _device_words(k, "k", kind, launch_stream)
             vn_w, _ = _device_words(v, "v", kind, launch_stream)
+        if rotary is not None:
+            q_w = _rotated(q_w, rotary, not _local(c, causal, window_size), c, seqlens_d, base_len, kind, q,
+                           launch_stream)
+
+        if appending:
             if rotary is not None:
                 kn_w = _rotated(kn_w, rotary, False, c, seqlens_d, base_len, kind, q, launch_stream)
             per_seq = c.seqlen_new * c.nheads_k * int(kn_w.shape[3])       # words of one sequence's new rows
@@ -450,7 +453,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
         return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_softmax_lse else out
 
 
-def _check_rotary(c, q, k, cache_seqlens, cos, sin, interleaved, local):
+def _check_rotary(c, q, k, cos, sin, interleaved):
     """The rotary tables against the call (flash-attn's contract), before any launch."""
     if cos is None or sin is None:
         raise ValueError("rotary_cos and rotary_sin must be given together (or neither)")
@@ -470,21 +473,21 @@ def _check_rotary(c, q, k, cache_seqlens, cos, sin, interleaved, local):
     if half == 0 or (2 * half) % 4 or 2 * half > c.headdim:
         raise ValueError(f"rotary_dim (2 x rotary_cos.shape[1] = {2 * half}) must be a positive multiple of 4 up to "
                          f"the head dim {c.headdim}")
-    lens = None
-    if c.seqlens is None:
-        lens = np.full(c.batch, max(c.uniform, 0), np.int64)
-    elif isinstance(c.seqlens, np.ndarray):
-        lens = c.seqlens.astype(np.int64)
-    if lens is not None and c.batch:            # (a device cache_seqlens: the kernel writes NaN rows past the table)
-        last = int(lens.max()) + max(c.seqlen_new, c.seqlen_q if local else 1) - 1
-        if last >= seqlen_ro:
-            raise ValueError(f"the rotary tables have {seqlen_ro} rows but position {last} is needed "
-                             f"(cache_seqlens + the new tokens)")
+    if seqlen_ro < c.capacity:          # flash-attn's rule: every row a sequence may hold has its angles
+        raise ValueError(f"the rotary tables (rotary_cos.shape[0] = {seqlen_ro}) must have at least the cache's "
+                         f"{c.capacity} rows")
+
+
+def _local(c, causal, window_size):
+    """flash-attn's "causal or local" for the rotary positions of q: after dropping window sides at or beyond
+    the cache's capacity (they bound nothing), as flash-attn does."""
+    left, right = (w if w < c.capacity else -1 for w in window_size)
+    return bool(causal) or left >= 0 or right >= 0
 
 
 def _rotated(x_w, rotary, at_start, c, seqlens_d, base_len, kind, like, stream):
     """A rotated copy of the word view ``x_w`` (q or the new keys), by ``kernels.rotary``."""
-    cos, sin, interleaved, _ = rotary
+    cos, sin, interleaved = rotary
     cos_w, _ = _device_words(cos, "rotary_cos", kind, stream)
     sin_w, _ = _device_words(sin, "rotary_sin", kind, stream)
     out = _arrays.scratch(tuple(x_w.shape), np.float32 if kind.dtype == "float32" else np.uint32, kind, like, stream)

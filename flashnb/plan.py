@@ -512,7 +512,7 @@ def wgmma_refusal(dtype, headdim, block_q, block_k, layout, packed=False):
 # as S's registers (BLOCK_K / 2 a thread) and two stages of K and V in shared memory allow
 _WGMMA_TILES = ((64, (128, 128)), (128, (128, 128)), (256, (128, 64)))
 _WGMMA_SIM_TILES = (64, 16)
-# float32 on tf32 wgmma (``WGMMA_TF32``, backend="wgmma"; "auto" keeps float32 on the SIMT kernels), K's tf32 parts and
+# float32 on tf32 wgmma (``WGMMA_TF32``, backend="wgmma"; "auto" too since WGMMA_AUTO_FLOAT32), K's tf32 parts and
 # V^T made once per call by a pre-pass: measured on the H100 (bench/results/h100-tf32-wgmma-2026-11-26.md,
 # tools.tune_tc --dtype float32 --backend wgmma, N 4096, against SDPA's memory-efficient backend, non-causal /
 # causal): "highest" 3.03x / 2.68x at head dim 64 (128 x 64), 1.42x / 1.30x at 128 (64 x 32: 3xTF32's small

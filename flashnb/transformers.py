@@ -21,7 +21,7 @@ Every model whose attention layers call the interface then runs flashnb's kernel
   mask, or an additive float one, read by the kernels.
 
 What flashnb does not compute -- a value head dim unlike the query's, head dims above 256, a learned
-``position_bias`` (T5) -- falls back to transformers' own SDPA implementation, with a warning naming the
+``position_bias`` (T5), a query batch broadcast against the keys' -- falls back to transformers' own SDPA implementation, with a warning naming the
 reason once per reason. ``output_attentions=True`` returns no weights (None), as SDPA's implementation.
 """
 import math
@@ -41,6 +41,9 @@ __all__ = ["NAME", "attention_forward", "fallback_reason"]
 
 def fallback_reason(query, key, value, attention_mask=None, position_bias=None):
     """Why flashnb cannot serve an attention layer's call (then transformers' SDPA does), or None."""
+    if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+        return (f"the batch of the query ({query.shape[0]}) and of the keys ({key.shape[0]}) differ (SDPA broadcasts "
+                f"it; flashnb does not)")
     if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
         return (f"value head dim {value.shape[-1]} / key head dim {key.shape[-1]} differ from the query's "
                 f"{query.shape[-1]}")

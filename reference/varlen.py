@@ -149,8 +149,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     sequence.  ``lse`` is ``(batch, nheads, seqlen_q)``.  ``cache_batch_idx`` (dense caches): sequence ``b``
     is row ``cache_batch_idx[b]`` of the caches (distinct rows), which may hold more rows than the batch.
     ``rotary_cos``/``rotary_sin`` (with ``k``; ``apply_rotary``): ``k``'s new rows rotated at their positions
-    ``cache_seqlens[b] + i`` before the append, ``q``'s too where causal or windowed, else all of q at position
-    ``cache_seqlens[b]`` (flash-attn's rule); the appended rows are rounded to the caches' dtype."""
+    ``cache_seqlens[b] + i`` before the append, ``q``'s too where causal or windowed (a window side below the
+    cache's rows), else all of q at position ``cache_seqlens[b]`` (flash-attn's rule); the appended rows are
+    rounded to the caches' dtype."""
     q = np.asarray(q)
     batch = q.shape[0]
     if rotary_cos is not None:
@@ -160,7 +161,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         lens0 = (np.full(batch, rows - np.asarray(k).shape[1]) if cache_seqlens is None
                  else np.broadcast_to(np.asarray(cache_seqlens), (batch,)))
         seqlen_new, seqlen_q = np.asarray(k).shape[1], q.shape[1]
-        local = opts.get("causal", False) or tuple(opts.get("window_size", (-1, -1))) != (-1, -1)
+        left, right = (w if w < rows else -1 for w in opts.get("window_size", (-1, -1)))   # sides past the cache
+        local = opts.get("causal", False) or left >= 0 or right >= 0                      # bound nothing
         pos_k = lens0[:, None] + np.arange(seqlen_new)[None, :]
         pos_q = lens0[:, None] + (np.arange(seqlen_q)[None, :] if local else np.zeros((1, seqlen_q), int))
         k = apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved).astype(np.asarray(k_cache).dtype)

@@ -114,3 +114,10 @@ def test_attention_forward_refuses_a_mask_of_another_type():
     q = torch.randn(1, 2, 3, 8, dtype=torch.float64)
     with pytest.raises(TypeError, match="attention_mask"):
         fnt.attention_forward(torch.nn.Module(), q, q, q, np.ones((1, 1, 3, 3), bool))
+
+
+def test_fallback_for_a_query_batch_broadcast_against_the_keys():
+    """SDPA broadcasts a query batch of 1 against the keys' (learned queries); flashnb falls back to it."""
+    q = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    k = torch.randn(2, 2, 3, 8, dtype=torch.float64)
+    assert "batch" in fnt.fallback_reason(q, k, k)

@@ -99,7 +99,10 @@ _AGREED = set()          # (group, signature) pairs every rank of the group has 
 
 
 def _timeout(timeout):
-    if timeout is None or isinstance(timeout, datetime.timedelta):
+    """None, or a positive ``timedelta`` (c10d takes a zero one as no timeout at all)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta) and timeout > datetime.timedelta(0):
         return timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
         return datetime.timedelta(seconds=timeout)

@@ -70,3 +70,13 @@ def test_a_failing_rank_ends_the_others_within_the_timeout(where):
     margin, instead of waiting for the process group's timeout (30 minutes by default for gloo, 10 for NCCL).
     Mutation-checked: without the timeout passed to the waits, rank 0 waits past the harness's limit."""
     _run_ring(2, [dict(fail=where, timeout=3)], timeout=90)
+
+
+def test_timeout_must_be_positive():
+    """c10d takes a zero timeout as none at all: refused, as negative ones and other types are."""
+    import datetime
+    from flashnb.distributed import ring
+    for bad in (datetime.timedelta(0), datetime.timedelta(seconds=-1), 0, -2.0, True, "5"):
+        with pytest.raises(ValueError, match="timeout"):
+            ring._timeout(bad)
+    assert ring._timeout(2) == datetime.timedelta(seconds=2) and ring._timeout(None) is None

@@ -208,7 +208,8 @@ def test_rotary_is_applied():
     (dict(rotary_cos=np.ones((16, 3), np.float32), rotary_sin=np.ones((16, 3), np.float32)), "multiple of 4"),
     (dict(rotary_cos=np.ones((16, 6), np.float32), rotary_sin=np.ones((16, 6), np.float32)), "up to the head dim"),
     (dict(rotary_cos=np.ones((16, 2), np.float32), rotary_sin=np.ones((15, 2), np.float32)), "same shape"),
-    (dict(rotary_cos=np.ones((4, 2), np.float32), rotary_sin=np.ones((4, 2), np.float32)), "position 4"),
+    (dict(rotary_cos=np.ones((15, 2), np.float32), rotary_sin=np.ones((15, 2), np.float32)), "cache's 16 rows"),
+    (dict(rotary_cos=np.ones((0, 2), np.float32), rotary_sin=np.ones((0, 2), np.float32)), "cache's 16 rows"),
     (dict(rotary_cos=np.ones((16, 2), np.float32), rotary_sin=np.ones((16, 2), np.float32), k=None, v=None),
      "need the new keys"),
     (dict(rotary_interleaved=1), "rotary_interleaved"),
@@ -221,3 +222,24 @@ def test_rotary_refusals_name_the_argument(bad, match):
     args = {**dict(k=k, v=v, cache_seqlens=np.array([3, 4], np.int32)), **bad}
     with Untouched(q, kc, vc, k, v), pytest.raises((ValueError, TypeError), match=match):
         flashnb.flash_attn_with_kvcache(q, kc, vc, **args)
+
+
+def test_rotary_window_past_the_cache_is_not_local():
+    """A window side at or past the cache's rows bounds nothing, and flash-attn drops it before deciding where q
+    is rotated: ``window_size=(10**6, -1)`` without causal rotates every query at ``cache_seqlens[b]``, as no
+    window does; (3, -1) rotates each query at its own row."""
+    import reference
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 2, 2, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 2, 8)).astype(np.float32) for _ in range(2))
+    kc, vc = (rng.standard_normal((1, 16, 2, 8)).astype(np.float32) for _ in range(2))
+    cos, sin = _rope(16, 4, np.float32)
+    lens = np.array([5], np.int32)
+    for window, at_start in (((10**6, -1), True), ((3, -1), False)):
+        pos_q = lens[:, None] + (0 if at_start else np.arange(2)[None, :])
+        q_rot = reference.apply_rotary(q, cos, sin, np.broadcast_to(pos_q, (1, 2)))
+        k_rot = reference.apply_rotary(k, cos, sin, lens[:, None] + np.arange(2)[None, :])
+        want, _, _, _ = varlen.attention_with_kvcache(q_rot, kc, vc, k_rot.astype(np.float32), v, lens,
+                                                      window_size=window)
+        got = flashnb.flash_attn_with_kvcache(q, kc.copy(), vc.copy(), k, v, cos, sin, lens, window_size=window)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

@@ -106,3 +106,15 @@ def test_split_kv_decision():
                    dict(headdim=127), dict(seqlen_k=0), dict(batch=0)):
         assert not plan.split_kv(**dict(args, **change)), change
     assert plan.split_kv(**dict(args, dtype="float32", headdim=127))
+
+
+@pytest.mark.parametrize("bad, match", [(dict(seed=-1), "seed"), (dict(block_mask_size=(0, 0)), "block_mask_size")])
+def test_routed_calls_validate_as_the_generic_path(bad, match, routed):
+    """Arguments the decode kernels do not use are still checked (a routed call and a generic one refuse alike)."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, 2, 4)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 6, 1, 4)).astype(np.float32) for _ in range(2))
+    with pytest.raises(ValueError, match=match):
+        flashnb.flash_attention(q, k, v, **bad)
+    with pytest.raises(ValueError, match=match):
+        flashnb.flash_attention(q, k, v, backend="simt", **bad)

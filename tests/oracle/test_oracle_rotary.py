@@ -84,3 +84,16 @@ def test_kvcache_positions_follow_flash_attn():
         want, _, _, _ = varlen.attention_with_kvcache(reference.apply_rotary(q, cos, sin, pos_q), kc, vc, want_k, v,
                                                       lens, causal=causal)
         np.testing.assert_array_equal(out, want)
+
+
+def test_a_window_past_the_cache_is_no_window_for_the_positions():
+    """flash-attn drops window sides at or past the cache's rows before deciding where q is rotated."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 1, 4))
+    kc, vc = (rng.standard_normal((1, 8, 1, 4)) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, 1, 4)) for _ in range(2))
+    cos, sin = table(8, 2)
+    wide, _, _, _ = varlen.attention_with_kvcache(q, kc, vc, k, v, np.array([3]), rotary_cos=cos, rotary_sin=sin,
+                                                  window_size=(8, -1))
+    none, _, _, _ = varlen.attention_with_kvcache(q, kc, vc, k, v, np.array([3]), rotary_cos=cos, rotary_sin=sin)
+    np.testing.assert_array_equal(wide, none)
