@@ -65,7 +65,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, *, backend="auto"):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, backend="auto"):
     """flash-attn's ``flash_attn_varlen_func``: attention of each sequence of a packed batch on its own,
     differentiable in q, k, v.
 
@@ -80,6 +80,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     if not isinstance(return_attn_probs, bool):
         raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
+    if block_table is not None:
+        raise ValueError("block_table (a paged KV cache for packed batches) is not served by flashnb yet (pass None)")
     window_size = _options.window_pair(window_size)
     if dropout_p != 0:
         raise ValueError(f"dropout_p is not defined for packed (varlen) batches (pass 0.0), got {dropout_p!r}")

@@ -31,10 +31,11 @@ from .kernels._jit import memset_zero
 _REFUSED = ("attn_mask", "attn_bias", "block_mask")
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
-                           causal=False, window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0,
-                           attn_mask=None, attn_bias=None, block_mask=None, return_lse=False, block_q=None,
-                           block_k=None, deterministic=False, stream=None, backend="auto"):
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, attn_mask=None,
+                           attn_bias=None, block_mask=None, return_lse=False, block_q=None, block_k=None,
+                           stream=None, backend="auto"):
     """Attention of each sequence of a packed batch on its own, without materialising the scores.
 
     Arguments (flash-attn's varlen layout; the options as in ``flashnb.flash_attention``):
@@ -48,10 +49,27 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         dropout_p, attn_mask, attn_bias, block_mask: not defined for packed batches (ValueError unless 0 / None).
 
     Returns ``out`` ``(total_q, nheads, headdim)`` like q, or ``(out, lse)`` with ``lse`` ``(nheads, total_q)``
-    (flash-attn's varlen layout; float64 for float64 inputs, else float32).  A query of a sequence with no keys
+    (flash-attn's varlen layout; float64 for float64 inputs, else float32); with ``return_attn_probs`` (flash-attn's
+    name), ``(out, lse, None)``: the probabilities are never materialised.  A query of a sequence with no keys
     gives ``out = 0``, ``lse = -inf``.  Copies as ``flash_attention``'s.
+
+    The parameters up to ``block_table`` are flash-attn's, in its order (a positional caller's arguments keep
+    their meaning); ``block_table`` (paged keys and values for packed batches) is not served yet: anything but
+    None raises ValueError.  The rest are flashnb's, keyword-only.
     """
     del deterministic  # the forward is deterministic by construction (no atomics)
+    if block_table is not None:
+        raise ValueError("block_table (a paged KV cache for packed batches) is not served by "
+                         "flashnb.flash_attn_varlen_func yet (pass None)")
+    if not isinstance(return_attn_probs, (bool, np.bool_)):
+        raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
+    if return_attn_probs:
+        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                          softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                          attn_mask=attn_mask, attn_bias=attn_bias, block_mask=block_mask,
+                                          return_lse=True, block_q=block_q, block_k=block_k, stream=stream,
+                                          backend=backend)
+        return out, lse, None
     _refuse(dropout_p, attn_mask, attn_bias, block_mask)
     kind, total_q, total_k, nheads, nheads_k, headdim = check_packed(q, k, v)
     plan.check_backend(backend)

@@ -18,6 +18,44 @@ FLASH_ATTN_KVCACHE = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary
                       "softcap", "rotary_interleaved", "alibi_slopes", "num_splits", "return_softmax_lse")
 
 
+FLASH_ATTN_FUNC = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+                   "deterministic", "return_attn_probs")
+FLASH_ATTN_VARLEN = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+                     "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+                     "return_attn_probs", "block_table")
+
+
+def _positional(fn):
+    params = list(inspect.signature(fn).parameters.values())
+    names = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
+    assert all(p.kind == p.KEYWORD_ONLY for p in params[len(names):]), fn   # flashnb's additions: keyword-only
+    return names
+
+
+def test_varlen_parameters_in_flash_attn_order():
+    assert _positional(flashnb.flash_attn_varlen_func) == FLASH_ATTN_VARLEN
+
+
+def test_torch_functions_in_flash_attn_order():
+    ft = pytest.importorskip("flashnb.torch")
+    assert _positional(ft.flash_attn_func) == FLASH_ATTN_FUNC
+    assert _positional(ft.flash_attn_varlen_func) == FLASH_ATTN_VARLEN
+
+
+def test_varlen_block_table_refused_and_attn_probs_returned():
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((7, 2, 4)).astype(np.float32) for _ in range(3))
+    cu = np.array([0, 3, 7], np.int32)
+    with pytest.raises(ValueError, match="block_table"):
+        flashnb.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, block_table=np.zeros((2, 1), np.int32))
+    out, lse, probs = flashnb.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, 0.0, 0.5, True, return_attn_probs=True)
+    want, want_lse = flashnb.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, softmax_scale=0.5, causal=True,
+                                                    return_lse=True)
+    assert probs is None
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+
+
 def test_kvcache_parameters_in_flash_attn_order():
     params = list(inspect.signature(flashnb.flash_attn_with_kvcache).parameters.values())
     positional = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
