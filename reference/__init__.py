@@ -13,6 +13,8 @@ the next.
 * ``attention_varlen``, ``attention_varlen_backward``, ``attention_with_kvcache``, ``kvcache_append``,
   ``combine_splits``, ``apply_rotary``         packed batches, KV caches (rotary embedding), split-KV merge
                                                        -- ``reference.varlen``
+* ``flex_attention``, ``block_states``          score_mod / mask_mod attention (FlexAttention's semantics) and
+                                               the block mask's empty / partial / full blocks -- ``reference.flex``
 * ``ring_attention``, ``ring_attention_backward``, ``zigzag_positions``, ``contiguous_positions``
                                                a sequence sharded over P ranks, K/V passed round a ring
                                                        -- ``reference.ring``
@@ -22,6 +24,7 @@ This package never imports ``flashnb``: it is what the kernels are checked again
 from . import io_model
 from ._scores import OPTION_DEFAULTS
 from .dropout import PHILOX4x32_10_KNOWN_ANSWERS, dropout_keep, dropout_keep_mask, philox4x32_10
+from .flex import block_states, flex_attention
 from .flash import attention_delta, flash_backward, flash_backward_v1, flash_forward, flash_forward_v1
 from .io_model import IOCount
 from .ring import contiguous_positions, ring_attention, ring_attention_backward, zigzag_positions
@@ -37,4 +40,5 @@ __all__ = [
     "attention_varlen", "attention_varlen_backward", "attention_with_kvcache", "kvcache_append", "combine_splits",
     "apply_rotary",
     "ring_attention", "ring_attention_backward", "zigzag_positions", "contiguous_positions",
+    "flex_attention", "block_states",
 ]

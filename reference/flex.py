@@ -1,0 +1,91 @@
+"""FlexAttention's semantics in NumPy: attention whose scores a ``score_mod`` rewrites and whose mask a
+``mask_mod`` defines, both plain Python functions of the score and the indices (issue: score_mod and mask_mod
+compiled into the kernels; this is their oracle, written first).
+
+    s[b, h, i, j] = scale * q[b, h, i] . k[b, h // group, j]
+    s[b, h, i, j] = score_mod(s[b, h, i, j], b, h, i, j)              (default: unchanged)
+    s[b, h, i, j] = -inf unless mask_mod(b, h, i, j)                  (default: every pair)
+    out = softmax(s) v, lse = log sum_j exp(s)                        (a row with no key: out 0, lse -inf)
+
+Layout as PyTorch's ``flex_attention``: query ``(B, Hq, L, E)``, key ``(B, Hkv, S, E)``, value ``(B, Hkv, S,
+Ev)``; ``Hkv != Hq`` needs ``enable_gqa`` (query head ``h`` reads key/value head ``h // (Hq / Hkv)``).  The
+masks are top-left: a causal ``mask_mod`` is ``q_idx >= kv_idx`` whatever ``L`` and ``S``.
+
+``mod_grid`` evaluates a mod over NumPy index grids: vectorised where the function works on arrays (its
+operators broadcast), else element by element (a function with ``if`` on its arguments, or ``math.tanh``), so
+the very function a kernel compiles is the one the oracle runs.  ``block_states`` is the oracle of
+``create_block_mask``: each (b, h, query block, key block) empty, partial or full.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .standard import _softmax
+
+__all__ = ["flex_attention", "mod_grid", "block_states", "EMPTY", "PARTIAL", "FULL"]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def _grids(B, H, L, S):
+    return (np.arange(B)[:, None, None, None], np.arange(H)[None, :, None, None],
+            np.arange(L)[None, None, :, None], np.arange(S)[None, None, None, :])
+
+
+def mod_grid(fn, shape, score=None):
+    """``fn`` over every ``(b, h, q_idx, kv_idx)`` of ``shape = (B, H, L, S)`` (with ``score`` first when given:
+    a score_mod), as a float64 (score_mod) or bool (mask_mod) array of that shape."""
+    b, h, i, j = _grids(*shape)
+    args = (b, h, i, j) if score is None else (score, b, h, i, j)
+    try:
+        with np.errstate(all="ignore"):
+            out = np.asarray(fn(*args))
+        out = np.broadcast_to(out, shape)
+    except (TypeError, ValueError):       # ``if`` on an array, math.* on an array: one element at a time
+        out = np.empty(shape, dtype=object)
+        for idx in np.ndindex(*shape):
+            bb, hh, ii, jj = idx
+            out[idx] = fn(bb, hh, ii, jj) if score is None else fn(score[idx], bb, hh, ii, jj)
+    return out.astype(bool if score is None else np.float64)
+
+
+def flex_attention(query, key, value, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
+                   return_lse=False):
+    """``out`` ``(B, Hq, L, Ev)`` in float64, or ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` (natural log)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("query, key and value must have 4 dimensions (batch, heads, seqlen, dim)")
+    B, Hq, L, E = q.shape
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != B or k.shape[3] != E:
+        raise ValueError(f"key {k.shape} and value {v.shape} do not fit query {q.shape}")
+    Hkv, S = k.shape[1], k.shape[2]
+    if Hkv != Hq and not (enable_gqa and Hkv > 0 and Hq % Hkv == 0):
+        raise ValueError(f"query has {Hq} heads and key {Hkv}: grouped heads need enable_gqa=True and a multiple")
+    group = Hq // Hkv
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scale = 1.0 / np.sqrt(E) if scale is None else float(scale)
+    s = scale * (q @ np.swapaxes(k, -1, -2))
+    if score_mod is not None:
+        s = mod_grid(score_mod, s.shape, s)
+    if mask_mod is not None:
+        s = np.where(mod_grid(mask_mod, s.shape), s, -np.inf)
+    p, lse = _softmax(s)
+    out = p @ v
+    return (out, lse) if return_lse else out
+
+
+def block_states(mask_mod, B, H, L, S, block_size=(128, 128)):
+    """``create_block_mask``'s content: ``(B, H, ceil(L / bq), ceil(S / bk))`` of ``EMPTY`` (no pair of the
+    block is kept: never loaded), ``PARTIAL`` (the mask is evaluated) or ``FULL`` (every pair kept: no mask
+    evaluated); ``B`` or ``H`` None broadcast (one entry)."""
+    bq, bk = (block_size, block_size) if np.isscalar(block_size) else block_size
+    B, H = B or 1, H or 1
+    keep = mod_grid(mask_mod, (B, H, L, S))
+    nq, nk = -(-L // bq), -(-S // bk)
+    states = np.empty((B, H, nq, nk), np.int8)
+    for qb in range(nq):
+        for kb in range(nk):
+            tile = keep[:, :, qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
+            states[:, :, qb, kb] = np.where(tile.all(axis=(2, 3)), FULL, np.where(tile.any(axis=(2, 3)), PARTIAL,
+                                                                                  EMPTY))
+    return states

@@ -1,0 +1,138 @@
+"""The oracle of score_mod / mask_mod attention (``reference.flex``), held to the oracle's built-in options: the
+mods that express causal masks, sliding windows, ALiBi and softcap give ``reference.attention``'s results with
+those options; a mod written element-wise (``if``, ``math``) gives its vectorised twin's; grouped heads equal
+repeated heads; ``block_states`` says empty / partial / full exactly where the mask does; a row with no key gives
+out 0 and lse -inf.  Shapes and data from Hypothesis, float64 throughout."""
+import math
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+import reference
+from reference import flex
+
+TOL = 1e-12
+
+
+def _bhsd(x):
+    return np.swapaxes(x, 1, 2)          # flash-attn's (B, S, H, D) <-> flex's (B, H, S, D)
+
+
+@st.composite
+def problems(draw, square=False):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    B, Hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from((1, 2)))
+    L = draw(st.integers(1, 9))
+    S = L if square else draw(st.integers(1, 9))
+    E = draw(st.sampled_from((1, 4, 8)))
+    q = rng.standard_normal((B, Hkv * group, L, E))
+    k, v = (rng.standard_normal((B, Hkv, S, E)) for _ in range(2))
+    return q, k, v, float(draw(st.sampled_from((0.3, 1.0, 2.5))))
+
+
+def _attention(q, k, v, scale, **opts):
+    out, lse = reference.attention(_bhsd(q), _bhsd(k), _bhsd(v), softmax_scale=scale, **opts)
+    return _bhsd(out), lse
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=problems())
+def test_no_mods_is_attention(p):
+    q, k, v, scale = p
+    out, lse = flex.flex_attention(q, k, v, scale=scale, enable_gqa=True, return_lse=True)
+    want, want_lse = _attention(q, k, v, scale)
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(lse, want_lse, rtol=TOL, atol=TOL)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=problems())
+def test_top_left_causal_mod_is_the_causal_mask(p):
+    q, k, v, scale = p
+    L, S = q.shape[2], k.shape[2]
+    out, lse = flex.flex_attention(q, k, v, mask_mod=lambda b, h, i, j: i >= j, scale=scale, enable_gqa=True,
+                                   return_lse=True)
+    want, want_lse = _attention(q, k, v, scale, attn_mask=np.tril(np.ones((L, S), bool)))
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=problems(square=True), left=st.integers(0, 4))
+def test_sliding_window_mod_is_the_window(p, left):
+    q, k, v, scale = p
+    out = flex.flex_attention(q, k, v, mask_mod=lambda b, h, i, j: (i >= j) & (i - j <= left), scale=scale,
+                              enable_gqa=True)
+    want, _ = _attention(q, k, v, scale, window_size=(left, 0))
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=problems(square=True), cap=st.sampled_from((0.5, 3.0)))
+def test_alibi_and_softcap_mods_are_the_options(p, cap):
+    q, k, v, scale = p
+    H = q.shape[1]
+    slopes = 2.0 ** -np.arange(1, H + 1)
+    alibi = lambda s, b, h, i, j: s + slopes[h] * (j - i)                     # noqa: E731 (causal: -slope |i - j|)
+    out = flex.flex_attention(q, k, v, score_mod=alibi, mask_mod=lambda b, h, i, j: i >= j, scale=scale,
+                              enable_gqa=True)
+    want, _ = _attention(q, k, v, scale, causal=True, alibi_slopes=slopes)
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+    softcap = lambda s, b, h, i, j: cap * np.tanh(s / cap)                    # noqa: E731
+    out = flex.flex_attention(q, k, v, score_mod=softcap, scale=scale, enable_gqa=True)
+    want, _ = _attention(q, k, v, scale, softcap=cap)
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+
+
+def test_element_wise_mods_equal_their_vectorised_twins():
+    """A mod with ``if`` and ``math.tanh`` (it fails on arrays) is evaluated element by element."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+
+    def causal(b, h, i, j):
+        if i >= j:
+            return True
+        return False
+
+    def softcap(s, b, h, i, j):
+        return 2.0 * math.tanh(s / 2.0)
+    got = flex.flex_attention(q, k, v, score_mod=softcap, mask_mod=causal)
+    want = flex.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: 2.0 * np.tanh(s / 2.0),
+                               mask_mod=lambda b, h, i, j: i >= j)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+
+def test_document_mask_blocks_and_empty_rows():
+    """Packed documents (a captured array of document ids): attention within each document only; the block
+    states are empty / partial / full exactly as the mask's tiles; a query that sees no key gives out 0 and lse
+    -inf."""
+    doc = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])
+    mask = lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i)                   # noqa: E731
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 1, 10, 4)) for _ in range(3))
+    out = flex.flex_attention(q, k, v, mask_mod=mask)
+    for d in range(3):
+        rows = np.flatnonzero(doc == d)
+        want, _ = _attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], 0.5, causal=True)
+        np.testing.assert_allclose(out[:, :, rows], want, rtol=TOL, atol=TOL)
+    states = flex.block_states(mask, None, None, 10, 10, block_size=(4, 4))
+    keep = flex.mod_grid(mask, (1, 1, 10, 10))[0, 0]
+    for qb in range(3):
+        for kb in range(3):
+            tile = keep[qb * 4:(qb + 1) * 4, kb * 4:(kb + 1) * 4]
+            want = flex.FULL if tile.all() else flex.PARTIAL if tile.any() else flex.EMPTY
+            assert states[0, 0, qb, kb] == want
+    assert (states == flex.EMPTY).any() and (states == flex.PARTIAL).any()
+    out, lse = flex.flex_attention(q, k, v, mask_mod=lambda b, h, i, j: j > i + 20, return_lse=True)
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=problems())
+def test_grouped_heads_equal_repeated_heads(p):
+    q, k, v, scale = p
+    group = q.shape[1] // k.shape[1]
+    mod = lambda s, b, h, i, j: s + 0.1 * h - 0.05 * (i - j) ** 2            # noqa: E731
+    got = flex.flex_attention(q, k, v, score_mod=mod, scale=scale, enable_gqa=True)
+    want = flex.flex_attention(q, np.repeat(k, group, 1), np.repeat(v, group, 1), score_mod=mod, scale=scale)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
