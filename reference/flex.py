@@ -18,11 +18,14 @@ the very function a kernel compiles is the one the oracle runs.  ``block_states`
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from .standard import _softmax
 
-__all__ = ["flex_attention", "mod_grid", "block_states", "EMPTY", "PARTIAL", "FULL"]
+__all__ = ["flex_attention", "flex_attention_backward", "score_mod_derivative", "mod_grid", "block_states", "EMPTY",
+           "PARTIAL", "FULL"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -72,6 +75,64 @@ def flex_attention(query, key, value, score_mod=None, mask_mod=None, scale=None,
     p, lse = _softmax(s)
     out = p @ v
     return (out, lse) if return_lse else out
+
+
+def score_mod_derivative(score_mod, score, b, h, i, j):
+    """``d score_mod / d score`` at every entry, by the complex step: ``Im f(s + i t) / t`` with ``t = 1e-30``,
+    exact to rounding for the functions a score_mod is built of (arithmetic, ``np.tanh``, ``np.exp``, indexed
+    tables) without a difference quotient's cancellation; a function that cannot take complex scores (``math``,
+    comparisons on the score) raises ``TypeError``: pass ``score_mod_grad``."""
+    t = 1e-30
+    z = score + 1j * t
+    lost = np.exceptions.ComplexWarning       # a cast that drops the imaginary part would give 0 silently
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lost)
+        try:
+            with np.errstate(all="ignore"):
+                out = np.broadcast_to(np.asarray(score_mod(z, b, h, i, j)), score.shape)
+        except (TypeError, ValueError, lost):     # ``if`` on the indices: one element at a time, as ``mod_grid``
+            out = np.empty(score.shape, complex)
+            try:
+                for idx in np.ndindex(*score.shape):
+                    out[idx] = score_mod(complex(z[idx]), *idx)   # (a Python complex: math.* refuses it)
+            except (TypeError, ValueError, lost) as e:
+                raise TypeError("score_mod cannot be differentiated by the complex step (it must take complex "
+                                "scores: no math.*, no comparisons on the score); pass score_mod_grad") from e
+    if not np.iscomplexobj(out):          # the score did not reach the result: a constant in the score
+        return np.zeros(score.shape)
+    return out.imag / t
+
+
+def flex_attention_backward(dout, query, key, value, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
+                            score_mod_grad=None):
+    """``(dq, dk, dv)`` of ``sum(flex_attention(...) * dout)``: the recompute backward with the score_mod's chain
+    rule, ``dS_raw = dS * score_mod'(s_raw)`` (``score_mod_grad(s, b, h, i, j)`` where given, else
+    ``score_mod_derivative``); ``dk``, ``dv`` summed over the query heads of a key/value head.  float64."""
+    q, k, v, do = (np.asarray(x, np.float64) for x in (query, key, value, dout))
+    B, Hq, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if Hkv != Hq and not (enable_gqa and Hkv > 0 and Hq % Hkv == 0):
+        raise ValueError(f"query has {Hq} heads and key {Hkv}: grouped heads need enable_gqa=True and a multiple")
+    group = Hq // Hkv
+    kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scale = 1.0 / np.sqrt(E) if scale is None else float(scale)
+    raw = scale * (q @ np.swapaxes(kr, -1, -2))
+    grids = _grids(B, Hq, L, S)
+    s = raw if score_mod is None else mod_grid(score_mod, raw.shape, raw)
+    if mask_mod is not None:
+        s = np.where(mod_grid(mask_mod, s.shape), s, -np.inf)
+    p, _ = _softmax(s)
+    dv = np.swapaxes(p, -1, -2) @ do
+    dp = do @ np.swapaxes(vr, -1, -2)
+    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+    if score_mod is not None:
+        grad = (np.broadcast_to(np.asarray(score_mod_grad(raw, *grids), np.float64), raw.shape)
+                if score_mod_grad is not None else score_mod_derivative(score_mod, raw, *grids))
+        ds = ds * np.where(p > 0, grad, 0.0)          # masked entries: p = 0, their derivative never counts
+    dq = scale * ds @ kr
+    dk = scale * np.swapaxes(ds, -1, -2) @ q
+    fold = lambda x: x.reshape(B, Hkv, group, S, -1).sum(axis=2)     # noqa: E731
+    return dq, fold(dk), fold(dv)
 
 
 def block_states(mask_mod, B, H, L, S, block_size=(128, 128)):

@@ -136,3 +136,88 @@ def test_grouped_heads_equal_repeated_heads(p):
     got = flex.flex_attention(q, k, v, score_mod=mod, scale=scale, enable_gqa=True)
     want = flex.flex_attention(q, np.repeat(k, group, 1), np.repeat(v, group, 1), score_mod=mod, scale=scale)
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+
+def _backward(q, k, v, dout, scale, **opts):
+    grads = reference.attention_backward(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), softmax_scale=scale, **opts)
+    return tuple(_bhsd(g) for g in grads)
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=problems(square=True), cap=st.sampled_from((0.5, 3.0)))
+def test_backward_of_the_option_mods_is_the_options_backward(p, cap):
+    """The complex-step derivative of the ALiBi and softcap mods gives reference.attention_backward's chain
+    rule (softcap's 1 - tanh^2), causal masked."""
+    q, k, v, scale = p
+    dout = np.random.default_rng(0).standard_normal(q.shape)
+    slopes = 2.0 ** -np.arange(1, q.shape[1] + 1)
+    causal = lambda b, h, i, j: i >= j                                        # noqa: E731
+    alibi = lambda s, b, h, i, j: s + slopes[h] * (j - i)                     # noqa: E731
+    got = flex.flex_attention_backward(dout, q, k, v, score_mod=alibi, mask_mod=causal, scale=scale, enable_gqa=True)
+    want = _backward(q, k, v, dout, scale, causal=True, alibi_slopes=slopes)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+    softcap = lambda s, b, h, i, j: cap * np.tanh(s / cap)                    # noqa: E731
+    got = flex.flex_attention_backward(dout, q, k, v, score_mod=softcap, scale=scale, enable_gqa=True)
+    want = _backward(q, k, v, dout, scale, softcap=cap)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=20, deadline=None)
+@given(p=problems())
+def test_backward_matches_finite_differences(p):
+    """A score_mod of the score and the indices (a relative bias table, a quadratic in the score) and a document
+    mask: the backward against central differences of the forward (float64; step 1e-6)."""
+    q, k, v, scale = p
+    rng = np.random.default_rng(1)
+    dout = rng.standard_normal(q.shape)
+    table = rng.standard_normal(20)
+    mod = lambda s, b, h, i, j: s + 0.1 * s * s + table[np.abs(i - j)]       # noqa: E731
+    mask = lambda b, h, i, j: (i // 3 == j // 3) | (j == 0)                  # noqa: E731
+    loss = lambda q_, k_, v_: float(np.sum(flex.flex_attention(q_, k_, v_, mod, mask, scale, True) * dout))  # noqa
+    grads = flex.flex_attention_backward(dout, q, k, v, mod, mask, scale, True)
+    for n, (x, g) in enumerate(zip((q, k, v), grads)):
+        idx = tuple(rng.integers(0, m) for m in x.shape)
+        xp, xm = x.copy(), x.copy()
+        xp[idx] += 1e-6
+        xm[idx] -= 1e-6
+        args_p, args_m = [q, k, v], [q, k, v]
+        args_p[n], args_m[n] = xp, xm
+        fd = (loss(*args_p) - loss(*args_m)) / 2e-6
+        assert abs(fd - g[idx]) <= 1e-5 * (1 + abs(fd)), (n, idx, fd, g[idx])
+
+
+def test_a_mod_the_complex_step_cannot_take_needs_its_derivative():
+    """``math.tanh`` takes no complex score: the backward asks for ``score_mod_grad``, and with it gives the
+    complex step's result for the ``np.tanh`` twin."""
+    rng = np.random.default_rng(2)
+    q, k, v, dout = (rng.standard_normal((1, 1, 3, 4)) for _ in range(4))
+    scalar = lambda s, b, h, i, j: 2.0 * math.tanh(s / 2.0)                  # noqa: E731
+    try:
+        flex.flex_attention_backward(dout, q, k, v, score_mod=scalar)
+    except TypeError as e:
+        assert "score_mod_grad" in str(e)
+    else:
+        raise AssertionError("math.tanh of a complex score was differentiated")
+    got = flex.flex_attention_backward(dout, q, k, v, score_mod=scalar,
+                                       score_mod_grad=lambda s, b, h, i, j: 1.0 - np.tanh(s / 2.0) ** 2)
+    want = flex.flex_attention_backward(dout, q, k, v, score_mod=lambda s, b, h, i, j: 2.0 * np.tanh(s / 2.0))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_mod_branching_on_the_indices_is_differentiated_element_wise():
+    """``if`` on the indices fails on arrays: the forward and the complex step go element by element, and give
+    the vectorised twin's gradients."""
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, 2, 4, 4)) for _ in range(4))
+
+    def branchy(s, b, h, i, j):
+        if i >= j:
+            return s * s * 0.2 + s
+        return s - 1.0
+    twin = lambda s, b, h, i, j: np.where(i >= j, s * s * 0.2 + s, s - 1.0)   # noqa: E731
+    for a, b in zip(flex.flex_attention_backward(dout, q, k, v, score_mod=branchy),
+                    flex.flex_attention_backward(dout, q, k, v, score_mod=twin)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
