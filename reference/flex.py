@@ -52,26 +52,35 @@ def mod_grid(fn, shape, score=None):
     return out.astype(bool if score is None else np.float64)
 
 
-def flex_attention(query, key, value, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
-                   return_lse=False):
-    """``out`` ``(B, Hq, L, Ev)`` in float64, or ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` (natural log)."""
+def _prepare(query, key, value, scale, enable_gqa):
+    """``(q, k, v, group, scale)`` in float64, k and v with their heads repeated to the query's."""
     q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("query, key and value must have 4 dimensions (batch, heads, seqlen, dim)")
     B, Hq, L, E = q.shape
     if k.shape[:3] != v.shape[:3] or k.shape[0] != B or k.shape[3] != E:
         raise ValueError(f"key {k.shape} and value {v.shape} do not fit query {q.shape}")
-    Hkv, S = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     if Hkv != Hq and not (enable_gqa and Hkv > 0 and Hq % Hkv == 0):
         raise ValueError(f"query has {Hq} heads and key {Hkv}: grouped heads need enable_gqa=True and a multiple")
     group = Hq // Hkv
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     scale = 1.0 / np.sqrt(E) if scale is None else float(scale)
-    s = scale * (q @ np.swapaxes(k, -1, -2))
-    if score_mod is not None:
-        s = mod_grid(score_mod, s.shape, s)
+    return q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), group, scale
+
+
+def _scores(raw, score_mod, mask_mod):
+    """The scores after the score_mod and the mask (-inf where ``mask_mod`` is False)."""
+    s = raw if score_mod is None else mod_grid(score_mod, raw.shape, raw)
     if mask_mod is not None:
         s = np.where(mod_grid(mask_mod, s.shape), s, -np.inf)
+    return s
+
+
+def flex_attention(query, key, value, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
+                   return_lse=False):
+    """``out`` ``(B, Hq, L, Ev)`` in float64, or ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` (natural log)."""
+    q, k, v, _, scale = _prepare(query, key, value, scale, enable_gqa)
+    s = _scores(scale * (q @ np.swapaxes(k, -1, -2)), score_mod, mask_mod)
     p, lse = _softmax(s)
     out = p @ v
     return (out, lse) if return_lse else out
@@ -108,26 +117,20 @@ def flex_attention_backward(dout, query, key, value, score_mod=None, mask_mod=No
     """``(dq, dk, dv)`` of ``sum(flex_attention(...) * dout)``: the recompute backward with the score_mod's chain
     rule, ``dS_raw = dS * score_mod'(s_raw)`` (``score_mod_grad(s, b, h, i, j)`` where given, else
     ``score_mod_derivative``); ``dk``, ``dv`` summed over the query heads of a key/value head.  float64."""
-    q, k, v, do = (np.asarray(x, np.float64) for x in (query, key, value, dout))
-    B, Hq, L, E = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if Hkv != Hq and not (enable_gqa and Hkv > 0 and Hq % Hkv == 0):
-        raise ValueError(f"query has {Hq} heads and key {Hkv}: grouped heads need enable_gqa=True and a multiple")
-    group = Hq // Hkv
-    kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    scale = 1.0 / np.sqrt(E) if scale is None else float(scale)
+    q, kr, vr, group, scale = _prepare(query, key, value, scale, enable_gqa)
+    do = np.asarray(dout, np.float64)
+    B, Hq, L, _ = q.shape
+    Hkv, S = Hq // group, kr.shape[2]
     raw = scale * (q @ np.swapaxes(kr, -1, -2))
     grids = _grids(B, Hq, L, S)
-    s = raw if score_mod is None else mod_grid(score_mod, raw.shape, raw)
-    if mask_mod is not None:
-        s = np.where(mod_grid(mask_mod, s.shape), s, -np.inf)
+    s = _scores(raw, score_mod, mask_mod)
     p, _ = _softmax(s)
     dv = np.swapaxes(p, -1, -2) @ do
     dp = do @ np.swapaxes(vr, -1, -2)
     ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
     if score_mod is not None:
-        grad = (np.broadcast_to(np.asarray(score_mod_grad(raw, *grids), np.float64), raw.shape)
-                if score_mod_grad is not None else score_mod_derivative(score_mod, raw, *grids))
+        grad = (mod_grid(score_mod_grad, raw.shape, raw) if score_mod_grad is not None
+                else score_mod_derivative(score_mod, raw, *grids))
         ds = ds * np.where(p > 0, grad, 0.0)          # masked entries: p = 0, their derivative never counts
     dq = scale * ds @ kr
     dk = scale * np.swapaxes(ds, -1, -2) @ q
