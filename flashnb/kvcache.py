@@ -408,7 +408,7 @@ def _batch_idx_as_pages(k_cache, v_cache, cache_batch_idx, block_table, q):
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, return_softmax_lse, stream, rotary=None):
     """``flash_attn_with_kvcache``'s full path: check, plan, allocate, launch.  ``rotary``: ``(cos, sin,
-    interleaved, local)`` or None."""
+    interleaved)`` or None."""
     c = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse, alibi_slopes)
     if rotary is not None:
         _check_rotary(c, q, k, *rotary)
