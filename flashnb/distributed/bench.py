@@ -10,7 +10,9 @@
    once; the slower's time is reported), then the ring over all ranks (the slowest rank's time). Scaling efficiency
    = tokens/s on P GPUs / (P x tokens/s on one GPU) = T_1 / (P T_P). Times are CUDA-event times around the
    Python calls, host time included, averaged over ``--reps`` calls after one warm-up call.
-3. **Timeline** (``--trace DIR``): one ring forward+backward under ``torch.profiler`` on every rank; the
+   Each ring is timed again with ``timeout=60``: what the bounded waits cost.
+3. **Agreement**: the host time of the ranks' agreement at a signature's first call and at a later one.
+4. **Timeline** (``--trace DIR``): one ring forward+backward under ``torch.profiler`` on every rank; the
    report gives the time the NCCL kernels ran, and how much of it overlapped the attention kernels; rank 0's
    Chrome trace is written to ``DIR/ring-trace-rank0.json.gz``.
 """
@@ -52,6 +54,7 @@ def main():
     parser.add_argument("--trace", default=None, help="a folder for rank 0's Chrome trace")
     parser.add_argument("--out", default=None, help="a Markdown file for the report (rank 0 writes it)")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="a dry run on CPU ranks (gloo; the simulator)")
     args = parser.parse_args()
 
@@ -70,7 +73,9 @@ def main():
              "", f"- torch {torch.__version__}, {comm}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              "- command: `python -m torch.distributed.run --nproc-per-node=" + str(world)
              + " -m flashnb.distributed.bench " + " ".join(_argv()) + "`", ""]
-    lines += check(args, rank, world)
+    if not args.skip_check:
+        lines += check(args, rank, world)
+    lines += agreement(args, rank, world)
     if not args.skip_throughput:
         lines += throughput(args, rank, world)
     if args.trace:
@@ -191,8 +196,9 @@ def _flops(n, heads, d, causal, backward):
 def throughput(args, rank, world):
     n, h, d, dtype = args.seqlen, args.heads, args.headdim, DTYPES[args.dtype]
     lines = [f"## Throughput: batch 1, {n} tokens, {h} heads, head dim {d}, {args.dtype}", "",
-             "| mask | pass | 1 GPU (s) | 1 GPU TFLOP/s | ring (s) | ring TFLOP/s per GPU | scaling efficiency |",
-             "|---|---|---|---|---|---|---|"]
+             "| mask | pass | 1 GPU (s) | 1 GPU TFLOP/s | ring (s) | ring TFLOP/s per GPU | scaling efficiency | "
+             "ring, timeout=60 (s) | its scaling efficiency |",
+             "|---|---|---|---|---|---|---|---|---|"]
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     for causal in (True, False):
         full = [torch.randn(1, n, h, d, device=DEVICE, dtype=dtype, generator=gen) for _ in range(4)]
@@ -204,9 +210,9 @@ def throughput(args, rank, world):
                 if backward:
                     out.backward(full[3])
 
-            def ring():
+            def ring(timeout=None):
                 q, k, v = (x.requires_grad_(backward) for x in parts[:3])
-                out = ring_attention(q, k, v, causal=causal)
+                out = ring_attention(q, k, v, causal=causal, timeout=timeout)
                 if backward:
                     out.backward(parts[3])
 
@@ -214,15 +220,47 @@ def throughput(args, rank, world):
             t1 = _slowest(_time(single, args.reps))
             dist.barrier()
             tp = _slowest(_time(ring, args.reps))
+            dist.barrier()
+            tt = _slowest(_time(lambda: ring(timeout=60), args.reps))
             f = _flops(n, h, d, causal, backward)
             lines.append(f"| {'causal' if causal else 'full'} | {'fwd+bwd' if backward else 'fwd'} | {t1:.3f} | "
-                         f"{f / t1 / 1e12:.0f} | {tp:.3f} | {f / tp / world / 1e12:.0f} | {t1 / (world * tp):.1%} |")
+                         f"{f / t1 / 1e12:.0f} | {tp:.3f} | {f / tp / world / 1e12:.0f} | {t1 / (world * tp):.1%} | "
+                         f"{tt:.3f} | {t1 / (world * tt):.1%} |")
             for x in full + parts:
                 x.grad = None
         full = parts = None
         _empty_cache()
     lines.append("")
     return lines
+
+
+# ------------------------------------------------------------------------------------------------ agreement
+def agreement(args, rank, world, reps=20):
+    """What the ranks' agreement costs (``ring._agree``, host time, the slowest rank): a signature's first call
+    (the all_gather of every rank's row and its copy to the host) against a call whose signature was agreed on
+    (a set lookup), each the median of ``reps``."""
+    from flashnb.distributed import ring as ring_module
+    n, h, d, dtype = args.check_seqlen, args.heads, args.headdim, DTYPES[args.dtype]
+    q = torch.randn(1, n // world, h, d, device=DEVICE, dtype=dtype)
+
+    def median_us(fresh):
+        times = []
+        for i in range(reps):
+            scale = 0.1 + i * 1e-3 if fresh else 0.1      # a new softmax_scale: a signature not agreed on yet
+            dist.barrier()
+            _sync()
+            t0 = time.perf_counter()
+            ring_module._agree(q, q, None, world, "zigzag", True, scale, "auto")
+            times.append(time.perf_counter() - t0)
+        return _slowest(sorted(times)[reps // 2]) * 1e6
+
+    ring_module._AGREED.clear()
+    first = median_us(fresh=True)
+    again = median_us(fresh=False)
+    return [f"## The ranks' agreement ({world} ranks; host time, median of {reps}, the slowest rank)", "",
+            "| call | time (us) |", "|---|---|",
+            f"| a signature's first call (all_gather of 10 int64 a rank, copied to the host) | {first:.1f} |",
+            f"| a signature agreed on before (every later step of a training loop) | {again:.2f} |", ""]
 
 
 # ------------------------------------------------------------------------------------------------ timeline

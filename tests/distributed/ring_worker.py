@@ -4,6 +4,8 @@ Every rank draws the same full q, k, v, dout from the seed, runs ``flashnb.distr
 shard (CPU tensors: flashnb's kernels through NumPy, in the simulator where there is no GPU), and checks its
 rows of out, lse, dq, dk, dv against the float64 oracle of the whole sequence (``reference.attention`` /
 ``attention_backward``), float32 inputs, a relative bound. Exit status 0 = every case passed on this rank.
+
+``RING_DEVICE=cuda`` runs the same cases on GPUs over NCCL (one GPU a rank; tests/gpu_ring_nccl.py).
 """
 import json
 import os
@@ -15,6 +17,8 @@ import torch.distributed as dist
 
 import reference
 from flashnb.distributed import ring_attention, shard, unshard
+
+DEVICE = os.environ.get("RING_DEVICE", "cpu")
 
 
 def check(case, seed, rank, world):
@@ -28,7 +32,7 @@ def check(case, seed, rank, world):
     want = reference.attention(q, k, v, causal=causal, softmax_scale=scale)
     want_grads = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
 
-    cut = lambda x: shard(torch.from_numpy(x), layout=layout)                          # noqa: E731
+    cut = lambda x: shard(torch.from_numpy(x).to(DEVICE), layout=layout)              # noqa: E731
     qs, ks, vs = (cut(x).requires_grad_() for x in (q, k, v))
     out, lse = ring_attention(qs, ks, vs, causal=causal, softmax_scale=scale, layout=layout, return_lse=True)
     out.backward(cut(dout))
@@ -36,7 +40,7 @@ def check(case, seed, rank, world):
            "dq": unshard(qs.grad, layout=layout), "dk": unshard(ks.grad, layout=layout),
            "dv": unshard(vs.grad, layout=layout)}
     for name, ref in zip(("out", "lse", "dq", "dk", "dv"), (want[0], want[1]) + tuple(want_grads)):
-        g = got[name].numpy().astype(np.float64)
+        g = got[name].cpu().numpy().astype(np.float64)
         err = np.max(np.abs(g - ref)) / max(np.max(np.abs(ref)), 1e-30)
         # float32 inputs and float32 accumulation over a few dozen terms: a few ulps of float32 relative to the
         # largest entry (the kernels' own bound for float32 in tests/kernel_harness.py is of this order)
@@ -55,8 +59,8 @@ def disagree(case, seed, rank, world):
     if rank == 1:
         mine.update(case["rank1"])
     dtype = getattr(torch, mine["dtype"])
-    q = torch.from_numpy(rng.standard_normal((1, mine["length"], mine["heads"], 8))).to(dtype)
-    k = v = torch.from_numpy(rng.standard_normal((1, mine["length"], 1, 8))).to(dtype)
+    q = torch.from_numpy(rng.standard_normal((1, mine["length"], mine["heads"], 8))).to(DEVICE, dtype)
+    k = v = torch.from_numpy(rng.standard_normal((1, mine["length"], 1, 8))).to(DEVICE, dtype)
     try:
         ring_attention(q, k, v, causal=mine["causal"])
     except ValueError as e:
@@ -64,7 +68,7 @@ def disagree(case, seed, rank, world):
     else:
         raise AssertionError(f"rank {rank}: no error for {case}")
     n = case["agree_length"]
-    q, k, v = (torch.from_numpy(rng.standard_normal((1, n, h, 8)).astype(np.float32)) for h in (2, 1, 1))
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, n, h, 8)).astype(np.float32)).to(DEVICE) for h in (2, 1, 1))
     ring_attention(q, k, v, causal=True)
     calls = []
     real = ring.dist.all_gather
@@ -83,7 +87,7 @@ def fail(case, seed, rank, world):
     import time
     from flashnb.distributed import ring
     timeout = case["timeout"]
-    q, k, v = (torch.randn(1, 8, h, 8, requires_grad=True) for h in (2, 1, 1))
+    q, k, v = (torch.randn(1, 8, h, 8, device=DEVICE, requires_grad=True) for h in (2, 1, 1))
     if rank == 1:
         if case["fail"] == "backward":
             def broken(*args, **kwargs):
@@ -105,11 +109,33 @@ def fail(case, seed, rank, world):
         print(f"rank {rank}: {str(e)[:160]} after {took:.1f} s", flush=True)
     else:
         raise AssertionError(f"rank {rank}: no error although rank 1 failed ({case})")
+    if DEVICE == "cuda":
+        _destroy_after_failure(rank)
+
+
+def _destroy_after_failure(rank, limit=20.0):
+    """What docs/distributed.md tells a user to do after the error: destroy the process group.  Reported with
+    the time it took (NCCL aborts the communicator); then a hard exit, so that a teardown still waiting on the
+    failed peer cannot outlive the test."""
+    import threading
+    import time
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    worker.start()
+    worker.join(limit)
+    print(f"rank {rank}: destroy_process_group {'returned' if not worker.is_alive() else 'still running'} after "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     seed, cases = int(sys.argv[1]), json.loads(sys.argv[2])
     try:
         for i, case in enumerate(cases):

@@ -23,10 +23,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_ring(world, cases, timeout=240):
+def _run_ring(world, cases, timeout=240, **env_extra):
     seed = int(np.random.default_rng().integers(0, 2**31))       # fresh data every run; the seed is reported
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1", **env_extra)
     procs = [subprocess.Popen([sys.executable, WORKER, str(seed), json.dumps(cases)], cwd=ROOT,
                               env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
@@ -39,6 +39,7 @@ def _run_ring(world, cases, timeout=240):
             p.kill()
     failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outputs)) if p.returncode != 0]
     assert not failed, f"seed {seed}: " + "\n".join(f"rank {r}:\n{o[-3000:]}" for r, o in failed)
+    return outputs
 
 
 def test_two_ranks_every_layout_causal_and_gqa():
