@@ -282,44 +282,58 @@ def _overlap(xs, ys):
     return total
 
 
+def _is_torch_kernel(name):
+    """PyTorch's own kernels (the merge's elementwise work, casts, fills, copies), as against flashnb's."""
+    return name.startswith(("void at::", "at::", "Memcpy", "Memset")) or "at::native" in name
+
+
 def timeline(args, rank, world):
+    """Profile one causal ring forward, then one forward+backward: per rank, the GPU span, flashnb's kernels,
+    PyTorch's kernels (the merge, casts, copies), NCCL's, and how much of NCCL's time ran under flashnb's."""
     n, h, d, dtype = args.seqlen, args.heads, args.headdim, DTYPES[args.dtype]
     gen = torch.Generator(device=DEVICE).manual_seed(11)
     parts = [shard(torch.randn(1, n, h, d, device=DEVICE, dtype=dtype, generator=gen)) for _ in range(4)]
     q, k, v = (x.requires_grad_() for x in parts[:3])
     ring_attention(q, k, v, causal=True).backward(parts[3])       # warm
     _sync()
-    dist.barrier()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        ring_attention(q, k, v, causal=True).backward(parts[3])
+    lines = [f"## Timeline: one causal ring pass, {n} tokens (torch.profiler, GPU kernels)", "",
+             "| pass | rank | GPU span (ms) | flashnb kernels (ms) | PyTorch kernels (ms) | NCCL kernels (ms) | "
+             "NCCL time under flashnb kernels |", "|---|---|---|---|---|---|---|"]
+    for backward in (False, True):
+        dist.barrier()
         _sync()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    span = lambda e: (e.time_range.start, e.time_range.end)          # noqa: E731  (microseconds)
-    comm = _union([span(e) for e in kernels if "nccl" in e.name.lower()])
-    compute = _union([span(e) for e in kernels if "nccl" not in e.name.lower()])
-    comm_us = sum(b - a for a, b in comm)
-    compute_us = sum(b - a for a, b in compute)
-    hidden = _overlap(comm, compute)
-    ends = [t for pair in comm + compute for t in pair] or [0.0]
-    stats = torch.tensor([comm_us, compute_us, hidden, max(ends) - min(ends)], device=DEVICE, dtype=torch.float64)
-    every = [torch.zeros_like(stats) for _ in range(world)]
-    dist.all_gather(every, stats)
-    if rank == 0 and args.trace:
-        os.makedirs(args.trace, exist_ok=True)
-        raw = os.path.join(args.trace, "ring-trace-rank0.json")
-        prof.export_chrome_trace(raw)
-        with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
-            g.write(f.read())
-        os.remove(raw)
-    lines = [f"## Timeline: one causal ring forward+backward, {n} tokens (torch.profiler, GPU kernels)", "",
-             "| rank | GPU span (ms) | attention kernels (ms) | NCCL kernels (ms) | NCCL time overlapped by attention |",
-             "|---|---|---|---|---|"]
-    for r, s in enumerate(every):
-        c, a, o, span_us = s.tolist()
-        lines.append(f"| {r} | {span_us / 1e3:.1f} | {a / 1e3:.1f} | {c / 1e3:.1f} | "
-                     f"{o / c:.0%} |" if c > 0 else f"| {r} | {span_us / 1e3:.1f} | {a / 1e3:.1f} | 0 | - |")
-    lines.append("")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = ring_attention(q, k, v, causal=True)
+            if backward:
+                out.backward(parts[3])
+            _sync()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        span = lambda e: (e.time_range.start, e.time_range.end)          # noqa: E731  (microseconds)
+        kinds = {"nccl": [], "torch": [], "flashnb": []}
+        for e in kernels:
+            kind = "nccl" if "nccl" in e.name.lower() else "torch" if _is_torch_kernel(e.name) else "flashnb"
+            kinds[kind].append(span(e))
+        comm, ours, theirs = (_union(kinds[x]) for x in ("nccl", "flashnb", "torch"))
+        total = lambda xs: sum(b - a for a, b in xs)                     # noqa: E731
+        ends = [t for pair in comm + ours + theirs for t in pair] or [0.0]
+        stats = torch.tensor([max(ends) - min(ends), total(ours), total(theirs), total(comm), _overlap(comm, ours)],
+                             device=DEVICE, dtype=torch.float64)
+        every = [torch.zeros_like(stats) for _ in range(world)]
+        dist.all_gather(every, stats)
+        for r, row in enumerate(every):
+            span_us, a, t, c, o = row.tolist()
+            lines.append(f"| {'fwd+bwd' if backward else 'fwd'} | {r} | {span_us / 1e3:.1f} | {a / 1e3:.1f} | "
+                         f"{t / 1e3:.1f} | {c / 1e3:.1f} | {f'{o / c:.0%}' if c > 0 else '-'} |")
+        if rank == 0 and args.trace and backward:
+            os.makedirs(args.trace, exist_ok=True)
+            raw = os.path.join(args.trace, "ring-trace-rank0.json")
+            prof.export_chrome_trace(raw)
+            with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+                g.write(f.read())
+            os.remove(raw)
+    lines += ["", "(An NCCL kernel runs from its post until its peer's matching post completes the transfer, so a "
+              "rank that posts first also counts its wait for the other.)", ""]
     return lines
 
 

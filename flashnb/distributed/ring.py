@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .. import api
 from ..torch import attention_function
 from . import _agree as _agreement
-from ._schedule import LAYOUTS, block, positions
+from ._schedule import ALL, LAYOUTS, block, positions
 
 __all__ = ["ring_attention", "shard", "unshard"]
 
@@ -171,14 +171,19 @@ def _ring_forward(q, k, v, group, world, rank, layout, causal, scale, backend, t
     acc = _acc_dtype(q)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
-    kv = (k, v)
+    kv, first = (k, v), True
     for step in range(world):
         pending = _exchange(kv, group, world, rank) if step < world - 1 else None
         rows = block(layout, causal, rank, (rank - step) % world, q.shape[1])
         if rows is not None:
             qs, ks, block_causal = rows
             o, l = _attend(q[:, qs], kv[0][:, ks], kv[1][:, ks], block_causal, scale, backend)
-            _merge(out[:, qs], lse[:, :, qs], o, l)
+            if first and qs == ALL:         # the first block reaching every row: nothing to merge with yet
+                out.copy_(o)
+                lse.copy_(l)
+            else:
+                _merge(out[:, qs], lse[:, :, qs], o, l)
+            first = False
         if pending is not None:
             _wait(pending[0], timeout, f"rank {rank}'s forward exchange of step {step} (to rank {(rank + 1) % world}, "
                                        f"from rank {(rank - 1) % world})")
@@ -191,7 +196,7 @@ def _merge(out, lse, o, l):
     new = torch.logaddexp(lse, l.to(lse.dtype))
     safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)       # rows nothing has reached yet
     weight = lambda x: torch.exp(x - safe).transpose(1, 2).unsqueeze(-1)    # noqa: E731  (b, h, L) -> (b, L, h, 1)
-    out.mul_(weight(lse)).add_(o.to(out.dtype) * weight(l.to(lse.dtype)))
+    out.mul_(weight(lse)).addcmul_(o, weight(l.to(lse.dtype)))      # (one pass over out, no temporary of its size)
     lse.copy_(new)
 
 

@@ -98,10 +98,16 @@ def fail(case, seed, rank, world):
             except RuntimeError as e:
                 assert "injected failure" in str(e), str(e)
         time.sleep(2 * timeout)
+        if DEVICE == "cuda":
+            _destroy_after_failure(rank)
         return
+    import faulthandler
+    faulthandler.dump_traceback_later(timeout + 30, exit=False)     # a rank stuck past the bound shows where
     t0 = time.perf_counter()
     try:
         ring_attention(q, k, v, causal=True, timeout=timeout).sum().backward()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
     except RuntimeError as e:
         took = time.perf_counter() - t0
         assert "did not complete within" in str(e), f"rank {rank}: {e}"

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -30,15 +31,21 @@ def _run_ring(world, cases, timeout=240, **env_extra):
     procs = [subprocess.Popen([sys.executable, WORKER, str(seed), json.dumps(cases)], cwd=ROOT,
                               env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
-    outputs = []
+    deadline, outputs, late = time.monotonic() + timeout, [], []
     try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
+        for r, p in enumerate(procs):
+            try:
+                outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                late.append(r)
+                p.kill()
+                outputs.append(p.communicate()[0])
     finally:
         for p in procs:
             p.kill()
-    failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outputs)) if p.returncode != 0]
-    assert not failed, f"seed {seed}: " + "\n".join(f"rank {r}:\n{o[-3000:]}" for r, o in failed)
+    failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outputs)) if p.returncode != 0 or r in late]
+    assert not failed, (f"seed {seed}; ranks still running after {timeout} s: {late}\n"
+                        + "\n".join(f"rank {r}:\n{o[-3000:]}" for r, o in failed))
     return outputs
 
 
