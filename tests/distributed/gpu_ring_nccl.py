@@ -53,4 +53,9 @@ def test_ranks_that_disagree_all_raise_naming_it():
 
 @pytest.mark.parametrize("where", ["before", "backward"])
 def test_a_failing_rank_ends_the_others_within_the_timeout(where):
-    _show(_run_ring(WORLD, [dict(fail=where, timeout=5)], timeout=180, **NCCL))
+    try:
+        outputs = _run_ring(WORLD, [dict(fail=where, timeout=5)], timeout=75, **NCCL)
+    except AssertionError as e:
+        print(f"\n{where}: FAILED\n{str(e)[-6000:]}", flush=True)       # at once: a killed run still shows it
+        raise
+    _show(outputs)

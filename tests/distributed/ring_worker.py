@@ -102,8 +102,9 @@ def fail(case, seed, rank, world):
             _destroy_after_failure(rank)
         return
     import faulthandler
-    faulthandler.dump_traceback_later(timeout + 30, exit=False)     # a rank stuck past the bound shows where
+    faulthandler.dump_traceback_later(timeout + 15, exit=False)     # a rank stuck past the bound shows where
     t0 = time.perf_counter()
+    print(f"rank {rank}: calling ring_attention(timeout={timeout})", flush=True)
     try:
         ring_attention(q, k, v, causal=True, timeout=timeout).sum().backward()
         if DEVICE == "cuda":
