@@ -166,14 +166,42 @@ def _acc_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _ring_forward(q, k, v, group, world, rank, layout, causal, scale, backend, timeout=None):
+def _local_exchange(tensors, group, world, rank):
+    """A rehearsal's exchange: nothing sent, the shard in hand kept (its shapes are the ones that would arrive)."""
+    return [], list(tensors)
+
+
+_REHEARSED = set()       # (pass, device, shapes, dtype, layout, causal, backend) rehearsed in this process
+
+
+def _rehearse_once(name, ring_pass, tensors, group, world, rank, layout, causal, scale, backend, timeout):
+    """With a ``timeout`` on GPUs, before a signature's first exchange: run ``ring_pass`` once on this rank's own
+    shards with nothing exchanged, so that every kernel the real pass launches (flashnb's and PyTorch's) is loaded.
+    CUDA loads a kernel at its first launch (lazy loading), and a load waits for the context's running kernels:
+    a first launch while an exchange with a failed peer spins on the GPU would block the host for good, out of
+    the timeout's reach (measured on 2 GPUs, bench/results/h200x2-ring-2026-11-27.md).  Costs one local pass,
+    once per signature; nothing without a timeout (the process group's watchdog bounds that case)."""
+    if timeout is None or world == 1 or not tensors[0].is_cuda:
+        return
+    key = (name, tensors[0].device, tuple(tuple(t.shape) for t in tensors), tensors[0].dtype, layout, causal, backend)
+    if key in _REHEARSED:
+        return
+    with torch.no_grad():
+        ring_pass(*tensors, group, world, rank, layout, causal, scale, backend, None, _local_exchange)
+    _REHEARSED.add(key)
+
+
+def _ring_forward(q, k, v, group, world, rank, layout, causal, scale, backend, timeout=None, exchange=None):
     """``(out, lse)`` of this rank's queries over every shard, merged step by step (``reference.ring``)."""
+    if exchange is None:
+        _rehearse_once("forward", _ring_forward, (q, k, v), group, world, rank, layout, causal, scale, backend, timeout)
+        exchange = _exchange
     acc = _acc_dtype(q)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
     kv, first = (k, v), True
     for step in range(world):
-        pending = _exchange(kv, group, world, rank) if step < world - 1 else None
+        pending = exchange(kv, group, world, rank) if step < world - 1 else None
         rows = block(layout, causal, rank, (rank - step) % world, q.shape[1])
         if rows is not None:
             qs, ks, block_causal = rows
@@ -200,14 +228,19 @@ def _merge(out, lse, o, l):
     lse.copy_(new)
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, world, rank, layout, causal, scale, backend, timeout=None):
+def _ring_backward(dout, q, k, v, out, lse, group, world, rank, layout, causal, scale, backend, timeout=None,
+                   exchange=None):
     """``(dq, dk, dv)``: each step's share from the final ``lse``; dK/dV accumulate while travelling with their
     shard, one last hop brings them home (``reference.ring.ring_attention_backward``)."""
+    if exchange is None:
+        _rehearse_once("backward", _ring_backward, (dout, q, k, v, out, lse), group, world, rank, layout, causal,
+                       scale, backend, timeout)
+        exchange = _exchange
     acc = _acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv, dkv, incoming = (k, v), None, None
     for step in range(world):
-        pending = _exchange(kv, group, world, rank) if step < world - 1 else None
+        pending = exchange(kv, group, world, rank) if step < world - 1 else None
         rows = block(layout, causal, rank, (rank - step) % world, q.shape[1])
         shares = None
         if rows is not None:
@@ -225,7 +258,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, world, rank, layout, causal, 
         if shares is not None:
             dkv[0][:, ks] += shares[1]
             dkv[1][:, ks] += shares[2]
-        incoming = _exchange(dkv, group, world, rank) if world > 1 else ([], dkv)
+        incoming = exchange(dkv, group, world, rank) if world > 1 else ([], dkv)
         if pending is not None:
             _wait(pending[0], timeout, what)
             kv = tuple(pending[1])

@@ -102,7 +102,7 @@ def fail(case, seed, rank, world):
             _destroy_after_failure(rank)
         return
     import faulthandler
-    faulthandler.dump_traceback_later(timeout + 15, exit=False)     # a rank stuck past the bound shows where
+    faulthandler.dump_traceback_later(case.get("bound", timeout + 10) + 5, exit=False)     # a rank stuck past the bound shows where
     t0 = time.perf_counter()
     print(f"rank {rank}: calling ring_attention(timeout={timeout})", flush=True)
     try:
@@ -112,7 +112,8 @@ def fail(case, seed, rank, world):
     except RuntimeError as e:
         took = time.perf_counter() - t0
         assert "did not complete within" in str(e), f"rank {rank}: {e}"
-        assert took < timeout + 10, f"rank {rank} ended after {took:.1f} s (timeout {timeout} s)"
+        bound = case.get("bound", timeout + 10)
+        assert took < bound, f"rank {rank} ended after {took:.1f} s (timeout {timeout} s, bound {bound} s)"
         print(f"rank {rank}: {str(e)[:160]} after {took:.1f} s", flush=True)
     else:
         raise AssertionError(f"rank {rank}: no error although rank 1 failed ({case})")
@@ -140,7 +141,10 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if DEVICE == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", torch.cuda.current_device()))
+        import datetime
+        group_timeout = datetime.timedelta(seconds=float(os.environ.get("RING_GROUP_TIMEOUT", 600)))
+        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=group_timeout,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     seed, cases = int(sys.argv[1]), json.loads(sys.argv[2])

@@ -25,6 +25,16 @@ def _free_port():
 
 
 def _run_ring(world, cases, timeout=240, **env_extra):
+    """Run ``cases`` on ``world`` ranks; every rank must end within ``timeout`` seconds with status 0."""
+    seed, codes, outputs, late = _launch(world, cases, timeout, **env_extra)
+    failed = [(r, o) for r, (c, o) in enumerate(zip(codes, outputs)) if c != 0 or r in late]
+    assert not failed, (f"seed {seed}; ranks still running after {timeout} s: {late}\n"
+                        + "\n".join(f"rank {r}:\n{o[-3000:]}" for r, o in failed))
+    return outputs
+
+
+def _launch(world, cases, timeout, **env_extra):
+    """``(seed, exit statuses, outputs, ranks killed at the timeout)`` of the ranks running ``cases``."""
     seed = int(np.random.default_rng().integers(0, 2**31))       # fresh data every run; the seed is reported
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1", **env_extra)
@@ -43,10 +53,7 @@ def _run_ring(world, cases, timeout=240, **env_extra):
     finally:
         for p in procs:
             p.kill()
-    failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outputs)) if p.returncode != 0 or r in late]
-    assert not failed, (f"seed {seed}; ranks still running after {timeout} s: {late}\n"
-                        + "\n".join(f"rank {r}:\n{o[-3000:]}" for r, o in failed))
-    return outputs
+    return seed, [p.returncode for p in procs], outputs, late
 
 
 def test_two_ranks_every_layout_causal_and_gqa():
@@ -88,3 +95,32 @@ def test_timeout_must_be_positive():
         with pytest.raises(ValueError, match="timeout"):
             ring._timeout(bad)
     assert ring._timeout(2) == datetime.timedelta(seconds=2) and ring._timeout(None) is None
+
+
+def test_the_rehearsal_runs_each_ranks_blocks_with_nothing_exchanged(monkeypatch):
+    """``ring._rehearse_once`` (GPUs, with a timeout) runs a pass on the rank's own shards through
+    ``_local_exchange``: every rank's schedule of blocks, no communication (no process group here), once per
+    signature; without a timeout, or on CPU tensors, it runs nothing."""
+    import torch
+    from flashnb.distributed import ring
+    q, k, v = torch.randn(1, 8, 2, 8), torch.randn(1, 8, 1, 8), torch.randn(1, 8, 1, 8)
+    blocks = []
+    monkeypatch.setattr(ring, "_attend", lambda q_, k_, v_, causal, *rest: blocks.append((q_.shape[1], k_.shape[1], causal))
+                        or (torch.zeros(q_.shape), torch.zeros(q_.shape[0], q_.shape[2], q_.shape[1])))
+    for rank in range(3):
+        ring._ring_forward(q, k, v, None, 3, rank, "zigzag", True, 0.3, "auto", None, ring._local_exchange)
+    # zigzag, causal, 3 ranks: each rank's own shard under the mask, then half of the rows or keys of each other
+    # (rank r meets the shards of ranks r, r - 1, r - 2 in turn: an earlier rank's first half of keys, or a later
+    # rank's whole shard for its second half of queries)
+    assert blocks == [(8, 8, True), (4, 8, False), (4, 8, False)] + [(8, 8, True), (8, 4, False), (4, 8, False)] \
+        + [(8, 8, True), (8, 4, False), (8, 4, False)]
+    blocks.clear()
+    ring._rehearse_once("forward", ring._ring_forward, (q, k, v), None, 3, 0, "zigzag", True, 0.3, "auto", 5.0)
+    assert blocks == [] and not ring._REHEARSED                                 # CPU tensors: nothing to load
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    ring._rehearse_once("forward", ring._ring_forward, (q, k, v), None, 3, 0, "zigzag", True, 0.3, "auto", None)
+    assert blocks == []                                                         # no timeout: no rehearsal
+    for _ in range(2):
+        ring._rehearse_once("forward", ring._ring_forward, (q, k, v), None, 3, 0, "zigzag", True, 0.3, "auto", 5.0)
+    assert len(blocks) == 3 and len(ring._REHEARSED) == 1                       # once per signature
+    ring._REHEARSED.clear()
