@@ -237,8 +237,8 @@ def throughput(args, rank, world):
 # ------------------------------------------------------------------------------------------------ agreement
 def agreement(args, rank, world, reps=20):
     """What the ranks' agreement costs (``ring._agree``, host time, the slowest rank): a signature's first call
-    (the all_gather of every rank's row and its copy to the host) against a call whose signature was agreed on
-    (a set lookup), each the median of ``reps``."""
+    (every rank's row through the process group's store, then one exchange of an element around the ring)
+    against a call whose signature was agreed on (a set lookup), each the median of ``reps``."""
     from flashnb.distributed import ring as ring_module
     n, h, d, dtype = args.check_seqlen, args.heads, args.headdim, DTYPES[args.dtype]
     q = torch.randn(1, n // world, h, d, device=DEVICE, dtype=dtype)
@@ -259,7 +259,7 @@ def agreement(args, rank, world, reps=20):
     again = median_us(fresh=False)
     return [f"## The ranks' agreement ({world} ranks; host time, median of {reps}, the slowest rank)", "",
             "| call | time (us) |", "|---|---|",
-            f"| a signature's first call (all_gather of 10 int64 a rank, copied to the host) | {first:.1f} |",
+            f"| a signature's first call (a round through the store, the ring's first connection) | {first:.1f} |",
             f"| a signature agreed on before (every later step of a training loop) | {again:.2f} |", ""]
 
 

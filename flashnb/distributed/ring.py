@@ -110,26 +110,62 @@ def _timeout(timeout):
 
 
 def _agree(q, k, group, world, layout, causal, scale, backend, timeout=None):
-    """Before the first exchange of a signature on a group: gather every rank's ``_agree.encode`` row (one
-    ``all_gather`` of 10 int64s a rank) and raise ``ValueError`` on every rank where they
-    differ (``_agree.disagreement`` names the fields and the ranks' values).  A signature once agreed on is not
-    checked again, so a training loop pays the collective once.  (A rank that changes its signature alone
-    after an agreed step is checked while the others are not: that case ends at the process group's timeout,
-    docs/distributed.md.)"""
+    """Before the first exchange of a signature on a group: gather every rank's ``_agree.encode`` row and raise
+    ``ValueError`` on every rank where they differ (``_agree.disagreement`` names the fields and the ranks'
+    values); then connect the ring (``_connect``).  A signature once agreed on is not checked again, so a
+    training loop pays this once.  (A rank that changes its signature alone after an agreed step is checked
+    while the others are not: docs/distributed.md says how that ends.)"""
     dtype = str(q.dtype).removeprefix("torch.")
     row = _agreement.encode(dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[2], layout, causal,
                             scale, backend)
     key = (id(group) if group is not None else None, tuple(row))
     if world == 1 or key in _AGREED:
         return
-    mine = torch.tensor(row, dtype=torch.int64, device=q.device)
-    rows = [torch.empty_like(mine) for _ in range(world)]
-    work = dist.all_gather(rows, mine, group=group, async_op=True)
-    _wait([work], timeout, "the ranks' agreement (an all_gather)")
-    message = _agreement.disagreement([r.cpu().tolist() for r in rows])
+    message = _agreement.disagreement(_gather_rows(row, group, world, timeout))
     if message is not None:
         raise ValueError(message)
+    _connect(q, group, world, timeout=timeout)
     _AGREED.add(key)
+
+
+_ROUNDS = {}             # group -> agreements this rank has started on it (names each round's keys in the store)
+
+
+def _gather_rows(row, group, world, timeout):
+    """Every rank's ``row``, through the process group's key-value store (not NCCL: a collective whose peer never
+    comes can block NCCL's host code while it connects, past any timeout; measured, docs/distributed.md).
+    Each rank sets its row and waits for the others' for ``timeout`` (None: the store's own, the process group's
+    timeout), then ``RuntimeError`` names the ranks that never came."""
+    store, rank = _store_of(group), dist.get_rank(group)
+    gkey = id(group) if group is not None else None
+    round_ = _ROUNDS[gkey] = _ROUNDS.get(gkey, 0) + 1
+    keys = [f"flashnb.ring.agree/{round_}/{r}" for r in range(world)]
+    store.set(keys[rank], ",".join(map(str, row)))
+    try:
+        store.wait(keys, timeout if timeout is not None else store.timeout)
+    except (RuntimeError, dist.DistStoreError) as e:       # (DistStoreError: the store's timeout)
+        missing = [r for r, name in enumerate(keys) if not store.check([name])]
+        raise RuntimeError(f"ring_attention: the ranks' agreement did not complete within "
+                           f"{timeout if timeout is not None else store.timeout}: rank(s) {missing} of the group "
+                           f"never called (a rank failed, or calls ring_attention with a signature the others "
+                           f"agreed on before; docs/distributed.md). {e}") from e
+    return [[int(x) for x in store.get(name).decode().split(",")] for name in keys]
+
+
+def _store_of(group):
+    """The process group's key-value store (c10d keeps it with the group; no public accessor in torch 2.11)."""
+    from torch.distributed import distributed_c10d
+    return distributed_c10d._get_process_group_store(group if group is not None
+                                                     else distributed_c10d._get_default_group())
+
+
+def _connect(q, group, world, rank=None, timeout=None):
+    """One exchange of a single element around the ring, right after the agreement, while every rank is known
+    to be there: NCCL connects a pair of ranks at their first exchange, blocking the host until the peer comes,
+    so the ring's connections are made now rather than at a step a failed peer never reaches."""
+    rank = dist.get_rank(group) if rank is None else rank
+    requests, _ = _exchange([torch.zeros(1, dtype=q.dtype, device=q.device)], group, world, rank)
+    _wait(requests, timeout, "the ring's first connection")
 
 
 # ------------------------------------------------------------------------------------------------ the ring

@@ -71,28 +71,29 @@ def disagree(case, seed, rank, world):
     q, k, v = (torch.from_numpy(rng.standard_normal((1, n, h, 8)).astype(np.float32)).to(DEVICE) for h in (2, 1, 1))
     ring_attention(q, k, v, causal=True)
     calls = []
-    real = ring.dist.all_gather
-    ring.dist.all_gather = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    real = ring._gather_rows
+    ring._gather_rows = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     try:
         ring_attention(q, k, v, causal=True)
     finally:
-        ring.dist.all_gather = real
+        ring._gather_rows = real
     assert not calls, f"rank {rank}: the agreed signature was gathered again"
 
 
 def fail(case, seed, rank, world):
-    """Rank 1 fails (``case["fail"]``: "before" the call, as an out-of-memory before it would; or in its first
-    block "backward") and stays alive for twice the timeout: every other rank, calling with ``timeout``, must
-    end with ring_attention's RuntimeError within the timeout and a margin, not wait for the process group's."""
+    """Rank 1 fails (``case["fail"]``: "before" the call, as an out-of-memory before it would; in its first
+    block's "forward" or "backward") and stays alive for twice the timeout: every other rank, calling with
+    ``timeout``, must end with ring_attention's RuntimeError within the timeout and a margin (``case["bound"]``,
+    counted from the start of the pass in which rank 1 fails), not wait for the process group's timeout."""
     import time
     from flashnb.distributed import ring
-    timeout = case["timeout"]
+    timeout, where = case["timeout"], case["fail"]
     q, k, v = (torch.randn(1, 8, h, 8, device=DEVICE, requires_grad=True) for h in (2, 1, 1))
     if rank == 1:
-        if case["fail"] == "backward":
+        if where in ("forward", "backward"):
             def broken(*args, **kwargs):
                 raise RuntimeError("injected failure")
-            ring._attend_backward = broken
+            setattr(ring, "_attend" if where == "forward" else "_attend_backward", broken)
             try:
                 ring_attention(q, k, v, causal=True, timeout=timeout).sum().backward()
             except RuntimeError as e:
@@ -102,19 +103,24 @@ def fail(case, seed, rank, world):
             _destroy_after_failure(rank)
         return
     import faulthandler
-    faulthandler.dump_traceback_later(case.get("bound", timeout + 10) + 5, exit=False)     # a rank stuck past the bound shows where
-    t0 = time.perf_counter()
+    bound = case.get("bound", timeout + 10)
+    faulthandler.dump_traceback_later(bound + 5, exit=False)     # a rank stuck past the bound shows where
     print(f"rank {rank}: calling ring_attention(timeout={timeout})", flush=True)
+    t0 = time.perf_counter()
     try:
-        ring_attention(q, k, v, causal=True, timeout=timeout).sum().backward()
+        out = ring_attention(q, k, v, causal=True, timeout=timeout)
+        if where == "backward":                  # rank 1 fails in its backward: count from there
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        out.sum().backward()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
     except RuntimeError as e:
         took = time.perf_counter() - t0
         assert "did not complete within" in str(e), f"rank {rank}: {e}"
-        bound = case.get("bound", timeout + 10)
         assert took < bound, f"rank {rank} ended after {took:.1f} s (timeout {timeout} s, bound {bound} s)"
-        print(f"rank {rank}: {str(e)[:160]} after {took:.1f} s", flush=True)
+        print(f"rank {rank}: {str(e)[:200]} after {took:.1f} s", flush=True)
     else:
         raise AssertionError(f"rank {rank}: no error although rank 1 failed ({case})")
     if DEVICE == "cuda":

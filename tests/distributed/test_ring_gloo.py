@@ -78,7 +78,7 @@ def test_ranks_that_disagree_all_raise_naming_it():
               timeout=120)
 
 
-@pytest.mark.parametrize("where", ["before", "backward"])
+@pytest.mark.parametrize("where", ["before", "forward", "backward"])
 def test_a_failing_rank_ends_the_others_within_the_timeout(where):
     """Rank 1 fails before the call or in its first block's backward and then lingers: rank 0, calling with
     ``timeout=3``, ends with ring_attention's RuntimeError (naming the exchange) within the timeout and a
