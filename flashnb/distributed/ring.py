@@ -29,7 +29,9 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     timeout: None (wait as the process group does: its own timeout), or a ``datetime.timedelta`` / seconds:
     the longest this rank waits for one exchange (the agreement's gather, each step's shards) before raising
     ``RuntimeError`` naming the step and the peers, so that a rank that failed or stalled ends the others within
-    about ``timeout`` (forward and backward alike; docs/distributed.md).
+    about ``timeout`` (forward and backward alike).  On GPUs a signature's first pass with a timeout is rehearsed
+    once on this rank's shards, so that no kernel is first loaded while an exchange is in flight (docs/distributed.md:
+    what NCCL and CUDA would otherwise block on, and what to do after the error).
     """
     world, rank = _ring_of(group)
     _check(q, k, v, layout, world, causal)
