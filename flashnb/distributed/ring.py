@@ -137,7 +137,8 @@ def _gather_rows(row, group, world, timeout):
     """Every rank's ``row``, through the process group's key-value store (not NCCL: a collective whose peer never
     comes can block NCCL's host code while it connects, past any timeout; measured, docs/distributed.md).
     Each rank sets its row and waits for the others' for ``timeout`` (None: the store's own, the process group's
-    timeout), then ``RuntimeError`` names the ranks that never came."""
+    timeout), then ``RuntimeError`` names the ranks that never came.  Each round leaves its rows in the store
+    (a few dozen bytes a rank; one round per signature a group agrees on)."""
     store, rank = _store_of(group), dist.get_rank(group)
     gkey = id(group) if group is not None else None
     round_ = _ROUNDS[gkey] = _ROUNDS.get(gkey, 0) + 1
