@@ -15,6 +15,10 @@ the next.
                                                        -- ``reference.varlen``
 * ``flex_attention``, ``block_states``          score_mod / mask_mod attention (FlexAttention's semantics) and
                                                the block mask's empty / partial / full blocks -- ``reference.flex``
+* ``fp8_attention``, ``quantize_e4m3``, ``dequantize_e4m3``
+                                               FP8 (e4m3) inputs with descaling factors: the format, its quantiser,
+                                               attention of the dequantised inputs, quantisation error bounds
+                                                       -- ``reference.fp8``
 * ``ring_attention``, ``ring_attention_backward``, ``zigzag_positions``, ``contiguous_positions``
                                                a sequence sharded over P ranks, K/V passed round a ring
                                                        -- ``reference.ring``
@@ -25,6 +29,7 @@ from . import io_model
 from ._scores import OPTION_DEFAULTS
 from .dropout import PHILOX4x32_10_KNOWN_ANSWERS, dropout_keep, dropout_keep_mask, philox4x32_10
 from .flex import block_states, flex_attention
+from .fp8 import dequantize_e4m3, fp8_attention, quantize_e4m3
 from .flash import attention_delta, flash_backward, flash_backward_v1, flash_forward, flash_forward_v1
 from .io_model import IOCount
 from .ring import contiguous_positions, ring_attention, ring_attention_backward, zigzag_positions
@@ -41,4 +46,5 @@ __all__ = [
     "apply_rotary",
     "ring_attention", "ring_attention_backward", "zigzag_positions", "contiguous_positions",
     "flex_attention", "block_states",
+    "fp8_attention", "quantize_e4m3", "dequantize_e4m3",
 ]

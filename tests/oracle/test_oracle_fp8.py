@@ -1,0 +1,197 @@
+"""The FP8 oracle (``reference.fp8``).
+
+Checked here:
+- the e4m3 table against the format's definition, value by value where it matters;
+- the quantiser: nearest value, ties to the even code, saturation or PyTorch's NaN, sign, descaling. Where
+  torch is installed it is also checked against PyTorch's own cast on every tie and 200k random floats;
+- ``fp8_attention``: attention of the dequantised inputs, with per-tensor and per-(batch, key/value head)
+  descaling and grouped heads;
+- the two error bounds, on random and outlier-heavy data, with and without a causal mask. Each must hold, and
+  neither may be vacuous: each is within a modest factor of the error it bounds.
+Shapes and data come from Hypothesis.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import reference
+from reference import fp8
+
+P = fp8._POSITIVE
+
+
+def test_the_table_is_the_format():
+    t = fp8.e4m3_table()
+    known = {0x00: 0.0, 0x01: 2.0 ** -9, 0x07: 7 * 2.0 ** -9, 0x08: 2.0 ** -6, 0x38: 1.0, 0x39: 1.125,
+             0x40: 2.0, 0x7E: 448.0, 0x80: -0.0, 0xB8: -1.0, 0xFE: -448.0}
+    for code, value in known.items():
+        assert t[code] == value and np.signbit(t[code]) == np.signbit(value), hex(code)
+    assert np.isnan(t[0x7F]) and np.isnan(t[0xFF]) and np.isnan(t).sum() == 2
+    assert np.all(np.diff(P) > 0) and len(P) == 127                       # 0x00-0x7E increase
+    assert np.array_equal(t[0x80:0xFF], -t[0x00:0x7F])                    # sign-magnitude
+
+
+def test_representable_values_round_trip_and_ties_go_to_the_even_code():
+    codes = np.arange(0x7F, dtype=np.uint8)
+    assert np.array_equal(fp8.quantize_e4m3(P), codes)
+    assert np.array_equal(fp8.quantize_e4m3(-P), codes | 0x80)
+    mid = (P[1:] + P[:-1]) / 2                                             # every tie between neighbours
+    got = fp8.quantize_e4m3(mid)
+    lower = np.arange(0x7E)
+    assert np.array_equal(got, np.where(lower % 2 == 0, lower, lower + 1))
+    above, below = np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf)   # off a tie: the nearer one
+    assert np.array_equal(fp8.quantize_e4m3(above), lower + 1)
+    assert np.array_equal(fp8.quantize_e4m3(below), lower)
+
+
+def test_beyond_the_range():
+    big = np.array([448.0, 450.0, 464.0, 465.0, 1e30, np.inf])
+    assert np.all(fp8.dequantize_e4m3(fp8.quantize_e4m3(big)) == 448.0)          # saturating: the kernels'
+    assert np.all(fp8.dequantize_e4m3(fp8.quantize_e4m3(-big)) == -448.0)
+    torch_like = fp8.dequantize_e4m3(fp8.quantize_e4m3(big, saturate=False))
+    assert np.array_equal(torch_like[:3], [448.0, 448.0, 448.0]) and np.all(np.isnan(torch_like[3:]))
+    assert np.isnan(fp8.dequantize_e4m3(fp8.quantize_e4m3(np.array([np.nan])))).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), log_descale=st.floats(-8, 8), spread=st.floats(1, 14))
+def test_nearest_value_within_half_a_step(seed, log_descale, spread):
+    rng = np.random.default_rng(seed)
+    descale = 2.0 ** log_descale * rng.uniform(0.5, 2.0)
+    x = rng.standard_normal(500) * np.exp(rng.uniform(-spread, spread, 500)) * descale
+    back = fp8.dequantize_e4m3(fp8.quantize_e4m3(x, descale), descale)
+    err = np.abs(back - x)
+    bound = fp8.rounding_bound(x, descale)
+    assert np.all(err <= bound * (1 + 1e-12)), np.max(err / bound)
+    inside = np.abs(x) <= fp8.E4M3_MAX * descale
+    # nearest: no representable value is closer (sign-symmetric, so compare magnitudes)
+    grid = P * descale
+    nearest = np.min(np.abs(np.abs(x[inside])[:, None] - grid[None, :]), axis=1)
+    assert np.allclose(np.abs(np.abs(back[inside]) - np.abs(x[inside])), nearest, rtol=0, atol=1e-300)
+    assert np.array_equal(np.signbit(back), np.signbit(x))
+    assert np.array_equal(fp8.quantize_e4m3(x, descale), fp8.quantize_e4m3(x / descale))
+
+
+def test_matches_pytorchs_cast():
+    torch = pytest.importorskip("torch")      # CI has no torch; the tests above hold the format on their own
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(200_000) * np.exp(rng.uniform(-12, 7, 200_000))).astype(np.float32).astype(np.float64)
+    mid = (P[1:] + P[:-1]) / 2
+    x = np.concatenate([x, P, -P, mid, -mid, [455.0, 464.0, 465.0, 479.0, 480.0, 1e9, np.inf, -np.inf, -0.0]])
+    theirs = torch.from_numpy(x).to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    ours = fp8.quantize_e4m3(x, saturate=False)
+    both_nan = np.isnan(fp8.dequantize_e4m3(ours)) & np.isnan(fp8.dequantize_e4m3(theirs))
+    assert np.all((ours == theirs) | both_nan)
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="codes"):
+        fp8.dequantize_e4m3(np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="descaling"):
+        fp8.quantize_e4m3(np.ones(3), 0.0)
+    with pytest.raises(ValueError, match="batch, nheads_k"):
+        fp8.fp8_attention(*(np.zeros((2, 3, 2, 4), np.uint8),) * 3, q_descale=np.ones((2, 3)))
+
+
+@st.composite
+def problems(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    B, Hk, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from((1, 2)))
+    L, S, d = draw(st.integers(1, 12)), draw(st.integers(1, 12)), draw(st.sampled_from((4, 8, 16)))
+    outliers = draw(st.booleans())
+
+    def data(shape):
+        x = rng.standard_normal(shape)
+        if outliers:                           # a few entries 20-200x the rest, as in trained activations
+            hit = rng.random(shape) < 0.02
+            x = np.where(hit, x * rng.uniform(20, 200, shape), x)
+        return x
+
+    q, k, v = data((B, L, Hk * group, d)), data((B, S, Hk, d)), data((B, S, Hk, d))
+    per_head = draw(st.booleans())
+    descales = []
+    for x, heads in ((q, Hk * group), (k, Hk), (v, Hk)):
+        amax = np.abs(x).reshape(B, -1, heads, d).max(axis=(1, 3)) / fp8.E4M3_MAX      # (B, heads): no saturation
+        if per_head:
+            descales.append(amax.reshape(B, Hk, -1).max(axis=2))                       # per (batch, kv head)
+        else:
+            descales.append(float(amax.max()))
+    causal = draw(st.booleans())
+    return q, k, v, descales, causal, draw(st.sampled_from((None, 0.3)))
+
+
+def _quantize(x, descale, group=1):
+    d = descale if np.ndim(descale) == 0 else np.repeat(descale, group, axis=1)[:, None, :, None]
+    return fp8.quantize_e4m3(x, d)
+
+
+@settings(max_examples=50, deadline=None)
+@given(p=problems())
+def test_fp8_attention_is_attention_of_the_dequantised_inputs(p):
+    q, k, v, (dq, dk, dv), causal, scale = p
+    group = q.shape[2] // k.shape[2]
+    q8, k8, v8 = _quantize(q, dq, group), _quantize(k, dk), _quantize(v, dv)
+    out, lse = fp8.fp8_attention(q8, k8, v8, dq, dk, dv, causal=causal, softmax_scale=scale)
+
+    def deq(codes, descale, g=1):
+        d = descale if np.ndim(descale) == 0 else np.repeat(descale, g, axis=1)[:, None, :, None]
+        return fp8.dequantize_e4m3(codes) * d
+
+    want, want_lse = reference.attention(deq(q8, dq, group), deq(k8, dk), deq(v8, dv), causal=causal,
+                                         softmax_scale=scale)
+    assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=problems())
+def test_the_input_quantisation_bound_holds(p):
+    q, k, v, (dq, dk, dv), causal, scale = p
+    group = q.shape[2] // k.shape[2]
+    out8, _ = fp8.fp8_attention(_quantize(q, dq, group), _quantize(k, dk), _quantize(v, dv), dq, dk, dv,
+                                causal=causal, softmax_scale=scale)
+    out, _ = reference.attention(q, k, v, causal=causal, softmax_scale=scale)
+    bound = fp8.input_quantization_bound(q, k, v, dq, dk, dv, softmax_scale=scale)
+    err = np.abs(out8 - out)
+    assert np.all(err <= bound * (1 + 1e-9) + 1e-12), np.max(err - bound)
+
+
+def _fa3_p_quantised(q, k, v, p_descale, causal, scale):
+    """FA3's forward with P quantised, one tile of every key: P = exp(s - rowmax) quantised with ``p_descale``,
+    out = deq(P) V / l with l from the unquantised P (float64)."""
+    probs = reference.attention_probs(q, k, v, causal=causal, softmax_scale=scale)      # normalised
+    peak = probs.max(axis=-1, keepdims=True)
+    unnormalised = np.where(peak > 0, probs / np.where(peak > 0, peak, 1.0), 0.0)      # exp(s - max) <= 1
+    rounded = fp8.dequantize_e4m3(fp8.quantize_e4m3(unnormalised, p_descale), p_descale)
+    group = q.shape[2] // k.shape[2]
+    v_r = np.repeat(v, group, axis=2).transpose(0, 2, 1, 3)
+    out = (rounded @ v_r) * peak                    # / l, and 1 / l is the peak of the normalised P
+    return out.transpose(0, 2, 1, 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=problems(), p_descale=st.sampled_from((1.0, 1.0 / 448, 1.0 / 16)))
+def test_the_p_quantisation_bound_holds(p, p_descale):
+    q, k, v, _, causal, scale = p
+    out, _ = reference.attention(q, k, v, causal=causal, softmax_scale=scale)
+    got = _fa3_p_quantised(q, k, v, p_descale, causal, scale)
+    bound = fp8.p_quantization_bound(q, k, v, p_descale, softmax_scale=scale, causal=causal)
+    err = np.abs(got - out)
+    assert np.all(err <= bound * (1 + 1e-9) + 1e-12), np.max(err - bound)
+    # not vacuous: quantising P costs at most 2^-4 of the largest value plus the subnormal steps' share
+    cap = (fp8.E4M3_UNIT_ROUNDOFF + k.shape[1] * fp8.E4M3_SUBNORMAL_HALF_STEP * p_descale) * np.abs(v).max()
+    assert np.all(bound <= cap * (1 + 1e-12))
+
+
+def test_the_input_bound_is_useful_where_scores_move_little():
+    """The input bound is a worst case: it grows with ``|q| |k| headdim`` (a sum of same-signed rounding
+    errors) and is vacuous for large scores. Where the scores move little, it is a small fraction of the
+    values: here below a tenth of max |v|, and above the error it bounds."""
+    rng = np.random.default_rng(7)
+    q, k = (0.1 * rng.standard_normal((2, 16, 4, 16)) for _ in range(2))
+    v = rng.standard_normal((2, 16, 4, 16))
+    ds = [np.abs(x).max() / fp8.E4M3_MAX for x in (q, k, v)]
+    bound = fp8.input_quantization_bound(q, k, v, *ds)
+    out8, _ = fp8.fp8_attention(*(fp8.quantize_e4m3(x, d) for x, d in zip((q, k, v), ds)), *ds, causal=True)
+    out, _ = reference.attention(q, k, v, causal=True)
+    assert np.max(bound) < 0.1 * np.abs(v).max()
+    assert np.all(np.abs(out8 - out) <= bound)
