@@ -2,6 +2,7 @@
 (the package docstring, ``flashnb.distributed``, says what it computes and how to call it)."""
 import datetime
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -37,6 +38,10 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     _check(q, k, v, layout, world, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     timeout = _timeout(timeout)
+    # rehearsed before the agreement: a rank failing in its first blocks (compiling, out of memory) leaves the
+    # others waiting in the store, which the timeout bounds, rather than in an exchange
+    _rehearse_once("forward", _ring_forward, (q, k, v), group, world, rank, layout, bool(causal), scale, backend,
+                   timeout)
     _agree(q, k, group, world, layout, causal, scale, backend, timeout)
     settings = (group, world, rank, layout, bool(causal), scale, backend, timeout)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -97,7 +102,16 @@ def _check(q, k, v, layout, world, causal):
         raise ValueError("the process group is empty")
 
 
-_AGREED = set()          # (group, signature) pairs every rank of the group has been seen to agree on
+_AGREED = weakref.WeakKeyDictionary()   # group -> the signatures every rank of it has been seen to agree on
+
+
+def _group_key(group):
+    """The process group itself (``None`` resolved to the default group, so that it and ``dist.group.WORLD``
+    are one): a group destroyed and created again is a new object, hence a fresh agreement and connection.
+    (The caches hold it weakly: a strong reference kept a destroyed group alive until the interpreter's end,
+    where its teardown aborted the process.)"""
+    from torch.distributed import distributed_c10d
+    return distributed_c10d._get_default_group() if group is None else group
 
 
 def _timeout(timeout):
@@ -120,17 +134,19 @@ def _agree(q, k, group, world, layout, causal, scale, backend, timeout=None):
     dtype = str(q.dtype).removeprefix("torch.")
     row = _agreement.encode(dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[2], layout, causal,
                             scale, backend)
-    key = (id(group) if group is not None else None, tuple(row))
-    if world == 1 or key in _AGREED:
+    if world == 1:
+        return
+    agreed = _AGREED.setdefault(_group_key(group), set())
+    if tuple(row) in agreed:
         return
     message = _agreement.disagreement(_gather_rows(row, group, world, timeout))
     if message is not None:
         raise ValueError(message)
     _connect(q, group, world, timeout=timeout)
-    _AGREED.add(key)
+    agreed.add(tuple(row))
 
 
-_ROUNDS = {}             # group -> agreements this rank has started on it (names each round's keys in the store)
+_ROUNDS = weakref.WeakKeyDictionary()   # group -> agreements this rank started on it (names a round's keys)
 
 
 def _gather_rows(row, group, world, timeout):
@@ -140,18 +156,22 @@ def _gather_rows(row, group, world, timeout):
     timeout), then ``RuntimeError`` names the ranks that never came.  Each round leaves its rows in the store
     (a few dozen bytes a rank; one round per signature a group agrees on)."""
     store, rank = _store_of(group), dist.get_rank(group)
-    gkey = id(group) if group is not None else None
+    gkey = _group_key(group)
     round_ = _ROUNDS[gkey] = _ROUNDS.get(gkey, 0) + 1
     keys = [f"flashnb.ring.agree/{round_}/{r}" for r in range(world)]
     store.set(keys[rank], ",".join(map(str, row)))
     try:
         store.wait(keys, timeout if timeout is not None else store.timeout)
     except (RuntimeError, dist.DistStoreError) as e:       # (DistStoreError: the store's timeout)
-        missing = [r for r, name in enumerate(keys) if not store.check([name])]
+        try:
+            missing = [r for r, name in enumerate(keys) if not store.check([name])]
+        except Exception:                                  # (the store itself gone)
+            missing = "unknown"
         raise RuntimeError(f"ring_attention: the ranks' agreement did not complete within "
                            f"{timeout if timeout is not None else store.timeout}: rank(s) {missing} of the group "
                            f"never called (a rank failed, or calls ring_attention with a signature the others "
-                           f"agreed on before; docs/distributed.md). {e}") from e
+                           f"agreed on before; docs/distributed.md). The group's agreements are out of step "
+                           f"now: destroy the process group. {e}") from e
     return [[int(x) for x in store.get(name).decode().split(",")] for name in keys]
 
 
@@ -210,7 +230,7 @@ def _local_exchange(tensors, group, world, rank):
     return [], list(tensors)
 
 
-_REHEARSED = set()       # (pass, device, shapes, dtype, layout, causal, backend) rehearsed in this process
+_REHEARSED = set()       # (pass, rank, world, device, shapes, dtype, layout, causal, backend) rehearsed here
 
 
 def _rehearse_once(name, ring_pass, tensors, group, world, rank, layout, causal, scale, backend, timeout):
@@ -222,7 +242,8 @@ def _rehearse_once(name, ring_pass, tensors, group, world, rank, layout, causal,
     once per signature; nothing without a timeout (the process group's watchdog bounds that case)."""
     if timeout is None or world == 1 or not tensors[0].is_cuda:
         return
-    key = (name, tensors[0].device, tuple(tuple(t.shape) for t in tensors), tensors[0].dtype, layout, causal, backend)
+    key = (name, rank, world, tensors[0].device, tuple(tuple(t.shape) for t in tensors), tensors[0].dtype, layout,
+           causal, backend)
     if key in _REHEARSED:
         return
     with torch.no_grad():
@@ -232,8 +253,7 @@ def _rehearse_once(name, ring_pass, tensors, group, world, rank, layout, causal,
 
 def _ring_forward(q, k, v, group, world, rank, layout, causal, scale, backend, timeout=None, exchange=None):
     """``(out, lse)`` of this rank's queries over every shard, merged step by step (``reference.ring``)."""
-    if exchange is None:
-        _rehearse_once("forward", _ring_forward, (q, k, v), group, world, rank, layout, causal, scale, backend, timeout)
+    if exchange is None:                 # (ring_attention rehearsed it, before the agreement)
         exchange = _exchange
     acc = _acc_dtype(q)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)

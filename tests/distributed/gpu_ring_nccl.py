@@ -7,7 +7,7 @@ tests/distributed/ring_worker.py with ``RING_DEVICE=cuda``.
 * the ring against the float64 oracle of the whole sequence (every layout, causal and not, GQA);
 * ranks that disagree on dtype, shard length, head count or ``causal``: every rank raises ``ValueError`` naming
   it (before the agreement, NCCL hung until its watchdog or returned another rank's bytes as the wrong dtype);
-* a rank that fails before the call, in its first forward block or in its first backward block: the other
+* a rank that fails before the call, in its first forward or backward block, or in a later call's backward: the other
   ranks, calling with ``timeout=5``, end with ring_attention's ``RuntimeError`` within the timeout and a margin,
   and report how long ``destroy_process_group`` then took.
 """
@@ -51,10 +51,12 @@ def test_ranks_that_disagree_all_raise_naming_it():
         timeout=240, **NCCL))
 
 
-@pytest.mark.parametrize("where", ["before", "forward", "backward"])
+@pytest.mark.parametrize("where", ["before", "forward", "backward", "later"])
 def test_a_failing_rank_ends_the_others_within_the_timeout(where):
     """NCCL as it comes (connections made at a pair's first exchange): rank 1 fails before the call, in its
-    first forward block (where the rehearsal runs it, before any exchange) or in its first backward block."""
+    first forward block (where the rehearsal runs it, before the agreement), in its first backward block (the
+    backward's rehearsal), or in the backward of a second call, the first having run whole (mid-ring: nothing
+    left to compile, rehearse or connect)."""
     try:
         outputs = _run_ring(WORLD, [dict(fail=where, timeout=5)], timeout=75, **NCCL)
     except AssertionError as e:

@@ -82,15 +82,19 @@ def disagree(case, seed, rank, world):
 
 def fail(case, seed, rank, world):
     """Rank 1 fails (``case["fail"]``: "before" the call, as an out-of-memory before it would; in its first
-    block's "forward" or "backward") and stays alive for twice the timeout: every other rank, calling with
-    ``timeout``, must end with ring_attention's RuntimeError within the timeout and a margin (``case["bound"]``,
-    counted from the start of the pass in which rank 1 fails), not wait for the process group's timeout."""
+    block's "forward" or "backward"; or "later": in its backward of a second call, the first having run whole,
+    so that nothing is compiled, rehearsed or connected any more) and stays alive for twice the timeout: every
+    other rank, calling with ``timeout``, must end with ring_attention's RuntimeError within the timeout and a
+    margin (``case["bound"]``, counted from the start of the pass in which rank 1 fails), not wait for the
+    process group's timeout."""
     import time
     from flashnb.distributed import ring
     timeout, where = case["timeout"], case["fail"]
     q, k, v = (torch.randn(1, 8, h, 8, device=DEVICE, requires_grad=True) for h in (2, 1, 1))
+    if where == "later":                         # a healthy call first, on every rank
+        ring_attention(q, k, v, causal=True, timeout=timeout).sum().backward()
     if rank == 1:
-        if where in ("forward", "backward"):
+        if where in ("forward", "backward", "later"):
             def broken(*args, **kwargs):
                 raise RuntimeError("injected failure")
             setattr(ring, "_attend" if where == "forward" else "_attend_backward", broken)
@@ -109,7 +113,7 @@ def fail(case, seed, rank, world):
     t0 = time.perf_counter()
     try:
         out = ring_attention(q, k, v, causal=True, timeout=timeout)
-        if where == "backward":                  # rank 1 fails in its backward: count from there
+        if where in ("backward", "later"):       # rank 1 fails in its backward: count from there
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()

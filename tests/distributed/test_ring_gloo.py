@@ -78,9 +78,10 @@ def test_ranks_that_disagree_all_raise_naming_it():
               timeout=120)
 
 
-@pytest.mark.parametrize("where", ["before", "forward", "backward"])
+@pytest.mark.parametrize("where", ["before", "forward", "backward", "later"])
 def test_a_failing_rank_ends_the_others_within_the_timeout(where):
-    """Rank 1 fails before the call or in its first block's backward and then lingers: rank 0, calling with
+    """Rank 1 fails before the call, in its first block's forward or backward, or in the backward of a second
+    call (the first whole), and then lingers: rank 0, calling with
     ``timeout=3``, ends with ring_attention's RuntimeError (naming the exchange) within the timeout and a
     margin, instead of waiting for the process group's timeout (30 minutes by default for gloo, 10 for NCCL).
     Mutation-checked: without the timeout passed to the waits, rank 0 waits past the harness's limit."""
@@ -99,8 +100,8 @@ def test_timeout_must_be_positive():
 
 def test_the_rehearsal_runs_each_ranks_blocks_with_nothing_exchanged(monkeypatch):
     """``ring._rehearse_once`` (GPUs, with a timeout) runs a pass on the rank's own shards through
-    ``_local_exchange``: every rank's schedule of blocks, no communication (no process group here), once per
-    signature; without a timeout, or on CPU tensors, it runs nothing."""
+    ``_local_exchange``: every rank's schedule of blocks, forward and backward, no communication (no process
+    group here), once per signature; without a timeout, or on CPU tensors, it runs nothing."""
     import torch
     from flashnb.distributed import ring
     q, k, v = torch.randn(1, 8, 2, 8), torch.randn(1, 8, 1, 8), torch.randn(1, 8, 1, 8)
@@ -123,4 +124,12 @@ def test_the_rehearsal_runs_each_ranks_blocks_with_nothing_exchanged(monkeypatch
     for _ in range(2):
         ring._rehearse_once("forward", ring._ring_forward, (q, k, v), None, 3, 0, "zigzag", True, 0.3, "auto", 5.0)
     assert len(blocks) == 3 and len(ring._REHEARSED) == 1                       # once per signature
+    grads = []                                                                  # the backward's, likewise
+    monkeypatch.setattr(ring, "_attend_backward", lambda dout, q_, k_, v_, *rest: grads.append(q_.shape[1])
+                        or (torch.zeros(q_.shape), torch.zeros(k_.shape), torch.zeros(v_.shape)))
+    out, lse = torch.zeros(q.shape), torch.zeros(1, 2, 8)
+    for _ in range(2):
+        ring._rehearse_once("backward", ring._ring_backward, (torch.ones(q.shape), q, k, v, out, lse), None, 3, 1,
+                            "zigzag", True, 0.3, "auto", 5.0)
+    assert grads == [8, 8, 4] and len(ring._REHEARSED) == 2
     ring._REHEARSED.clear()
