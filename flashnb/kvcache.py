@@ -147,9 +147,11 @@ class _Call(NamedTuple):
     uniform: int         # the one length when cache_seqlens is None or an int, else -1
     seqlens: object      # cache_seqlens as the kernels get it: a NumPy or device array (None when uniform)
     table: object        # block_table as the kernels get it: a NumPy or device array, or None (dense)
+    leftpad: object = None   # cache_leftpad as the kernels get it: a NumPy or device array, or None
 
 
-def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse, alibi_slopes=None):
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse, alibi_slopes=None,
+           cache_leftpad=None):
     """Every argument against the contract (docstring of ``flash_attn_with_kvcache``), before any launch."""
     names = ("q", "k_cache", "v_cache")
     kinds = [_arrays.kind_of(x, n) for x, n in zip((q, k_cache, v_cache), names)]
@@ -179,7 +181,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, re
         raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k_cache ({nheads_k})")
     _arrays.check_device(q, "q")
     for x, n in ((k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"), (v, "v"), (cache_seqlens, "cache_seqlens"),
-                 (block_table, "block_table"), (alibi_slopes, "alibi_slopes")):
+                 (block_table, "block_table"), (alibi_slopes, "alibi_slopes"), (cache_leftpad, "cache_leftpad")):
         if x is not None and not isinstance(x, numbers.Integral):
             _arrays.check_same_device(x, n, q)
 
@@ -233,13 +235,22 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, re
             if np.any(pages < 0) or np.any(pages >= num_pages):
                 raise ValueError(f"block_table[{b}, :{need}] (the pages sequence {b} touches) holds indices outside "
                                  f"0..{num_pages - 1}: {pages.tolist()}")
+    leftpad = None
+    if cache_leftpad is not None:
+        pad_h, leftpad = _metadata(cache_leftpad, "cache_leftpad", (batch,))
+        if pad_h is not None:            # else the kernel takes max(its first key, cache_leftpad[b]): no read outside
+            top = (lens + seqlen_new) if lens is not None else np.full(batch, capacity)
+            if np.any(pad_h < 0) or np.any(pad_h > top):
+                b = int(np.argmax((pad_h < 0) | (pad_h > top)))
+                raise ValueError(f"cache_leftpad[{b}] = {int(pad_h[b])} is outside 0..{int(top[b])} (the rows sequence "
+                                 f"{b} holds after the append)")
     n_max = capacity if lens is None else (int(np.max(lens)) + seqlen_new if batch else 0)
     if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shape), got {num_splits!r}")
     if not isinstance(return_softmax_lse, (bool, np.bool_)):
         raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
     return _Call(kind, batch, seqlen_q, nheads, headdim, nheads_k, seqlen_new, page, capacity, n_max, uniform,
-                 seqlens, table)
+                 seqlens, table, leftpad)
 
 
 # ------------------------------------------------------------------------------------------------ the call
@@ -326,8 +337,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             the batch. Served as a paged cache of one page a sequence, so the cache's rows (``k_cache.shape[1]``)
             must be a multiple of 16; not together with ``block_table`` (as flash-attn). Indices on the host
             are checked before any launch; rows chosen twice are appended to twice (flash-attn's caveat).
-        cache_leftpad: flash-attn's left padding of the cache; not served yet: anything but None raises
-            ValueError.
+        cache_leftpad: int32 ``(batch,)`` or None: sequence ``b`` starts at row ``cache_leftpad[b]`` of its cache;
+            the rows before it are padding no query sees (flash-attn's). Positions stay the cache's rows: the
+            append at ``cache_seqlens[b]``, the rotary angles, the bottom-right alignment and ALiBi's distances
+            are as without it (``reference.attention_with_kvcache``). ``0 <= cache_leftpad[b] <=
+            cache_seqlens[b] + seqlen_new``; dense caches only (not with ``block_table``, as flash-attn; with
+            ``cache_batch_idx`` it is the padding of the row a sequence reads).
         block_table: int32 ``(batch, pages_per_sequence)`` page indices; the page size must be a multiple of 16.
             The pages a sequence touches (its first ``ceil((cache_seqlens[b] + seqlen_new) / page_size)``
             entries) must lie in ``0..num_pages - 1``; entries past them are never read.
@@ -354,8 +369,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     calls after the first); an int ``cache_seqlens`` (its value decides the split plan) or metadata on the
     host takes the full path every call.
     """
-    if cache_leftpad is not None:
-        raise ValueError("cache_leftpad is not served by flashnb.flash_attn_with_kvcache yet (pass None)")
+    if cache_leftpad is not None and block_table is not None:
+        raise ValueError("cache_leftpad is for dense caches: it cannot be given with block_table (as flash-attn)")
     if not isinstance(rotary_interleaved, (bool, np.bool_)):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     if type(window_size) is not tuple:
@@ -368,10 +383,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     uniform = isinstance(cache_seqlens, (int, np.integer))
     return _dispatch.cached_call(
         "kvcache", (q, k_cache, v_cache, k, v, None if uniform else cache_seqlens, block_table, alibi_slopes,
-                    rotary_cos, rotary_sin),
+                    rotary_cos, rotary_sin, cache_leftpad),
         (num_splits, softmax_scale, causal, window_size, softcap, return_softmax_lse, bool(rotary_interleaved)),
         lambda: _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, softmax_scale,
-                              causal, window_size, softcap, alibi_slopes, return_softmax_lse, stream, rotary),
+                              causal, window_size, softcap, alibi_slopes, return_softmax_lse, stream, rotary,
+                              cache_leftpad),
         cacheable=stream is None and not uniform)
 
 
@@ -406,10 +422,11 @@ def _batch_idx_as_pages(k_cache, v_cache, cache_batch_idx, block_table, q):
 
 
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, softmax_scale, causal,
-                  window_size, softcap, alibi_slopes, return_softmax_lse, stream, rotary=None):
+                  window_size, softcap, alibi_slopes, return_softmax_lse, stream, rotary=None, cache_leftpad=None):
     """``flash_attn_with_kvcache``'s full path: check, plan, allocate, launch.  ``rotary``: ``(cos, sin,
     interleaved)`` or None."""
-    c = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse, alibi_slopes)
+    c = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, return_softmax_lse, alibi_slopes,
+               cache_leftpad)
     if rotary is not None:
         _check_rotary(c, q, k, *rotary)
     kind = c.kind
@@ -421,6 +438,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
         vc_w, vc_back = _device_words(v_cache, "v_cache", kind, launch_stream)
         seqlens_d = _dummy(1, np.int32) if c.seqlens is None else _arrays.to_device(c.seqlens, launch_stream)
         table_d = _dummy(2, np.int32) if c.table is None else _arrays.to_device(c.table, launch_stream)
+        leftpad_d = _dummy(1, np.int32) if c.leftpad is None else _arrays.to_device(c.leftpad, launch_stream)
         base_len = max(c.uniform, 0)
         appending = k is not None and c.batch * c.seqlen_new * c.nheads_k > 0
         if appending:                                  # (every layout checked before the first launch)
@@ -445,7 +463,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
         out_w = out_d if kind.dtype == "float32" else _arrays.word_view(out_d)
         if c.batch * c.seqlen_q * c.nheads > 0:
             _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts, int(num_splits), kind, q,
-                    launch_stream)
+                    launch_stream, leftpad_d)
         for back, host in ((kc_back, k_cache), (vc_back, v_cache)):
             if back is not None and k is not None:
                 host[...] = back.copy_to_host(stream=launch_stream.numba)
@@ -498,7 +516,8 @@ def _rotated(x_w, rotary, at_start, c, seqlens_d, base_len, kind, like, stream):
     return out
 
 
-def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts, num_splits, kind, like, stream):
+def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts, num_splits, kind, like, stream,
+            leftpad_d):
     """The decode kernel (and the combine, with splits) for a checked call."""
     group = c.nheads // c.nheads_k
     vec16 = _arrays.rows_aligned16(kc_w) and _arrays.rows_aligned16(vc_w)
@@ -510,7 +529,8 @@ def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts
                                      STAGE_BYTES_PER_SM // BLOCKS_PER_SM)
     kern, threads, shared = _decode.make_decode(kind.dtype, c.headdim, p.rows, p.lanes_per_key, KEYS_PER_LANE,
                                                 NWARPS, p.vec16, c.table is not None, c.seqlens is not None, split,
-                                                f.has_window, f.has_softcap, f.has_alibi, stages, bool(LEAN))
+                                                f.has_window, f.has_softcap, f.has_alibi, stages, bool(LEAN),
+                                                c.leftpad is not None)
     if split:
         out_s = _arrays.scratch((p.n_splits, c.batch, c.seqlen_q, c.nheads, c.headdim), np.float32, kind, like,
                                 stream)
@@ -524,7 +544,7 @@ def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts
     launch(kern, grid, threads, stream, shared,
            (q_w, kc_w, vc_w, out_w, lse_d, out_s, lse_s, seqlens_d, base_len, c.seqlen_new, table_d, c.page, group,
             p.n_row_tiles, p.n_splits, p.split_len, np.float32(opts.scale), np.float32(opts.softcap), opts.left,
-            opts.right, opts.alibi))
+            opts.right, opts.alibi, leftpad_d))
     if split:
         total = c.batch * c.seqlen_q * c.nheads * int(out_w.shape[3])
         launch(_decode.make_combine(kind.dtype), min(-(-total // 128), 8192), 128, stream, 0,

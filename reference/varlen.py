@@ -142,7 +142,7 @@ def apply_rotary(x, cos, sin, positions, interleaved=True):
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                            cache_batch_idx=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                           **opts):
+                           cache_leftpad=None, **opts):
     """``(out, lse, k_cache, v_cache)``: ``k``/``v`` appended (``kvcache_append``; the returned caches are
     copies), then the attention of q ``(batch, seqlen_q, nheads, headdim)`` over each sequence's first
     ``cache_seqlens[b] + seqlen_new`` cached rows (all rows without ``cache_seqlens``), bottom-right aligned per
@@ -151,7 +151,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     ``rotary_cos``/``rotary_sin`` (with ``k``; ``apply_rotary``): ``k``'s new rows rotated at their positions
     ``cache_seqlens[b] + i`` before the append, ``q``'s too where causal or windowed (a window side below the
     cache's rows), else all of q at position ``cache_seqlens[b]`` (flash-attn's rule); the appended rows are
-    rounded to the caches' dtype."""
+    rounded to the caches' dtype.  ``cache_leftpad`` (dense caches; flash-attn's): sequence ``b`` starts at row
+    ``cache_leftpad[b]`` of its cache, the rows before it are padding no query sees.  Every position stays the
+    cache's row index (the append, the rotary angles, the bottom-right alignment at ``cache_seqlens[b] +
+    seqlen_new``, ALiBi's distances), so the padding is a mask on the keys ``j < cache_leftpad[b]``."""
     q = np.asarray(q)
     batch = q.shape[0]
     if rotary_cos is not None:
@@ -168,7 +171,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         k = apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved).astype(np.asarray(k_cache).dtype)
         q = apply_rotary(q, rotary_cos, rotary_sin, pos_q, rotary_interleaved)
         return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
-                                      **opts)
+                                      cache_leftpad=cache_leftpad, **opts)
     if cache_batch_idx is not None:
         if block_table is not None:
             raise ValueError("cache_batch_idx is for dense caches, not with block_table")
@@ -176,7 +179,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         if len(set(rows_of.tolist())) != batch or np.any(rows_of < 0) or np.any(rows_of >= k_cache.shape[0]):
             raise ValueError(f"cache_batch_idx must pick {batch} distinct rows of 0..{k_cache.shape[0] - 1}")
         out, lse, kc, vc = attention_with_kvcache(q, np.asarray(k_cache)[rows_of], np.asarray(v_cache)[rows_of], k, v,
-                                                  cache_seqlens, **opts)
+                                                  cache_seqlens, cache_leftpad=cache_leftpad, **opts)
         k_cache, v_cache = np.array(k_cache), np.array(v_cache)
         k_cache[rows_of], v_cache[rows_of] = kc, vc
         return out, lse, k_cache, v_cache
@@ -186,6 +189,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     if k is not None:
         k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, lens, block_table)
         lens = lens + np.asarray(k).shape[1]
+    if cache_leftpad is not None and block_table is not None:
+        raise ValueError("cache_leftpad is for dense caches, not with block_table (as flash-attn)")
+    pad = np.zeros(batch, np.int64) if cache_leftpad is None else np.asarray(cache_leftpad).astype(np.int64)
     per = _packed_opts(opts, batch)
     dtype = np.dtype(opts.get("dtype") or np.float64)
     out = np.zeros(q.shape, dtype)
@@ -194,8 +200,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         n = int(lens[b])
         if n > rows:
             raise ValueError(f"cache_seqlens[{b}] = {n} exceeds the cache's {rows} rows")
+        if not 0 <= pad[b] <= n:
+            raise ValueError(f"cache_leftpad[{b}] = {pad[b]} is outside 0..{n} (the rows sequence {b} holds)")
         kb = k_cache[b, :n] if block_table is None else _pages(k_cache, block_table, b, n)
         vb = v_cache[b, :n] if block_table is None else _pages(v_cache, block_table, b, n)
+        # the padding's rows dropped: the bottom-right alignment (at n) and ALiBi's distance i + off - j are
+        # unchanged by dropping keys at the front, so this is the cache's positions with j < pad masked
+        kb, vb = kb[pad[b]:], vb[pad[b]:]
         o, l = attention(q[b:b + 1], kb[None], vb[None], **per(b))
         out[b], lse[b] = o[0], l[0]
     return out, lse, k_cache, v_cache

@@ -312,7 +312,7 @@ def make_sequence_check(PAGED, HAS_SEQLENS):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQLENS, SPLIT,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, STAGES=0, LEAN=False):
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, STAGES=0, LEAN=False, HAS_LEFTPAD=False):
     """Build the decode kernel: (kernel, threads per block, dynamic shared bytes).
 
     ``ROWS`` query rows per block (rows ``(i, h)`` of one KV head, i-major), ``LK`` lanes per key row, ``T``
@@ -329,6 +329,8 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     ``ex2.approx.ftz`` (``_mma.exp2_ftz``: no denormal fix-up around it), the key-range mask only on the first
     and last steps, one warp-uniform rescale branch for all rows, and the stage ring stepped instead of taken
     modulo ``STAGES``.
+    ``HAS_LEFTPAD``: sequence ``b``'s keys start at row ``leftpad[b]`` (flash-attn's ``cache_leftpad``: the rows
+    before it are padding; positions stay the cache's rows), else at 0.
     """
     SIXTEEN = DTYPE_NAME in ("float16", "bfloat16")
     EPW = 2 if SIXTEEN else 1                 # values per 32-bit word
@@ -541,7 +543,7 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
 
     @kernel
     def decode(q, k_cache, v_cache, out, lse, out_s, lse_s, seqlens, base_len, seqlen_new, block_table, page,
-               group, n_row_tiles, n_splits, split_len, scale, softcap, left, right, alibi):
+               group, n_row_tiles, n_splits, split_len, scale, softcap, left, right, alibi, leftpad):
         # (split, row tile, kv head, batch) of this block, split fastest
         nheads_k = k_cache.shape[2]
         sp = cuda.blockIdx.x % n_splits
@@ -568,6 +570,8 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         qi_last = (min(r0 + ROWS, nrows) - 1) // group
         lo = sp * split_len
         hi = min(lo + split_len, n)
+        if HAS_LEFTPAD:                                # the padding's rows are never loaded nor seen
+            lo = max(lo, leftpad[b])
         if HAS_WINDOW:                                 # keys no row of the tile may see are never loaded
             if left >= 0:
                 lo = max(lo, qi_first + off - left)

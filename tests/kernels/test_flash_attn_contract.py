@@ -111,7 +111,11 @@ def test_cache_batch_idx_is_not_the_identity():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(cache_leftpad=np.zeros(2, np.int32)), "cache_leftpad"),
+    (dict(cache_leftpad=np.zeros(2, np.int32), block_table=np.zeros((2, 1), np.int32)), "cache_leftpad is for dense"),
+    (dict(cache_leftpad=np.array([0, 6], np.int32)), r"cache_leftpad\[1\] = 6 is outside 0..5"),
+    (dict(cache_leftpad=np.array([-1, 0], np.int32)), r"cache_leftpad\[0\]"),
+    (dict(cache_leftpad=np.array([0, 1], np.int64)), "cache_leftpad must be an int32"),
+    (dict(cache_leftpad=np.array([0], np.int32)), r"cache_leftpad must have shape \(2,\)"),
     (dict(cache_batch_idx=np.array([0, 5], np.int32)), r"cache_batch_idx\[1\]"),
     (dict(cache_batch_idx=np.array([0, 1], np.int64)), "cache_batch_idx must be an int32"),
     (dict(cache_batch_idx=np.array([0], np.int32)), r"cache_batch_idx must have shape \(2,\)"),

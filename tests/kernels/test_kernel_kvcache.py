@@ -176,6 +176,49 @@ def test_kvcache_matches_oracle(c):
     check_case(c)
 
 
+@settings(max_examples=examples(8, 8))
+@given(c=cases(paged=False), data=st.data())
+def test_cache_leftpad_matches_oracle(c, data):
+    """flash-attn's ``cache_leftpad``: each sequence's keys start at its pad (drawn up to every row it holds,
+    so a sequence may see no key), positions unchanged; on the host or in device memory, with splits, windows,
+    ALiBi, an append."""
+    batch = c.q.shape[0]
+    seqlen_new = 0 if c.k is None else c.k.shape[1]
+    capacity = c.k_cache.shape[1]
+    lens = np.broadcast_to(capacity - seqlen_new if c.cache_seqlens is None else np.asarray(c.cache_seqlens), (batch,))
+    pad = np.array([data.draw(st.integers(0, int(lens[b]) + seqlen_new)) for b in range(batch)], np.int32)
+    device = data.draw(st.booleans())
+    oracle_lens = None if c.cache_seqlens is None else np.asarray(lens, np.int32)
+    want_out, want_lse, want_kc, want_vc = varlen.attention_with_kvcache(c.q, c.k_cache, c.v_cache, c.k, c.v,
+                                                                         oracle_lens, cache_leftpad=pad, **c.opts)
+    kc, vc = c.k_cache.copy(), c.v_cache.copy()
+    with Untouched(c.q, c.k, c.v, pad, c.opts):
+        out, lse = flashnb.flash_attn_with_kvcache(c.q, kc, vc, c.k, c.v, cache_seqlens=c.cache_seqlens,
+                                                   cache_leftpad=on_device(pad) if device else pad,
+                                                   num_splits=c.num_splits, return_softmax_lse=True, **c.opts)
+    np.testing.assert_array_equal(kc, want_kc, err_msg="k_cache after the append")
+    for b in range(batch):
+        n = int(lens[b]) + seqlen_new
+        kb, vb = want_kc[b, pad[b]:n], want_vc[b, pad[b]:n]
+        p = S.Problem(c.q[b:b + 1], kb[None], vb[None], np.ones_like(c.q[b:b + 1]), _per_sequence_opts(c.opts, b), 1, 1)
+        exp = expected(p, backward=False)
+        np.testing.assert_array_equal(exp.out, want_out[b:b + 1])      # the witness is the leftpad oracle's
+        check_forward(exp, out[b:b + 1], lse[b:b + 1], what=f"sequence {b} (pad {pad[b]}) of {c!r}: ")
+
+
+def test_cache_leftpad_is_not_ignored():
+    """A fixed case: the padded rows are visible without cache_leftpad and change the result."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 1, 2, 8)).astype(np.float32)
+    kc, vc = (rng.standard_normal((2, 20, 1, 8)).astype(np.float32) for _ in range(2))
+    pad = np.array([7, 0], np.int32)
+    out = flashnb.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=np.array([20, 20], np.int32), cache_leftpad=pad)
+    want, _, _, _ = varlen.attention_with_kvcache(q, kc, vc, cache_leftpad=pad)
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=0)
+    plain = flashnb.flash_attn_with_kvcache(q, kc, vc)
+    assert np.abs(out[0] - plain[0]).max() > 1e-2 and np.abs(out[1] - plain[1]).max() < 1e-6
+
+
 @settings(max_examples=examples(4, 8))
 @given(c=cases(paged=True, append=True, options=("causal",)))
 def test_paged_append_across_pages(c):

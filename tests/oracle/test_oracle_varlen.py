@@ -135,6 +135,42 @@ def test_kvcache_dense_and_paged_agree_with_attention_over_the_prefix(lens, new,
     np.testing.assert_array_equal(lse_p, lse)
 
 
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(st.integers(0, 9), min_size=1, max_size=3), new=st.integers(0, 3), seqlen_q=st.integers(1, 3),
+       opts=OPTS, seed=st.integers(0, 2**16))
+def test_kvcache_leftpad_is_a_mask_on_the_keys_before_it(lens, new, seqlen_q, opts, seed):
+    """``cache_leftpad``: the cache's positions unchanged (bottom-right alignment at ``cache_seqlens[b] +
+    seqlen_new``, windows, ALiBi's distances), keys ``j < cache_leftpad[b]`` masked: the witness is the dense
+    oracle over the whole prefix with that key mask as ``attn_mask``."""
+    rng = np.random.default_rng(seed)
+    batch, rows = len(lens), 12
+    opts = _alibi(opts, batch, 2, rng)
+    lens = np.array(lens, np.int32)
+    pad = np.array([rng.integers(0, n + new + 1) for n in lens], np.int32)     # up to every row (no key left)
+    cache_k, cache_v = (rng.standard_normal((batch, rows, 1, 4)) for _ in range(2))
+    q = rng.standard_normal((batch, seqlen_q, 2, 4))
+    k_new, v_new = (rng.standard_normal((batch, new, 1, 4)) for _ in range(2))
+    out, lse, k_after, _ = varlen.attention_with_kvcache(q, cache_k, cache_v, k_new, v_new, lens,
+                                                         cache_leftpad=pad, **opts)
+    plain = varlen.attention_with_kvcache(q, cache_k, cache_v, k_new, v_new, lens, **opts)
+    assert np.array_equal(k_after, plain[2]), "the padding changed the append"
+    for b in range(batch):
+        n = lens[b] + new
+        kb = np.concatenate([cache_k[b, :lens[b]], k_new[b]])[None]
+        vb = np.concatenate([cache_v[b, :lens[b]], v_new[b]])[None]
+        mask = np.broadcast_to(np.arange(n) >= pad[b], (1, 1, seqlen_q, n))
+        per = dict(opts)
+        if "alibi_slopes" in per:
+            per["alibi_slopes"] = per["alibi_slopes"][b:b + 1]
+        o, l = reference.attention(q[b:b + 1], kb, vb, attn_mask=mask, **per)
+        np.testing.assert_allclose(out[b], o[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse[b], l[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        bad = pad.copy()
+        bad[0] = lens[0] + new + 1
+        varlen.attention_with_kvcache(q, cache_k, cache_v, k_new, v_new, lens, cache_leftpad=bad)
+
+
 def test_kvcache_refuses_overflow_and_bad_pages():
     cache = np.zeros((1, 4, 1, 2))
     with pytest.raises(ValueError, match="exceeds"):
