@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _options, api, varlen
+from . import _options, api, kvcache, varlen
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "sdpa_patched",
            "supports_sdpa_call"]
@@ -308,6 +308,19 @@ def _varlen_backward_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ali
                                               *_numpy(cu_q, cu_k), max_q, max_k, backend=backend,
                                               deterministic=deterministic, **_numpy_options(opts))
     return tuple(_from_numpy(g, q.dtype) for g in grads)
+
+
+def _kvcache_decode(q, k, v, cache_seqlens, cache_leftpad, scale, causal, softcap):
+    """``q`` over ``k``, ``v`` as a KV cache of ``cache_seqlens[b]`` rows starting at ``cache_leftpad[b]``, no
+    append, no autograd (a decoding step: ``flashnb.transformers``' padded batches); CPU tensors through NumPy
+    (the simulator)."""
+    opts = dict(softmax_scale=scale, causal=causal, softcap=softcap)
+    if q.is_cuda:
+        return kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                                               **opts)
+    out = kvcache.flash_attn_with_kvcache(*_numpy(q, k, v), cache_seqlens=cache_seqlens.numpy(),
+                                         cache_leftpad=cache_leftpad.numpy(), **opts)
+    return _from_numpy(out, q.dtype)
 
 
 def _precision(q):

@@ -18,7 +18,9 @@ Every model whose attention layers call the interface then runs flashnb's kernel
   (``sliding_window`` itself is then not needed);
 * no mask: causal (top-left, as SDPA) or not (``is_causal``), with no mask read; a one-token decoding step
   runs on the split-KV kernels (``plan.split_kv``); a mask (padding, windows, packed sequences): a boolean
-  mask, or an additive float one, read by the kernels.
+  mask, or an additive float one, read by the kernels.  A padded batch's decoding step (a few query rows, no
+  gradient, a mask that is left padding plus causal, checked whole once per step) runs on the split-KV
+  kernels too, as a cache with ``cache_leftpad`` (``_padded_decode``).
 
 What flashnb does not compute -- a value head dim unlike the query's, head dims above 256, a learned
 ``position_bias`` (T5), a query batch broadcast against the keys' -- falls back to transformers' own SDPA implementation, with a warning naming the
@@ -26,14 +28,15 @@ reason once per reason. ``output_attentions=True`` returns no weights (None), as
 """
 import math
 import warnings
+import weakref
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import _options
-from .torch import _attention
+from . import _options, plan
+from .torch import _attention, _kvcache_decode
 
 NAME = "numba_attention"    # not "flashnb": transformers takes any name holding "flash" for a flash-attn build
 __all__ = ["NAME", "attention_forward", "fallback_reason"]
@@ -87,9 +90,61 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if attention_mask is not None:
         mask, bias = (attention_mask, None) if attention_mask.dtype == torch.bool else (None, attention_mask)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
+    if mask is not None and not dropout:
+        out = _padded_decode(q, k, v, mask, scale, float(softcap) if softcap else 0.0)
+        if out is not None:
+            return out, None
     out, _ = _attention(q, k, v, mask, bias, None, None, scale, False, -1, right,
                         float(softcap) if softcap else 0.0, (128, 128), float(dropout), False, "auto")
     return out, None
+
+
+def _padded_decode(q, k, v, mask, scale, softcap):
+    """A decoding step of a padded batch on the split-KV kernels, or None (then the mask path serves it).
+
+    transformers gives a padded batch's step a boolean mask ``(batch, 1, seqlen_q, seqlen_k)``; for a few query
+    rows per KV head (``plan.SPLIT_KV_MAX_ROWS``), no gradient, and a mask that is left padding plus causal
+    (row ``i`` of sequence ``b`` sees keys ``pad[b] <= j <= end[b] - seqlen_q + i``), the step is
+    ``flash_attn_with_kvcache`` over the keys as a cache of ``end[b]`` rows with ``cache_leftpad=pad``: the
+    decode kernels, not a masked forward.  ``_mask_structure`` checks the mask whole (one host synchronisation
+    per mask: the layers of a step share it)."""
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or mask.dim() != 4 \
+            or mask.shape[1] != 1 or mask.shape[0] != q.shape[0] or mask.shape[3] != k.shape[1] \
+            or mask.shape[2] != q.shape[1]:
+        return None
+    dtype = str(q.dtype).removeprefix("torch.")
+    if (dtype not in plan.SPLIT_KV_DTYPES or (dtype != "float32" and q.shape[-1] % 2)
+            or q.shape[1] * (q.shape[2] // k.shape[2]) > plan.SPLIT_KV_MAX_ROWS):
+        return None
+    structure = _mask_structure(mask)
+    if structure is None:
+        return None
+    pad, end = structure
+    return _kvcache_decode(q, k, v, end, pad, scale, True, softcap)
+
+
+_last_mask = [None, None, None]   # (a weak reference to the last mask, its version, its structure): one analysis
+                                  # per decoding step; weak, so that a new mask at a freed one's address is new
+
+
+def _mask_structure(mask):
+    """``(pad, end)`` int32 ``(batch,)`` tensors on the mask's device where ``mask[b, 0, i, j]`` is exactly
+    ``pad[b] <= j <= end[b] - seqlen_q + i`` (every sequence seeing some key), else None."""
+    ref, version, structure = _last_mask
+    if ref is not None and ref() is mask and version == mask._version:
+        return structure
+    rows = mask[:, 0]                                                  # (batch, seqlen_q, seqlen_k)
+    seqlen_q, seqlen_k = rows.shape[1], rows.shape[2]
+    last = rows[:, -1]                                                 # the row that sees the most keys
+    j = torch.arange(seqlen_k, device=mask.device)
+    pad = torch.where(last, j, seqlen_k).amin(-1)
+    end = torch.where(last, j + 1, 0).amax(-1)
+    i = torch.arange(seqlen_q, device=mask.device)[:, None]
+    expected = (j >= pad[:, None, None]) & (j <= end[:, None, None] - seqlen_q + i)
+    ok = bool(((expected == rows).all() & last.any(-1).all()).item())   # (the one synchronisation)
+    structure = (pad.to(torch.int32), end.to(torch.int32)) if ok else None
+    _last_mask[:] = [weakref.ref(mask), mask._version, structure]
+    return structure
 
 
 AttentionInterface.register(NAME, attention_forward)

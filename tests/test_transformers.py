@@ -97,6 +97,48 @@ def test_generate_with_a_kv_cache_matches_sdpa(monkeypatch):
     assert len(steps) == 3 * 2      # 3 decoding steps (after the prompt's) x 2 layers
 
 
+def test_generate_a_padded_batch_matches_sdpa(monkeypatch):
+    """Greedy decoding of a left-padded batch (a 2-D attention mask): transformers gives each step a boolean
+    mask; its left padding plus causal structure sends the step to the split-KV kernels with cache_leftpad
+    (counted), one mask analysis per step for all layers; the tokens and the logits equal SDPA's."""
+    from flashnb import kvcache
+    steps, analyses = [], []
+    real, real_structure = kvcache._with_kvcache, fnt._mask_structure
+    monkeypatch.setattr(kvcache, "_with_kvcache", lambda *a, **kw: steps.append(kw.get("cache_leftpad", a[-1]))
+                        or real(*a, **kw))
+    monkeypatch.setattr(fnt, "_mask_structure", lambda m: analyses.append(1) or real_structure(m))
+    ours, ref = _pair("llama", "sdpa", dtype=torch.float32)
+    ids = _ids(3, 9, seed=7)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4] = 0                  # two sequences padded on the left, one not
+    mask[2, :1] = 0
+    kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    go, gr = ours.generate(ids, attention_mask=mask, **kw), ref.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(go.sequences, gr.sequences)
+    for a, b in zip(go.logits, gr.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    pads = [p for p in steps if p is not None]
+    assert len(pads) == 3 * 2, steps            # 3 decoding steps x 2 layers, each with the padding
+    assert all(p.tolist() == [4, 0, 1] for p in pads)
+    assert len(analyses) >= 3 and len(analyses) <= 3 + 1 + 2      # one a step (the prompt's mask: once or per layer)
+
+
+def test_padded_decode_takes_only_the_masks_it_reads_exactly():
+    """A mask with a hole (packed sequences, say) or with rows past the causal diagonal is not left padding
+    plus causal: no structure, the mask path serves it."""
+    j = torch.arange(8)
+    good = ((j >= 2) & (j <= 7 - 1 + torch.arange(2)[:, None]))[None, None].expand(2, 1, 2, 8).clone()
+    pad, end = fnt._mask_structure(good)
+    assert pad.tolist() == [2, 2] and end.tolist() == [8, 8]
+    for spoil in ((0, 0, 1, 4), (1, 0, 0, 7), (0, 0, 0, 1)):    # a hole; a key past the diagonal; one before the pad
+        bad = good.clone()
+        bad[spoil] = not bad[spoil]
+        assert fnt._mask_structure(bad) is None, spoil
+    empty = good.clone()
+    empty[1] = False                                            # a sequence that sees no key
+    assert fnt._mask_structure(empty) is None
+
+
 def test_fallback_for_a_value_head_dim_unlike_the_querys():
     q = torch.randn(1, 2, 3, 8, dtype=torch.float64)
     k = torch.randn(1, 2, 3, 8, dtype=torch.float64)
