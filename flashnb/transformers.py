@@ -18,7 +18,8 @@ Every model whose attention layers call the interface then runs flashnb's kernel
   (``sliding_window`` itself is then not needed);
 * no mask: causal (top-left, as SDPA) or not (``is_causal``), with no mask read; a one-token decoding step
   runs on the split-KV kernels (``plan.split_kv``); a mask (padding, windows, packed sequences): a boolean
-  mask, or an additive float one, read by the kernels.  A padded batch's decoding step (a few query rows, no
+  mask, or an additive float one, read by the kernels; a boolean mask that allows nothing past the diagonal
+  also gets the causal window (``_within_causal``: the kernels skip those tiles).  A padded batch's decoding step (a few query rows, no
   gradient, a mask that is left padding plus causal, checked whole once per step) runs on the split-KV
   kernels too, as a cache with ``cache_leftpad`` (``_padded_decode``).
 
@@ -94,6 +95,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         out = _padded_decode(q, k, v, mask, scale, float(softcap) if softcap else 0.0)
         if out is not None:
             return out, None
+    if mask is not None and seqlen_q > 1 and _within_causal(mask):
+        right = 0                        # the mask allows nothing past the diagonal: the kernels skip those tiles
     out, _ = _attention(q, k, v, mask, bias, None, None, scale, False, -1, right,
                         float(softcap) if softcap else 0.0, (128, 128), float(dropout), False, "auto")
     return out, None
@@ -123,16 +126,44 @@ def _padded_decode(q, k, v, mask, scale, softcap):
     return _kvcache_decode(q, k, v, end, pad, scale, True, softcap)
 
 
-_last_mask = [None, None, None]   # (a weak reference to the last mask, its version, its structure): one analysis
-                                  # per decoding step; weak, so that a new mask at a freed one's address is new
+_last_mask = [None, None, {}]   # (a weak reference to the last mask, its version, {analysis: result}): each
+                                # analysis once per mask, which the layers of a step share; weak, so that a new
+                                # mask at a freed one's address is a new mask
+
+
+def _analysis(mask, name, compute):
+    """``compute(mask)``, once per mask (and version) for all the layers of a forward pass."""
+    ref, version, results = _last_mask
+    if ref is None or ref() is not mask or version != mask._version:
+        results = {}
+        _last_mask[:] = [weakref.ref(mask), mask._version, results]
+    if name not in results:
+        results[name] = compute(mask)
+    return results[name]
+
+
+def _within_causal(mask):
+    """Whether a boolean ``(batch or 1, 1 or heads, seqlen_q, seqlen_k)`` mask allows no key past the bottom-right
+    diagonal (``j > i + seqlen_k - seqlen_q``): transformers' causal masks, padded or not, windowed or not.  Then
+    the call may add the causal window: the same attention, with the tiles past the diagonal skipped (the mask
+    alone reads them all).  One synchronisation per mask."""
+    def compute(m):
+        if m.dim() != 4:
+            return False
+        seqlen_q, seqlen_k = m.shape[-2], m.shape[-1]
+        i = torch.arange(seqlen_q, device=m.device)[:, None]
+        past = torch.arange(seqlen_k, device=m.device) > i + (seqlen_k - seqlen_q)
+        return not bool((m & past).any().item())
+    return _analysis(mask, "within_causal", compute)
 
 
 def _mask_structure(mask):
     """``(pad, end)`` int32 ``(batch,)`` tensors on the mask's device where ``mask[b, 0, i, j]`` is exactly
     ``pad[b] <= j <= end[b] - seqlen_q + i`` (every sequence seeing some key), else None."""
-    ref, version, structure = _last_mask
-    if ref is not None and ref() is mask and version == mask._version:
-        return structure
+    return _analysis(mask, "left_padded_causal", _left_padded_causal)
+
+
+def _left_padded_causal(mask):
     rows = mask[:, 0]                                                  # (batch, seqlen_q, seqlen_k)
     seqlen_q, seqlen_k = rows.shape[1], rows.shape[2]
     last = rows[:, -1]                                                 # the row that sees the most keys
@@ -142,9 +173,7 @@ def _mask_structure(mask):
     i = torch.arange(seqlen_q, device=mask.device)[:, None]
     expected = (j >= pad[:, None, None]) & (j <= end[:, None, None] - seqlen_q + i)
     ok = bool(((expected == rows).all() & last.any(-1).all()).item())   # (the one synchronisation)
-    structure = (pad.to(torch.int32), end.to(torch.int32)) if ok else None
-    _last_mask[:] = [weakref.ref(mask), mask._version, structure]
-    return structure
+    return (pad.to(torch.int32), end.to(torch.int32)) if ok else None
 
 
 AttentionInterface.register(NAME, attention_forward)

@@ -66,6 +66,34 @@ def test_llama_padded_batch_matches_sdpa():
     _compare(ours, ref, _ids(2, 10, seed=3), mask)
 
 
+def test_a_padded_prefill_skips_the_tiles_past_the_diagonal(monkeypatch):
+    """transformers' padded causal mask allows nothing past the diagonal: the call adds the causal window
+    (``right = 0``: the kernels skip those tiles instead of reading the mask there), analysed once for the
+    layers of a forward pass; logits and gradients still equal SDPA's."""
+    rights, computed = [], []
+    real, real_analysis = fnt._attention, fnt._analysis
+    monkeypatch.setattr(fnt, "_attention", lambda *a: rights.append(a[10]) or real(*a))
+    monkeypatch.setattr(fnt, "_analysis", lambda m, name, compute: real_analysis(
+        m, name, lambda x: computed.append(name) or compute(x)))
+    ours, ref = _pair("llama", "sdpa")
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    _compare(ours, ref, _ids(2, 10, seed=8), mask)
+    assert rights == [0, 0], rights                # both layers, causal window added
+    assert computed.count("within_causal") == 1, computed      # one analysis for the two layers
+
+
+def test_within_causal_reads_the_mask_whole():
+    i, j = torch.arange(3)[:, None], torch.arange(5)
+    bottom_right = (j <= i + 2)[None, None]                  # 3 queries over 5 keys
+    assert fnt._within_causal(bottom_right.clone())
+    assert fnt._within_causal((bottom_right & (j >= 1))[None, 0].clone())      # padded: fewer keys, still inside
+    past = bottom_right.clone()
+    past[0, 0, 0, 3] = True                                  # one key past the diagonal
+    assert not fnt._within_causal(past)
+    assert not fnt._within_causal(torch.ones(1, 1, 3, 5, dtype=torch.bool))   # a bidirectional (encoder) mask
+
+
 def test_mistral_sliding_window_matches_sdpa():
     """A window of 4 over 12 tokens: the mask transformers builds bounds the keys."""
     ours, ref = _pair("mistral", "sdpa", sliding_window=4)
