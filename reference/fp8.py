@@ -28,6 +28,10 @@ head).
   attention(inputs)|``; the derivation is in its docstring.
 * ``p_quantization_bound(q, k, v, ...)``: a bound on what quantising the probabilities ``P`` to e4m3 for the
   ``P V`` product costs, as FA3's forward does (the row sums from the unquantised ``P``).
+* ``fp8_flash_forward(q8, k8, v8, ..., p_descale, block_k)``: FA3's FP8 forward as an algorithm, in float64 so
+  that only its quantisation shows. Key tiles go through an online softmax; each tile's ``exp(s - running max)``
+  is quantised to e4m3 for ``P V``. The kernel is to be held to it, and it is held to ``fp8_attention`` within
+  ``p_quantization_bound``: that checks the bound's claim for a running max.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import numpy as np
 from .standard import attention, attention_probs
 
 __all__ = ["E4M3_MAX", "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_HALF_STEP", "e4m3_table", "quantize_e4m3",
-           "dequantize_e4m3", "fp8_attention", "rounding_bound", "input_quantization_bound", "p_quantization_bound"]
+           "dequantize_e4m3", "fp8_attention", "fp8_flash_forward", "rounding_bound", "input_quantization_bound",
+           "p_quantization_bound"]
 
 E4M3_MAX = 448.0
 E4M3_UNIT_ROUNDOFF = 2.0 ** -4         # half a unit in the last place, relative, for normal values
@@ -198,3 +203,49 @@ def p_quantization_bound(q, k, v, p_descale=1.0, softmax_scale=None, **opts):
     relative = E4M3_UNIT_ROUNDOFF * probs @ v_r
     absolute = E4M3_SUBNORMAL_HALF_STEP * float(p_descale) * (seen @ v_r) * inv_l[..., None]
     return (relative + absolute).transpose(0, 2, 1, 3)       # (batch, seqlen_q, nheads, d)
+
+
+def fp8_flash_forward(q8, k8, v8, q_descale=None, k_descale=None, v_descale=None, p_descale=1.0, block_k=64,
+                      causal=False, softmax_scale=None):
+    """``(out, lse)`` of FA3's FP8 forward, in float64. ``causal`` is bottom-right aligned, as ``attention``.
+    For each key tile ``j`` of ``block_k`` keys, per query row:
+
+        s = scale * q k_j^T                      (dequantised inputs)
+        m_new = max(m, rowmax s)
+        p = exp(s - m_new)                       (<= 1)
+        l = l exp(m - m_new) + rowsum p          (the unquantised p)
+        acc = acc exp(m - m_new) + deq(quant(p, p_descale)) v_j
+        m = m_new
+
+    and then ``out = acc / l``, ``lse = m + log l``. A row that sees no key gives ``out = 0`` and
+    ``lse = -inf``.
+    """
+    q, k, v = _dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale)
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, group = k.shape[1], nheads // k.shape[2]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not isinstance(block_k, int) or block_k < 1:
+        raise ValueError(f"block_k must be a positive int, got {block_k!r}")
+    qh = q.transpose(0, 2, 1, 3)                                             # (batch, nheads, seqlen_q, d)
+    kh, vh = (np.repeat(x, group, axis=2).transpose(0, 2, 1, 3) for x in (k, v))
+    m = np.full((batch, nheads, seqlen_q, 1), -np.inf)
+    l = np.zeros((batch, nheads, seqlen_q, 1))
+    acc = np.zeros((batch, nheads, seqlen_q, d))
+    rows = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)               # the last key each row may see
+    for j0 in range(0, seqlen_k, block_k):
+        cols = np.arange(j0, min(j0 + block_k, seqlen_k))
+        s = scale * qh @ kh[:, :, cols].swapaxes(-1, -2)
+        if causal:
+            s = np.where(cols[None, :] <= rows, s, -np.inf)
+        m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+        safe = np.where(np.isinf(m_new), 0.0, m_new)                          # rows that saw nothing yet
+        alpha = np.exp(m - safe)
+        p = np.exp(s - safe)
+        l = l * alpha + p.sum(axis=-1, keepdims=True)
+        p_q = dequantize_e4m3(quantize_e4m3(p, p_descale), p_descale)
+        acc = acc * alpha + p_q @ vh[:, :, cols]
+        m = m_new
+    seen = l > 0
+    out = np.where(seen, acc / np.where(seen, l, 1.0), 0.0)
+    lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)[..., 0]
+    return out.transpose(0, 2, 1, 3), lse

@@ -195,3 +195,31 @@ def test_the_input_bound_is_useful_where_scores_move_little():
     out, _ = reference.attention(q, k, v, causal=True)
     assert np.max(bound) < 0.1 * np.abs(v).max()
     assert np.all(np.abs(out8 - out) <= bound)
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=problems(), p_descale=st.sampled_from((1.0, 1.0 / 448, 1.0 / 16)), block_k=st.integers(1, 7))
+def test_the_fa3_algorithm_stays_within_the_p_bound(p, p_descale, block_k):
+    """The online softmax quantises each tile's P against the running max: the bound derived for the final max
+    still holds (the argument in its docstring), for any tile size; lse, from the unquantised P, is the
+    oracle's."""
+    q, k, v, (dq, dk, dv), causal, scale = p
+    group = q.shape[2] // k.shape[2]
+    q8, k8, v8 = _quantize(q, dq, group), _quantize(k, dk), _quantize(v, dv)
+    out, lse = fp8.fp8_flash_forward(q8, k8, v8, dq, dk, dv, p_descale, block_k, causal=causal, softmax_scale=scale)
+    want, want_lse = fp8.fp8_attention(q8, k8, v8, dq, dk, dv, causal=causal, softmax_scale=scale)
+    qd, kd, vd = fp8._dequantize_inputs(q8, k8, v8, dq, dk, dv)
+    bound = fp8.p_quantization_bound(qd, kd, vd, p_descale, softmax_scale=scale, causal=causal)
+    assert np.all(np.abs(out - want) <= bound * (1 + 1e-9) + 1e-12), np.max(np.abs(out - want) - bound)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)      # l from the unquantised P
+
+
+def test_the_fa3_algorithm_quantises_p():
+    """Not the unquantised attention: on data whose probabilities are not e4m3 values the outputs differ."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 6, 2, 8)) for _ in range(3))
+    codes = [fp8.quantize_e4m3(x, np.abs(x).max() / fp8.E4M3_MAX) for x in (q, k, v)]
+    ds = [np.abs(x).max() / fp8.E4M3_MAX for x in (q, k, v)]
+    out, _ = fp8.fp8_flash_forward(*codes, *ds, block_k=2)
+    want, _ = fp8.fp8_attention(*codes, *ds)
+    assert 1e-4 < np.abs(out - want).max() < 0.1
