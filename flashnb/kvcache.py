@@ -312,8 +312,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Arguments:
         q: ``(batch, seqlen_q, nheads, headdim)``; seqlen_q 1 (decoding) to a few hundred (chunked prefill,
-            speculative decoding). float16, bfloat16 or float32 (the head dim even for 16-bit types, with a
-            contiguous head dimension).
+            speculative decoding). float16, bfloat16 or float32, with a contiguous head dimension. An odd head
+            dim in 16 bits is served as flash-attn serves it: on copies padded with a zero column, the caches
+            copied back after an append (a copy of each cache per call; NumPy, PyTorch or CuPy arrays,
+            ``stream=None``).
         k_cache, v_cache: dense ``(batch, seqlen_cache, nheads_k, headdim)``, or paged ``(num_pages, page_size,
             nheads_k, headdim)`` with ``block_table``; ``nheads % nheads_k == 0`` (GQA/MQA).
         k, v: ``(batch, seqlen_new, nheads_k, headdim)`` or None: written into the caches at rows
@@ -371,6 +373,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     if cache_leftpad is not None and block_table is not None:
         raise ValueError("cache_leftpad is for dense caches: it cannot be given with block_table (as flash-attn)")
+    if _odd_16bit(q):
+        return _with_even_head_dim(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                   rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, stream)
     if not isinstance(rotary_interleaved, (bool, np.bool_)):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     if type(window_size) is not tuple:
@@ -389,6 +395,62 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                               causal, window_size, softcap, alibi_slopes, return_softmax_lse, stream, rotary,
                               cache_leftpad),
         cacheable=stream is None and not uniform)
+
+
+def _odd_16bit(q):
+    """A float16/bfloat16 ``q`` with an odd head dim (the kernels read pairs of 16-bit values as 32-bit words)."""
+    return (len(getattr(q, "shape", ())) == 4 and int(q.shape[3]) % 2 == 1
+            and _arrays.kind_of(q, "q").dtype in ("float16", "bfloat16"))
+
+
+def _with_even_head_dim(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                        alibi_slopes, num_splits, return_softmax_lse, stream):
+    """flash-attn's answer to an odd 16-bit head dim: q, the caches and the new rows padded with a zero
+    column (the scores and the first ``headdim`` output columns unchanged; the scale stays the unpadded head
+    dim's), the call made on the copies, the caches' rows copied back after an append, ``out`` cut back.  Costs
+    a copy of each cache per call, as flash-attn's does; NumPy, PyTorch and CuPy arrays, on their current
+    stream (so ``stream`` must be None)."""
+    lib = _arrays.kind_of(q, "q").lib
+    d = int(q.shape[3])
+    if lib == "numba" or stream is not None:
+        raise ValueError(f"an odd head dim ({d}) for {_arrays.kind_of(q, 'q').dtype} is served by padding copies of "
+                         f"NumPy, PyTorch or CuPy arrays on their current stream: pass one of those with stream=None, "
+                         f"or an even head dim")
+    for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"), (v, "v")):
+        if x is not None and (len(x.shape) != 4 or int(x.shape[3]) != d):
+            raise ValueError(f"{name} must have head dim {d} like q, got shape {tuple(x.shape)}")
+    if rotary_cos is not None and len(rotary_cos.shape) == 2 and 2 * int(rotary_cos.shape[1]) > d:
+        raise ValueError(f"rotary_dim (2 x rotary_cos.shape[1] = {2 * int(rotary_cos.shape[1])}) must be at most "
+                         f"the head dim {d}")
+    pad = functools.partial(_pad_head_dim, lib=lib)
+    kc, vc = pad(k_cache), pad(v_cache)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    result = flash_attn_with_kvcache(pad(q), kc, vc, pad(k), pad(v), rotary_cos, rotary_sin, cache_seqlens,
+                                     cache_batch_idx, cache_leftpad, block_table, scale, causal, window_size, softcap,
+                                     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+    if k is not None:                    # the append landed in the copies: into the caller's caches
+        for dst, src in ((k_cache, kc), (v_cache, vc)):
+            if lib == "torch":
+                dst.copy_(src[..., :d])
+            else:
+                dst[...] = src[..., :d]
+    if return_softmax_lse:
+        return result[0][..., :d], result[1]
+    return result[..., :d]
+
+
+def _pad_head_dim(x, lib):
+    """``x`` with one zero column after its last (head) dimension; None stays None."""
+    if x is None:
+        return None
+    if lib == "torch":
+        import torch
+        return torch.nn.functional.pad(x, (0, 1))
+    if lib == "cupy":
+        import cupy
+        return cupy.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 1)])
+    return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 1)])
 
 
 def attend(q, k, v, options, return_lse, stream):

@@ -370,11 +370,40 @@ def test_seqlens_past_touched_pages_are_not_checked():
     check_case(c)
 
 
-def test_odd_head_dim_float16_refused():
-    q = np.zeros((1, 1, 1, 3), np.float16)
-    cache = np.zeros((1, 4, 1, 3), np.float16)
-    with pytest.raises(ValueError, match="even"):
-        flashnb.flash_attn_with_kvcache(q, cache, cache)
+@pytest.mark.parametrize("headdim", [3, 5])
+def test_odd_head_dim_float16_served_as_flash_attn_does(headdim):
+    """An odd 16-bit head dim: padded copies, the append copied back into the caller's caches, out cut back;
+    with rotary, leftpad, splits, the default scale of the unpadded head dim."""
+    rng = np.random.default_rng(headdim)
+    q = rng.standard_normal((2, 2, 2, headdim)).astype(np.float16)
+    kc, vc = (rng.standard_normal((2, 20, 1, headdim)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((2, 2, 1, headdim)).astype(np.float16) for _ in range(2))
+    lens, pad = np.array([5, 17], np.int32), np.array([1, 0], np.int32)
+    cos = sin = None
+    if headdim >= 4:                          # (rotary_dim is a multiple of 4, at most the head dim)
+        angle = rng.uniform(0, 2 * np.pi, (20, 2))
+        cos, sin = np.cos(angle).astype(np.float16), np.sin(angle).astype(np.float16)
+    want_out, want_lse, want_kc, want_vc = varlen.attention_with_kvcache(
+        q, kc, vc, k, v, lens, rotary_cos=cos, rotary_sin=sin, cache_leftpad=pad, causal=True)
+    kc2, vc2 = kc.copy(), vc.copy()
+    with Untouched(q, k, v, lens, pad, cos, sin):
+        out, lse = flashnb.flash_attn_with_kvcache(q, kc2, vc2, k, v, cos, sin, lens, cache_leftpad=pad, causal=True,
+                                                   num_splits=2, return_softmax_lse=True)
+    assert out.shape == q.shape and out.dtype == np.float16
+    np.testing.assert_array_equal(kc2, want_kc)
+    np.testing.assert_array_equal(vc2, want_vc)
+    np.testing.assert_allclose(out.astype(np.float64), want_out, atol=4e-3, rtol=0)   # float16 half-ulps at |v| < 4
+    np.testing.assert_allclose(lse, want_lse, atol=1e-3, rtol=0)
+
+
+def test_odd_head_dim_refuses_a_rotary_dim_past_it():
+    """Head dim 3 padded to 4 must not let a rotary_dim of 4 through: it is checked against the caller's 3."""
+    q = np.ones((1, 1, 1, 3), np.float16)
+    kc = np.ones((1, 16, 1, 3), np.float16)
+    k = np.ones((1, 1, 1, 3), np.float16)
+    table = np.ones((16, 2), np.float16)                     # rotary_dim 4
+    with Untouched(q, kc, k), pytest.raises(ValueError, match=r"rotary_dim .* at most the head dim 3"):
+        flashnb.flash_attn_with_kvcache(q, kc, kc.copy(), k, k, table, table, 4)
 
 
 # ------------------------------------------------------------------------------------------------ device metadata
