@@ -310,11 +310,11 @@ def _varlen_backward_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ali
     return tuple(_from_numpy(g, q.dtype) for g in grads)
 
 
-def _kvcache_decode(q, k, v, cache_seqlens, cache_leftpad, scale, causal, softcap):
+def _kvcache_decode(q, k, v, cache_seqlens, cache_leftpad, scale, causal, softcap, left=-1):
     """``q`` over ``k``, ``v`` as a KV cache of ``cache_seqlens[b]`` rows starting at ``cache_leftpad[b]``, no
-    append, no autograd (a decoding step: ``flashnb.transformers``' padded batches); CPU tensors through NumPy
-    (the simulator)."""
-    opts = dict(softmax_scale=scale, causal=causal, softcap=softcap)
+    append, no autograd (a decoding step: ``flashnb.transformers``' padded batches), ``left`` the window's left
+    side; CPU tensors through NumPy (the simulator)."""
+    opts = dict(softmax_scale=scale, causal=causal, softcap=softcap, window_size=(left, 0 if causal else -1))
     if q.is_cuda:
         return kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
                                                **opts)

@@ -20,8 +20,8 @@ Every model whose attention layers call the interface then runs flashnb's kernel
   runs on the split-KV kernels (``plan.split_kv``); a mask (padding, windows, packed sequences): a boolean
   mask, or an additive float one, read by the kernels; a boolean mask that allows nothing past the diagonal
   also gets the causal window (``_within_causal``: the kernels skip those tiles).  A padded batch's decoding step (a few query rows, no
-  gradient, a mask that is left padding plus causal, checked whole once per step) runs on the split-KV
-  kernels too, as a cache with ``cache_leftpad`` (``_padded_decode``).
+  gradient, a mask that is left padding plus causal, and the layer's sliding window if any, checked whole
+  once per step) runs on the split-KV kernels too, as a cache with ``cache_leftpad`` (``_padded_decode``).
 
 What flashnb does not compute -- a value head dim unlike the query's, head dims above 256, a learned
 ``position_bias`` (T5), a query batch broadcast against the keys' -- falls back to transformers' own SDPA implementation, with a warning naming the
@@ -67,7 +67,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     ``value`` ``(batch, kv_heads, seqlen_k, head_dim)``, ``attention_mask`` boolean (True = attend) or additive,
     broadcastable to ``(batch, heads, seqlen_q, seqlen_k)``, or None.  Returns ``(out, None)`` with ``out``
     ``(batch, seqlen_q, heads, head_dim)``."""
-    del sliding_window       # (the mask transformers builds holds the window wherever it bounds anything)
+    # (the mask transformers builds holds the window wherever it bounds anything; a padded decoding step reads
+    # its size to recognise the mask)
     reason = fallback_reason(query, key, value, attention_mask, position_bias)
     if reason is not None:
         if reason not in _warned:
@@ -92,7 +93,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         mask, bias = (attention_mask, None) if attention_mask.dtype == torch.bool else (None, attention_mask)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
     if mask is not None and not dropout:
-        out = _padded_decode(q, k, v, mask, scale, float(softcap) if softcap else 0.0)
+        out = _padded_decode(q, k, v, mask, scale, float(softcap) if softcap else 0.0, sliding_window)
         if out is not None:
             return out, None
     if mask is not None and seqlen_q > 1 and _within_causal(mask):
@@ -102,14 +103,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out, None
 
 
-def _padded_decode(q, k, v, mask, scale, softcap):
+def _padded_decode(q, k, v, mask, scale, softcap, sliding_window=None):
     """A decoding step of a padded batch on the split-KV kernels, or None (then the mask path serves it).
 
     transformers gives a padded batch's step a boolean mask ``(batch, 1, seqlen_q, seqlen_k)``; for a few query
     rows per KV head (``plan.SPLIT_KV_MAX_ROWS``), no gradient, and a mask that is left padding plus causal
-    (row ``i`` of sequence ``b`` sees keys ``pad[b] <= j <= end[b] - seqlen_q + i``), the step is
-    ``flash_attn_with_kvcache`` over the keys as a cache of ``end[b]`` rows with ``cache_leftpad=pad``: the
-    decode kernels, not a masked forward.  ``_mask_structure`` checks the mask whole (one host synchronisation
+    (row ``i`` of sequence ``b`` sees keys ``pad[b] <= j <= end[b] - seqlen_q + i``, and with a
+    ``sliding_window`` W also ``j > end[b] - seqlen_q + i - W``, transformers' window), the step is
+    ``flash_attn_with_kvcache`` over the keys as a cache of ``end[b]`` rows with ``cache_leftpad=pad`` (and the
+    window ``(W - 1, 0)``): the decode kernels, not a masked forward.  ``_mask_structure`` checks the mask whole (one host synchronisation
     per mask: the layers of a step share it)."""
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or mask.dim() != 4 \
             or mask.shape[1] != 1 or mask.shape[0] != q.shape[0] or mask.shape[3] != k.shape[1] \
@@ -119,11 +121,12 @@ def _padded_decode(q, k, v, mask, scale, softcap):
     if (dtype not in plan.SPLIT_KV_DTYPES or (dtype != "float32" and q.shape[-1] % 2)
             or q.shape[1] * (q.shape[2] // k.shape[2]) > plan.SPLIT_KV_MAX_ROWS):
         return None
-    structure = _mask_structure(mask)
+    window = int(sliding_window) if isinstance(sliding_window, int) and sliding_window > 0 else None
+    structure = _mask_structure(mask, window)
     if structure is None:
         return None
     pad, end = structure
-    return _kvcache_decode(q, k, v, end, pad, scale, True, softcap)
+    return _kvcache_decode(q, k, v, end, pad, scale, True, softcap, -1 if window is None else window - 1)
 
 
 _last_mask = [None, None, {}]   # (a weak reference to the last mask, its version, {analysis: result}): each
@@ -157,21 +160,25 @@ def _within_causal(mask):
     return _analysis(mask, "within_causal", compute)
 
 
-def _mask_structure(mask):
+def _mask_structure(mask, window=None):
     """``(pad, end)`` int32 ``(batch,)`` tensors on the mask's device where ``mask[b, 0, i, j]`` is exactly
-    ``pad[b] <= j <= end[b] - seqlen_q + i`` (every sequence seeing some key), else None."""
-    return _analysis(mask, "left_padded_causal", _left_padded_causal)
+    ``pad[b] <= j <= end[b] - seqlen_q + i`` (and ``j > end[b] - seqlen_q + i - window`` with a window), every
+    sequence seeing some key; else None."""
+    return _analysis(mask, ("left_padded_causal", window), lambda m: _left_padded_causal(m, window))
 
 
-def _left_padded_causal(mask):
+def _left_padded_causal(mask, window):
     rows = mask[:, 0]                                                  # (batch, seqlen_q, seqlen_k)
     seqlen_q, seqlen_k = rows.shape[1], rows.shape[2]
-    last = rows[:, -1]                                                 # the row that sees the most keys
+    last = rows[:, -1]                                                 # the row that sees the last key
     j = torch.arange(seqlen_k, device=mask.device)
-    pad = torch.where(last, j, seqlen_k).amin(-1)
+    pad = torch.where(rows.any(1), j, seqlen_k).amin(-1)              # the first key any row sees
     end = torch.where(last, j + 1, 0).amax(-1)
     i = torch.arange(seqlen_q, device=mask.device)[:, None]
-    expected = (j >= pad[:, None, None]) & (j <= end[:, None, None] - seqlen_q + i)
+    diagonal = end[:, None, None] - seqlen_q + i
+    expected = (j >= pad[:, None, None]) & (j <= diagonal)
+    if window is not None:
+        expected &= j > diagonal - window
     ok = bool(((expected == rows).all() & last.any(-1).all()).item())   # (the one synchronisation)
     return (pad.to(torch.int32), end.to(torch.int32)) if ok else None
 

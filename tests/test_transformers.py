@@ -134,7 +134,7 @@ def test_generate_a_padded_batch_matches_sdpa(monkeypatch):
     real, real_structure = kvcache._with_kvcache, fnt._mask_structure
     monkeypatch.setattr(kvcache, "_with_kvcache", lambda *a, **kw: steps.append(kw.get("cache_leftpad", a[-1]))
                         or real(*a, **kw))
-    monkeypatch.setattr(fnt, "_mask_structure", lambda m: analyses.append(1) or real_structure(m))
+    monkeypatch.setattr(fnt, "_mask_structure", lambda m, w=None: analyses.append(1) or real_structure(m, w))
     ours, ref = _pair("llama", "sdpa", dtype=torch.float32)
     ids = _ids(3, 9, seed=7)
     mask = torch.ones(3, 9, dtype=torch.long)
@@ -151,6 +151,27 @@ def test_generate_a_padded_batch_matches_sdpa(monkeypatch):
     assert len(analyses) >= 3 and len(analyses) <= 3 + 1 + 2      # one a step (the prompt's mask: once or per layer)
 
 
+def test_generate_a_padded_batch_with_a_sliding_window_matches_sdpa(monkeypatch):
+    """Mistral with a window of 4 over a 9-token left-padded prompt and 4 new tokens: each step's mask is left
+    padding, causal and the window; it runs on the split-KV kernels with the window (counted), and the tokens
+    and logits equal SDPA's."""
+    from flashnb import kvcache
+    steps = []
+    real = kvcache._with_kvcache
+    monkeypatch.setattr(kvcache, "_with_kvcache", lambda *a, **kw: steps.append((a[-1], a[10])) or real(*a, **kw))
+    ours, ref = _pair("mistral", "sdpa", dtype=torch.float32, sliding_window=4)
+    ids = _ids(2, 9, seed=9)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :6] = 0                  # a pad longer than the window: the window bounds the keys first
+    kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    go, gr = ours.generate(ids, attention_mask=mask, **kw), ref.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(go.sequences, gr.sequences)
+    for a, b in zip(go.logits, gr.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    padded = [(p, w) for p, w in steps if p is not None]
+    assert len(padded) == 3 * 2 and all(w == (3, 0) for _, w in padded), steps
+
+
 def test_padded_decode_takes_only_the_masks_it_reads_exactly():
     """A mask with a hole (packed sequences, say) or with rows past the causal diagonal is not left padding
     plus causal: no structure, the mask path serves it."""
@@ -165,6 +186,11 @@ def test_padded_decode_takes_only_the_masks_it_reads_exactly():
     empty = good.clone()
     empty[1] = False                                            # a sequence that sees no key
     assert fnt._mask_structure(empty) is None
+    windowed = good & (j > 7 - 1 + torch.arange(2)[:, None] - 3)                 # a window of 3 keys
+    assert fnt._mask_structure(windowed.clone()) is None                          # not without the window
+    pad, end = fnt._mask_structure(windowed.clone(), 3)
+    assert pad.tolist() == [4, 4] and end.tolist() == [8, 8]   # row 0 sees 4..6, row 1 5..7
+    assert fnt._mask_structure(windowed.clone(), 4) is None    # another window: not this mask
 
 
 def test_fallback_for_a_value_head_dim_unlike_the_querys():
