@@ -96,7 +96,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         out = _padded_decode(q, k, v, mask, scale, float(softcap) if softcap else 0.0, sliding_window)
         if out is not None:
             return out, None
-    if mask is not None and seqlen_q > 1 and _within_causal(mask):
+    if mask is not None and seqlen_q > 1 and _within_causal(mask, seqlen_q, k.shape[1]):
         right = 0                        # the mask allows nothing past the diagonal: the kernels skip those tiles
     out, _ = _attention(q, k, v, mask, bias, None, None, scale, False, -1, right,
                         float(softcap) if softcap else 0.0, (128, 128), float(dropout), False, "auto")
@@ -129,35 +129,42 @@ def _padded_decode(q, k, v, mask, scale, softcap, sliding_window=None):
     return _kvcache_decode(q, k, v, end, pad, scale, True, softcap, -1 if window is None else window - 1)
 
 
-_last_mask = [None, None, {}]   # (a weak reference to the last mask, its version, {analysis: result}): each
-                                # analysis once per mask, which the layers of a step share; weak, so that a new
-                                # mask at a freed one's address is a new mask
+_recent_masks = []   # [(a weak reference to a mask, its version, {analysis: result})], the newest last: each
+                     # analysis once per mask, which the layers of a step share (two masks a step where full and
+                     # sliding layers alternate); weak, so that a new mask at a freed one's address is new
+_RECENT = 4
 
 
 def _analysis(mask, name, compute):
-    """``compute(mask)``, once per mask (and version) for all the layers of a forward pass."""
-    ref, version, results = _last_mask
-    if ref is None or ref() is not mask or version != mask._version:
+    """``compute(mask)``, once per mask (and version) for all the layers of a forward pass.  An inference
+    tensor (``torch.inference_mode``) has no version counter: computed at every call."""
+    if mask.is_inference():
+        return compute(mask)
+    for ref, version, results in _recent_masks:
+        if ref() is mask and version == mask._version:
+            break
+    else:
         results = {}
-        _last_mask[:] = [weakref.ref(mask), mask._version, results]
+        _recent_masks.append((weakref.ref(mask), mask._version, results))
+        del _recent_masks[:-_RECENT]
     if name not in results:
         results[name] = compute(mask)
     return results[name]
 
 
-def _within_causal(mask):
+def _within_causal(mask, seqlen_q, seqlen_k):
     """Whether a boolean ``(batch or 1, 1 or heads, seqlen_q, seqlen_k)`` mask allows no key past the bottom-right
     diagonal (``j > i + seqlen_k - seqlen_q``): transformers' causal masks, padded or not, windowed or not.  Then
     the call may add the causal window: the same attention, with the tiles past the diagonal skipped (the mask
-    alone reads them all).  One synchronisation per mask."""
+    alone reads them all).  A mask broadcast along its query or key dimension is not looked at (False).  One
+    synchronisation per mask."""
     def compute(m):
-        if m.dim() != 4:
+        if m.dim() != 4 or tuple(m.shape[-2:]) != (seqlen_q, seqlen_k):
             return False
-        seqlen_q, seqlen_k = m.shape[-2], m.shape[-1]
         i = torch.arange(seqlen_q, device=m.device)[:, None]
         past = torch.arange(seqlen_k, device=m.device) > i + (seqlen_k - seqlen_q)
         return not bool((m & past).any().item())
-    return _analysis(mask, "within_causal", compute)
+    return _analysis(mask, ("within_causal", seqlen_q, seqlen_k), compute)
 
 
 def _mask_structure(mask, window=None):

@@ -191,8 +191,12 @@ def p_quantization_bound(q, k, v, p_descale=1.0, softmax_scale=None, **opts):
     in the final units too: a tile quantised against an earlier, smaller running max is rescaled by
     ``exp(m_old - m_new) <= 1`` afterwards. So
     ``|dout_id| <= 2^-4 sum_j P_ij |v_jd| + 2^-10 p_descale sum_j |v_jd| / l_i``,
-    where ``P`` is the normalised softmax and ``l_i = sum_j exp(s_ij - max_j s_ij) >= 1``.
+    where ``P`` is the normalised softmax and ``l_i = sum_j exp(s_ij - max_j s_ij) >= 1``.  It needs
+    ``p_descale >= 1/448``, so that no ``p <= 1`` saturates (else ValueError).
     ``opts``: ``reference.attention``'s options (the mask decides which keys count)."""
+    if not float(p_descale) * E4M3_MAX >= 1.0:
+        raise ValueError(f"p_descale must be at least 1/448 (P <= 1 then stays inside e4m3's range; below it P "
+                         f"saturates and this bound does not hold), got {p_descale!r}")
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     nheads, nheads_k = q.shape[2], k.shape[2]
     probs = attention_probs(q, k, v, softmax_scale=softmax_scale, **opts)     # (batch, nheads, seqlen_q, seqlen_k)

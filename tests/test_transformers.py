@@ -80,18 +80,37 @@ def test_a_padded_prefill_skips_the_tiles_past_the_diagonal(monkeypatch):
     mask[1, :4] = 0
     _compare(ours, ref, _ids(2, 10, seed=8), mask)
     assert rights == [0, 0], rights                # both layers, causal window added
-    assert computed.count("within_causal") == 1, computed      # one analysis for the two layers
+    assert [c[0] for c in computed if isinstance(c, tuple)].count("within_causal") == 1, computed   # one for both layers
 
 
 def test_within_causal_reads_the_mask_whole():
     i, j = torch.arange(3)[:, None], torch.arange(5)
     bottom_right = (j <= i + 2)[None, None]                  # 3 queries over 5 keys
-    assert fnt._within_causal(bottom_right.clone())
-    assert fnt._within_causal((bottom_right & (j >= 1))[None, 0].clone())      # padded: fewer keys, still inside
+    assert fnt._within_causal(bottom_right.clone(), 3, 5)
+    assert fnt._within_causal((bottom_right & (j >= 1))[None, 0].clone(), 3, 5)   # padded: fewer keys, still inside
     past = bottom_right.clone()
     past[0, 0, 0, 3] = True                                  # one key past the diagonal
-    assert not fnt._within_causal(past)
-    assert not fnt._within_causal(torch.ones(1, 1, 3, 5, dtype=torch.bool))   # a bidirectional (encoder) mask
+    assert not fnt._within_causal(past, 3, 5)
+    assert not fnt._within_causal(torch.ones(1, 1, 3, 5, dtype=torch.bool), 3, 5)   # a bidirectional (encoder) mask
+    # broadcast along the queries (a padding-only mask, (batch, 1, 1, seqlen_k)): not looked at, never causal
+    assert not fnt._within_causal(torch.ones(1, 1, 1, 5, dtype=torch.bool), 3, 5)
+    with torch.inference_mode():                             # no version counter: analysed, not cached
+        assert fnt._within_causal((j <= i + 2)[None, None], 3, 5)
+        assert fnt._mask_structure((j <= i + 2)[None, None].expand(2, 1, 3, 5)) is not None
+
+
+def test_a_broadcast_bidirectional_mask_stays_bidirectional():
+    """A (batch, 1, 1, seqlen_k) padding mask with several queries (an encoder's, or a direct caller's) is not
+    made causal: the output equals SDPA's with that mask."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(1, 1, 1, 4, dtype=torch.bool)
+    mask[..., 0] = False
+    module = torch.nn.Module()
+    module.is_causal = False
+    out, _ = fnt.attention_forward(module, q, k, v, mask)
+    torch.testing.assert_close(out, sdpa(q, k, v, attn_mask=mask).transpose(1, 2), rtol=1e-9, atol=1e-9)
 
 
 def test_mistral_sliding_window_matches_sdpa():

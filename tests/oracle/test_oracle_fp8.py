@@ -84,6 +84,17 @@ def test_matches_pytorchs_cast():
     assert np.all((ours == theirs) | both_nan)
 
 
+def test_the_p_bound_refuses_a_descale_that_saturates():
+    """Below 1/448, P = 1 / p_descale passes 448 and saturates: the bound's premise fails, so it refuses; the
+    algorithm (a model of the kernel) still runs and shows the saturation error the bound would miss."""
+    q, k, v = (np.ones((1, 1, 1, 4)) for _ in range(3))
+    with pytest.raises(ValueError, match="p_descale must be at least 1/448"):
+        fp8.p_quantization_bound(q, k, v, 1 / 1000)
+    codes = [fp8.quantize_e4m3(x) for x in (q, k, v)]
+    out, _ = fp8.fp8_flash_forward(*codes, p_descale=1 / 1000)
+    assert abs(out[0, 0, 0, 0] - 0.448) < 1e-12             # P = 1 saturated to 448 / 1000
+
+
 def test_bad_input():
     with pytest.raises(TypeError, match="codes"):
         fp8.dequantize_e4m3(np.zeros(3, np.int32))
