@@ -9,6 +9,9 @@ runs it, host time included, every implementation in the same process and on the
   ``--gen-batch``, transformers' default (dynamic) KV cache; tokens/s (new tokens x batch / seconds, the prefill
   included), the median of ``--rounds`` runs, the implementations' rounds interleaved.
 
+``--pad N`` left-pads every other sequence of both batches by N tokens (a 2-D attention mask, labels of the
+padding ignored): padded prefill, training and decoding steps, as a batch of prompts of unequal lengths has.
+
 Implementations (``--impl``): ``sdpa`` (transformers' SDPA attention with PyTorch's default backend choice),
 ``sdpa-cudnn`` and ``sdpa-flash`` (the same with SDPA restricted to one backend by ``torch.nn.attention.
 sdpa_kernel``) and ``numba_attention`` (``import flashnb.transformers``; ``attn_implementation=
@@ -43,7 +46,21 @@ def parse_args(argv=None):
     p.add_argument("--what", default="train,generate")
     p.add_argument("--impl", default=",".join(IMPLS))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--pad", type=int, default=0, help="left padding (tokens) of every other sequence; 0: none")
     return p.parse_args(argv)
+
+
+def batch_of(n, length, pad, vocab, seed, torch, device="cuda"):
+    """``(ids, attention_mask)``: random tokens ``(n, length)``; with ``pad`` > 0 every other sequence (1, 3,
+    ...) starts with ``pad`` padding tokens (id 0, mask 0), else the mask is None."""
+    ids = torch.randint(1, vocab, (n, length), device=device, generator=torch.Generator(device).manual_seed(seed))
+    if pad <= 0:
+        return ids, None
+    if pad >= length:
+        raise ValueError(f"--pad {pad} must be below the sequence length {length}")
+    mask = torch.ones(n, length, dtype=torch.long, device=device)
+    mask[1::2, :pad] = 0
+    return ids.masked_fill(mask == 0, 0), mask
 
 
 def build(args, impl, torch, transformers):
@@ -67,13 +84,13 @@ def backend_scope(impl, torch):
 
 def train_ms(model, args, torch):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(1))
+    ids, mask = batch_of(args.batch, args.seqlen, args.pad, model.config.vocab_size, 1, torch)
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)      # no loss on the padding
     times, losses = [], []
     for i in range(args.steps + 3):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -87,12 +104,12 @@ def train_ms(model, args, torch):
 def generate_once(model, args, torch, new_tokens=None):
     """(tokens/s, the new tokens) of one greedy ``generate()``."""
     n = new_tokens or args.new_tokens
-    ids = torch.randint(0, model.config.vocab_size, (args.gen_batch, args.prompt), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(2))
+    ids, mask = batch_of(args.gen_batch, args.prompt, args.pad, model.config.vocab_size, 2, torch)
     with torch.no_grad():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
         torch.cuda.synchronize()
     return n * args.gen_batch / (time.perf_counter() - t0), out[:, args.prompt:]
 
@@ -106,7 +123,8 @@ def main(argv=None) -> int:
     what = {x.strip() for x in args.what.split(",")}
     print(f"# {args.model}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV) of "
           f"{args.hidden // args.heads}, {args.dtype}; {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}")
+          f"transformers {transformers.__version__}" + (f"; every other sequence left-padded by {args.pad}"
+                                                           if args.pad else ""))
     rows = [{"impl": impl} for impl in impls]
     if "train" in what:
         for row in rows:
