@@ -80,9 +80,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     if not isinstance(return_attn_probs, bool):
         raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
-    if block_table is not None:
-        raise ValueError("block_table (a paged KV cache for packed batches) is not served by flashnb yet (pass None)")
     window_size = _options.window_pair(window_size)
+    if block_table is not None:         # paged keys: gathered, then the packed call, without autograd (as flash-attn)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise ValueError("block_table (a paged KV cache) is served without autograd: call under torch.no_grad() "
+                             "or with tensors that do not require grad")
+        return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table,
+                             backend)
     if dropout_p != 0:
         raise ValueError(f"dropout_p is not defined for packed (varlen) batches (pass 0.0), got {dropout_p!r}")
     if softmax_scale is None:
@@ -308,6 +313,22 @@ def _varlen_backward_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ali
                                               *_numpy(cu_q, cu_k), max_q, max_k, backend=backend,
                                               deterministic=deterministic, **_numpy_options(opts))
     return tuple(_from_numpy(g, q.dtype) for g in grads)
+
+
+def _varlen_paged(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window_size, softcap, alibi_slopes,
+                  return_attn_probs, block_table, backend):
+    """``flash_attn_varlen_func`` with ``block_table`` (``flashnb.varlen``: the pages gathered, then the packed
+    call); CPU tensors through NumPy (the simulator)."""
+    opts = dict(dropout_p=dropout_p, softmax_scale=scale, causal=causal, window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs, block_table=block_table,
+                backend=backend)
+    if q.is_cuda:
+        return varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **opts)
+    opts = _numpy_options(opts)
+    result = varlen.flash_attn_varlen_func(*_numpy(q, k, v, cu_q, cu_k), max_q, max_k, **opts)
+    if return_attn_probs:
+        return _from_numpy(result[0], q.dtype), torch.from_numpy(result[1]), None
+    return _from_numpy(result, q.dtype)
 
 
 def _kvcache_decode(q, k, v, cache_seqlens, cache_leftpad, scale, causal, softcap, left=-1):

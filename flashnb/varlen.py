@@ -53,14 +53,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     name), ``(out, lse, None)``: the probabilities are never materialised.  A query of a sequence with no keys
     gives ``out = 0``, ``lse = -inf``.  Copies as ``flash_attention``'s.
 
+    block_table: int32 ``(batch, pages_per_sequence)`` or None (flash-attn's paged KV cache for packed
+        batches): k and v are then ``(num_pages, page_size, nheads_k, headdim)`` pages and sequence ``b``'s key
+        ``j`` is row ``j % page_size`` of page ``block_table[b, j // page_size]``; ``cu_seqlens_k`` still gives
+        each sequence's key count (``cu_seqlens_k[-1]`` its total).  Served by gathering each sequence's keys and
+        values into packed copies, then the packed call: one copy of the keys read, no autograd; NumPy,
+        PyTorch and CuPy arrays (the table read on the host, as ``cu_seqlens``).
+
     The parameters up to ``block_table`` are flash-attn's, in its order (a positional caller's arguments keep
-    their meaning); ``block_table`` (paged keys and values for packed batches) is not served yet: anything but
-    None raises ValueError.  The rest are flashnb's, keyword-only.
+    their meaning).  The rest are flashnb's, keyword-only.
     """
     del deterministic  # the forward is deterministic by construction (no atomics)
     if block_table is not None:
-        raise ValueError("block_table (a paged KV cache for packed batches) is not served by "
-                         "flashnb.flash_attn_varlen_func yet (pass None)")
+        k, v = _gather_pages(k, v, block_table, cu_seqlens_k)
     if not isinstance(return_attn_probs, (bool, np.bool_)):
         raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
     if return_attn_probs:
@@ -238,6 +243,49 @@ def check_packed(q, k, v):
     if not 1 <= headdim <= _options.MAX_HEAD_DIM:
         raise ValueError(f"head dim of q must be between 1 and {_options.MAX_HEAD_DIM}, got {headdim}")
     return kinds[0], total_q, total_k, nheads, nheads_k, headdim
+
+
+def _gather_pages(k, v, block_table, cu_seqlens_k):
+    """The packed ``(total_k, nheads_k, headdim)`` keys and values of paged ``k``, ``v`` ``(num_pages, page_size,
+    nheads_k, headdim)`` through ``block_table`` (checked: int32, one row a sequence, every page a sequence
+    touches inside the pool), in the arrays' own kind."""
+    kind = _arrays.kind_of(k, "k")
+    if kind.lib == "numba":
+        raise ValueError("block_table in flash_attn_varlen_func gathers the pages with the arrays' library: pass "
+                         "NumPy, PyTorch or CuPy arrays (or packed keys and values without block_table)")
+    for x, name in ((k, "k"), (v, "v")):
+        if len(x.shape) != 4:
+            raise ValueError(f"with block_table, {name} must be pages (num_pages, page_size, nheads_k, headdim), "
+                             f"got shape {tuple(x.shape)}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    num_pages, page = int(k.shape[0]), int(k.shape[1])
+    table = _on_host(block_table, "block_table")
+    cu = _on_host(cu_seqlens_k, "cu_seqlens_k")
+    if table.dtype != np.int32 or cu.dtype != np.int32:
+        raise TypeError(f"block_table and cu_seqlens_k must be int32, got {table.dtype} and {cu.dtype}")
+    if table.ndim != 2 or cu.ndim != 1 or table.shape[0] != cu.shape[0] - 1:
+        raise ValueError(f"block_table must have shape (batch, pages_per_sequence) with batch = "
+                         f"len(cu_seqlens_k) - 1 = {cu.shape[0] - 1}, got {table.shape}")
+    lengths = np.diff(cu.astype(np.int64))
+    if np.any(lengths < 0) or (lengths.size and lengths.max() > page * table.shape[1]):
+        raise ValueError(f"a sequence of cu_seqlens_k holds more keys than its {table.shape[1]} pages of {page} rows "
+                         f"(or the lengths decrease): {_shown(cu)}")
+    rows = []
+    for b, n in enumerate(lengths):
+        j = np.arange(n)
+        pages = table[b, j // page].astype(np.int64)
+        if n and (pages.min() < 0 or pages.max() >= num_pages):
+            raise ValueError(f"block_table[{b}] names pages outside 0..{num_pages - 1} among the "
+                             f"{-(-int(n) // page)} its {int(n)} keys touch")
+        rows.append(pages * page + j % page)
+    index = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    flat = (num_pages * page, int(k.shape[2]), int(k.shape[3]))
+    if kind.lib == "torch":
+        import torch
+        index_t = torch.as_tensor(index, device=k.device)
+        return tuple(x.reshape(flat).index_select(0, index_t) for x in (k, v))
+    return tuple(x.reshape(flat)[index] for x in (k, v))      # NumPy, CuPy: fancy indexing copies
 
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):

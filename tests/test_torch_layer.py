@@ -92,6 +92,26 @@ def test_custom_ops_trace_without_graph_breaks():
         torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
 
 
+def test_flash_attn_varlen_func_with_a_block_table():
+    """Paged keys and values (flash-attn's block_table): without autograd, the packed call's result on the keys
+    the pages hold; with tensors that require grad, refused."""
+    torch.manual_seed(6)
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 7], dtype=torch.int32)
+    q, k, v = rnd(5, 2, 4), rnd(7, 1, 4), rnd(7, 1, 4)
+    table = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)            # pages of 2 rows, out of order
+    kp, vp = torch.randn(4, 2, 1, 4, dtype=torch.float64), torch.randn(4, 2, 1, 4, dtype=torch.float64)
+    for b in range(2):
+        for j in range(int(cu_k[b + 1] - cu_k[b])):
+            kp[table[b, j // 2], j % 2] = k[cu_k[b] + j].detach()
+            vp[table[b, j // 2], j % 2] = v[cu_k[b] + j].detach()
+    with torch.no_grad():
+        out = ft.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 3, 4, causal=True, block_table=table)
+        want = ft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, causal=True)
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="block_table .* without autograd"):
+        ft.flash_attn_varlen_func(q, kp.requires_grad_(), vp, cu_q, cu_k, 3, 4, block_table=table)
+
+
 def test_flash_attn_varlen_func_packed_sequences_and_gradients():
     """flash-attn's varlen layout: each packed sequence attended on its own (bottom-right causal per sequence,
     an empty sequence in the middle), out and lse against reference.attention_varlen, gradients against its

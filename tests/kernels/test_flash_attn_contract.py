@@ -42,12 +42,64 @@ def test_torch_functions_in_flash_attn_order():
     assert _positional(ft.flash_attn_varlen_func) == FLASH_ATTN_VARLEN
 
 
-def test_varlen_block_table_refused_and_attn_probs_returned():
+def _paged(rng, k, v, cu_k, page, spare=2):
+    """Pages ``(num_pages, page, nheads_k, headdim)`` holding each sequence's keys and values of the packed
+    ``k``, ``v`` (pages in a random order, spare pages of noise), and the block table."""
+    lengths = np.diff(cu_k)
+    per_seq = max(1, int(-(-lengths.max() // page)))
+    num_pages = len(lengths) * per_seq + spare
+    order = rng.permutation(num_pages)
+    table = order[:len(lengths) * per_seq].reshape(len(lengths), per_seq).astype(np.int32)
+    kp, vp = (rng.standard_normal((num_pages, page) + k.shape[1:]).astype(k.dtype) for _ in range(2))
+    for b, n in enumerate(lengths):
+        for j in range(n):
+            kp[table[b, j // page], j % page] = k[cu_k[b] + j]
+            vp[table[b, j // page], j % page] = v[cu_k[b] + j]
+    return kp, vp, table
+
+
+@pytest.mark.parametrize("causal, page", [(False, 2), (True, 3)])
+def test_varlen_block_table_reads_the_pages(causal, page):
+    """flash-attn's paged KV cache for packed batches: the same bits as the packed keys and values it holds
+    (GQA, an empty sequence, pages in a random order among spare ones)."""
+    rng = np.random.default_rng(4)
+    cu_q, cu_k = np.array([0, 2, 2, 5], np.int32), np.array([0, 4, 5, 12], np.int32)
+    q = rng.standard_normal((5, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((12, 2, 8)).astype(np.float32) for _ in range(2))
+    kp, vp, table = _paged(rng, k, v, cu_k, page)
+    with Untouched(q, kp, vp, table):
+        out, lse, probs = flashnb.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 3, 7, causal=causal, block_table=table,
+                                                         return_attn_probs=True)
+    want, want_lse = flashnb.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 7, causal=causal, return_lse=True)
+    assert probs is None
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    ref, _ = varlen.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(packed=True), r"with block_table, k must be pages"),
+    (dict(table=np.array([[0, 1], [2, 9]], np.int32)), r"block_table\[1\] names pages outside 0..5"),
+    (dict(table=np.zeros((3, 2), np.int32)), r"block_table must have shape \(batch, pages_per_sequence\)"),
+    (dict(table=np.zeros((2, 2), np.int64)), "must be int32"),
+    (dict(table=np.zeros((2, 1), np.int32)), "more keys than its 1 pages of 2 rows"),
+])
+def test_varlen_block_table_refusals_name_the_argument(change, match):
+    rng = np.random.default_rng(5)
+    cu = np.array([0, 3, 7], np.int32)
+    q = rng.standard_normal((7, 2, 4)).astype(np.float32)
+    kp = rng.standard_normal((6, 2, 2, 4)).astype(np.float32)            # 6 pages of 2 rows
+    table = change.get("table", np.array([[0, 1], [2, 3]], np.int32))
+    k = q.copy() if change.get("packed") else kp
+    with Untouched(q, kp, table), pytest.raises((ValueError, TypeError), match=match):
+        flashnb.flash_attn_varlen_func(q, k, k, cu, cu, 4, 4, block_table=table)
+
+
+def test_varlen_attn_probs_returned():
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((7, 2, 4)).astype(np.float32) for _ in range(3))
     cu = np.array([0, 3, 7], np.int32)
-    with pytest.raises(ValueError, match="block_table"):
-        flashnb.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, block_table=np.zeros((2, 1), np.int32))
     out, lse, probs = flashnb.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, 0.0, 0.5, True, return_attn_probs=True)
     want, want_lse = flashnb.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, softmax_scale=0.5, causal=True,
                                                     return_lse=True)
