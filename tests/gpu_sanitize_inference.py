@@ -1,6 +1,6 @@
 """The packed-batch (varlen) and KV-cache kernels once each, small, for ``compute-sanitizer`` (not a pytest module).
 
-    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache] [routed] [rotary]   # once without the tool: fills the disk cache
+    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache] [routed] [rotary] [clients]   # once without the tool: fills the disk cache
     compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool synccheck python3 tests/gpu_sanitize_inference.py kvcache
@@ -177,8 +177,75 @@ def rotary(rng):
             print(f"ok {what}", flush=True)
 
 
+def clients(rng):
+    """What real clients added (issue 40): ``flash_attn_with_kvcache(cache_leftpad=...)`` (the decode kernel's
+    ``HAS_LEFTPAD``: device pads, one split and several, an append, a window, one query and a chunk of 5), odd
+    16-bit head dims in the cache (zero-padded copies, the caches copied back after an append), and
+    ``flash_attn_varlen_func(block_table=...)`` (the page gather, then the packed call), float16 and bfloat16."""
+    batch, heads, heads_k, rows = 3, 8, 2, 700
+    for dtype in (torch.float16, torch.bfloat16):
+        t = lambda x: torch.as_tensor(x, device="cuda").to(dtype)  # noqa: E731
+        for seqlen_q, new, splits, window in ((1, 0, 1, (-1, -1)), (1, 1, 0, (-1, -1)), (5, 0, 4, (200, 0)),
+                                              (1, 2, 3, (64, 0))):
+            d = 128
+            q = rng.standard_normal((batch, seqlen_q, heads, d))
+            kc, vc = (rng.standard_normal((batch, rows, heads_k, d)) for _ in range(2))
+            kn, vn = ((rng.standard_normal((batch, new, heads_k, d)) for _ in range(2)) if new else (None, None))
+            lens = np.array([300, 650, rows - new], np.int32)
+            pad = np.array([0, 123, rows - new - 1], np.int32)
+            ref, _, _, _ = reference.attention_with_kvcache(q, kc, vc, kn, vn, lens, cache_leftpad=pad + 0,
+                                                            causal=True, window_size=window)
+            out = flashnb.flash_attn_with_kvcache(
+                t(q), t(kc), t(vc), None if kn is None else t(kn), None if vn is None else t(vn),
+                cache_seqlens=torch.as_tensor(lens, device="cuda"), cache_leftpad=torch.as_tensor(pad, device="cuda"),
+                causal=True, window_size=window, num_splits=splits)
+            err = float((out.double().cpu() - torch.as_tensor(ref)).abs().max())
+            what = f"leftpad {dtype} q={seqlen_q} new={new} splits={splits} window={window}"
+            assert err < 0.1, f"{what}: {err}"
+            print(f"ok {what}", flush=True)
+        for d in (59, 127):
+            q = rng.standard_normal((batch, 1, heads, d))
+            kc, vc = (rng.standard_normal((batch, rows, heads_k, d)) for _ in range(2))
+            kn, vn = (rng.standard_normal((batch, 1, heads_k, d)) for _ in range(2))
+            lens = np.array([10, 400, rows - 1], np.int32)
+            ref, want_kc, want_vc, _ = reference.attention_with_kvcache(q, kc, vc, kn, vn, lens, causal=True)
+            kc_d, vc_d = t(kc), t(vc)
+            out = flashnb.flash_attn_with_kvcache(t(q), kc_d, vc_d, t(kn), t(vn),
+                                                  cache_seqlens=torch.as_tensor(lens, device="cuda"), causal=True)
+            err = float((out.double().cpu() - torch.as_tensor(ref)).abs().max())
+            assert err < 0.1, f"odd head dim {d} {dtype}: {err}"
+            for b in range(batch):                        # the appended row reached the caller's caches
+                got = kc_d[b, lens[b]].double().cpu()
+                assert float((got - torch.as_tensor(kn[b, 0]).to(dtype).double()).abs().max()) == 0, "k append"
+            print(f"ok odd head dim {d} {dtype}", flush=True)
+        cu_q, cu_k = np.array([0, 3, 3, 260], np.int32), np.array([0, 500, 501, 1300], np.int32)
+        page, d = 256, 128
+        q = rng.standard_normal((int(cu_q[-1]), heads, d))
+        k, v = (rng.standard_normal((int(cu_k[-1]), heads_k, d)) for _ in range(2))
+        pages = -(-np.diff(cu_k) // page)
+        table = np.zeros((3, int(pages.max())), np.int32)
+        order = rng.permutation(int(pages.sum()) + 2)
+        kp, vp = (np.zeros((len(order), page, heads_k, d)) for _ in range(2))
+        used = 0
+        for b in range(3):
+            for j in range(int(pages[b])):
+                table[b, j] = order[used]
+                used += 1
+            for j in range(int(cu_k[b + 1] - cu_k[b])):
+                kp[table[b, j // page], j % page] = k[cu_k[b] + j]
+                vp[table[b, j // page], j % page] = v[cu_k[b] + j]
+        for causal in (False, True):
+            ref, _ = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
+            out = flashnb.flash_attn_varlen_func(t(q), t(kp), t(vp), torch.as_tensor(cu_q, device="cuda"),
+                                                 torch.as_tensor(cu_k, device="cuda"), 257, 799, causal=causal,
+                                                 block_table=torch.as_tensor(table, device="cuda"))
+            err = float((out.double().cpu() - torch.as_tensor(ref)).abs().max())
+            assert err < 0.1, f"varlen block_table {dtype} causal={causal}: {err}"
+            print(f"ok varlen block_table {dtype} causal={causal}", flush=True)
+
+
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["varlen", "kvcache", "routed", "rotary"]
+    parts = sys.argv[1:] or ["varlen", "kvcache", "routed", "rotary", "clients"]
     rng = np.random.default_rng(0)
     if "varlen" in parts:
         varlen(rng)
@@ -188,4 +255,6 @@ if __name__ == "__main__":
         routed(rng)
     if "rotary" in parts:
         rotary(rng)
+    if "clients" in parts:
+        clients(rng)
     print("done", flush=True)
