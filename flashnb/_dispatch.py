@@ -52,7 +52,13 @@ CONSTANT_PTRS = set()                 # device addresses that stay valid for the
 # tests/kernels/test_torch_gpu.py::test_dispatch_cache_and_the_hopper_forwards_tensor_maps): bit-identical to the
 # full path, 26-28 us of host time a call against 168 us unrecorded
 REPLAY_TENSOR_MAPS = True
-stats = {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0}
+stats = {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0, "unrecorded": 0}
+# An op whose calls keep missing (a decoding loop: a new key count every step, so no signature comes back) stops
+# paying for recordings that never replay, and stops pushing the recordings that do out of the cache: after
+# MISS_STREAK misses in a row with no hit between, only one miss in RECORD_EVERY is recorded (so a signature that
+# recurs is still caught, and its first hit ends the streak).
+MISS_STREAK, RECORD_EVERY = 32, 16
+_STREAK = {}                          # op -> its misses since its last hit
 
 _PLAIN = frozenset((int, float, bool, str, type(None)))
 
@@ -140,6 +146,7 @@ UNFIT = object()
 def clear():
     with _LOCK:
         _CACHE.clear()
+        _STREAK.clear()
         for k in stats:
             stats[k] = 0
 
@@ -203,7 +210,12 @@ def cached_call(op, arrays, scalars, full_call, cacheable=True):
     if rec is UNFIT:
         return full_call()
     if rec is not None:
+        _STREAK[op] = 0
         return rec(arrays, ptrs)
+    streak = _STREAK[op] = _STREAK.get(op, 0) + 1
+    if streak > MISS_STREAK and streak % RECORD_EVERY:
+        stats["unrecorded"] += 1
+        return full_call()
     with _Recording(key, arrays) as recording:
         result = full_call()
         recording.finish(result)

@@ -417,7 +417,8 @@ def _backward_simt_plan(call, bq, bk, acc):
     atomic = not call.deterministic and bq >= tile_threads(bk, "rows") and call.seqlen_q > 0
     dkdv = None
     if call.seqlen_k > 0:
-        kern, shared, threads = make_dkdv(bq, bk, d, acc, atomic, *flags, **_varlen(call))
+        p_format = call.dtype if call.dtype in ("float16", "bfloat16") else None
+        kern, shared, threads = make_dkdv(bq, bk, d, acc, atomic, *flags, P_FORMAT=p_format, **_varlen(call))
         check_shared(shared, f"the dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     finish = None

@@ -36,7 +36,7 @@ OPTION_SETS = {
 
 
 DTYPES = {"float16": (np.float16, ("tensorcore", "simt", "wgmma", "wgmma-bwd")),
-          "bfloat16": ("bfloat16", ("tensorcore", "wgmma", "wgmma-bwd")),
+          "bfloat16": ("bfloat16", ("tensorcore", "simt", "wgmma", "wgmma-bwd")),
           "float32": (np.float32, ("simt", "tensorcore:highest", "tensorcore:high", "wgmma:highest", "wgmma:high")),
           "float64": (np.float64, ("simt",))}
 # "tensorcore:PRECISION": float32 on tf32 tensor cores, forward and backward at that precision; "wgmma": the Hopper

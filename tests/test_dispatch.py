@@ -146,6 +146,26 @@ def test_the_oldest_recordings_are_dropped(monkeypatch):
     assert _dispatch.stats["hits"] == 1
 
 
+def test_an_op_that_keeps_missing_stops_recording_until_a_hit(monkeypatch):
+    """A decoding loop's calls never come back (a new key count each step): past MISS_STREAK misses in a row
+    only every RECORD_EVERY-th is recorded, so the loop neither pays for recordings nor evicts the useful
+    ones; a recurring signature is still caught, and its hit ends the streak."""
+    monkeypatch.setattr(_dispatch, "MISS_STREAK", 2)
+    monkeypatch.setattr(_dispatch, "RECORD_EVERY", 3)
+    q, k, v, _ = arrays(0)
+    want = {}
+    for softcap in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):                     # misses 1..6: 1, 2, 3 and 6 recorded
+        want[softcap] = flashnb.flash_attention(q, k, v, softcap=softcap).copy_to_host()
+    assert _dispatch.stats["recorded"] == 4 and _dispatch.stats["unrecorded"] == 2
+    assert _dispatch._STREAK["forward"] == 6
+    got = flashnb.flash_attention(q, k, v, softcap=6.0)                # recorded: a hit, the streak ends
+    assert _dispatch.stats["hits"] == 1 and _dispatch._STREAK["forward"] == 0
+    np.testing.assert_array_equal(got.copy_to_host(), want[6.0])
+    got = flashnb.flash_attention(q, k, v, softcap=4.0)                # unrecorded, missed again: recorded now
+    np.testing.assert_array_equal(got.copy_to_host(), want[4.0])
+    assert _dispatch.stats["recorded"] == 5 and _dispatch.stats["unrecorded"] == 2
+
+
 def test_signature_holds_types_and_refuses_what_it_cannot_key():
     q, k, v, _ = arrays(0)
     key_true, _ = _dispatch.signature("forward", (q, k, v), (True,))

@@ -1,9 +1,11 @@
 """Host time of decoding steps whose key count grows by one a step, as a transformers ``generate()`` loop makes
 them (each step a new shape: the dispatch cache misses and the full path runs).  Batch 8, one query token,
-8 heads of 128 over 8 KV heads, bfloat16, 1024 -> 1024 + STEPS keys (views of one cache).  Per-step time of
+8 heads of 128 over 8 KV heads, bfloat16, 1024 keys and one more each step (views of one cache; every loop goes on
+from where the last one ended, so no signature ever comes back).  Per-step time of
 ``flashnb.flash_attention`` (routed to the split-KV kernels), ``flashnb.transformers.attention_forward`` and
 SDPA, back to back with one synchronisation, then cProfile of the flashnb steps (largest own and cumulative
-times).  ``python -m tools.profile_decode_host`` on a GPU machine."""
+times).  The flashnb rows are timed twice: as shipped, and with the dispatch cache recording every miss
+(``_dispatch.MISS_STREAK`` out of reach, the behaviour before the miss-streak rule).  ``python -m tools.profile_decode_host`` on a GPU machine."""
 import cProfile
 import pstats
 import time
@@ -13,16 +15,22 @@ import torch.nn.functional as F
 
 import flashnb
 import flashnb.transformers as fnt
+from flashnb import _dispatch
 
 STEPS = 256
+
+# each loop goes on from where the last ended (kf, vf hold every loop's keys: 23 loops of STEPS at most)
+_next = [0]
 
 
 def per_step_us(step, reps=3):
     best = None
     for _ in range(reps):
+        first = _next[0]
+        _next[0] += STEPS
         torch.cuda.synchronize()
         t = time.perf_counter()
-        for i in range(STEPS):
+        for i in range(first, first + STEPS):
             step(i)
         torch.cuda.synchronize()
         us = (time.perf_counter() - t) / STEPS * 1e6
@@ -34,7 +42,7 @@ def main():
     torch.manual_seed(0)
     b, h, hk, d, n0 = 8, 8, 8, 128, 1024
     q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
-    kf, vf = (torch.randn(b, n0 + STEPS, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kf, vf = (torch.randn(b, n0 + 32 * STEPS, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     kt, vt = kf.transpose(1, 2), vf.transpose(1, 2)          # transformers' layout, views
     qt = q.transpose(1, 2)
     module = torch.nn.Module()
@@ -49,12 +57,22 @@ def main():
     }
     with torch.no_grad():
         for name, step in steps.items():
-            step(0)
+            step(_next[0])
+            _next[0] += 1
             print(f"{name}: {per_step_us(step):.1f} us a step (min of 3 loops of {STEPS} steps)", flush=True)
+            if name.startswith("flashnb"):
+                streak = _dispatch.MISS_STREAK
+                _dispatch.MISS_STREAK = 1 << 62
+                try:
+                    print(f"{name}, every miss recorded: {per_step_us(step):.1f} us a step", flush=True)
+                finally:
+                    _dispatch.MISS_STREAK = streak
         for name in ("flashnb.flash_attention", "flashnb.transformers.attention_forward"):
+            first = _next[0]
+            _next[0] += STEPS
             prof = cProfile.Profile()
             prof.enable()
-            for i in range(STEPS):
+            for i in range(first, first + STEPS):
                 steps[name](i)
             torch.cuda.synchronize()
             prof.disable()

@@ -151,6 +151,31 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
 
 
 @lru_cache(maxsize=None)
+def make_round_to(FORMAT):
+    """``round_to(x)``: a float32 ``x >= 0`` rounded to ``FORMAT`` ("float16" / "bfloat16": nearest, ties to
+    even, as ``cvt.rn``), returned as float32.  Integer work on the bits (clear the dropped mantissa bits after
+    adding half of them, plus one where the kept part is odd); float16's subnormals (below 2**-14, multiples
+    of 2**-24) by adding and subtracting 0.5, whose float32 ulp is 2**-24."""
+    bits = tf32_primitives()
+    as_bits, as_float = bits["as_bits"], bits["as_float"]
+    FP16 = FORMAT == "float16"
+    DROP = np.uint32(13 if FP16 else 16)                 # float32's 23 mantissa bits less the format's 10 or 7
+    HALF = np.uint32((1 << (int(DROP) - 1)) - 1)
+    MASK = np.uint32((0xFFFFFFFF >> int(DROP)) << int(DROP))
+    ONE = np.uint32(1)
+    SUBNORMAL, POINT5 = np.float32(2.0 ** -14), np.float32(0.5)
+
+    @device_function
+    def round_to(x):
+        if FP16 and x < SUBNORMAL:
+            return (x + POINT5) - POINT5
+        w = as_bits(x)
+        return as_float(np.uint32((w + HALF + ((w >> DROP) & ONE)) & MASK))
+
+    return round_to
+
+
+@lru_cache(maxsize=None)
 def make_query_tile_range(BLOCK_Q):
     """``query_tile_range(k_first, k_last, off, left, right, seqlen_q)``, for the dK/dV kernels."""
 
@@ -172,11 +197,17 @@ def make_query_tile_range(BLOCK_Q):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-              HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False):
+              HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False, P_FORMAT=None):
     """Build the dK/dV kernel (rows = keys, columns = queries); returns (kernel, shared bytes, threads).
 
     ``VARLEN``: a packed batch, as in ``forward.make_forward``: the blocks run over each sequence's key tiles;
     ``dq_accum`` stays the packed ``(1, total_q, nheads, headdim)`` accumulator (rows ``q_start + i``).
+    ``P_FORMAT`` ("float16" / "bfloat16", the inputs' format): ``dV = P_drop^T dO`` takes ``P_drop`` rounded
+    to that format, as the tensor-core kernels (and flash-attn) do.  The recomputed ``P`` of a row whose
+    softmax is one key is not exactly 1 (``lse`` is stored in natural log and converted back to base 2: the
+    round trip misses by an ulp for ~15% of values), and a float32 ``P = 1 - 2**-24`` moved a dV that lies on
+    a tie of the 16-bit format to the other side (grouped heads summed: one bfloat16 ulp off the exact
+    value); rounded, it is 1.
     """
     ACC = np.dtype(ACC_NAME).type
     ACC_DT = np.dtype(ACC)
@@ -209,6 +240,8 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
     grad = make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    ROUND_P = P_FORMAT is not None
+    round_p = make_round_to(P_FORMAT or "bfloat16")
 
     query_tile_range = make_query_tile_range(BLOCK_Q)
 
@@ -293,10 +326,11 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
                                           drop_threshold, drop_scale, seed_lo, seed_hi)
                         s_reg[r, c] = p_drop
                         dp_reg[r, c] = ds
-                # dV += P_drop^T dO
+                # dV += P_drop^T dO  (P_drop in the inputs' 16-bit format, as the tensor cores take it)
                 for r in range(TR):
                     for c in range(TC):
-                        p_smem[U((ty * TR + r) * DS_STRIDE + tx + c * THREADS_C)] = s_reg[r, c]
+                        p_smem[U((ty * TR + r) * DS_STRIDE + tx + c * THREADS_C)] = (
+                            round_p(s_reg[r, c]) if ROUND_P else s_reg[r, c])
                 cuda.syncthreads()
                 acc_tile(p_smem, do_smem, dv_acc, ty, tx)
                 cuda.syncthreads()

@@ -163,3 +163,34 @@ def test_preprocess_rows_over_several_threads(threads_c, words, seed, dtype, nco
     fin = np.isfinite(ref2)
     assert np.all(lse2[~fin] == np.inf)
     assert np.all(np.abs(lse2[fin] - ref2[fin]) <= 2 * np.finfo(acc).eps * np.abs(ref2[fin]) + np.finfo(acc).tiny)
+
+
+def test_backward_float16_dv_of_one_key_is_exact_at_ties():
+    """Each sequence's last query row alone sees the one key (causal, seqlen_k 1), so dV is the sum of the
+    group's dO rows with P = 1: exact in float32, then rounded once.  The dO rows are drawn so that every
+    sum lies on a tie between two float16 neighbours (round half to even decides); a recomputed P of
+    1 -+ 2**-24 (lse's natural-log round trip) moved them to the other side until dV took P rounded to the
+    inputs' format, as the tensor cores do (flash-attn's upstream suite found it in bfloat16, through
+    ``deterministic=True``, which the SIMT backward serves).  The tensor-core kernels round P already."""
+    import flashnb
+    rng = np.random.default_rng(11)
+    batch, seqlen_q, heads_k, group, d = 4, 3, 6, 3, 8
+    q = rng.standard_normal((batch, seqlen_q, heads_k * group, d)).astype(np.float16)
+    k, v = (rng.standard_normal((batch, 1, heads_k, d)).astype(np.float16) for _ in range(2))
+    dout = rng.standard_normal((batch, seqlen_q, heads_k * group, d)).astype(np.float16)
+    # the last row's dO over a group: a + (2**-12 + t) + (2**-12 - t), a in [1, 2) with an odd last bit
+    a = (1 + (2 * rng.integers(0, 512, (batch, heads_k, d)) + 1) * 2.0 ** -10) * rng.choice([-1, 1], (batch, heads_k, d))
+    t = rng.integers(1, 3, (batch, heads_k, d)) * 2.0 ** -14
+    parts = np.stack([a, np.sign(a) * (2.0 ** -12 + t), np.sign(a) * (2.0 ** -12 - t)], axis=-2)   # (b, hk, g, d)
+    dout[:, -1] = parts.reshape(batch, heads_k * group, d).astype(np.float16)
+    assert np.array_equal(dout[:, -1].astype(np.float64), parts.reshape(batch, heads_k * group, d))
+    exact = parts.sum(-2)                                       # a + 2**-11: halfway between a and its neighbour
+    want = exact.astype(np.float16)                             # NumPy rounds half to even: a + 2**-10 (a is odd)
+    assert not np.array_equal(want, a.astype(np.float16))
+    out, lse = flashnb.flash_attention(q, k, v, causal=True, return_lse=True, backend="simt")
+    np.testing.assert_array_equal(out[:, -1].astype(np.float64),
+                                  np.repeat(v[:, 0].astype(np.float64), group, axis=1))
+    for deterministic in (False, True):
+        _, _, dv = flashnb.flash_attention_backward(dout, q, k, v, out, lse, causal=True, backend="simt",
+                                                    deterministic=deterministic)
+        np.testing.assert_array_equal(dv[:, 0], want, err_msg=f"deterministic={deterministic}")
