@@ -1,11 +1,12 @@
 """Host time of decoding steps whose key count grows by one a step, as a transformers ``generate()`` loop makes
 them (each step a new shape: the dispatch cache misses and the full path runs).  Batch 8, one query token,
-8 heads of 128 over 8 KV heads, bfloat16, 1024 keys and one more each step (views of one cache; every loop goes on
-from where the last one ended, so no signature ever comes back).  Per-step time of
+8 heads of 128 over 8 KV heads, bfloat16, 1024 -> 1024 + STEPS keys (views of one cache; the dispatch cache emptied
+before each loop, so every step's first call is a new signature, as in generate()).  Per-step time of
 ``flashnb.flash_attention`` (routed to the split-KV kernels), ``flashnb.transformers.attention_forward`` and
 SDPA, back to back with one synchronisation, then cProfile of the flashnb steps (largest own and cumulative
-times).  The flashnb rows are timed twice: as shipped, and with the dispatch cache recording every miss
-(``_dispatch.MISS_STREAK`` out of reach, the behaviour before the miss-streak rule).  ``python -m tools.profile_decode_host`` on a GPU machine."""
+times).  The flashnb rows are timed with one call a step (every call a miss: past the
+miss streak, unrecorded), with the same rule off (``_dispatch.MISS_STREAK`` out of reach: every miss recorded),
+and with LAYERS calls a step of the same shape (a model's layers: the first records, the others replay), per call.  ``python -m tools.profile_decode_host`` on a GPU machine."""
 import cProfile
 import pstats
 import time
@@ -19,21 +20,21 @@ from flashnb import _dispatch
 
 STEPS = 256
 
-# each loop goes on from where the last ended (kf, vf hold every loop's keys: 23 loops of STEPS at most)
-_next = [0]
+LAYERS = 4
 
 
-def per_step_us(step, reps=3):
+def per_step_us(step, reps=3, calls=1):
+    """Host time of one call, min over ``reps`` loops of STEPS steps of ``calls`` calls (one length a step)."""
     best = None
     for _ in range(reps):
-        first = _next[0]
-        _next[0] += STEPS
+        _dispatch.clear()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        for i in range(first, first + STEPS):
-            step(i)
+        for i in range(STEPS):
+            for _ in range(calls):
+                step(i)
         torch.cuda.synchronize()
-        us = (time.perf_counter() - t) / STEPS * 1e6
+        us = (time.perf_counter() - t) / (STEPS * calls) * 1e6
         best = us if best is None else min(best, us)
     return best
 
@@ -42,7 +43,7 @@ def main():
     torch.manual_seed(0)
     b, h, hk, d, n0 = 8, 8, 8, 128, 1024
     q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
-    kf, vf = (torch.randn(b, n0 + 32 * STEPS, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kf, vf = (torch.randn(b, n0 + STEPS, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     kt, vt = kf.transpose(1, 2), vf.transpose(1, 2)          # transformers' layout, views
     qt = q.transpose(1, 2)
     module = torch.nn.Module()
@@ -57,22 +58,21 @@ def main():
     }
     with torch.no_grad():
         for name, step in steps.items():
-            step(_next[0])
-            _next[0] += 1
-            print(f"{name}: {per_step_us(step):.1f} us a step (min of 3 loops of {STEPS} steps)", flush=True)
+            step(0)
+            print(f"{name}: {per_step_us(step):.1f} us a call (min of 3 loops of {STEPS} steps)", flush=True)
             if name.startswith("flashnb"):
                 streak = _dispatch.MISS_STREAK
                 _dispatch.MISS_STREAK = 1 << 62
                 try:
-                    print(f"{name}, every miss recorded: {per_step_us(step):.1f} us a step", flush=True)
+                    print(f"{name}, every miss recorded: {per_step_us(step):.1f} us a call", flush=True)
                 finally:
                     _dispatch.MISS_STREAK = streak
+            print(f"{name}, {LAYERS} calls a step: {per_step_us(step, calls=LAYERS):.1f} us a call", flush=True)
         for name in ("flashnb.flash_attention", "flashnb.transformers.attention_forward"):
-            first = _next[0]
-            _next[0] += STEPS
+            _dispatch.clear()
             prof = cProfile.Profile()
             prof.enable()
-            for i in range(first, first + STEPS):
+            for i in range(STEPS):
                 steps[name](i)
             torch.cuda.synchronize()
             prof.disable()
