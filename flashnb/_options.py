@@ -29,6 +29,7 @@ class Flags:
     has_bias: bool
     has_alibi: bool
     has_dropout: bool
+    mods: object = None          # a flex_attention call's functions (kernels._scores.Mods); SIMT kernels only
 
 
 @dataclass
@@ -159,7 +160,7 @@ def check_seed_and_block_size(seed, block_mask_size):
 
 def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softmax_scale=None,
               causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None, alibi_slopes=None,
-              softcap=0.0, block_mask=None, block_mask_size=(128, 128), dropout_p=0.0, seed=0):
+              softcap=0.0, block_mask=None, block_mask_size=(128, 128), dropout_p=0.0, seed=0, mods=None):
     """Check every option against docs/semantics.md and build the ``LaunchOptions``."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(headdim)
@@ -215,7 +216,7 @@ def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softma
     flags = Flags(has_window=left >= 0 or right >= 0, has_attn_mask=attn_mask is not None,
                   has_block_mask=block_mask is not None, has_softcap=softcap > 0,
                   has_bias=attn_bias is not None, has_alibi=alibi_slopes is not None,
-                  has_dropout=dropout_p > 0)
+                  has_dropout=dropout_p > 0, mods=mods)
     return LaunchOptions(flags=flags, scale=float(softmax_scale), softcap=float(softcap) if softcap > 0 else 1.0,
                          left=left, right=right, attn_mask=mask_d, attn_bias=bias_d, alibi=alibi_d,
                          block_mask=bmask_d, bm_q=bm_q, bm_k=bm_k,

@@ -82,7 +82,8 @@ def _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, pr
     plan.check_backend(backend)
     plan.check_precision(precision)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
-    plain = all(options[n] is None for n in ("attn_mask", "attn_bias", "block_mask")) and options["dropout_p"] == 0
+    plain = (all(options[n] is None for n in ("attn_mask", "attn_bias", "block_mask")) and options["dropout_p"] == 0
+             and options.get("mods") is None)
     if (plan.split_kv(kind.dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, backend,
                       block_q is not None or block_k is not None, plain)
             and _decode_layout(kind, (q, k, v), launch_stream)):

@@ -241,9 +241,13 @@ def _forward_simt_launch(call, bq, bk, acc):
 
 
 def _varlen(call):
-    """The kernel factories' ``VARLEN`` keyword for a packed batch; none for a dense one, so that the factories'
-    ``lru_cache`` sees the same call as from everywhere else (one compiled kernel, not two)."""
-    return {} if call.total_q is None else {"VARLEN": True}
+    """The kernel factories' ``VARLEN`` keyword for a packed batch, and ``MODS`` for a ``flex_attention`` call;
+    none for a dense call without them, so that the factories' ``lru_cache`` sees the same call as from
+    everywhere else (one compiled kernel, not two)."""
+    kw = {} if call.total_q is None else {"VARLEN": True}
+    if call.flags.mods is not None:
+        kw["MODS"] = call.flags.mods
+    return kw
 
 
 # the tensor-core kernels' blocks longest first on a window (causal) over a dense batch, in sections of this
@@ -436,6 +440,8 @@ def _tc_choice(call, backward):
     """(tiles, refusal): the tensor-core kernel's tiles for the call, and why it cannot serve it (None if it can,
     the layout aside); the checks in the order the caller reads them."""
     refusal = tensorcore_refusal(call.dtype, call.headdim, call.block_q, call.block_k)
+    if refusal is None and call.flags.mods is not None:
+        refusal = "score_mod and mask_mod are compiled into the SIMT kernels only, so far"
     if refusal is None and call.dtype == "float32" and call.backend == "auto" and (backward or not _hopper(call)):
         # measured on the H100 (bench/results/h100-tf32-2026-11-25.md): the mma.sync 3xTF32 forward is 1.4x the SIMT
         # kernels' speed at head dim 64 but slower at 128, and 4-16x their error (the tensor cores' float32

@@ -267,7 +267,7 @@ def test_kernel_factory_ids_are_canonical_and_distinct():
     assert ids["pre"] == ids["pre_explicit"] == ids["pre_keywords"] == \
         "flashnb.kernels.backward.make_preprocess('float32', None, 1)"
     assert ids["fwd16"] == ("flashnb.kernels.forward.make_forward(16, 16, 8, 'float32', False, False, False, False, "
-                            "False, False, False, False)[0]")
+                            "False, False, False, False, None)[0]")
     distinct = {name: i for name, i in ids.items() if name not in ("pre_explicit", "pre_keywords")}
     assert len(set(distinct.values())) == len(distinct)
 

@@ -129,7 +129,7 @@ def test_calls_the_cache_does_not_take(what):
         kw = dict(dropout_p=0.25, seed=3)
     a = flashnb.flash_attention(q, k, v, **kw)
     b = flashnb.flash_attention(q, k, v, **kw)
-    assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0}
+    assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0, "unrecorded": 0}
     a, b = (x if isinstance(x, np.ndarray) else x.copy_to_host() for x in (a, b))
     assert_bitwise_equal(a, b, f"{what}: two calls")
 
@@ -239,4 +239,4 @@ def test_kvcache_calls_the_cache_does_not_take():
                     dict(block_table=np.array([[3, 2], [1, 0]], np.int32))):
         flashnb.flash_attn_with_kvcache(**dict(a, **changes))
         flashnb.flash_attn_with_kvcache(**dict(a, **changes))
-    assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0}
+    assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0, "unrecorded": 0}

@@ -9,6 +9,7 @@ Order of operations (semantics.md): scale, softcap, bias and ALiBi, masks,
 softmax, dropout.
 """
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,16 +25,30 @@ SHIFT32 = np.uint64(32)
 PHILOX_ROUNDS = 10
 
 
-def make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI):
+class Mods(NamedTuple):
+    """A ``flex_attention`` call's functions (``flashnb.flex``), as device functions: ``score_mod(score, b, h,
+    q_idx, kv_idx)``, ``mask_mod(b, h, q_idx, kv_idx)`` and ``score_grad(score, b, h, q_idx, kv_idx)``, the
+    score_mod's derivative in the score (the caller's ``score_mod_grad``, or the complex step); None: absent.
+    Part of a kernel's specialisation (functions hash by identity)."""
+    score_mod: object = None
+    mask_mod: object = None
+    score_grad: object = None
+
+
+def make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, SCORE_MOD=None):
     """``score(qk, i, j, b, h, off, scale, softcap, bias, alibi)``: the score before masking, natural units.
 
     ``qk = dot(q_i, k_j)``; returns ``softcap * tanh(scale * qk / softcap) + bias - slope * |i + off - j|``
-    with each term present only when its flag is set.
+    with each term present only when its flag is set; with ``SCORE_MOD`` (a device function; never combined
+    with the options), ``SCORE_MOD(scale * qk, b, h, i, j)``: the caller passes indices inside the sequences.
     """
+    HAS_SCORE_MOD = SCORE_MOD is not None
 
     @device_function
     def score(qk, i, j, b, h, off, scale, softcap, bias, alibi):
         x = qk * scale
+        if HAS_SCORE_MOD:
+            return ACC(SCORE_MOD(x, b, h, i, j))
         if HAS_SOFTCAP:
             x = softcap * math.tanh(x / softcap)
         if HAS_BIAS:
@@ -47,18 +62,23 @@ def make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI):
     return score
 
 
-def make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK):
+def make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_MOD=None):
     """``allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)``.
 
     True iff query ``i`` may attend key ``j``: both in range, inside the
     (bottom-right aligned) window ``i + off - left <= j <= i + off + right``
     (``-1`` unbounded; causal is ``right = 0``), allowed by ``attn_mask`` and by
-    the block mask at block ``(i // bm_q, j // bm_k)``.
+    the block mask at block ``(i // bm_q, j // bm_k)``, and by ``MASK_MOD(b, h, i, j)`` (a device function,
+    called only for a pair inside the sequences).
     """
+    HAS_MASK_MOD = MASK_MOD is not None
 
     @device_function
     def allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
         ok = i < seqlen_q and j < seqlen_k
+        if HAS_MASK_MOD:
+            if ok:
+                ok = bool(MASK_MOD(b, h, i, j))
         if HAS_WINDOW:
             rel = j - (i + off)
             if left >= 0:

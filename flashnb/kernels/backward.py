@@ -31,7 +31,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import primitives, tf32_primitives
-from ._scores import make_allowed_fn, make_score_fn, philox_keep
+from ._scores import Mods, make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import (U, tile_head_batch, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load,
                      packed_tile_head_batch, padded, scratch_size, sequence_span)
 from .forward import LOG2E, make_window_helpers, tile_threads
@@ -118,18 +118,27 @@ def preprocess_grid(seqlen_q, nheads, batch, threads_c):
 
 @lru_cache(maxsize=None)
 def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW, HAS_ATTN_MASK,
-                      HAS_BLOCK_MASK):
-    """``grad(qk, dp, i, j, ...) -> (p_dropped, ds)`` for one element: recomputed P and dS (before ``scale``)."""
+                      HAS_BLOCK_MASK, MODS=None):
+    """``grad(qk, dp, i, j, ...) -> (p_dropped, ds)`` for one element: recomputed P and dS (before ``scale``).
+    ``MODS``: the score_mod's chain rule, ``dS *= score_grad(scale * qk, b, h, i, j)`` where P > 0."""
     ACC = np.dtype(ACC_NAME).type
     ZERO, ONE, LOG2E_T = ACC(0), ACC(1), ACC(LOG2E)
-    score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
-    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    MODS = MODS or Mods()
+    HAS_SCORE_MOD = MODS.score_mod is not None
+    score_grad = MODS.score_grad
+    score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod)
 
     @device_function
     def grad(qk, dp, i, j, b, h, lse2_i, delta_i, need_mask, seqlen_q, seqlen_k, off, scale, softcap, left,
              right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
              seed_lo, seed_hi):
-        x = score(qk, i, j, b, h, off, scale, softcap, attn_bias, alibi)
+        if HAS_SCORE_MOD:                                # (the user's function: indices inside the sequences)
+            i_in, j_in = min(i, seqlen_q - 1), min(j, seqlen_k - 1)
+            x = score(qk, i_in, j_in, b, h, off, scale, softcap, attn_bias, alibi)
+        else:
+            i_in, j_in = i, j
+            x = score(qk, i, j, b, h, off, scale, softcap, attn_bias, alibi)
         if need_mask and not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask,
                                      bm_q, bm_k):
             p = ZERO                                         # masked: no exp of a score that may be huge
@@ -145,6 +154,9 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
         if HAS_SOFTCAP:
             t = math.tanh(qk * scale / softcap)
             ds = ds * (ONE - t * t)                          # d/dx softcap*tanh(x/softcap) = 1 - tanh^2
+        if HAS_SCORE_MOD:
+            if p != ZERO:                                    # (masked: never evaluated; dS is 0 there)
+                ds = ds * ACC(score_grad(qk * scale, b, h, i_in, j_in))
         return p_drop, ds
 
     return grad
@@ -197,11 +209,12 @@ def make_query_tile_range(BLOCK_Q):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-              HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False, P_FORMAT=None):
+              HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False, P_FORMAT=None, MODS=None):
     """Build the dK/dV kernel (rows = keys, columns = queries); returns (kernel, shared bytes, threads).
 
     ``VARLEN``: a packed batch, as in ``forward.make_forward``: the blocks run over each sequence's key tiles;
     ``dq_accum`` stays the packed ``(1, total_q, nheads, headdim)`` accumulator (rows ``q_start + i``).
+    ``MODS``: a ``flex_attention`` call's functions (``forward.make_forward``).
     ``P_FORMAT`` ("float16" / "bfloat16", the inputs' format): ``dV = P_drop^T dO`` takes ``P_drop`` rounded
     to that format, as the tensor-core kernels (and flash-attn) do.  The recomputed ``P`` of a row whose
     softmax is one key is not exactly 1 (``lse`` is stored in natural log and converted back to base 2: the
@@ -238,8 +251,9 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
     acc_tile = make_mm_acc(TR, TD, THREADS_C, BLOCK_Q, HEAD_DIM, DS_STRIDE, STRIDE, ACC)     # (.)^T-rows x Q/dO
     dq_tile = make_mm_acc(TRQ, TD, THREADS_C, BLOCK_K, HEAD_DIM, DS_STRIDE, STRIDE, ACC, TRANSPOSE_P=True)
     grad = make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
-                             HAS_ATTN_MASK, HAS_BLOCK_MASK)
-    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+                             HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
+    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+                                        MODS is not None and MODS.mask_mod is not None)
     ROUND_P = P_FORMAT is not None
     round_p = make_round_to(P_FORMAT or "bfloat16")
 
@@ -369,9 +383,9 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False):
+            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False, MODS=None):
     """Build the deterministic dQ kernel (rows = queries, columns = keys); returns (kernel, bytes, threads).
-    ``VARLEN``: a packed batch, as in ``forward.make_forward``."""
+    ``VARLEN``: a packed batch, ``MODS``: a ``flex_attention`` call's functions, as in ``forward.make_forward``."""
     ACC = np.dtype(ACC_NAME).type
     ACC_DT = np.dtype(ACC)
     THREADS_R, THREADS_C = tile_threads(BLOCK_Q, "rows"), tile_threads(BLOCK_K, "cols")
@@ -396,8 +410,9 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
     s_tile = make_mm_abt(TR, TC, THREADS_C, HEAD_DIM, STRIDE, STRIDE, ACC)        # Q K^T and dO V^T
     dq_tile = make_mm_acc(TR, TD, THREADS_C, BLOCK_K, HEAD_DIM, DS_STRIDE, STRIDE, ACC)
     grad = make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
-                             HAS_ATTN_MASK, HAS_BLOCK_MASK)
-    key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+                             HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
+    key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+                                                     MODS is not None and MODS.mask_mod is not None)
 
     @kernel
     def flash_dq(q, k, v, dout, lse2, delta, dq, group, off, scale, softcap, left, right,

@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda
 
 from ._jit import device_function, kernel, kernel_factory
-from ._scores import make_allowed_fn, make_score_fn, philox_keep
+from ._scores import Mods, make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import (U, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, packed_tile_head_batch,
                      padded, scratch_size, sequence_span, tile_head_batch)
 
@@ -46,8 +46,9 @@ def tile_threads(block, axis):
 
 
 @lru_cache(maxsize=None)
-def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK):
-    """Tile-level mask arithmetic, shared by the forward and backward kernels."""
+def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, HAS_MASK_MOD=False):
+    """Tile-level mask arithmetic, shared by the forward and backward kernels (``HAS_MASK_MOD``: a
+    ``mask_mod`` runs on every tile the block mask keeps)."""
 
     @device_function
     def key_tile_range(q_first, q_last, off, left, right, seqlen_k):
@@ -93,7 +94,7 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
         crosses the end of the keys, a window edge or a block-mask edge, or an
         ``attn_mask`` is given.  Tiles inside everything pay one uniform branch.
         """
-        need_mask = k_first + BLOCK_K > seqlen_k or HAS_ATTN_MASK
+        need_mask = k_first + BLOCK_K > seqlen_k or HAS_ATTN_MASK or HAS_MASK_MOD
         if HAS_WINDOW:
             need_mask = need_mask or not inside_window(q_first, q_last, k_first, k_first + BLOCK_K - 1,
                                                        off, left, right)
@@ -131,8 +132,11 @@ def make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK):
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False):
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, VARLEN=False, MODS=None):
     """Build (once per specialisation) the forward kernel: (kernel, dynamic shared bytes, threads per block).
+
+    ``MODS`` (``_scores.Mods``): a ``flex_attention`` call's ``score_mod`` and ``mask_mod``, inlined where the
+    options' code would go (``flashnb.flex`` passes no option with them but the block mask of its states).
 
     ``VARLEN``: a packed batch (``flashnb.varlen``): q, k, v, out arrive as ``(batch, total, nheads, headdim)``
     views with batch stride 0 and lse as ``(batch, nheads, total_q)``; each block takes its sequence's rows
@@ -157,7 +161,9 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
     R_OFF = P_OFF + BLOCK_Q * P_STRIDE
     SMEM_N = R_OFF + max(scratch_size(BLOCK_Q, THREADS_K), 1)
     SHARED_BYTES = SMEM_N * np.dtype(ACC).itemsize
-    HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI
+    MODS = MODS or Mods()
+    HAS_SCORE_MOD = MODS.score_mod is not None
+    HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_SCORE_MOD
     ACC_DT = np.dtype(ACC)
     ZERO, NEG_INF, LOG2E_T, LN2_T = ACC(0), ACC(-np.inf), ACC(LOG2E), ACC(LN2)
 
@@ -167,9 +173,10 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
     pv_tile = make_mm_acc(TQ, TD, THREADS_K, BLOCK_K, HEAD_DIM, P_STRIDE, V_STRIDE, ACC)
     row_max = make_row_allreduce(TQ, THREADS_K, NTHREADS, ACC, is_max=True)
     row_sum = make_row_allreduce(TQ, THREADS_K, NTHREADS, ACC, is_max=False)
-    score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
-    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
-    key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod)
+    key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+                                                     MODS.mask_mod is not None)
 
     next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
@@ -234,7 +241,10 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
                 i = q0 + ty * TQ + r
                 for c in range(TK):
                     j = k0 + tx + c * THREADS_K
-                    if HAS_MODS:
+                    if HAS_SCORE_MOD:       # the user's function sees only indices inside the sequences
+                        x = score(s_reg[r, c], min(i, seqlen_q - 1), min(j, seqlen_k - 1), b, h, off, scale,
+                                  softcap, attn_bias, alibi) * LOG2E_T
+                    elif HAS_MODS:
                         x = score(s_reg[r, c], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
                     else:
                         x = s_reg[r, c] * scale_log2

@@ -1,0 +1,235 @@
+"""``flex_attention``: PyTorch FlexAttention's ``score_mod`` and ``mask_mod`` as plain Python functions, compiled
+by Numba into flashnb's kernels (the SIMT forward and backward, so far).
+
+    def alibi(score, b, h, q_idx, kv_idx):          # score_mod: the scaled score, and its indices
+        return score - 0.5 * (h + 1) * abs(q_idx - kv_idx)
+
+    def causal(b, h, q_idx, kv_idx):                # mask_mod: may query q_idx see key kv_idx
+        return q_idx >= kv_idx
+
+    mask = flashnb.create_block_mask(causal, None, None, L, S, BLOCK_SIZE=16)
+    out = flashnb.flex_attention(q, k, v, score_mod=alibi, block_mask=mask)     # q (B, H, L, E), k, v (B, Hkv, S, E)
+
+The semantics are FlexAttention's (``reference.flex`` is the oracle, which runs the very same functions over
+index grids): ``s = score_mod(scale * q.k, b, h, q_idx, kv_idx)``, ``-inf`` where ``mask_mod`` is False (the
+indices top-left: a causal mask is ``q_idx >= kv_idx`` whatever L and S), softmax over the keys, a row with no
+key gives 0 and ``lse = -inf``.  ``create_block_mask`` classifies each (batch, head, query block, key block) as
+empty (never loaded), partial or full on the device (``kernels/flex.py``); the kernels skip the empty blocks and
+evaluate ``mask_mod`` on the others.
+
+A function is compiled the first time a call uses it, for the dtypes of that call, and inlined where the
+options' code goes (``kernels._scores``).  It may use arithmetic, comparisons, ``abs``, ``min``/``max``,
+``math`` and ``cmath`` functions, and read NumPy arrays it captures (frozen into the kernel as constants: keep
+them small; a new array means a new function).  The backward needs ``d score_mod / d score``: pass
+``score_mod_grad(score, b, h, q_idx, kv_idx)``, or write ``score_mod`` so that it takes a complex score (no
+``math.*`` on the score: ``cmath`` works) and flashnb takes the complex step ``Im f(s + i t) / t``, exact to
+rounding.  What cannot hold is refused before any launch with an error naming the function.
+"""
+import numbers
+
+import numpy as np
+
+from . import _arrays, _options, api
+from .kernels import _jit
+from .kernels._jit import device_function
+from .kernels._scores import Mods
+from .kernels.flex import EMPTY, FULL, PARTIAL, THREADS, grid, make_block_states
+
+__all__ = ["BlockMask", "create_block_mask", "flex_attention", "flex_attention_backward", "EMPTY", "PARTIAL", "FULL"]
+
+COMPLEX_STEP = 1e-30
+
+
+class BlockMask:
+    """``create_block_mask``'s result: the ``mask_mod``, the block size ``(BLOCK_Q, BLOCK_K)``, the lengths it
+    was made for, and ``states``, a NumPy int8 array ``(B or 1, H or 1, ceil(Q_LEN / BLOCK_Q), ceil(KV_LEN /
+    BLOCK_K))`` of ``EMPTY``, ``PARTIAL``, ``FULL``."""
+
+    def __init__(self, mask_mod, states, block_size, q_len, kv_len):
+        self.mask_mod, self.states, self.block_size = mask_mod, states, block_size
+        self.q_len, self.kv_len = q_len, kv_len
+        self._kept = {}           # the kind of array a call passes -> (states != EMPTY) as that kind
+
+    def kept(self, like):
+        """``states != EMPTY`` (the blocks the kernels load) as an array of ``like``'s kind and device."""
+        torch = _arrays.torch
+        key = (str(like.device) if torch is not None and isinstance(like, torch.Tensor) else type(like).__name__)
+        if key not in self._kept:
+            kept = self.states != EMPTY
+            if torch is not None and isinstance(like, torch.Tensor):
+                kept = torch.as_tensor(kept, device=like.device)
+            self._kept[key] = kept
+        return self._kept[key]
+
+    def __repr__(self):
+        counts = {n: int((self.states == v).sum()) for n, v in (("empty", EMPTY), ("partial", PARTIAL),
+                                                                ("full", FULL))}
+        return (f"BlockMask(shape={self.states.shape}, block_size={self.block_size}, "
+                + ", ".join(f"{n}={c}" for n, c in counts.items()) + ")")
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128):
+    """The block states of ``mask_mod`` over ``(B, H, Q_LEN, KV_LEN)`` (``B`` or ``H`` None: the mask does not
+    depend on it, one entry), computed on the device.  ``BLOCK_SIZE``: an int or a pair (query, key)."""
+    _check_mod(mask_mod, "mask_mod", 4)
+    for value, name in ((Q_LEN, "Q_LEN"), (KV_LEN, "KV_LEN")):
+        if not _options._is_int(value) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    for value, name in ((B, "B"), (H, "H")):
+        if value is not None and (not _options._is_int(value) or value < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+    pair = (BLOCK_SIZE, BLOCK_SIZE) if _options._is_int(BLOCK_SIZE) else tuple(BLOCK_SIZE)
+    if len(pair) != 2 or not all(_options._is_int(s) and s > 0 for s in pair):
+        raise ValueError(f"BLOCK_SIZE must be a positive int or a pair of them, got {BLOCK_SIZE!r}")
+    bq, bk = (int(s) for s in pair)
+    shape = (B or 1, H or 1, -(-int(Q_LEN) // bq), -(-int(KV_LEN) // bk))
+    states = np.zeros(shape, np.int8)
+    n = int(np.prod(shape))
+    if n:
+        from numba import cuda
+        d = cuda.to_device(states)
+        _jit.launch(make_block_states(_compiled(mask_mod), bq, bk), grid(n), THREADS, _arrays.resolve_stream(
+            None, _arrays.kind_of(states, "states"), states), 0, (d, int(Q_LEN), int(KV_LEN)))
+        states = d.copy_to_host()
+    return BlockMask(mask_mod, states, (bq, bk), int(Q_LEN), int(KV_LEN))
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, *, stream=None):
+    """Attention with ``score_mod`` and ``block_mask``'s ``mask_mod`` (the module's docstring), FlexAttention's
+    layout: query ``(B, Hq, L, E)``, key and value ``(B, Hkv, S, E)`` (``Hkv != Hq`` needs ``enable_gqa``).
+    Returns ``out`` ``(B, Hq, L, E)`` of the query's kind and dtype, or ``(out, lse)`` with ``lse`` ``(B, Hq, L)``
+    (float32; float64 for float64 inputs).  NumPy, PyTorch (CUDA) and CuPy arrays; the SIMT kernels."""
+    q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, None, False)
+    out, lse = api._forward(q, k, v, options, True, None, None, stream, "simt")
+    out = _swap(out)
+    return (out, lse) if return_lse else out
+
+
+def flex_attention_backward(dout, query, key, value, out, lse, score_mod=None, block_mask=None, scale=None,
+                            enable_gqa=False, score_mod_grad=None, deterministic=False, *, stream=None):
+    """``(dq, dk, dv)`` of ``sum(out * dout)`` for ``out, lse = flex_attention(..., return_lse=True)`` with the
+    same functions; in FlexAttention's layout, ``dk``, ``dv`` summed over the query heads of a key/value head.
+    ``score_mod_grad(score, b, h, q_idx, kv_idx)``: the score_mod's derivative in the score; without it the
+    complex step (the score_mod must then take a complex score)."""
+    q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, True)
+    grads = api._backward(_swap(dout), q, k, v, _swap(out), lse, options, None, None, deterministic, stream, "simt")
+    return tuple(_swap(g) for g in grads)
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, backward):
+    """The call in flashnb's layout (views): ``(q, k, v, options)``, every argument checked before any launch."""
+    for x, name in ((query, "query"), (key, "key"), (value, "value")):
+        if len(getattr(x, "shape", ())) != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, dim), got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+    hq, hkv = int(query.shape[1]), int(key.shape[1])
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"query has {hq} heads and key {hkv}: grouped heads need enable_gqa=True")
+    q, k, v = (_swap(x) for x in (query, key, value))
+    L, S = int(query.shape[2]), int(key.shape[2])
+    if score_mod is not None:
+        _check_mod(score_mod, "score_mod", 5)
+    grad = None
+    if backward and score_mod is not None:
+        if score_mod_grad is not None:
+            _check_mod(score_mod_grad, "score_mod_grad", 5)
+            grad = score_mod_grad
+        else:
+            _check_complex_step(score_mod)
+    mask_mod = None
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a BlockMask (flashnb.create_block_mask), got "
+                            f"{type(block_mask).__name__}")
+        if (block_mask.q_len, block_mask.kv_len) != (L, S):
+            raise ValueError(f"block_mask was made for Q_LEN={block_mask.q_len}, KV_LEN={block_mask.kv_len}; this "
+                             f"call has {L} queries and {S} keys")
+        nb, nh = block_mask.states.shape[:2]
+        if nb not in (1, int(query.shape[0])) or nh not in (1, hq):
+            raise ValueError(f"block_mask's states {block_mask.states.shape} do not fit batch {query.shape[0]} "
+                             f"and {hq} query heads")
+        mask_mod = block_mask.mask_mod
+    mods = None
+    if score_mod is not None or mask_mod is not None:
+        mods = Mods(_compiled(score_mod), _compiled(mask_mod),
+                    _compiled(grad) if grad is not None else _complex_step(score_mod) if backward and score_mod
+                    else None)
+    options = dict(softmax_scale=scale, causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None,
+                   alibi_slopes=None, softcap=0.0,
+                   block_mask=None if block_mask is None else block_mask.kept(query),
+                   block_mask_size=(128, 128) if block_mask is None else block_mask.block_size,
+                   dropout_p=0.0, seed=0, mods=mods)
+    return q, k, v, options
+
+
+def _check_mod(fn, name, nargs):
+    """A callable that takes ``nargs`` positional arguments, and returns what its kind must (probed once on
+    the host at index 0 and a score of 0.5): a real number (score_mod, score_mod_grad) or a bool (mask_mod)."""
+    if not callable(fn):
+        raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
+    try:
+        got = fn(*((0.5,) if nargs == 5 else ()), 0, 0, 0, 0)
+    except Exception as e:                     # noqa: BLE001 (any failure of the caller's function, named)
+        raise ValueError(f"{name} failed on (b, h, q_idx, kv_idx) = (0, 0, 0, 0): {type(e).__name__}: {e}") from e
+    if nargs == 4 and not isinstance(got, (bool, np.bool_)):
+        raise TypeError(f"mask_mod must return a bool, got {type(got).__name__}")
+    if nargs == 5 and (not isinstance(got, numbers.Real) or isinstance(got, (bool, np.bool_))):
+        raise TypeError(f"{name} must return a real number, got {type(got).__name__}")
+
+
+def _check_complex_step(score_mod):
+    """The backward without ``score_mod_grad`` differentiates by the complex step: the score_mod must take a
+    complex score and keep its imaginary part."""
+    try:
+        got = score_mod(complex(0.5, COMPLEX_STEP), 0, 0, 0, 0)
+    except TypeError as e:
+        raise ValueError("score_mod cannot take a complex score (math.* on the score, or a comparison of it), so "
+                         "the backward cannot differentiate it by the complex step: use cmath, or pass "
+                         f"score_mod_grad ({e})") from e
+    if not isinstance(got, (complex, numbers.Real)):
+        raise TypeError(f"score_mod must return a number, got {type(got).__name__}")
+
+
+_COMPILED = {}
+
+
+def _compiled(fn):
+    """``fn`` as a device function (one per function, so the kernels built on it are cached with it)."""
+    if fn is None:
+        return None
+    if fn not in _COMPILED:
+        _COMPILED[fn] = device_function(fn)
+    return _COMPILED[fn]
+
+
+_STEPS = {}
+
+
+def _complex_step(score_mod):
+    """``d score_mod / d score`` as a device function: ``Im score_mod(s + i t) / t``, ``t = 1e-30``."""
+    if score_mod not in _STEPS:
+        mod = _compiled(score_mod)
+        T, INV_T = COMPLEX_STEP, 1.0 / COMPLEX_STEP
+
+        @device_function
+        def score_grad(score, b, h, q_idx, kv_idx):
+            return mod(complex(score, T), b, h, q_idx, kv_idx).imag * INV_T
+
+        _STEPS[score_mod] = score_grad
+    return _STEPS[score_mod]
+
+
+def _swap(x):
+    """``x`` with its dimensions 1 and 2 exchanged, a view: FlexAttention's ``(B, H, S, D)`` and flashnb's
+    ``(B, S, H, D)``."""
+    torch = _arrays.torch
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.transpose(1, 2)
+    if hasattr(x, "swapaxes"):
+        return x.swapaxes(1, 2)
+    raise TypeError(f"flex_attention takes NumPy, PyTorch and CuPy arrays, got {type(x).__name__}")
+

@@ -1,0 +1,227 @@
+"""flashnb.flex_attention / flex_attention_backward / create_block_mask against the oracle (reference.flex),
+which runs the very same Python functions over NumPy index grids.
+
+The functions are drawn from a family (issue 43): score_mods ALiBi, softcap (math.tanh, with its
+score_mod_grad), a relative-position bias table captured from the closure, a per-head scale (the three
+differentiated by the complex step); mask_mods
+causal, a sliding window, a document mask (captured document ids), prefix-LM; each alone or one of each.
+float64 within 1e-10 and float32 within 1e-4 of the result's scale (the SIMT kernels' arithmetic; the scores
+are at most ~50 in size here).  The states of create_block_mask equal reference.flex.block_states exactly;
+the built-in options written as mods give the built-in options' results; bad functions are refused before
+any launch, naming the argument.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import flashnb
+from kernel_harness import examples, poison_outputs  # noqa: F401 (autouse fixture)
+from reference import flex as rf
+
+
+def score_mods(rng, H, L, S):
+    slopes = [0.5 ** (h + 1) for h in range(H)]
+    table = rng.standard_normal(L + S)                         # bias by relative position, captured
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - 0.5 * (h + 1) * abs(q_idx - kv_idx)
+
+    def softcap(score, b, h, q_idx, kv_idx):          # math.tanh: no complex step, so its derivative is given
+        return 3.0 * math.tanh(score / 3.0)
+
+    def softcap_grad(score, b, h, q_idx, kv_idx):
+        return 1.0 - math.tanh(score / 3.0) ** 2
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + S]
+
+    def head_scale(score, b, h, q_idx, kv_idx):
+        return score * (1.0 + slopes[0] * h)
+
+    mods = {"alibi": alibi, "softcap": softcap, "rel_bias": rel_bias, "head_scale": head_scale}
+    return mods, {"softcap": softcap_grad}
+
+
+def mask_mods(rng, L, S):
+    docs = np.sort(rng.integers(0, 3, max(L, S)))                # document ids of packed sequences, captured
+    window = int(rng.integers(1, 6))
+    prefix = int(rng.integers(0, S + 1))
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+
+    def document(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix) | (q_idx >= kv_idx)
+
+    return {"causal": causal, "sliding": sliding, "document": document, "prefix_lm": prefix_lm}
+
+
+@st.composite
+def flex_problems(draw, dtypes=(np.float64, np.float32)):
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    B, Hk = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    H = Hk * draw(st.sampled_from([1, 2]))
+    L, S = draw(st.integers(1, 20)), draw(st.integers(1, 20))
+    E = draw(st.sampled_from([4, 8, 16]))
+    dtype = draw(st.sampled_from(dtypes))
+    sm = draw(st.sampled_from([None, "alibi", "softcap", "rel_bias", "head_scale"]))
+    mm = draw(st.sampled_from([None, "causal", "sliding", "document", "prefix_lm"]))
+    block = draw(st.sampled_from([(4, 4), (8, 4), (16, 16), (128, 128)]))
+    mask_dims = draw(st.sampled_from([(None, None), (B, None), (B, H)]))
+    q = rng.standard_normal((B, H, L, E)).astype(dtype)
+    k, v = (rng.standard_normal((B, Hk, S, E)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal((B, H, L, E)).astype(dtype)
+    mods, grads = score_mods(rng, H, L, S)
+    score_mod, score_mod_grad = (None, None) if sm is None else (mods[sm], grads.get(sm))
+    mask_mod = None if mm is None else mask_mods(rng, L, S)[mm]
+    return dict(q=q, k=k, v=v, dout=dout, score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
+                block=block,
+                mask_dims=mask_dims, what=f"{dtype.__name__} B{B} H{H}/{Hk} L{L} S{S} E{E} {sm} {mm} {block}")
+
+
+def _tol(dtype, ref):
+    return (1e-10 if dtype == np.float64 else 1e-4) * (1.0 + float(np.max(np.abs(ref), initial=0.0)))
+
+
+def _close(got, ref, dtype, what):
+    got = np.asarray(got, np.float64)
+    finite = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(got), finite), f"{what}: non-finite entries differ"
+    err = float(np.max(np.abs(got[finite] - ref[finite]), initial=0.0))
+    assert err <= _tol(dtype, ref[finite]), f"{what}: max error {err:.3g} > {_tol(dtype, ref[finite]):.3g}"
+    assert np.array_equal(got[~finite], ref[~finite]), f"{what}: non-finite values differ"
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(p=flex_problems())
+def test_flex_forward_and_backward_match_the_oracle(p):
+    q, k, v, dout, dtype = p["q"], p["k"], p["v"], p["dout"], p["q"].dtype.type
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    block_mask = None
+    if p["mask_mod"] is not None:
+        block_mask = flashnb.create_block_mask(p["mask_mod"], *p["mask_dims"], L, S, BLOCK_SIZE=p["block"])
+    gqa = H != k.shape[1]
+    out, lse = flashnb.flex_attention(q, k, v, score_mod=p["score_mod"], block_mask=block_mask, enable_gqa=gqa,
+                                      return_lse=True)
+    ref, ref_lse = rf.flex_attention(q, k, v, score_mod=p["score_mod"], mask_mod=p["mask_mod"], enable_gqa=gqa,
+                                     return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (B, H, L)
+    _close(out, ref, dtype, f"out ({p['what']})")
+    _close(lse, ref_lse, dtype, f"lse ({p['what']})")
+    grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=p["score_mod"],
+                                            block_mask=block_mask, enable_gqa=gqa, score_mod_grad=p["score_mod_grad"])
+    want = rf.flex_attention_backward(dout, q, k, v, score_mod=p["score_mod"], mask_mod=p["mask_mod"],
+                                      enable_gqa=gqa, score_mod_grad=p["score_mod_grad"])
+    for name, g, w, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
+        assert g.shape == x.shape, f"{name} shape {g.shape}"
+        _close(g, w, dtype, f"{name} ({p['what']})")
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(seed=st.integers(0, 2**31), L=st.integers(1, 40), S=st.integers(1, 40),
+       name=st.sampled_from(["causal", "sliding", "document", "prefix_lm"]),
+       block=st.sampled_from([1, 3, (4, 8), 16]), dims=st.sampled_from([(None, None), (2, None), (2, 3)]))
+def test_create_block_mask_states_are_the_oracles(seed, L, S, name, block, dims):
+    mask_mod = mask_mods(np.random.default_rng(seed), L, S)[name]
+    got = flashnb.create_block_mask(mask_mod, *dims, L, S, BLOCK_SIZE=block)
+    want = rf.block_states(mask_mod, *dims, L, S, block)
+    assert got.states.dtype == np.int8
+    np.testing.assert_array_equal(got.states, want)
+
+
+def test_the_builtin_options_as_mods_give_the_builtin_results():
+    """ALiBi and a causal mask written as functions equal flash_attention's alibi_slopes and causal=True
+    (L = S: top-left and bottom-right causal agree), forward and backward, float64."""
+    rng = np.random.default_rng(3)
+    B, H, L, E = 2, 2, 13, 8
+    q, k, v, dout = (rng.standard_normal((B, H, L, E)) for _ in range(4))
+    slopes = np.array([0.5, 0.25])
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - (0.5 if h == 0 else 0.25) * abs(q_idx - kv_idx)
+
+    def alibi_grad(score, b, h, q_idx, kv_idx):
+        return 1.0
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    mask = flashnb.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=4)
+    out, lse = flashnb.flex_attention(q, k, v, score_mod=alibi, block_mask=mask, return_lse=True)
+    t = lambda x: np.ascontiguousarray(x.swapaxes(1, 2))  # noqa: E731
+    want, want_lse = flashnb.flash_attention(t(q), t(k), t(v), causal=True, alibi_slopes=slopes, return_lse=True)
+    np.testing.assert_allclose(t(out), want, atol=1e-12, rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12, rtol=0)
+    grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=alibi, block_mask=mask,
+                                            score_mod_grad=alibi_grad)
+    wants = flashnb.flash_attention_backward(t(dout), t(q), t(k), t(v), want, want_lse, causal=True,
+                                             alibi_slopes=slopes)
+    for g, w in zip(grads, wants):
+        np.testing.assert_allclose(t(g), w, atol=1e-12, rtol=0)
+
+
+def test_a_row_that_sees_no_key_gives_zero_and_minus_inf():
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 1, 6, 4)) for _ in range(3))
+    mask = flashnb.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < q_idx, None, None, 6, 6, BLOCK_SIZE=2)
+    out, lse = flashnb.flex_attention(q, k, v, block_mask=mask, return_lse=True)
+    assert np.all(out[0, 0, 0] == 0) and lse[0, 0, 0] == -np.inf           # row 0: no key before it
+    ref, ref_lse = rf.flex_attention(q, k, v, mask_mod=mask.mask_mod, return_lse=True)
+    np.testing.assert_allclose(out, ref, atol=1e-12, rtol=0)
+
+
+def _qkv():
+    rng = np.random.default_rng(5)
+    return tuple(rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+
+
+def test_a_math_score_mod_needs_score_mod_grad_for_the_backward():
+    """math.tanh cannot take the complex step: the backward refuses it before any launch, naming the remedy;
+    with score_mod_grad it runs, and equals the oracle's backward."""
+    q, k, v = _qkv()
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return 2.0 * math.tanh(score / 2.0)
+
+    def capped_grad(score, b, h, q_idx, kv_idx):
+        return 1.0 - math.tanh(score / 2.0) ** 2
+
+    out, lse = flashnb.flex_attention(q, k, v, score_mod=capped, return_lse=True)
+    with pytest.raises(ValueError, match="score_mod cannot take a complex score.*score_mod_grad"):
+        flashnb.flex_attention_backward(q, q, k, v, out, lse, score_mod=capped)
+    grads = flashnb.flex_attention_backward(q, q, k, v, out, lse, score_mod=capped, score_mod_grad=capped_grad)
+    want = rf.flex_attention_backward(q, q, k, v, score_mod=capped, score_mod_grad=capped_grad)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda q, k, v: flashnb.flex_attention(q, k, v, score_mod=3), TypeError, "score_mod must be a function"),
+    (lambda q, k, v: flashnb.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: True), TypeError,
+     "score_mod must return a real number"),
+    (lambda q, k, v: flashnb.flex_attention(q, k, v, score_mod=lambda s, b, h: s), ValueError, "score_mod failed"),
+    (lambda q, k, v: flashnb.create_block_mask(lambda b, h, i, j: 1.5, None, None, 5, 5), TypeError,
+     "mask_mod must return a bool"),
+    (lambda q, k, v: flashnb.flex_attention(q, k, v, block_mask=np.ones((1, 1, 1, 1), bool)), TypeError,
+     "block_mask must be a BlockMask"),
+    (lambda q, k, v: flashnb.flex_attention(q, k, v, block_mask=flashnb.create_block_mask(
+        lambda b, h, i, j: i >= j, None, None, 5, 6)), ValueError, "block_mask was made for Q_LEN=5, KV_LEN=6"),
+    (lambda q, k, v: flashnb.flex_attention(q, k[:, :1], v[:, :1]), ValueError, "enable_gqa=True"),
+    (lambda q, k, v: flashnb.flex_attention(q[0], k, v), ValueError, "query must have 4 dimensions"),
+    (lambda q, k, v: flashnb.create_block_mask(lambda b, h, i, j: i >= j, None, None, 5, 5, BLOCK_SIZE=0),
+     ValueError, "BLOCK_SIZE"),
+])
+def test_bad_input_is_refused_naming_the_argument(call, error, match):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=match):
+        call(q, k, v)
