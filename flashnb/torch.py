@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _options, api, kvcache, varlen
+from . import _options, api, flex, kvcache, varlen
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "sdpa_patched",
-           "supports_sdpa_call"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flex_attention", "scaled_dot_product_attention",
+           "sdpa_patched", "supports_sdpa_call"]
 
 
 # ------------------------------------------------------------------------------------------------ flash-attn
@@ -205,6 +205,39 @@ def sdpa_patched():
         torch.nn.functional.scaled_dot_product_attention = original
 
 
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, score_mod_grad=None):
+    """``flashnb.flex_attention`` (docs/flex.md) on PyTorch tensors, differentiable in query, key and value
+    (eager autograd; not yet a custom op for ``torch.compile``).  ``score_mod_grad``: the score_mod's derivative
+    in the score for the backward (else the complex step: a score_mod that cannot take it is refused here,
+    before the forward, when a gradient will be asked for).  CPU tensors run through NumPy (the simulator)."""
+    args = (score_mod, block_mask, scale, enable_gqa, score_mod_grad)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        if score_mod is not None and score_mod_grad is None:
+            flex._check_complex_step(score_mod)
+        out, lse = _FlexAttention.apply(query, key, value, args)
+    else:
+        with torch.no_grad():
+            out, lse = _flex_forward_impl(query, key, value, *args)
+    return (out, lse) if return_lse else out
+
+
+def _flex_forward_impl(q, k, v, score_mod, block_mask, scale, enable_gqa, score_mod_grad):
+    if q.is_cuda:
+        return flex.flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse=True)
+    out, lse = flex.flex_attention(*_numpy(q, k, v), score_mod, block_mask, scale, enable_gqa, return_lse=True)
+    return _from_numpy(out, q.dtype), torch.from_numpy(lse)
+
+
+def _flex_backward_impl(dout, q, k, v, out, lse, score_mod, block_mask, scale, enable_gqa, score_mod_grad):
+    if q.is_cuda:
+        return flex.flex_attention_backward(dout, q, k, v, out, lse, score_mod, block_mask, scale, enable_gqa,
+                                            score_mod_grad)
+    grads = flex.flex_attention_backward(*_numpy(dout, q, k, v, out), lse.detach().numpy(), score_mod, block_mask,
+                                         scale, enable_gqa, score_mod_grad)
+    return tuple(_from_numpy(g, q.dtype) for g in grads)
+
+
 # ------------------------------------------------------------------------------------------------ dispatch
 def _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
                block_mask_size, dropout_p, deterministic, backend):
@@ -369,6 +402,8 @@ def _from_numpy(a, dtype):
 _FlashAttention = attention_function(
     "_FlashAttention", _forward_impl, _backward_impl,
     "The eager path: autograd's bookkeeping (~7 us a call) without the custom op's dispatch (~15 us more).")
+_FlexAttention = attention_function(
+    "_FlexAttention", _flex_forward_impl, _flex_backward_impl, "``flex_attention``'s eager path.")
 _FlashAttentionVarlen = attention_function(
     "_FlashAttentionVarlen", _varlen_forward_impl, _varlen_backward_impl,
     "``flash_attn_varlen_func``'s eager path, as ``_FlashAttention``'s.")

@@ -52,9 +52,13 @@ def mod_grid(fn, shape, score=None):
     return out.astype(bool if score is None else np.float64)
 
 
-def _prepare(query, key, value, scale, enable_gqa):
-    """``(q, k, v, group, scale)`` in float64, k and v with their heads repeated to the query's."""
-    q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+def _prepare(query, key, value, scale, enable_gqa, dtype=None):
+    """``(q, k, v, group, scale)`` in ``dtype`` (float64 by default), k and v with their heads repeated to the
+    query's."""
+    dtype = np.dtype(np.float64 if dtype is None else dtype)
+    if dtype not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype must be None, float16, float32 or float64, got {dtype}")
+    q, k, v = (np.asarray(x).astype(dtype) for x in (query, key, value))
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("query, key and value must have 4 dimensions (batch, heads, seqlen, dim)")
     B, Hq, L, E = q.shape
@@ -64,25 +68,29 @@ def _prepare(query, key, value, scale, enable_gqa):
     if Hkv != Hq and not (enable_gqa and Hkv > 0 and Hq % Hkv == 0):
         raise ValueError(f"query has {Hq} heads and key {Hkv}: grouped heads need enable_gqa=True and a multiple")
     group = Hq // Hkv
-    scale = 1.0 / np.sqrt(E) if scale is None else float(scale)
+    scale = dtype.type(1.0 / np.sqrt(E) if scale is None else float(scale))
     return q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), group, scale
 
 
 def _scores(raw, score_mod, mask_mod):
-    """The scores after the score_mod and the mask (-inf where ``mask_mod`` is False)."""
-    s = raw if score_mod is None else mod_grid(score_mod, raw.shape, raw)
+    """The scores after the score_mod and the mask (-inf where ``mask_mod`` is False), in ``raw``'s dtype (the
+    score_mod evaluated in float64 and rounded back: a mod's own arithmetic is not the dtype's concern)."""
+    s = raw if score_mod is None else mod_grid(score_mod, raw.shape, raw).astype(raw.dtype)
     if mask_mod is not None:
-        s = np.where(mod_grid(mask_mod, s.shape), s, -np.inf)
+        s = np.where(mod_grid(mask_mod, s.shape), s, raw.dtype.type(-np.inf))
     return s
 
 
 def flex_attention(query, key, value, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
-                   return_lse=False):
-    """``out`` ``(B, Hq, L, Ev)`` in float64, or ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` (natural log)."""
-    q, k, v, _, scale = _prepare(query, key, value, scale, enable_gqa)
+                   return_lse=False, dtype=None):
+    """``out`` ``(B, Hq, L, Ev)``, or ``(out, lse)`` with ``lse`` ``(B, Hq, L)`` (natural log).  ``dtype``: compute
+    in float16, float32 or float64 (the default), as ``reference.attention(dtype=)``: the flash-attn rule's
+    "oracle in the input precision"; lse float32 for float16."""
+    q, k, v, _, scale = _prepare(query, key, value, scale, enable_gqa, dtype)
     s = _scores(scale * (q @ np.swapaxes(k, -1, -2)), score_mod, mask_mod)
     p, lse = _softmax(s)
     out = p @ v
+    lse = lse.astype(np.float32) if q.dtype.itemsize == 2 else lse
     return (out, lse) if return_lse else out
 
 
@@ -113,12 +121,13 @@ def score_mod_derivative(score_mod, score, b, h, i, j):
 
 
 def flex_attention_backward(dout, query, key, value, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
-                            score_mod_grad=None):
+                            score_mod_grad=None, dtype=None):
     """``(dq, dk, dv)`` of ``sum(flex_attention(...) * dout)``: the recompute backward with the score_mod's chain
     rule, ``dS_raw = dS * score_mod'(s_raw)`` (``score_mod_grad(s, b, h, i, j)`` where given, else
-    ``score_mod_derivative``); ``dk``, ``dv`` summed over the query heads of a key/value head.  float64."""
-    q, kr, vr, group, scale = _prepare(query, key, value, scale, enable_gqa)
-    do = np.asarray(dout, np.float64)
+    ``score_mod_derivative``); ``dk``, ``dv`` summed over the query heads of a key/value head.  In ``dtype``
+    (float64 by default; the derivative evaluated in float64 and rounded to it)."""
+    q, kr, vr, group, scale = _prepare(query, key, value, scale, enable_gqa, dtype)
+    do = np.asarray(dout).astype(q.dtype)
     B, Hq, L, _ = q.shape
     Hkv, S = Hq // group, kr.shape[2]
     raw = scale * (q @ np.swapaxes(kr, -1, -2))
@@ -129,9 +138,10 @@ def flex_attention_backward(dout, query, key, value, score_mod=None, mask_mod=No
     dp = do @ np.swapaxes(vr, -1, -2)
     ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
     if score_mod is not None:
-        grad = (mod_grid(score_mod_grad, raw.shape, raw) if score_mod_grad is not None
-                else score_mod_derivative(score_mod, raw, *grids))
-        ds = ds * np.where(p > 0, grad, 0.0)          # masked entries: p = 0, their derivative never counts
+        raw64 = raw.astype(np.float64)
+        grad = (mod_grid(score_mod_grad, raw.shape, raw64) if score_mod_grad is not None
+                else score_mod_derivative(score_mod, raw64, *grids))
+        ds = ds * np.where(p > 0, grad, 0.0).astype(q.dtype)   # masked entries: p = 0, their derivative never counts
     dq = scale * ds @ kr
     dk = scale * np.swapaxes(ds, -1, -2) @ q
     fold = lambda x: x.reshape(B, Hkv, group, S, -1).sum(axis=2)     # noqa: E731

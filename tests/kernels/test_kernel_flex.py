@@ -6,7 +6,8 @@ score_mod_grad), a relative-position bias table captured from the closure, a per
 differentiated by the complex step); mask_mods
 causal, a sliding window, a document mask (captured document ids), prefix-LM; each alone or one of each.
 float64 within 1e-10 and float32 within 1e-4 of the result's scale (the SIMT kernels' arithmetic; the scores
-are at most ~50 in size here).  The states of create_block_mask equal reference.flex.block_states exactly;
+are at most ~50 in size here); float16 by flash-attn's rule against the oracle computed in float16
+(``reference.flex``'s ``dtype=``).  The states of create_block_mask equal reference.flex.block_states exactly;
 the built-in options written as mods give the built-in options' results; bad functions are refused before
 any launch, naming the argument.
 """
@@ -65,7 +66,7 @@ def mask_mods(rng, L, S):
 
 
 @st.composite
-def flex_problems(draw, dtypes=(np.float64, np.float32)):
+def flex_problems(draw, dtypes=(np.float64, np.float32, np.float16)):
     seed = draw(st.integers(0, 2**31))
     rng = np.random.default_rng(seed)
     B, Hk = draw(st.integers(1, 2)), draw(st.integers(1, 2))
@@ -88,22 +89,34 @@ def flex_problems(draw, dtypes=(np.float64, np.float32)):
                 mask_dims=mask_dims, what=f"{dtype.__name__} B{B} H{H}/{Hk} L{L} S{S} E{E} {sm} {mm} {block}")
 
 
-def _tol(dtype, ref):
-    return (1e-10 if dtype == np.float64 else 1e-4) * (1.0 + float(np.max(np.abs(ref), initial=0.0)))
+HALF_ULP16 = 2.0 ** -11
 
 
-def _close(got, ref, dtype, what):
+def _tol(dtype, ref, low=None):
+    """float64: 1e-10, float32: 1e-4 of the scale (1 + max |ref|).  float16 (computed in float32): flash-attn's
+    rule, twice the float16 oracle's error plus a floor of half a float16 ulp and the float32 bound."""
+    scale = 1.0 + float(np.max(np.abs(ref), initial=0.0))
+    if dtype != np.float16:
+        return (1e-10 if dtype == np.float64 else 1e-4) * scale
+    err16 = float(np.max(np.abs(np.asarray(low, np.float64) - ref), initial=0.0))
+    return 2 * err16 + (HALF_ULP16 + 1e-4) * scale
+
+
+def _close(got, ref, dtype, what, low=None):
     got = np.asarray(got, np.float64)
     finite = np.isfinite(ref)
     assert np.array_equal(np.isfinite(got), finite), f"{what}: non-finite entries differ"
     err = float(np.max(np.abs(got[finite] - ref[finite]), initial=0.0))
-    assert err <= _tol(dtype, ref[finite]), f"{what}: max error {err:.3g} > {_tol(dtype, ref[finite]):.3g}"
+    bound = _tol(dtype, ref[finite], None if low is None else np.asarray(low)[finite])
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
     assert np.array_equal(got[~finite], ref[~finite]), f"{what}: non-finite values differ"
 
 
-@settings(max_examples=examples(12), deadline=None)
-@given(p=flex_problems())
-def test_flex_forward_and_backward_match_the_oracle(p):
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@settings(max_examples=examples(5), deadline=None)
+@given(data=st.data())
+def test_flex_forward_and_backward_match_the_oracle(dtype, data):
+    p = data.draw(flex_problems(dtypes=(dtype,)))
     q, k, v, dout, dtype = p["q"], p["k"], p["v"], p["dout"], p["q"].dtype.type
     B, H, L, _ = q.shape
     S = k.shape[2]
@@ -116,15 +129,22 @@ def test_flex_forward_and_backward_match_the_oracle(p):
     ref, ref_lse = rf.flex_attention(q, k, v, score_mod=p["score_mod"], mask_mod=p["mask_mod"], enable_gqa=gqa,
                                      return_lse=True)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (B, H, L)
-    _close(out, ref, dtype, f"out ({p['what']})")
-    _close(lse, ref_lse, dtype, f"lse ({p['what']})")
+    low = low_lse = None
+    lows = (None, None, None)
+    mods = dict(score_mod=p["score_mod"], mask_mod=p["mask_mod"], enable_gqa=gqa)
+    if dtype == np.float16:                                 # the oracle in the input precision
+        with np.errstate(all="ignore"):
+            low, low_lse = rf.flex_attention(q, k, v, return_lse=True, dtype=np.float16, **mods)
+            lows = rf.flex_attention_backward(dout, q, k, v, score_mod_grad=p["score_mod_grad"], dtype=np.float16,
+                                              **mods)
+    _close(out, ref, dtype, f"out ({p['what']})", low)
+    _close(lse, ref_lse, dtype, f"lse ({p['what']})", low_lse)
     grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=p["score_mod"],
                                             block_mask=block_mask, enable_gqa=gqa, score_mod_grad=p["score_mod_grad"])
-    want = rf.flex_attention_backward(dout, q, k, v, score_mod=p["score_mod"], mask_mod=p["mask_mod"],
-                                      enable_gqa=gqa, score_mod_grad=p["score_mod_grad"])
-    for name, g, w, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
-        assert g.shape == x.shape, f"{name} shape {g.shape}"
-        _close(g, w, dtype, f"{name} ({p['what']})")
+    want = rf.flex_attention_backward(dout, q, k, v, score_mod_grad=p["score_mod_grad"], **mods)
+    for name, g, w, x, lo in zip(("dq", "dk", "dv"), grads, want, (q, k, v), lows):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"{name}: {g.shape} {g.dtype}"
+        _close(g, w, dtype, f"{name} ({p['what']})", lo)
 
 
 @settings(max_examples=examples(10), deadline=None)

@@ -221,3 +221,31 @@ def test_a_mod_branching_on_the_indices_is_differentiated_element_wise():
     for a, b in zip(flex.flex_attention_backward(dout, q, k, v, score_mod=branchy),
                     flex.flex_attention_backward(dout, q, k, v, score_mod=twin)):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=problems(), dtype=st.sampled_from((np.float16, np.float32)), mods=st.booleans())
+def test_dtype_computes_in_that_precision_close_to_float64(p, dtype, mods):
+    """``dtype=``: the flash-attn rule's oracle in the input precision.  Results in that dtype (lse float32 for
+    float16), within that precision's rounding of float64's (|s| <= ~10 here: 1e-2 of the scale for float16,
+    1e-5 for float32), forward and backward; float64 is the default, bit for bit."""
+    q, k, v, scale = p
+    q, k, v = (x.astype(dtype).astype(np.float64) for x in (q, k, v))       # inputs the dtype holds exactly
+    kw = dict(scale=scale, enable_gqa=True)
+    if mods:
+        kw.update(score_mod=lambda s, b, h, i, j: s - 0.25 * abs(i - j), mask_mod=lambda b, h, i, j: i >= j)
+    out, lse = flex.flex_attention(q, k, v, return_lse=True, dtype=dtype, **kw)
+    out64, lse64 = flex.flex_attention(q, k, v, return_lse=True, **kw)
+    same, same_lse = flex.flex_attention(q, k, v, return_lse=True, dtype=np.float64, **kw)
+    assert np.array_equal(same, out64) and np.array_equal(same_lse, lse64)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    tol = 1e-2 if dtype == np.float16 else 1e-5
+    fin = np.isfinite(lse64)
+    assert np.array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(out, out64, atol=tol * (1 + np.abs(out64).max()), rtol=0)
+    np.testing.assert_allclose(lse[fin], lse64[fin], atol=tol * (1 + np.abs(lse64[fin]).max(initial=0)), rtol=0)
+    dout = np.ones_like(out64)
+    grads = flex.flex_attention_backward(dout, q, k, v, dtype=dtype, **kw)
+    for g, w in zip(grads, flex.flex_attention_backward(dout, q, k, v, **kw)):
+        assert g.dtype == dtype
+        np.testing.assert_allclose(g, w, atol=tol * (1 + np.abs(w).max()), rtol=0)
