@@ -166,11 +166,27 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
     return q, k, v, options
 
 
+MAX_CAPTURED_BYTES = 65536        # the device's constant memory, where Numba freezes a captured NumPy array
+
+
 def _check_mod(fn, name, nargs):
-    """A callable that takes ``nargs`` positional arguments, and returns what its kind must (probed once on
-    the host at index 0 and a score of 0.5): a real number (score_mod, score_mod_grad) or a bool (mask_mod)."""
+    """A callable that takes ``nargs`` positional arguments, captures no device array (nor a NumPy array past
+    constant memory), and returns what its kind must (probed once on the host at index 0 and a score of 0.5):
+    a real number (score_mod, score_mod_grad) or a bool (mask_mod)."""
     if not callable(fn):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
+    for var, value in _captured(fn):
+        if isinstance(value, np.ndarray):
+            if value.nbytes > MAX_CAPTURED_BYTES:
+                raise ValueError(f"{name} captures the NumPy array {var!r} of {value.nbytes} bytes; a captured array "
+                                 f"is frozen into the kernel's constant memory ({MAX_CAPTURED_BYTES} bytes at most)")
+        elif isinstance(value, (list, dict, set)):
+            raise TypeError(f"{name} captures the {type(value).__name__} {var!r}, which Numba cannot compile into a "
+                            "kernel; capture a tuple or a NumPy array")
+        elif hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack__"):
+            raise TypeError(f"{name} captures the device array {var!r} ({type(value).__name__}); flashnb compiles "
+                            "captured arrays into the kernel as constants, so capture a NumPy array (device arrays "
+                            "as kernel arguments are not supported yet)")
     try:
         got = fn(*((0.5,) if nargs == 5 else ()), 0, 0, 0, 0)
     except Exception as e:                     # noqa: BLE001 (any failure of the caller's function, named)
@@ -179,6 +195,23 @@ def _check_mod(fn, name, nargs):
         raise TypeError(f"mask_mod must return a bool, got {type(got).__name__}")
     if nargs == 5 and (not isinstance(got, numbers.Real) or isinstance(got, (bool, np.bool_))):
         raise TypeError(f"{name} must return a real number, got {type(got).__name__}")
+
+
+def _captured(fn):
+    """``(name, value)`` of what ``fn`` reads from its closure and its module's globals."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    cells = zip(code.co_freevars, fn.__closure__ or ())
+    found = []
+    for var, cell in cells:
+        try:
+            found.append((var, cell.cell_contents))
+        except ValueError:                 # an empty cell
+            continue
+    glob = getattr(fn, "__globals__", {})
+    found += [(var, glob[var]) for var in code.co_names if var in glob]
+    return found
 
 
 def _check_complex_step(score_mod):

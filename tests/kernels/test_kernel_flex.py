@@ -23,7 +23,7 @@ from reference import flex as rf
 
 
 def score_mods(rng, H, L, S):
-    slopes = [0.5 ** (h + 1) for h in range(H)]
+    slopes = np.array([0.5 ** (h + 1) for h in range(H)])
     table = rng.standard_normal(L + S)                         # bias by relative position, captured
 
     def alibi(score, b, h, q_idx, kv_idx):
@@ -200,6 +200,28 @@ def test_a_row_that_sees_no_key_gives_zero_and_minus_inf():
     np.testing.assert_allclose(out, ref, atol=1e-12, rtol=0)
 
 
+def _captures(table):
+    def mask(b, h, q_idx, kv_idx):
+        return table[q_idx] == table[kv_idx]
+    return mask
+
+
+class _DeviceArray:
+    """Stands for a CUDA tensor (what the check looks at: the CUDA array interface)."""
+    __cuda_array_interface__ = {}
+
+    def __getitem__(self, i):
+        return 0.0
+
+
+def _device_capture():
+    ids = _DeviceArray()
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + ids[q_idx]
+    return mod
+
+
 def _qkv():
     rng = np.random.default_rng(5)
     return tuple(rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
@@ -240,6 +262,12 @@ def test_a_math_score_mod_needs_score_mod_grad_for_the_backward():
     (lambda q, k, v: flashnb.flex_attention(q[0], k, v), ValueError, "query must have 4 dimensions"),
     (lambda q, k, v: flashnb.create_block_mask(lambda b, h, i, j: i >= j, None, None, 5, 5, BLOCK_SIZE=0),
      ValueError, "BLOCK_SIZE"),
+    (lambda q, k, v: flashnb.create_block_mask(_captures(np.zeros(20000, np.int32)), None, None, 5, 5), ValueError,
+     "captures the NumPy array 'table' of 80000 bytes"),
+    (lambda q, k, v: flashnb.flex_attention(q, k, v, score_mod=_device_capture()), TypeError,
+     "captures the device array 'ids'"),
+    (lambda q, k, v: flashnb.create_block_mask(_captures([0, 1, 2, 3, 4]), None, None, 5, 5), TypeError,
+     "captures the list 'table'.*tuple or a NumPy array"),
 ])
 def test_bad_input_is_refused_naming_the_argument(call, error, match):
     q, k, v = _qkv()

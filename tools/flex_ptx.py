@@ -1,0 +1,69 @@
+"""The flex_attention kernels compiled for sm_90 on the CPU machine (no GPU): the SIMT forward, dK/dV and dQ
+kernels with a score_mod (ALiBi, by the complex step; softcap with math.tanh and its given derivative) and a
+mask_mod reading a captured NumPy array (document ids, frozen as a constant), and create_block_mask's kernel;
+prints each PTX's size and its ``call`` count (0: the functions are inlined).  ``python -m tools.flex_ptx``
+(numba-cuda with its NVVM; run without NUMBA_ENABLE_CUDASIM)."""
+import math
+
+import numpy as np
+from numba import cuda
+from numba.cuda import types
+
+from tools.sass_tc import _stand_in_device
+
+_stand_in_device()
+
+from flashnb import flex  # noqa: E402  (after the stand-in device)
+from flashnb.kernels._scores import Mods  # noqa: E402
+from flashnb.kernels.backward import make_dkdv, make_dq  # noqa: E402
+from flashnb.kernels.flex import make_block_states  # noqa: E402
+from flashnb.kernels.forward import make_forward  # noqa: E402
+
+DOC = np.array([0, 0, 1, 1, 2], np.int32)
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - 0.5 * (h + 1) * abs(q_idx - kv_idx)
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 3.0 * math.tanh(score / 3.0)
+
+
+def softcap_grad(score, b, h, q_idx, kv_idx):
+    return 1.0 - math.tanh(score / 3.0) ** 2
+
+
+def same_doc(b, h, q_idx, kv_idx):
+    return (DOC[q_idx] == DOC[kv_idx]) & (q_idx >= kv_idx)
+
+
+def main():
+    f4a, f4c = types.Array(types.float32, 4, "A"), types.Array(types.float32, 4, "C")
+    f3 = types.Array(types.float32, 3, "C")
+    u4, b4 = types.Array(types.uint8, 4, "C"), types.Array(types.boolean, 4, "C")
+    options = (types.float32, types.float32, types.int64, types.int64, u4, f4c, types.Array(types.float32, 2, "C"),
+               b4, types.int64, types.int64, types.int64, types.float32, types.int64, types.int64,
+               types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"))
+    for name, sm, mm, grad in (("alibi + document mask", alibi, same_doc, flex._complex_step(alibi)),
+                               ("softcap", softcap, None, flex._compiled(softcap_grad))):
+        mods = Mods(flex._compiled(sm), flex._compiled(mm), grad)
+        flags = (False, False, mm is not None, False, False, False, False)      # the block mask of the states
+        kernels = (
+            ("forward", make_forward(32, 32, 64, "float32", *flags, MODS=mods)[0],
+             (f4a, f4a, f4a, f4a, f3, types.int64, types.int64)),
+            ("dK/dV", make_dkdv(32, 32, 64, "float32", True, *flags, P_FORMAT="float16", MODS=mods)[0],
+             (f4a, f4a, f4a, f4a, f3, f3, f4a, f4a, f4c, types.int64, types.int64)),
+            ("dQ", make_dq(32, 32, 64, "float32", *flags, MODS=mods)[0],
+             (f4a, f4a, f4a, f4a, f3, f3, f4a, types.int64, types.int64)),
+        )
+        for what, kern, head in kernels:
+            ptx, _ = cuda.compile_ptx(kern.py_func, head + options, cc=(9, 0))
+            print(f"{name}: {what} PTX {len(ptx)} characters, {ptx.count('call.uni')} calls", flush=True)
+    kern = make_block_states(flex._compiled(same_doc), 16, 16)
+    ptx, _ = cuda.compile_ptx(kern.py_func, (types.Array(types.int8, 4, "C"), types.int64, types.int64), cc=(9, 0))
+    print(f"create_block_mask: PTX {len(ptx)} characters, {ptx.count('call.uni')} calls")
+
+
+if __name__ == "__main__":
+    main()
