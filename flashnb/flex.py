@@ -1,5 +1,5 @@
 """``flex_attention``: PyTorch FlexAttention's ``score_mod`` and ``mask_mod`` as plain Python functions, compiled
-by Numba into flashnb's kernels (the SIMT forward and backward, so far).
+by Numba into flashnb's kernels (SIMT and tensor cores).
 
     def alibi(score, b, h, q_idx, kv_idx):          # score_mod: the scaled score, and its indices
         return score - 0.5 * (h + 1) * abs(q_idx - kv_idx)
@@ -95,25 +95,29 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128):
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                   return_lse=False, *, stream=None):
+                   return_lse=False, *, stream=None, backend="auto"):
     """Attention with ``score_mod`` and ``block_mask``'s ``mask_mod`` (the module's docstring), FlexAttention's
     layout: query ``(B, Hq, L, E)``, key and value ``(B, Hkv, S, E)`` (``Hkv != Hq`` needs ``enable_gqa``).
     Returns ``out`` ``(B, Hq, L, E)`` of the query's kind and dtype, or ``(out, lse)`` with ``lse`` ``(B, Hq, L)``
-    (float32; float64 for float64 inputs).  NumPy, PyTorch (CUDA) and CuPy arrays; the SIMT kernels."""
+    (float32; float64 for float64 inputs).  NumPy, PyTorch (CUDA) and CuPy arrays.  ``backend`` as
+    ``flash_attention``'s: "auto" runs 16-bit inputs on the tensor cores (the Hopper forward on compute
+    capability 9.0), float32 and float64 on the SIMT kernels."""
     q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, None, False)
-    out, lse = api._forward(q, k, v, options, True, None, None, stream, "simt")
+    out, lse = api._forward(q, k, v, options, True, None, None, stream, backend)
     out = _swap(out)
     return (out, lse) if return_lse else out
 
 
 def flex_attention_backward(dout, query, key, value, out, lse, score_mod=None, block_mask=None, scale=None,
-                            enable_gqa=False, score_mod_grad=None, deterministic=False, *, stream=None):
+                            enable_gqa=False, score_mod_grad=None, deterministic=False, *, stream=None,
+                            backend="auto"):
     """``(dq, dk, dv)`` of ``sum(out * dout)`` for ``out, lse = flex_attention(..., return_lse=True)`` with the
     same functions; in FlexAttention's layout, ``dk``, ``dv`` summed over the query heads of a key/value head.
     ``score_mod_grad(score, b, h, q_idx, kv_idx)``: the score_mod's derivative in the score; without it the
-    complex step (the score_mod must then take a complex score)."""
+    complex step (the score_mod must then take a complex score).  ``backend``, ``deterministic`` as
+    ``flash_attention_backward``'s."""
     q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, True)
-    grads = api._backward(_swap(dout), q, k, v, _swap(out), lse, options, None, None, deterministic, stream, "simt")
+    grads = api._backward(_swap(dout), q, k, v, _swap(out), lse, options, None, None, deterministic, stream, backend)
     return tuple(_swap(g) for g in grads)
 
 

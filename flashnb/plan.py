@@ -440,8 +440,6 @@ def _tc_choice(call, backward):
     """(tiles, refusal): the tensor-core kernel's tiles for the call, and why it cannot serve it (None if it can,
     the layout aside); the checks in the order the caller reads them."""
     refusal = tensorcore_refusal(call.dtype, call.headdim, call.block_q, call.block_k)
-    if refusal is None and call.flags.mods is not None:
-        refusal = "score_mod and mask_mod are compiled into the SIMT kernels only, so far"
     if refusal is None and call.dtype == "float32" and call.backend == "auto" and (backward or not _hopper(call)):
         # measured on the H100 (bench/results/h100-tf32-2026-11-25.md): the mma.sync 3xTF32 forward is 1.4x the SIMT
         # kernels' speed at head dim 64 but slower at 128, and 4-16x their error (the tensor cores' float32

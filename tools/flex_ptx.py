@@ -1,5 +1,6 @@
 """The flex_attention kernels compiled for sm_90 on the CPU machine (no GPU): the SIMT forward, dK/dV and dQ
-kernels with a score_mod (ALiBi, by the complex step; softcap with math.tanh and its given derivative) and a
+kernels and the float16 tensor-core forward and dK/dV kernels (mma.sync, at the planner's tiles for head dim 64)
+with a score_mod (ALiBi, by the complex step; softcap with math.tanh and its given derivative) and a
 mask_mod reading a captured NumPy array (document ids, frozen as a constant), and create_block_mask's kernel;
 prints each PTX's size and its ``call`` count (0: the functions are inlined).  ``python -m tools.flex_ptx``
 (numba-cuda with its NVVM; run without NUMBA_ENABLE_CUDASIM)."""
@@ -15,7 +16,10 @@ _stand_in_device()
 
 from flashnb import flex  # noqa: E402  (after the stand-in device)
 from flashnb.kernels._scores import Mods  # noqa: E402
+from flashnb import plan  # noqa: E402
 from flashnb.kernels.backward import make_dkdv, make_dq  # noqa: E402
+from flashnb.kernels.backward_tc import make_dkdv_tc  # noqa: E402
+from flashnb.kernels.forward_tc import make_forward_tc  # noqa: E402
 from flashnb.kernels.flex import make_block_states  # noqa: E402
 from flashnb.kernels.forward import make_forward  # noqa: E402
 
@@ -57,8 +61,23 @@ def main():
             ("dQ", make_dq(32, 32, 64, "float32", *flags, MODS=mods)[0],
              (f4a, f4a, f4a, f4a, f3, f3, f4a, types.int64, types.int64)),
         )
-        for what, kern, head in kernels:
-            ptx, _ = cuda.compile_ptx(kern.py_func, head + options, cc=(9, 0))
+        u4w = types.Array(types.uint32, 4, "C")
+        plan.shared_limit = lambda: 232448                 # the H100's opt-in shared memory per block (no device here)
+        plan.compute_capability = lambda: (9, 0)
+        bq, bk = plan.default_tc_tiles(64, None, None, "float16")
+        mt = plan.tc_m_tiles(bq, 64)
+        kernels += (
+            ("tensor-core forward", make_forward_tc(bq, bk, 64, "float16", True, mt, plan.tc_q_in_smem(mt, 64), *flags,
+                                                    MODS=mods)[0],
+             (u4w, u4w, u4w, u4w, f3, types.int64, types.int64), (types.Array(types.uint64, 2, "C"),)),)
+        bq, bk = plan.default_tc_bwd_tiles(64, None, None, "float16")
+        split, mtk, share = plan._tc_bwd_layout(bq, bk, 64, "float16")
+        kernels += (
+            ("tensor-core dK/dV", make_dkdv_tc(bq, bk, 64, "float16", True, *flags, split, True, MTK=mtk, SHARE=share,
+                                               MODS=mods)[0],
+             (u4w, u4w, u4w, u4w, f3, f3, u4w, u4w, f4c, types.int64, types.int64)),)
+        for what, kern, head, *tail in kernels:
+            ptx, _ = cuda.compile_ptx(kern.py_func, head + options + tuple(tail[0] if tail else ()), cc=(9, 0))
             print(f"{name}: {what} PTX {len(ptx)} characters, {ptx.count('call.uni')} calls", flush=True)
     kern = make_block_states(flex._compiled(same_doc), 16, 16)
     ptx, _ = cuda.compile_ptx(kern.py_func, (types.Array(types.int8, 4, "C"), types.int64, types.int64), cc=(9, 0))

@@ -236,7 +236,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
                  DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0,
-                 DQ_FRAG=False):
+                 DQ_FRAG=False, MODS=None):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -309,6 +309,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     ``plain_grad`` / ``option_grad``, ``dv_dk_tile``, ``dq_phase``, ``store_dk_dv``).  (The timing ablations
     of the dQ phase, the atomics and the element-wise step, whose results were wrong by design, were measured
     at commit 332a623, bench/results/h100-tune-tc-bwd-2026-11-22.md, and left the kernel.)
+    ``MODS``: a ``flex_attention`` call's functions, element by element through ``backward.make_element_grad``.
     """
     DEFER_DQ = DSPLIT > 1 if DEFER_DQ is None else DEFER_DQ
     # Above head dim 64, a string test that Numba evaluates at run time (not folded) in the guard of dq_phase's
@@ -375,10 +376,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     DQ_UNITS = MQ * NU_D                     # dQ = dS K_j in 16 x 16 DQ_NP units (m-tile, DQ_NP pairs) over the warps
     DQ_ROUNDS = -(-DQ_UNITS // NWARPS)
     CW = 4 if VEC16 else 1
-    PLAIN = not (HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_DROPOUT)   # P, dS need no per-element option
+    HAS_SCORE_MOD = MODS is not None and MODS.score_mod is not None      # (a flex_attention call's functions)
+    HAS_MASK_MOD = MODS is not None and MODS.mask_mod is not None
+    PLAIN = not (HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_DROPOUT or HAS_SCORE_MOD)   # P, dS need no option
     # masked tiles by comparisons: a window and no mask held in memory (without a window, only the last key
     # tile is masked, by make_element_grad: the comparisons' registers cost 2-9% on every tile, measured)
-    WINDOW_ONLY = PLAIN and HAS_WINDOW and not (HAS_ATTN_MASK or HAS_BLOCK_MASK)
+    WINDOW_ONLY = PLAIN and HAS_WINDOW and not (HAS_ATTN_MASK or HAS_BLOCK_MASK or HAS_MASK_MOD)
     BIG = 1 << 40
     ZERO, POS_INF, NEG_INF, LOG2E_T = F32(0), F32(np.inf), F32(-np.inf), F32(LOG2E)
 
@@ -393,8 +396,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
     exp2, red_add_f32x2, red_add_f32x4 = mem["exp2_ftz"], mem["red_add_f32x2"], mem["red_add_f32x4"]
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
-                             HAS_ATTN_MASK, HAS_BLOCK_MASK)
-    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+                             HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
+    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, HAS_MASK_MOD)
     query_tile_range = make_query_tile_range(BLOCK_Q)
     tile_order = make_tile_order(SECTION)             # (a causal dK/dV kernel's longest key tiles are its first)
 

@@ -34,7 +34,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
-from ._scores import make_allowed_fn, make_score_fn, philox_keep
+from ._scores import Mods, make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import U, make_row_allreduce, make_tile_order, packed_tile_head_batch, sequence_span
 from ._tma import make_box_load, make_tile_load, tma_primitives
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
@@ -134,8 +134,11 @@ def make_swizzled_tile_copy(NROWS, ROW_WORDS, HEAD_WORDS, NTHREADS):
 @kernel_factory
 def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                     HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, POS_SCALE=False, VARLEN=False, TF32X3=True,
-                    WGMMA=False, TMA=False, QS_REG=False, SECTION=0, MIN_BLOCKS=0):
+                    WGMMA=False, TMA=False, QS_REG=False, SECTION=0, MIN_BLOCKS=0, MODS=None):
     """Build the tensor-core forward kernel: (kernel, dynamic shared bytes, threads per block).
+
+    ``MODS`` (``_scores.Mods``): a ``flex_attention`` call's ``score_mod`` and ``mask_mod``, inlined where the
+    options' code goes, as in ``forward.make_forward``.
 
     ``MT``: m16 row blocks per warp.  ``Q_SMEM``: keep the Q tile in shared memory and
     ldmatrix its fragments at each k-step (frees ``MT * HEAD_DIM / 4`` registers per thread),
@@ -245,12 +248,15 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     P_ALL = 4 * KSTEPS_K if WGMMA else 1
     CW = 4 if VEC16 else 1                   # words per cp.async
     CHUNKS = D_WORDS // CW                   # cp.async copies per key row
-    HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI
+    MODS = MODS or Mods()
+    HAS_SCORE_MOD = MODS.score_mod is not None
+    HAS_MASK_MOD = MODS.mask_mod is not None
+    HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_SCORE_MOD
     FOLD = POS_SCALE and not HAS_MODS        # S stays raw until exp2 (scale_log2 > 0 keeps the row max's place)
     # masks from comparisons where the general mask loop would put S in local memory: a window, no score
     # option or mask in memory, two m-tiles per warp (with one, S stays in registers either way, and the
     # comparisons measured 1-6% slower at d = 128, causal: bench/results/h100-tune-tc-2026-11-23.md)
-    WINDOW_ONLY = HAS_WINDOW and not (HAS_MODS or HAS_ATTN_MASK or HAS_BLOCK_MASK) and MT > 1
+    WINDOW_ONLY = HAS_WINDOW and not (HAS_MODS or HAS_ATTN_MASK or HAS_BLOCK_MASK or HAS_MASK_MOD) and MT > 1
     BIG = 1 << 40
     F32 = np.float32
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
@@ -293,9 +299,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
     quad_max = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=False)
-    score = make_score_fn(F32, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
-    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
-    key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    score = make_score_fn(F32, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod)
+    key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+                                                     HAS_MASK_MOD)
     tile_order = make_tile_order(SECTION, LAST_FIRST=True)   # (a causal forward's longest query tiles: its last)
 
     @device_function
@@ -472,7 +479,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 for e in range(4):
                     i = row0 + 16 * m + 8 * (e // 2)
                     j = k0 + 8 * n + 2 * t + (e % 2)
-                    if HAS_MODS:
+                    if HAS_SCORE_MOD:       # the user's function sees only indices inside the sequences
+                        x = score(s_reg[m, n, e], min(i, seqlen_q - 1), min(j, seqlen_k - 1), b, h, off, scale,
+                                  softcap, attn_bias, alibi) * LOG2E_T
+                    elif HAS_MODS:
                         x = score(s_reg[m, n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
                     elif FOLD:
                         x = s_reg[m, n, e]
