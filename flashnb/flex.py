@@ -15,7 +15,7 @@ index grids): ``s = score_mod(scale * q.k, b, h, q_idx, kv_idx)``, ``-inf`` wher
 indices top-left: a causal mask is ``q_idx >= kv_idx`` whatever L and S), softmax over the keys, a row with no
 key gives 0 and ``lse = -inf``.  ``create_block_mask`` classifies each (batch, head, query block, key block) as
 empty (never loaded), partial or full on the device (``kernels/flex.py``); the kernels skip the empty blocks and
-evaluate ``mask_mod`` on the others.
+evaluate ``mask_mod`` only where a block is partial.
 
 A function is compiled the first time a call uses it, for the dtypes of that call, and inlined where the
 options' code goes (``kernels._scores``).  It may use arithmetic, comparisons, ``abs``, ``min``/``max``,
@@ -48,18 +48,19 @@ class BlockMask:
     def __init__(self, mask_mod, states, block_size, q_len, kv_len):
         self.mask_mod, self.states, self.block_size = mask_mod, states, block_size
         self.q_len, self.kv_len = q_len, kv_len
-        self._kept = {}           # the kind of array a call passes -> (states != EMPTY) as that kind
+        self._as = {}             # the kind of array a call passes -> the states as that kind
 
-    def kept(self, like):
-        """``states != EMPTY`` (the blocks the kernels load) as an array of ``like``'s kind and device."""
+    def states_like(self, like):
+        """The states as an array of ``like``'s kind and device (the kernels' block mask: they load no empty
+        block, and run the mask_mod on a tile unless every block under it is full)."""
         torch = _arrays.torch
         key = (str(like.device) if torch is not None and isinstance(like, torch.Tensor) else type(like).__name__)
-        if key not in self._kept:
-            kept = self.states != EMPTY
+        if key not in self._as:
+            states = self.states
             if torch is not None and isinstance(like, torch.Tensor):
-                kept = torch.as_tensor(kept, device=like.device)
-            self._kept[key] = kept
-        return self._kept[key]
+                states = torch.as_tensor(states, device=like.device)
+            self._as[key] = states
+        return self._as[key]
 
     def __repr__(self):
         counts = {n: int((self.states == v).sum()) for n, v in (("empty", EMPTY), ("partial", PARTIAL),
@@ -164,7 +165,7 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
                     else None)
     options = dict(softmax_scale=scale, causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None,
                    alibi_slopes=None, softcap=0.0,
-                   block_mask=None if block_mask is None else block_mask.kept(query),
+                   block_mask=None if block_mask is None else block_mask.states_like(query),
                    block_mask_size=(128, 128) if block_mask is None else block_mask.block_size,
                    dropout_p=0.0, seed=0, mods=mods)
     return q, k, v, options

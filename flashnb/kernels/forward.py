@@ -47,8 +47,11 @@ def tile_threads(block, axis):
 
 @lru_cache(maxsize=None)
 def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, HAS_MASK_MOD=False):
-    """Tile-level mask arithmetic, shared by the forward and backward kernels (``HAS_MASK_MOD``: a
-    ``mask_mod`` runs on every tile the block mask keeps)."""
+    """Tile-level mask arithmetic, shared by the forward and backward kernels.  ``HAS_MASK_MOD``: the block mask
+    holds ``create_block_mask``'s states (0 empty, 1 partial, 2 full; ``kernels/flex.py``), and the ``mask_mod``
+    runs on a tile unless every block under it is full."""
+    FULL_STATE = 2
+    assert HAS_BLOCK_MASK or not HAS_MASK_MOD, "a mask_mod comes with its block states"
 
     @device_function
     def key_tile_range(q_first, q_last, off, left, right, seqlen_k):
@@ -74,15 +77,16 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
 
     @device_function
     def block_mask_cover(b, h, q_first, q_last, k_first, k_last, block_mask, bm_q, bm_k):
-        """(any, all): whether any / every block-mask block under the tile is allowed."""
+        """(any, all): whether any / every block-mask block under the tile is allowed (``HAS_MASK_MOD``: all
+        full, so that the tile needs no ``mask_mod``)."""
         any_on = False
         all_on = True
         for bi in range(q_first // bm_q, q_last // bm_q + 1):
             for bj in range(k_first // bm_k, k_last // bm_k + 1):
-                on = block_mask[min(b, block_mask.shape[0] - 1), min(h, block_mask.shape[1] - 1),
-                                min(bi, block_mask.shape[2] - 1), min(bj, block_mask.shape[3] - 1)] != 0
-                any_on = any_on or on
-                all_on = all_on and on
+                state = block_mask[min(b, block_mask.shape[0] - 1), min(h, block_mask.shape[1] - 1),
+                                   min(bi, block_mask.shape[2] - 1), min(bj, block_mask.shape[3] - 1)]
+                any_on = any_on or state != 0
+                all_on = all_on and (state == FULL_STATE if HAS_MASK_MOD else state != 0)
         return any_on, all_on
 
     @device_function
@@ -94,7 +98,7 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
         crosses the end of the keys, a window edge or a block-mask edge, or an
         ``attn_mask`` is given.  Tiles inside everything pay one uniform branch.
         """
-        need_mask = k_first + BLOCK_K > seqlen_k or HAS_ATTN_MASK or HAS_MASK_MOD
+        need_mask = k_first + BLOCK_K > seqlen_k or HAS_ATTN_MASK
         if HAS_WINDOW:
             need_mask = need_mask or not inside_window(q_first, q_last, k_first, k_first + BLOCK_K - 1,
                                                        off, left, right)

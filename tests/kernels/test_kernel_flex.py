@@ -301,3 +301,27 @@ def test_the_mask_runs_inside_tiles_that_do_not_reach_the_end():
     for name, g, w, lo in zip(("dq", "dk", "dv"), grads, rf.flex_attention_backward(q, q, k, v, mask_mod=same_doc),
                               lows):
         _close(g, w, np.float16, f"{backend} document mask {name}", lo)
+
+
+@pytest.mark.parametrize("backend", ["simt", "tensorcore"])
+def test_full_blocks_skip_the_mask_mod(backend):
+    """The kernels trust the states: a block marked FULL runs no mask_mod (what makes a full block as cheap as
+    no mask), PARTIAL runs it, EMPTY is never loaded.  Shown with states that disagree with the function on
+    purpose: 64 x 64 pairs (whole tiles, none crossing the end of the keys), a mask_mod that forbids every pair
+    off the diagonal; marked all FULL the result is attention without a mask, marked PARTIAL it is the
+    diagonal (out = v), and the diagonal blocks EMPTY leave only the off-diagonal blocks, which see nothing:
+    zero rows."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 1, 64, 16)).astype(np.float16) for _ in range(3))
+
+    def diagonal(b, h, q_idx, kv_idx):
+        return q_idx == kv_idx
+
+    def call(states):
+        mask = flashnb.BlockMask(diagonal, np.asarray(states, np.int8).reshape(1, 1, 4, 4), (16, 16), 64, 64)
+        return np.asarray(flashnb.flex_attention(q, k, v, block_mask=mask, backend=backend), np.float64)
+
+    no_mask = rf.flex_attention(q, k, v)
+    np.testing.assert_allclose(call(np.full(16, flashnb.flex.FULL)), no_mask, atol=2e-3, rtol=0)
+    np.testing.assert_allclose(call(np.full(16, flashnb.flex.PARTIAL)), v.astype(np.float64), atol=1e-3, rtol=0)
+    assert np.all(call(np.where(np.eye(4, dtype=bool), flashnb.flex.EMPTY, flashnb.flex.PARTIAL)) == 0)
