@@ -43,6 +43,7 @@ examples:
   python -m bench --io                              # only the IO-model table (measured on a GPU)
   python -m bench --host                            # only the host time of one call (tiny shape, launch path)
   python -m bench --varlen                          # only the packed-batch table (varlen vs dense vs padded)
+  python -m bench --flex                            # only flex_attention against PyTorch's compiled flex_attention
   python -m bench --decode                          # only the KV-cache decode table (vs SDPA, the HBM bound)
   python -m bench --list                            # which implementations this machine can run
 """
@@ -154,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="only the packed-batch (varlen) table (bench/varlen.py: random lengths, 16k tokens, d 64 "
                            "and 128, causal or not, fwd and fwd+bwd, against the dense kernels on the same tokens and "
                            "padding to the longest with flashnb and SDPA flash; needs a GPU)")
+    mode.add_argument("--flex", action="store_true",
+                      help="only the flex_attention table (bench/flex.py: causal, documents, a sliding window, ALiBi, "
+                           "softcap at 16k tokens, bf16, d 64 and 128, fwd and fwd+bwd, against PyTorch's "
+                           "flex_attention under torch.compile and flashnb's dense call; needs a GPU)")
     mode.add_argument("--model", choices=("llama",), default=None,
                       help="a randomly initialised transformers model's training step and generate() with "
                            "attn_implementation='numba_attention' against SDPA (bench/model.py; its own options "
@@ -259,6 +264,9 @@ def main(argv=None) -> int:
     if args.varlen:
         from bench.varlen import main as varlen_main
         return varlen_main(sys.argv[1:] if argv is None else list(argv))
+    if args.flex:
+        from bench.flex import main as flex_main
+        return flex_main(sys.argv[1:] if argv is None else list(argv))
     if args.plot:
         from bench.report import matplotlib_missing
         missing = matplotlib_missing()
