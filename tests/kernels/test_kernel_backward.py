@@ -174,7 +174,7 @@ def test_backward_float16_dv_of_one_key_is_exact_at_ties():
     ``deterministic=True``, which the SIMT backward serves).  The tensor-core kernels round P already."""
     import flashnb
     rng = np.random.default_rng(11)
-    batch, seqlen_q, heads_k, group, d = 4, 3, 6, 3, 8
+    batch, seqlen_q, heads_k, group, d = 2, 3, 4, 3, 8
     q = rng.standard_normal((batch, seqlen_q, heads_k * group, d)).astype(np.float16)
     k, v = (rng.standard_normal((batch, 1, heads_k, d)).astype(np.float16) for _ in range(2))
     dout = rng.standard_normal((batch, seqlen_q, heads_k * group, d)).astype(np.float16)
@@ -190,7 +190,6 @@ def test_backward_float16_dv_of_one_key_is_exact_at_ties():
     out, lse = flashnb.flash_attention(q, k, v, causal=True, return_lse=True, backend="simt")
     np.testing.assert_array_equal(out[:, -1].astype(np.float64),
                                   np.repeat(v[:, 0].astype(np.float64), group, axis=1))
-    for deterministic in (False, True):
-        _, _, dv = flashnb.flash_attention_backward(dout, q, k, v, out, lse, causal=True, backend="simt",
-                                                    deterministic=deterministic)
-        np.testing.assert_array_equal(dv[:, 0], want, err_msg=f"deterministic={deterministic}")
+    _, _, dv = flashnb.flash_attention_backward(dout, q, k, v, out, lse, causal=True, backend="simt",
+                                                deterministic=True)          # (dV: the same kernel either way)
+    np.testing.assert_array_equal(dv[:, 0], want)
