@@ -1,5 +1,6 @@
 """The flex_attention kernels compiled for sm_90 on the CPU machine (no GPU): the SIMT forward, dK/dV and dQ
-kernels and the float16 tensor-core forward and dK/dV kernels (mma.sync, at the planner's tiles for head dim 64)
+kernels, the float16 tensor-core forward and dK/dV kernels (mma.sync, at the planner's tiles for head dim 64) and
+the Hopper forward (wgmma with tiles by the tensor-copy engine, sm_90a)
 with a score_mod (ALiBi, by the complex step; softcap with math.tanh and its given derivative) and a
 mask_mod reading a captured NumPy array (document ids, frozen as a constant), and create_block_mask's kernel;
 prints each PTX's size and its ``call`` count (0: the functions are inlined).  ``python -m tools.flex_ptx``
@@ -42,6 +43,28 @@ def same_doc(b, h, q_idx, kv_idx):
     return (DOC[q_idx] == DOC[kv_idx]) & (q_idx >= kv_idx)
 
 
+def _ptxas(ptx, cc):
+    """ptxas's registers and spills for the PTX (where ptxas is on the path)."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    if shutil.which("ptxas") is None:
+        return "no ptxas"
+    arch = "sm_90a" if len(cc) > 2 else "sm_90"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/k.ptx"
+        with open(path, "w") as f:
+            f.write(re.sub(r"\.version \d+\.\d+", ".version 8.5", ptx))
+        out = subprocess.run(["ptxas", f"-arch={arch}", "-v", "-o", f"{tmp}/k.cubin", path], capture_output=True,
+                             text=True)
+    if out.returncode:
+        return "ptxas failed: " + out.stderr.strip().splitlines()[-1]
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+    return f"{regs.group(1)} registers, spills {spill.group(1)}/{spill.group(2)} bytes"
+
+
 def main():
     f4a, f4c = types.Array(types.float32, 4, "A"), types.Array(types.float32, 4, "C")
     f3 = types.Array(types.float32, 3, "C")
@@ -70,6 +93,11 @@ def main():
             ("tensor-core forward", make_forward_tc(bq, bk, 64, "float16", True, mt, plan.tc_q_in_smem(mt, 64), *flags,
                                                     MODS=mods)[0],
              (u4w, u4w, u4w, u4w, f3, types.int64, types.int64), (types.Array(types.uint64, 2, "C"),)),)
+        bq, bk = plan.default_wgmma_tiles(64, None, None, "float16")
+        kernels += (
+            ("Hopper forward (wgmma, tensor maps; sm_90a)",
+             make_forward_tc(bq, bk, 64, "float16", True, 1, True, *flags, False, WGMMA=True, TMA=True, MODS=mods)[0],
+             (u4w, u4w, u4w, u4w, f3, types.int64, types.int64), (types.Array(types.uint64, 2, "C"),), (9, 0, "a")),)
         bq, bk = plan.default_tc_bwd_tiles(64, None, None, "float16")
         split, mtk, share = plan._tc_bwd_layout(bq, bk, 64, "float16")
         kernels += (
@@ -77,8 +105,10 @@ def main():
                                                MODS=mods)[0],
              (u4w, u4w, u4w, u4w, f3, f3, u4w, u4w, f4c, types.int64, types.int64)),)
         for what, kern, head, *tail in kernels:
-            ptx, _ = cuda.compile_ptx(kern.py_func, head + options + tuple(tail[0] if tail else ()), cc=(9, 0))
-            print(f"{name}: {what} PTX {len(ptx)} characters, {ptx.count('call.uni')} calls", flush=True)
+            cc = tail[1] if len(tail) > 1 else (9, 0)
+            ptx, _ = cuda.compile_ptx(kern.py_func, head + options + tuple(tail[0] if tail else ()), cc=cc)
+            print(f"{name}: {what} PTX {len(ptx)} characters, {ptx.count('call.uni')} calls; {_ptxas(ptx, cc)}",
+                  flush=True)
     kern = make_block_states(flex._compiled(same_doc), 16, 16)
     ptx, _ = cuda.compile_ptx(kern.py_func, (types.Array(types.int8, 4, "C"), types.int64, types.int64), cc=(9, 0))
     print(f"create_block_mask: PTX {len(ptx)} characters, {ptx.count('call.uni')} calls")
