@@ -29,7 +29,7 @@ class Flags:
     has_bias: bool
     has_alibi: bool
     has_dropout: bool
-    mods: object = None          # a flex_attention call's functions (kernels._scores.Mods); SIMT kernels only
+    mods: object = None          # a flex_attention call's functions (kernels._scores.Mods)
 
 
 @dataclass

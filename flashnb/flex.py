@@ -25,6 +25,7 @@ them small; a new array means a new function).  The backward needs ``d score_mod
 ``math.*`` on the score: ``cmath`` works) and flashnb takes the complex step ``Im f(s + i t) / t``, exact to
 rounding.  What cannot hold is refused before any launch with an error naming the function.
 """
+import hashlib
 import numbers
 
 import numpy as np
@@ -72,10 +73,10 @@ class BlockMask:
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128):
     """The block states of ``mask_mod`` over ``(B, H, Q_LEN, KV_LEN)`` (``B`` or ``H`` None: the mask does not
     depend on it, one entry), computed on the device.  ``BLOCK_SIZE``: an int or a pair (query, key)."""
-    _check_mod(mask_mod, "mask_mod", 4)
     for value, name in ((Q_LEN, "Q_LEN"), (KV_LEN, "KV_LEN")):
         if not _options._is_int(value) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    _check_mod(mask_mod, "mask_mod", 4, probe=Q_LEN > 0 and KV_LEN > 0)
     for value, name in ((B, "B"), (H, "H")):
         if value is not None and (not _options._is_int(value) or value < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
@@ -102,7 +103,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     Returns ``out`` ``(B, Hq, L, E)`` of the query's kind and dtype, or ``(out, lse)`` with ``lse`` ``(B, Hq, L)``
     (float32; float64 for float64 inputs).  NumPy, PyTorch (CUDA) and CuPy arrays.  ``backend`` as
     ``flash_attention``'s: "auto" runs 16-bit inputs on the tensor cores (the Hopper forward on compute
-    capability 9.0), float32 and float64 on the SIMT kernels."""
+    capability 9.0), float64 on the SIMT kernels, float32 on the SIMT kernels except the forward on compute
+    capability 9.0 (the 3xTF32 Hopper forward, as ``flash_attention``'s)."""
     q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, None, False)
     out, lse = api._forward(q, k, v, options, True, None, None, stream, backend)
     out = _swap(out)
@@ -136,14 +138,15 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
         raise ValueError(f"query has {hq} heads and key {hkv}: grouped heads need enable_gqa=True")
     q, k, v = (_swap(x) for x in (query, key, value))
     L, S = int(query.shape[2]), int(key.shape[2])
+    probe = L > 0 and S > 0
     if score_mod is not None:
-        _check_mod(score_mod, "score_mod", 5)
+        _check_mod(score_mod, "score_mod", 5, probe)
     grad = None
     if backward and score_mod is not None:
         if score_mod_grad is not None:
-            _check_mod(score_mod_grad, "score_mod_grad", 5)
+            _check_mod(score_mod_grad, "score_mod_grad", 5, probe)
             grad = score_mod_grad
-        else:
+        elif probe:
             _check_complex_step(score_mod)
     mask_mod = None
     if block_mask is not None:
@@ -153,11 +156,23 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
         if (block_mask.q_len, block_mask.kv_len) != (L, S):
             raise ValueError(f"block_mask was made for Q_LEN={block_mask.q_len}, KV_LEN={block_mask.kv_len}; this "
                              f"call has {L} queries and {S} keys")
-        nb, nh = block_mask.states.shape[:2]
+        states, (bq, bk) = block_mask.states, block_mask.block_size
+        nb, nh = states.shape[:2]
+        if states.ndim != 4 or states.dtype != np.int8 or states.shape[2:] != (-(-L // bq), -(-S // bk)):
+            raise ValueError(f"block_mask's states must be int8 (B or 1, H or 1, {-(-L // bq)}, {-(-S // bk)}) for "
+                             f"its block size {block_mask.block_size}, got {states.dtype} {states.shape}")
         if nb not in (1, int(query.shape[0])) or nh not in (1, hq):
-            raise ValueError(f"block_mask's states {block_mask.states.shape} do not fit batch {query.shape[0]} "
+            raise ValueError(f"block_mask's states {states.shape} do not fit batch {query.shape[0]} "
                              f"and {hq} query heads")
+        if block_mask.mask_mod is None:
+            raise ValueError("block_mask has no mask_mod (make it with flashnb.create_block_mask)")
+        _check_mod(block_mask.mask_mod, "block_mask's mask_mod", 4, probe)
         mask_mod = block_mask.mask_mod
+    captured = sum(value.nbytes for fn in (score_mod, mask_mod, grad) if fn is not None
+                   for _, value in _captured(fn) if isinstance(value, np.ndarray))
+    if captured > MAX_CAPTURED_BYTES:
+        raise ValueError(f"the functions capture {captured} bytes of NumPy arrays together; they are frozen into "
+                         f"the kernel's constant memory ({MAX_CAPTURED_BYTES} bytes at most)")
     mods = None
     if score_mod is not None or mask_mod is not None:
         mods = Mods(_compiled(score_mod), _compiled(mask_mod),
@@ -174,7 +189,7 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
 MAX_CAPTURED_BYTES = 65536        # the device's constant memory, where Numba freezes a captured NumPy array
 
 
-def _check_mod(fn, name, nargs):
+def _check_mod(fn, name, nargs, probe=True):
     """A callable that takes ``nargs`` positional arguments, captures no device array (nor a NumPy array past
     constant memory), and returns what its kind must (probed once on the host at index 0 and a score of 0.5):
     a real number (score_mod, score_mod_grad) or a bool (mask_mod)."""
@@ -192,6 +207,8 @@ def _check_mod(fn, name, nargs):
             raise TypeError(f"{name} captures the device array {var!r} ({type(value).__name__}); flashnb compiles "
                             "captured arrays into the kernel as constants, so capture a NumPy array (device arrays "
                             "as kernel arguments are not supported yet)")
+    if not probe:                              # (an empty sequence: no index 0 to call it at)
+        return
     try:
         got = fn(*((0.5,) if nargs == 5 else ()), 0, 0, 0, 0)
     except Exception as e:                     # noqa: BLE001 (any failure of the caller's function, named)
@@ -221,27 +238,53 @@ def _captured(fn):
 
 def _check_complex_step(score_mod):
     """The backward without ``score_mod_grad`` differentiates by the complex step: the score_mod must take a
-    complex score and keep its imaginary part."""
-    try:
-        got = score_mod(complex(0.5, COMPLEX_STEP), 0, 0, 0, 0)
-    except TypeError as e:
-        raise ValueError("score_mod cannot take a complex score (math.* on the score, or a comparison of it), so "
-                         "the backward cannot differentiate it by the complex step: use cmath, or pass "
-                         f"score_mod_grad ({e})") from e
-    if not isinstance(got, (complex, numbers.Real)):
-        raise TypeError(f"score_mod must return a number, got {type(got).__name__}")
+    complex score and keep its imaginary part, so that the step agrees with a central difference (probed at
+    index 0 and three scores; ``abs(score)`` takes a complex score but returns a real number)."""
+    for s in (-0.7, 0.5, 1.3):
+        try:
+            got = score_mod(complex(s, COMPLEX_STEP), 0, 0, 0, 0)
+        except TypeError as e:
+            raise ValueError("score_mod cannot take a complex score (math.* on the score, or a comparison of it), "
+                             "so the backward cannot differentiate it by the complex step: use cmath, or pass "
+                             f"score_mod_grad ({e})") from e
+        if not isinstance(got, (complex, numbers.Real)):
+            raise TypeError(f"score_mod must return a number, got {type(got).__name__}")
+        step = complex(got).imag / COMPLEX_STEP
+        h = 1e-6
+        fd = (float(score_mod(s + h, 0, 0, 0, 0)) - float(score_mod(s - h, 0, 0, 0, 0))) / (2 * h)
+        if not abs(step - fd) <= 1e-4 * (1.0 + abs(fd)):
+            raise ValueError(f"score_mod's complex step ({step:.6g} at score {s}) disagrees with its central "
+                             f"difference ({fd:.6g}): it drops the score's imaginary part (abs(score)?); pass "
+                             "score_mod_grad")
 
 
 _COMPILED = {}
 
 
 def _compiled(fn):
-    """``fn`` as a device function (one per function, so the kernels built on it are cached with it)."""
+    """``fn`` as a device function: one per function and values it captures (Numba freezes a captured array or
+    number into the kernel, so a changed value must mean a new compile, never the old kernel)."""
     if fn is None:
         return None
-    if fn not in _COMPILED:
-        _COMPILED[fn] = device_function(fn)
-    return _COMPILED[fn]
+    key = (fn, _fingerprint(fn))
+    if key not in _COMPILED:
+        _COMPILED[key] = device_function(fn)
+    return _COMPILED[key]
+
+
+def _fingerprint(fn):
+    """What of ``fn``'s captured values a kernel freezes: each NumPy array's dtype, shape and bytes (a hash),
+    each number, string or tuple as it is, anything else by identity."""
+    parts = []
+    for var, value in _captured(fn):
+        if isinstance(value, np.ndarray):
+            digest = hashlib.blake2b(value.tobytes(), digest_size=16).digest()
+            parts.append((var, value.dtype.str, value.shape, digest))
+        elif isinstance(value, (numbers.Number, str, bytes, tuple, type(None))):
+            parts.append((var, value))
+        else:
+            parts.append((var, id(value)))
+    return tuple(parts)
 
 
 _STEPS = {}
@@ -249,16 +292,16 @@ _STEPS = {}
 
 def _complex_step(score_mod):
     """``d score_mod / d score`` as a device function: ``Im score_mod(s + i t) / t``, ``t = 1e-30``."""
-    if score_mod not in _STEPS:
-        mod = _compiled(score_mod)
+    mod = _compiled(score_mod)
+    if mod not in _STEPS:
         T, INV_T = COMPLEX_STEP, 1.0 / COMPLEX_STEP
 
         @device_function
         def score_grad(score, b, h, q_idx, kv_idx):
             return mod(complex(score, T), b, h, q_idx, kv_idx).imag * INV_T
 
-        _STEPS[score_mod] = score_grad
-    return _STEPS[score_mod]
+        _STEPS[mod] = score_grad
+    return _STEPS[mod]
 
 
 def _swap(x):

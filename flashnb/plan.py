@@ -421,8 +421,8 @@ def _backward_simt_plan(call, bq, bk, acc):
     atomic = not call.deterministic and bq >= tile_threads(bk, "rows") and call.seqlen_q > 0
     dkdv = None
     if call.seqlen_k > 0:
-        p_format = call.dtype if call.dtype in ("float16", "bfloat16") else None
-        kern, shared, threads = make_dkdv(bq, bk, d, acc, atomic, *flags, P_FORMAT=p_format, **_varlen(call))
+        p_format = {"P_FORMAT": call.dtype} if call.dtype in ("float16", "bfloat16") else {}
+        kern, shared, threads = make_dkdv(bq, bk, d, acc, atomic, *flags, **p_format, **_varlen(call))
         check_shared(shared, f"the dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     finish = None
@@ -577,7 +577,8 @@ def _two_blocks(call, block_q):
     """The Hopper forward's ``MIN_BLOCKS`` keyword: 2 with ``WGMMA_FWD_TWO_BLOCKS`` for 16-bit inputs up to head
     dim 64 at 128 query rows, dense, with no option but a window (causal); none elsewhere."""
     two = (WGMMA_FWD_TWO_BLOCKS and call.dtype in ("float16", "bfloat16") and call.headdim <= 64
-           and block_q == 128 and not any(_flag_args(call.flags)[1:]) and call.total_q is None)
+           and block_q == 128 and not any(_flag_args(call.flags)[1:]) and call.flags.mods is None
+           and call.total_q is None)
     return {"MIN_BLOCKS": 2} if two else {}
 
 
@@ -586,7 +587,7 @@ def _three_warpgroups(call):
     caller's, 16-bit, head dim <= 64, dense, no option (no window: causal's diagonal tiles measured slower)."""
     return (WGMMA_THREE_WARPGROUPS and call.block_q is None and call.block_k is None
             and call.dtype in ("float16", "bfloat16") and call.headdim <= 64 and call.total_q is None
-            and not any(_flag_args(call.flags)))
+            and not any(_flag_args(call.flags)) and call.flags.mods is None)
 
 
 def default_wgmma_tiles(headdim, block_q=None, block_k=None, dtype="float16", precision="highest"):

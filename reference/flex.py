@@ -98,7 +98,8 @@ def score_mod_derivative(score_mod, score, b, h, i, j):
     """``d score_mod / d score`` at every entry, by the complex step: ``Im f(s + i t) / t`` with ``t = 1e-30``,
     exact to rounding for the functions a score_mod is built of (arithmetic, ``np.tanh``, ``np.exp``, indexed
     tables) without a difference quotient's cancellation; a function that cannot take complex scores (``math``,
-    comparisons on the score) raises ``TypeError``: pass ``score_mod_grad``."""
+    comparisons on the score), or takes them but drops their imaginary part (``abs(score)``: the step then
+    disagrees with a central difference), raises ``TypeError``: pass ``score_mod_grad``."""
     t = 1e-30
     z = score + 1j * t
     lost = np.exceptions.ComplexWarning       # a cast that drops the imaginary part would give 0 silently
@@ -116,8 +117,17 @@ def score_mod_derivative(score_mod, score, b, h, i, j):
                 raise TypeError("score_mod cannot be differentiated by the complex step (it must take complex "
                                 "scores: no math.*, no comparisons on the score); pass score_mod_grad") from e
     if not np.iscomplexobj(out):          # the score did not reach the result: a constant in the score
-        return np.zeros(score.shape)
-    return out.imag / t
+        out = np.zeros(score.shape, complex)
+    step = out.imag / t
+    # a function can take a complex score and still lose its imaginary part where it matters (abs(score) is real):
+    # the step must agree with a central difference, else the function needs its derivative given
+    h = 1e-6 * (1.0 + np.abs(score))
+    with np.errstate(all="ignore"):
+        fd = (mod_grid(score_mod, score.shape, score + h) - mod_grid(score_mod, score.shape, score - h)) / (2 * h)
+    if not np.all(np.abs(step - fd) <= 1e-4 * (1.0 + np.abs(fd))):
+        raise TypeError("score_mod's complex step disagrees with its central difference (abs(score), or a part of "
+                        "the score taken as real?): pass score_mod_grad")
+    return step
 
 
 def flex_attention_backward(dout, query, key, value, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,

@@ -41,7 +41,11 @@ def score_mods(rng, H, L, S):
     def head_scale(score, b, h, q_idx, kv_idx):
         return score * (1.0 + slopes[0] * h)
 
-    mods = {"alibi": alibi, "softcap": softcap, "rel_bias": rel_bias, "head_scale": head_scale}
+    def batch_head(score, b, h, q_idx, kv_idx):          # b and h reach the function as the oracle's
+        return score + 0.3 * b * (kv_idx % 2) - 0.2 * h * (kv_idx % 3)   # (a constant along the keys would cancel)
+
+    mods = {"alibi": alibi, "softcap": softcap, "rel_bias": rel_bias, "head_scale": head_scale,
+            "batch_head": batch_head}
     return mods, {"softcap": softcap_grad}
 
 
@@ -62,7 +66,10 @@ def mask_mods(rng, L, S):
     def prefix_lm(b, h, q_idx, kv_idx):
         return (kv_idx < prefix) | (q_idx >= kv_idx)
 
-    return {"causal": causal, "sliding": sliding, "document": document, "prefix_lm": prefix_lm}
+    def checker(b, h, q_idx, kv_idx):                    # depends on b and h: states of shape (B, H) differ
+        return (q_idx + kv_idx + 3 * h + 5 * b) % 4 != 0
+
+    return {"causal": causal, "sliding": sliding, "document": document, "prefix_lm": prefix_lm, "checker": checker}
 
 
 @st.composite
@@ -74,10 +81,10 @@ def flex_problems(draw, dtypes=(np.float64, np.float32, np.float16)):
     L, S = draw(st.integers(1, 20)), draw(st.integers(1, 20))
     E = draw(st.sampled_from([4, 8, 16]))
     dtype = draw(st.sampled_from(dtypes))
-    sm = draw(st.sampled_from([None, "alibi", "softcap", "rel_bias", "head_scale"]))
-    mm = draw(st.sampled_from([None, "causal", "sliding", "document", "prefix_lm"]))
+    sm = draw(st.sampled_from([None, "alibi", "softcap", "rel_bias", "head_scale", "batch_head"]))
+    mm = draw(st.sampled_from([None, "causal", "sliding", "document", "prefix_lm", "checker"]))
+    mask_dims = draw(st.sampled_from([(B, H)] if mm == "checker" else [(None, None), (B, None), (B, H)]))
     block = draw(st.sampled_from([(4, 4), (8, 4), (16, 16), (128, 128)]))
-    mask_dims = draw(st.sampled_from([(None, None), (B, None), (B, H)]))
     q = rng.standard_normal((B, H, L, E)).astype(dtype)
     k, v = (rng.standard_normal((B, Hk, S, E)).astype(dtype) for _ in range(2))
     dout = rng.standard_normal((B, H, L, E)).astype(dtype)
@@ -325,3 +332,67 @@ def test_full_blocks_skip_the_mask_mod(backend):
     np.testing.assert_allclose(call(np.full(16, flashnb.flex.FULL)), no_mask, atol=2e-3, rtol=0)
     np.testing.assert_allclose(call(np.full(16, flashnb.flex.PARTIAL)), v.astype(np.float64), atol=1e-3, rtol=0)
     assert np.all(call(np.where(np.eye(4, dtype=bool), flashnb.flex.EMPTY, flashnb.flex.PARTIAL)) == 0)
+
+
+@pytest.mark.parametrize("dtype, backend", [(np.float32, "simt"), (np.float16, "tensorcore")])
+def test_functions_see_the_batch_and_the_query_head(dtype, backend):
+    """A mask_mod and a score_mod that depend on b and h (states of shape (B, H)), grouped heads: each kernel
+    passes the query's batch and head, as the oracle does (not 0, not the key/value head)."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 4, 20, 8)).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, 20, 8)).astype(dtype) for _ in range(2))
+    checker = mask_mods(rng, 20, 20)["checker"]
+    batch_head = score_mods(rng, 4, 20, 20)[0]["batch_head"]
+    mask = flashnb.create_block_mask(checker, 2, 4, 20, 20, BLOCK_SIZE=8)
+    out, lse = flashnb.flex_attention(q, k, v, score_mod=batch_head, block_mask=mask, enable_gqa=True,
+                                      return_lse=True, backend=backend)
+    kw = dict(score_mod=batch_head, mask_mod=checker, enable_gqa=True)
+    with np.errstate(all="ignore"):
+        low = None if dtype != np.float16 else rf.flex_attention(q, k, v, dtype=np.float16, **kw)
+        lows = (None,) * 3 if dtype != np.float16 else rf.flex_attention_backward(q, q, k, v, dtype=np.float16, **kw)
+    _close(out, rf.flex_attention(q, k, v, **kw), dtype, "out", low)
+    grads = flashnb.flex_attention_backward(q, q, k, v, out, lse, score_mod=batch_head, block_mask=mask,
+                                            enable_gqa=True, backend=backend)
+    for name, g, w, lo in zip(("dq", "dk", "dv"), grads, rf.flex_attention_backward(q, q, k, v, **kw), lows):
+        _close(g, w, dtype, name, lo)
+
+
+def test_a_changed_capture_is_a_new_compile_never_a_stale_kernel():
+    """Numba freezes what a function captures: an array changed in place, or a number rebound, between calls
+    must give the new result (the simulator reads live values; the check is that the compile key follows them)."""
+    q, k, v = _qkv()
+    table = np.zeros(10)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + table[kv_idx]
+
+    first = flashnb.flex_attention(q, k, v, score_mod=biased)
+    key = flashnb.flex._fingerprint(biased)
+    table[2] = 5.0
+    assert flashnb.flex._fingerprint(biased) != key
+    np.testing.assert_allclose(flashnb.flex_attention(q, k, v, score_mod=biased),
+                               rf.flex_attention(q, k, v, score_mod=biased), atol=1e-12, rtol=0)
+    assert not np.allclose(first, rf.flex_attention(q, k, v, score_mod=biased))
+
+
+def test_abs_of_the_score_needs_its_derivative():
+    """abs(score) takes a complex score and returns a real number: the complex step would say 0; the host check
+    against a central difference refuses it before any launch."""
+    q, k, v = _qkv()
+    out, lse = flashnb.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: abs(s), return_lse=True)
+    with pytest.raises(ValueError, match="central difference.*score_mod_grad"):
+        flashnb.flex_attention_backward(q, q, k, v, out, lse, score_mod=lambda s, b, h, i, j: abs(s))
+
+
+def test_a_hand_made_block_mask_is_checked():
+    q, k, v = _qkv()
+    good = flashnb.create_block_mask(lambda b, h, i, j: i >= j, None, None, 5, 5, BLOCK_SIZE=2)
+    with pytest.raises(ValueError, match="states must be int8"):
+        flashnb.flex_attention(q, k, v, block_mask=flashnb.BlockMask(good.mask_mod, good.states[:, :, :2], (2, 2),
+                                                                     5, 5))
+    with pytest.raises(ValueError, match="no mask_mod"):
+        flashnb.flex_attention(q, k, v, block_mask=flashnb.BlockMask(None, good.states, (2, 2), 5, 5))
+    ids, bias = np.zeros(5000), np.zeros(5000)                  # 40 KB each, 80 KB together
+    both = flashnb.create_block_mask(lambda b, h, i, j: ids[i] == ids[j], None, None, 5, 5, BLOCK_SIZE=2)
+    with pytest.raises(ValueError, match="capture 80000 bytes of NumPy arrays together"):
+        flashnb.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[i], block_mask=both)

@@ -249,3 +249,22 @@ def test_dtype_computes_in_that_precision_close_to_float64(p, dtype, mods):
     for g, w in zip(grads, flex.flex_attention_backward(dout, q, k, v, **kw)):
         assert g.dtype == dtype
         np.testing.assert_allclose(g, w, atol=tol * (1 + np.abs(w).max()), rtol=0)
+
+
+def test_a_mod_that_drops_the_imaginary_part_is_refused():
+    """abs(score) takes a complex score but returns a real number: its complex step would be 0 everywhere.  The
+    step is checked against a central difference and the backward asks for ``score_mod_grad``; with it, the
+    gradient is the one of sign(score)."""
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((1, 1, 3, 4)) for _ in range(4))
+    try:
+        flex.flex_attention_backward(dout, q, k, v, score_mod=lambda s, b, h, i, j: abs(s))
+    except TypeError as e:
+        assert "central difference" in str(e) and "score_mod_grad" in str(e)
+    else:
+        raise AssertionError("abs(score) was differentiated by the complex step")
+    got = flex.flex_attention_backward(dout, q, k, v, score_mod=lambda s, b, h, i, j: abs(s),
+                                       score_mod_grad=lambda s, b, h, i, j: np.sign(s))
+    want = flex.flex_attention_backward(dout, q, k, v, score_mod=lambda s, b, h, i, j: np.sqrt(s * s + 1e-300))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
