@@ -142,6 +142,20 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join([Path(sys.executable).name, "-m", "bench", *argv])
 
 
+def gpu_section(argv: list[str], name: str, what: str, test: str):
+    """The start of a GPU-only section (``python -m bench --NAME``): None, having said why nothing is timed, in the
+    simulator (no GPU); else ``torch``, having printed the report header (device, driver, versions, command)."""
+    if use_simulator_if_no_gpu():
+        print(f"bench --{name}: no CUDA device (or NUMBA_ENABLE_CUDASIM=1): {what} timings need a GPU; nothing "
+              f"measured. The kernels' correctness runs in the simulator: pytest {test}")
+        return None
+    import torch
+    device = {"name": torch.cuda.get_device_name(0), "driver": driver_version(), "cuda_driver": driver_cuda_version()}
+    for key, value in header(argv, device, simulator=False).items():
+        print(f"# {key}: {value}")
+    return torch
+
+
 def header(argv: list[str] | None, device: dict, simulator: bool) -> dict[str, str]:
     """The report header: where, when, with what, and the exact command line."""
     h = {

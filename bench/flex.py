@@ -226,15 +226,9 @@ def main(argv=None) -> int:
     """Entry of ``python -m bench --flex``; the simulator (no GPU) only says why nothing is timed."""
     from bench import env
     argv = sys.argv[1:] if argv is None else list(argv)
-    if env.use_simulator_if_no_gpu():
-        print("bench --flex: no CUDA device (or NUMBA_ENABLE_CUDASIM=1): flex timings need a GPU; nothing measured. "
-              "The kernels' correctness runs in the simulator: pytest tests/kernels/test_kernel_flex.py")
+    torch = env.gpu_section(argv, "flex", "flex", "tests/kernels/test_kernel_flex.py")
+    if torch is None:
         return 0
-    import torch
-    header = env.header(argv, {"name": torch.cuda.get_device_name(0), "driver": env.driver_version(),
-                               "cuda_driver": env.driver_cuda_version()}, simulator=False)
-    for key, value in header.items():
-        print(f"# {key}: {value}")
     print(f"# one sequence of {SEQLEN} tokens, nheads * headdim = {HIDDEN}, bfloat16; block masks of {BLOCK}; "
           f"ms: median of {REPS} calls after {WARMUP}, CUDA events around the Python call (host time included); "
           "speed vs torch flex: its time / the row's (above 1: faster than PyTorch's compiled flex_attention)")

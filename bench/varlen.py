@@ -195,15 +195,9 @@ def main(argv=None) -> int:
     """Entry of ``python -m bench --varlen``; the simulator (no GPU) only says why nothing is timed."""
     from bench import env
     argv = sys.argv[1:] if argv is None else list(argv)
-    if env.use_simulator_if_no_gpu():
-        print("bench --varlen: no CUDA device (or NUMBA_ENABLE_CUDASIM=1): varlen timings need a GPU; nothing "
-              "measured. The kernels' correctness runs in the simulator: pytest tests/kernels/test_kernel_varlen.py")
+    torch = env.gpu_section(argv, "varlen", "varlen", "tests/kernels/test_kernel_varlen.py")
+    if torch is None:
         return 0
-    import torch
-    header = env.header(argv, {"name": torch.cuda.get_device_name(0), "driver": env.driver_version(),
-                               "cuda_driver": env.driver_cuda_version()}, simulator=False)
-    for key, value in header.items():
-        print(f"# {key}: {value}")
     lengths = random_lengths()
     print(f"# packed batch: {len(lengths)} sequences, {sum(lengths)} tokens, lengths {lengths} (uniform "
           f"{MIN_LEN}..{MAX_LEN}, seed {SEED}); nheads * headdim = {HIDDEN}; float16")
