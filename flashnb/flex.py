@@ -39,6 +39,7 @@ from .kernels.flex import EMPTY, FULL, PARTIAL, THREADS, grid, make_block_states
 __all__ = ["BlockMask", "create_block_mask", "flex_attention", "flex_attention_backward", "EMPTY", "PARTIAL", "FULL"]
 
 COMPLEX_STEP = 1e-30
+MASKS = []                # every BlockMask made, by its handle (kept alive: a compiled graph may name it)
 
 
 class BlockMask:
@@ -49,6 +50,8 @@ class BlockMask:
     def __init__(self, mask_mod, states, block_size, q_len, kv_len):
         self.mask_mod, self.states, self.block_size = mask_mod, states, block_size
         self.q_len, self.kv_len = q_len, kv_len
+        self.handle = len(MASKS)  # names the mask where only plain values pass (flashnb.torch's custom ops)
+        MASKS.append(self)
         self._as = {}             # the kind of array a call passes -> the states as that kind
 
     def states_like(self, like):

@@ -207,10 +207,16 @@ def sdpa_patched():
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
                    return_lse=False, score_mod_grad=None):
-    """``flashnb.flex_attention`` (docs/flex.md) on PyTorch tensors, differentiable in query, key and value
-    (eager autograd; not yet a custom op for ``torch.compile``).  ``score_mod_grad``: the score_mod's derivative
-    in the score for the backward (else the complex step: a score_mod that cannot take it is refused here,
-    before the forward, when a gradient will be asked for).  CPU tensors run through NumPy (the simulator)."""
+    """``flashnb.flex_attention`` (docs/flex.md) on PyTorch tensors, differentiable in query, key and value;
+    under ``torch.compile`` the custom ops ``flashnb::flex_forward`` / ``flex_backward``, which name the functions
+    by a handle.  ``score_mod_grad``: the score_mod's derivative in the score for the backward (else the complex
+    step: a score_mod that cannot take it is refused here, before the forward, when a gradient will be asked
+    for; under ``torch.compile``, in the backward).  CPU tensors run through NumPy (the simulator)."""
+    if torch.compiler.is_compiling():
+        handle = _flex_handle(score_mod, -1 if block_mask is None else block_mask.handle, score_mod_grad)
+        out, lse = torch.ops.flashnb.flex_forward(query, key, value, handle, None if scale is None else float(scale),
+                                                  bool(enable_gqa))
+        return (out, lse) if return_lse else out
     args = (score_mod, block_mask, scale, enable_gqa, score_mod_grad)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         if score_mod is not None and score_mod_grad is None:
@@ -220,6 +226,25 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         with torch.no_grad():
             out, lse = _flex_forward_impl(query, key, value, *args)
     return (out, lse) if return_lse else out
+
+
+_FLEX, _FLEX_HANDLES = [], {}     # a custom op's handle -> (score_mod, block mask handle, score_mod_grad), and back
+
+
+@torch._dynamo.assume_constant_result
+def _flex_handle(score_mod, mask_handle, score_mod_grad):
+    """The handle of a flex call's functions (traced as a constant: functions are constants to Dynamo, a
+    ``BlockMask`` is not, so the mask comes by its own handle)."""
+    key = (score_mod, mask_handle, score_mod_grad)
+    if key not in _FLEX_HANDLES:
+        _FLEX_HANDLES[key] = len(_FLEX)
+        _FLEX.append(key)
+    return _FLEX_HANDLES[key]
+
+
+def _flex_call(handle):
+    score_mod, mask_handle, score_mod_grad = _FLEX[handle]
+    return score_mod, None if mask_handle < 0 else flex.MASKS[mask_handle], score_mod_grad
 
 
 def _flex_forward_impl(q, k, v, score_mod, block_mask, scale, enable_gqa, score_mod_grad):
@@ -463,6 +488,37 @@ def _op_backward(backward_op):
 
 
 _forward_op.register_autograd(_op_backward(torch.ops.flashnb.backward), setup_context=_setup_context)
+
+
+# flex_attention under torch.compile: the functions by a handle (``_flex_handle``), outputs contiguous (as the fake)
+@torch.library.custom_op("flashnb::flex_forward", mutates_args=())
+def _flex_forward_op(q: Tensor, k: Tensor, v: Tensor, handle: int, scale: Optional[float],
+                     enable_gqa: bool) -> tuple[Tensor, Tensor]:
+    score_mod, block_mask, grad = _flex_call(handle)
+    out, lse = _flex_forward_impl(q, k, v, score_mod, block_mask, scale, enable_gqa, grad)
+    return out.contiguous(), lse
+
+
+@_flex_forward_op.register_fake
+def _(q, k, v, handle, scale, enable_gqa):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype)
+
+
+@torch.library.custom_op("flashnb::flex_backward", mutates_args=())
+def _flex_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, handle: int,
+                      scale: Optional[float], enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+    score_mod, block_mask, grad = _flex_call(handle)
+    grads = _flex_backward_impl(dout, q, k, v, out, lse, score_mod, block_mask, scale, enable_gqa, grad)
+    return tuple(g.contiguous() for g in grads)
+
+
+@_flex_backward_op.register_fake
+def _(dout, q, k, v, out, lse, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_flex_forward_op.register_autograd(_op_backward(torch.ops.flashnb.flex_backward), setup_context=_setup_context)
 
 
 # flash_attn_varlen_func under torch.compile: the output shapes are q's and (nheads, total_q), whatever the
