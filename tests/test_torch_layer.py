@@ -23,6 +23,17 @@ def grads(out, inputs, dout):
     return torch.autograd.grad(out, inputs, dout)
 
 
+def compiled_equals_eager(loss, inputs):
+    """``loss`` traced whole by ``torch.compile`` (no graph break) gives the eager call's value and gradients."""
+    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(*inputs)
+    g_got = torch.autograd.grad(got, inputs)
+    want = loss(*inputs)
+    g_want = torch.autograd.grad(want, inputs)
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+
+
 @pytest.mark.parametrize("sq, sk", [(5, 9), (9, 5)])
 def test_sdpa_wrapper_top_left_causal_and_gqa(sq, sk):
     torch.manual_seed(sq)
@@ -82,14 +93,7 @@ def test_custom_ops_trace_without_graph_breaks():
     def loss(q, k, v):
         return ft.flash_attn_func(q, k, v, causal=True).square().sum()
 
-    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
-    got = compiled(q, k, v)
-    g_got = torch.autograd.grad(got, (q, k, v))
-    want = loss(q, k, v)
-    g_want = torch.autograd.grad(want, (q, k, v))
-    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
-    for a, b in zip(g_got, g_want):
-        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+    compiled_equals_eager(loss, (q, k, v))
 
 
 def test_flash_attn_varlen_func_with_a_block_table():
@@ -196,11 +200,4 @@ def test_flex_attention_under_torch_compile():
     def loss(q, k, v):
         return ft.flex_attention(q, k, v, score_mod=bias, block_mask=mask, scale=0.4).square().sum()
 
-    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
-    got = compiled(q, k, v)
-    g_got = torch.autograd.grad(got, (q, k, v))
-    want = loss(q, k, v)
-    g_want = torch.autograd.grad(want, (q, k, v))
-    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
-    for a, b in zip(g_got, g_want):
-        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+    compiled_equals_eager(loss, (q, k, v))
