@@ -26,7 +26,9 @@ them small; a new array means a new function).  The backward needs ``d score_mod
 rounding.  What cannot hold is refused before any launch with an error naming the function.
 """
 import hashlib
+import itertools
 import numbers
+import weakref
 
 import numpy as np
 
@@ -39,7 +41,8 @@ from .kernels.flex import EMPTY, FULL, PARTIAL, THREADS, grid, make_block_states
 __all__ = ["BlockMask", "create_block_mask", "flex_attention", "flex_attention_backward", "EMPTY", "PARTIAL", "FULL"]
 
 COMPLEX_STEP = 1e-30
-MASKS = []                # every BlockMask made, by its handle (kept alive: a compiled graph may name it)
+MASKS = weakref.WeakValueDictionary()   # the live BlockMasks by handle (a graph that names one is passed it)
+_HANDLES = itertools.count()
 
 
 class BlockMask:
@@ -50,8 +53,8 @@ class BlockMask:
     def __init__(self, mask_mod, states, block_size, q_len, kv_len):
         self.mask_mod, self.states, self.block_size = mask_mod, states, block_size
         self.q_len, self.kv_len = q_len, kv_len
-        self.handle = len(MASKS)  # names the mask where only plain values pass (flashnb.torch's custom ops)
-        MASKS.append(self)
+        self.handle = next(_HANDLES)   # names the mask where only plain values pass (flashnb.torch's custom ops)
+        MASKS[self.handle] = self
         self._as = {}             # the kind of array a call passes -> the states as that kind
 
     def states_like(self, like):

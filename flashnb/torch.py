@@ -244,6 +244,9 @@ def _flex_handle(score_mod, mask_handle, score_mod_grad):
 
 def _flex_call(handle):
     score_mod, mask_handle, score_mod_grad = _FLEX[handle]
+    if mask_handle >= 0 and mask_handle not in flex.MASKS:
+        raise ValueError(f"flex_attention: the BlockMask of handle {mask_handle} no longer exists; a compiled graph "
+                         "runs with the masks it is called with, so keep the mask alive while calling it")
     return score_mod, None if mask_handle < 0 else flex.MASKS[mask_handle], score_mod_grad
 
 

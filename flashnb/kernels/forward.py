@@ -85,8 +85,9 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
             for bj in range(k_first // bm_k, k_last // bm_k + 1):
                 state = block_mask[min(b, block_mask.shape[0] - 1), min(h, block_mask.shape[1] - 1),
                                    min(bi, block_mask.shape[2] - 1), min(bj, block_mask.shape[3] - 1)]
-                any_on = any_on or state != 0
-                all_on = all_on and (state == FULL_STATE if HAS_MASK_MOD else state != 0)
+                on = state != 0
+                any_on = any_on or on
+                all_on = all_on and (state == FULL_STATE if HAS_MASK_MOD else on)
         return any_on, all_on
 
     @device_function
