@@ -1,11 +1,11 @@
 """The packed-batch (varlen) and KV-cache kernels once each, small, for ``compute-sanitizer`` (not a pytest module).
 
-    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache] [routed] [rotary] [clients]   # once without the tool: fills the disk cache
+    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache] [routed] [rotary] [clients] [flex]   # once without the tool: fills the disk cache
     compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool synccheck python3 tests/gpu_sanitize_inference.py kvcache
 
-(no argument: both parts).  Varlen: forward and backward, SIMT and tensor cores (and on compute capability 9.0
+(no argument: every part).  Varlen: forward and backward, SIMT and tensor cores (and on compute capability 9.0
 the Hopper forward, its tiles by the copy engine, and the Hopper dK/dV kernel, plan.WGMMA_BACKWARD_PACKED),
 float16, causal or not,
 sequences of unequal lengths with an empty one and lengths that are not multiples of the tiles.  KV cache
@@ -244,8 +244,45 @@ def clients(rng):
             print(f"ok varlen block_table {dtype} causal={causal}", flush=True)
 
 
+def flex(rng):
+    """flex_attention forward and backward with a score_mod (ALiBi, differentiated by the complex step) and a
+    block mask (causal within captured documents; block 64 x 64, so empty, partial and full blocks), every
+    backend: "auto" (on compute capability 9.0 the Hopper forward), "tensorcore" (``mma.sync``), "simt";
+    float16 and float32; head dims 64 and 128; 4 query heads over 2; lengths that are not multiples of a tile;
+    and the block-states kernel of ``create_block_mask``."""
+    from reference import flex as rf
+    L, S = 300, 333
+    docs = np.sort(rng.integers(0, 4, max(L, S)))
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - 0.25 * (h + 1) * abs(q_idx - kv_idx)
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
+
+    mask = flashnb.create_block_mask(doc_causal, None, None, L, S, BLOCK_SIZE=64)
+    for d in (64, 128):
+        q = rng.standard_normal((2, 4, L, d))
+        k, v = (rng.standard_normal((2, 2, S, d)) for _ in range(2))
+        dout = rng.standard_normal(q.shape)
+        ref = rf.flex_attention(q, k, v, score_mod=alibi, mask_mod=doc_causal, enable_gqa=True)
+        want = rf.flex_attention_backward(dout, q, k, v, score_mod=alibi, mask_mod=doc_causal, enable_gqa=True)
+        for dtype, backend in ((F16, "auto"), (F16, "tensorcore"), (F16, "simt"), (torch.float32, "auto")):
+            t = [torch.as_tensor(x, device="cuda", dtype=dtype) for x in (q, k, v, dout)]
+            out, lse = flashnb.flex_attention(*t[:3], score_mod=alibi, block_mask=mask, enable_gqa=True,
+                                              return_lse=True, backend=backend)
+            err = float((out.double().cpu() - torch.as_tensor(ref)).abs().max())
+            assert err < 0.05, f"flex d={d} {dtype} {backend}: forward error {err}"
+            grads = flashnb.flex_attention_backward(t[3], *t[:3], out, lse, score_mod=alibi, block_mask=mask,
+                                                    enable_gqa=True, backend=backend)
+            for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+                err = float((g.double().cpu() - torch.as_tensor(w)).abs().max())
+                assert err < 0.1 * (1 + float(np.abs(w).max())), f"flex d={d} {dtype} {backend}: {name} error {err}"
+            print(f"ok flex d={d} {dtype} {backend}", flush=True)
+
+
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["varlen", "kvcache", "routed", "rotary", "clients"]
+    parts = sys.argv[1:] or ["varlen", "kvcache", "routed", "rotary", "clients", "flex"]
     rng = np.random.default_rng(0)
     if "varlen" in parts:
         varlen(rng)
@@ -257,4 +294,6 @@ if __name__ == "__main__":
         rotary(rng)
     if "clients" in parts:
         clients(rng)
+    if "flex" in parts:
+        flex(rng)
     print("done", flush=True)

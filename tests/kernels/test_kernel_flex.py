@@ -120,7 +120,7 @@ def _close(got, ref, dtype, what, low=None):
 
 
 @pytest.mark.parametrize("dtype, backend", [(np.float64, "auto"), (np.float32, "auto"), (np.float16, "simt"),
-                                            (np.float16, "tensorcore")])
+                                            (np.float16, "tensorcore"), (np.float16, "auto")])
 @settings(max_examples=examples(5), deadline=None)
 @given(data=st.data())
 def test_flex_forward_and_backward_match_the_oracle(dtype, backend, data):
