@@ -361,3 +361,48 @@ def test_dispatch_cache_and_the_hopper_forwards_tensor_maps(monkeypatch, replay_
     full = flashnb.flash_attention(q2, k2, v2, **opts)
     assert torch.equal(replayed, full), "a replayed call differs from the full path's"
     assert not torch.equal(replayed, first), "the replay read the first call's keys and values"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flex_attention_compiled_on_cuda_equals_eager_and_the_oracle(dtype):
+    """flashnb.torch.flex_attention on CUDA tensors (ALiBi by the complex step, a causal document block mask,
+    4 query heads over 2, lengths off the tiles): under ``torch.compile`` (Inductor, fullgraph) the output is the
+    eager call's bit for bit (the same kernels on the same inputs) and the gradients within one rounding of
+    the inputs' format (dQ's float atomics add in any order); eager against the float64 oracle by the
+    flash-attn rule (twice the oracle's error in float16, plus the floor)."""
+    from reference import flex as rf
+    torch.manual_seed(11)
+    L, S, d = 250, 301, 64
+    docs = np.sort(np.random.default_rng(11).integers(0, 3, S))
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - 0.25 * (h + 1) * abs(q_idx - kv_idx)
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx + S - L >= kv_idx)
+
+    mask = flashnb.create_block_mask(doc_causal, None, None, L, S, BLOCK_SIZE=64)
+    q = _randn(1, 4, L, d, dtype=dtype).requires_grad_()
+    k, v = (_randn(1, 2, S, d, dtype=dtype).requires_grad_() for _ in range(2))
+    dout = _randn(1, 4, L, d, dtype=dtype)
+
+    def attend(q, k, v):
+        return ft.flex_attention(q, k, v, score_mod=alibi, block_mask=mask, enable_gqa=True)
+
+    out = attend(q, k, v)
+    g_eager = torch.autograd.grad(out, (q, k, v), dout)
+    out_c = torch.compile(attend, fullgraph=True)(q, k, v)
+    g_comp = torch.autograd.grad(out_c, (q, k, v), dout)
+    assert torch.equal(out_c, out), "the compiled call's output differs from the eager call's"
+    for name, a, b in zip(("dq", "dk", "dv"), g_comp, g_eager):
+        bound = 2.0 ** -7 * float(b.abs().max())          # one rounding of a 16-bit value at the largest
+        assert float((a - b).abs().max()) <= bound, f"{name}: compiled and eager differ past one rounding"
+    args = [x.detach().double().cpu().numpy() for x in (q, k, v)]
+    ref = rf.flex_attention(*args, score_mod=alibi, mask_mod=doc_causal, enable_gqa=True)
+    low = rf.flex_attention(*[a.astype(np.float16) for a in args], score_mod=alibi, mask_mod=doc_causal,
+                            enable_gqa=True, dtype=np.float16)
+    err = float(np.abs(out.double().cpu().numpy() - ref).max())
+    bound = 2 * float(np.abs(np.asarray(low, np.float64) - ref).max()) + FLOOR[dtype] * (1 + float(np.abs(ref).max()))
+    if dtype == torch.bfloat16:
+        bound += 2.0 ** -8 * float(np.abs(ref).max())    # bfloat16 output rounding (the float16 oracle keeps 3 more bits)
+    assert err <= bound, f"flex {dtype}: error {err:.3g} > {bound:.3g}"
