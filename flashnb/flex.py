@@ -28,6 +28,7 @@ rounding.  What cannot hold is refused before any launch with an error naming th
 import hashlib
 import itertools
 import numbers
+import types
 import weakref
 
 import numpy as np
@@ -274,8 +275,27 @@ def _compiled(fn):
         return None
     key = (fn, _fingerprint(fn))
     if key not in _COMPILED:
-        _COMPILED[key] = device_function(fn)
+        dev = _COMPILED[key] = device_function(fn)
+        ident = _stable_id(fn)
+        if ident is not None:
+            dev.flashnb_id = ident
     return _COMPILED[key]
+
+
+_STABLE = (numbers.Number, str, bytes, tuple, type(None), np.ndarray, types.ModuleType, types.FunctionType)
+
+
+def _stable_id(fn):
+    """The name of ``fn`` in the disk cache of compiled kernels (``_jit.kernel_factory``), the same in every
+    process: its qualified name and its code's digest.  The kernel's key adds the values it captures
+    (``_jit.code_state``: arrays by their bytes, numbers by value, functions by their code), so a changed
+    function or capture is a new entry.  None (compiled in each process, never cached on disk) when it captures
+    anything else (an object whose value the key cannot name)."""
+    if not isinstance(fn, types.FunctionType):
+        return None
+    if not all(isinstance(value, _STABLE) or hasattr(value, "py_func") for _, value in _captured(fn)):
+        return None
+    return f"flex {fn.__module__}.{fn.__qualname__} {_jit.code_digest(fn.__code__)[:32]}"
 
 
 def _fingerprint(fn):
@@ -306,6 +326,8 @@ def _complex_step(score_mod):
         def score_grad(score, b, h, q_idx, kv_idx):
             return mod(complex(score, T), b, h, q_idx, kv_idx).imag * INV_T
 
+        if getattr(mod, "flashnb_id", None) is not None:
+            score_grad.flashnb_id = f"complex step of {mod.flashnb_id}"
         _STEPS[mod] = score_grad
     return _STEPS[mod]
 

@@ -241,10 +241,31 @@ def test_entries_lists_and_clear_deletes_only_cache_files(cache):
 
 
 # ------------------------------------------------------------------------------------------------ kernel ids
+DOCS = np.array([0, 0, 1, 1, 1, 2])
+
+
+def _alibi(score, b, h, q_idx, kv_idx):          # flex_attention functions at module level: the same in a new process
+    return score - 0.5 * (h + 1) * abs(q_idx - kv_idx)
+
+
+def _same_doc(b, h, q_idx, kv_idx):
+    return DOCS[q_idx] == DOCS[kv_idx]
+
+
+def _flex_forward(score_mod=_alibi, mask_mod=_same_doc):
+    from flashnb import flex
+    from flashnb.kernels import forward
+    from flashnb.kernels._scores import Mods
+    mods = Mods(flex._compiled(score_mod), flex._compiled(mask_mod))
+    return forward.make_forward(16, 16, 8, "float32", False, False, True, *[False] * 4, MODS=mods)[0]   # block mask
+
+
 def _ids():
     from flashnb.kernels import backward, backward_tc, forward, forward_tc
     flags = [False] * 7
     return {
+        "flex": _flex_forward().flashnb_id,
+        "flex state": _jit.code_state(_flex_forward().py_func),
         "cast32": backward.make_cast("float32").flashnb_id,
         "cast64": backward.make_cast("float64").flashnb_id,
         "pre": backward.make_preprocess("float32").flashnb_id,
@@ -270,6 +291,32 @@ def test_kernel_factory_ids_are_canonical_and_distinct():
                             "False, False, False, False, None)[0]")
     distinct = {name: i for name, i in ids.items() if name not in ("pre_explicit", "pre_keywords")}
     assert len(set(distinct.values())) == len(distinct)
+
+
+def test_flex_functions_name_their_kernels_by_code_and_the_key_holds_their_captures(monkeypatch):
+    """A flex_attention function names its kernels by its qualified name and code (``flex._stable_id``), so a
+    second process finds them on disk (``test_kernel_factory_ids_are_the_same_in_another_process``); another
+    body is another id; a captured array is in the key's code state (a changed array: a new entry, never the
+    old cubin); a function capturing an object whose value no text names gives kernels with no id (compiled in
+    each process)."""
+    kern = _flex_forward()
+    assert kern.flashnb_id.startswith("flashnb.kernels.forward.make_forward(16, 16, 8, 'float32'")
+    assert ", Mods(<flex test_compile_cache._alibi " in kern.flashnb_id
+    assert "<flex test_compile_cache._same_doc " in kern.flashnb_id and kern.flashnb_id.endswith(", None))[0]")
+
+    def _alibi(score, b, h, q_idx, kv_idx):                        # the same name, another body
+        return score - 0.25 * (h + 1) * abs(q_idx - kv_idx)
+    _alibi.__qualname__ = "_alibi"
+    assert _flex_forward(score_mod=_alibi).flashnb_id != kern.flashnb_id
+    state = _jit.code_state(kern.py_func)
+    monkeypatch.setitem(globals(), "DOCS", np.array([0, 0, 1, 1, 2, 2]))
+    other = _flex_forward()
+    assert other.flashnb_id == kern.flashnb_id and _jit.code_state(other.py_func) != state
+    thing = object()
+
+    def opaque(b, h, q_idx, kv_idx):
+        return thing is not None
+    assert not hasattr(_flex_forward(mask_mod=opaque), "flashnb_id")
 
 
 def test_kernel_factory_ids_are_the_same_in_another_process():

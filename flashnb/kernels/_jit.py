@@ -257,7 +257,7 @@ def kernel_factory(fn):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         if all(_plain(v) for v in bound.arguments.values()):
-            call = [repr(v) for v in bound.args] + [f"{k}={v!r}" for k, v in sorted(bound.kwargs.items())]
+            call = [_text(v) for v in bound.args] + [f"{k}={_text(v)}" for k, v in sorted(bound.kwargs.items())]
             text = f"{fn.__module__}.{fn.__qualname__}({', '.join(call)})"
             for i, item in enumerate(made if isinstance(made, tuple) else (made,)):
                 if hasattr(item, "py_func"):
@@ -268,17 +268,50 @@ def kernel_factory(fn):
 
 
 def _plain(value):
-    """Whether ``repr(value)`` names the value in any process (no object addresses)."""
+    """Whether ``_text(value)`` names the value in any process (no object addresses): plain values, tuples of
+    them, and objects given a stable ``flashnb_id`` (a ``flex_attention`` function compiled by ``flex``)."""
     if isinstance(value, tuple):
         return all(_plain(v) for v in value)
+    if isinstance(getattr(value, "flashnb_id", None), str):
+        return True
     return value is None or isinstance(value, (bool, int, float, str, np.generic, np.dtype))
 
 
+def _text(value):
+    """The text of a plain value (``_plain``): its ``repr``, an object's ``flashnb_id``, a tuple's items (a named
+    tuple with its type's name)."""
+    if isinstance(value, tuple):
+        items = ", ".join(_text(v) for v in value)
+        return f"{type(value).__name__}({items})" if type(value) is not tuple else f"({items}{',' if len(value) == 1 else ''})"
+    ident = getattr(value, "flashnb_id", None)
+    return f"<{ident}>" if isinstance(ident, str) else repr(value)
+
+
+def code_digest(code):
+    """sha256 (hex) of what a code object computes: its bytecode, constants (nested code by its digest), names
+    and argument layout, not its file or line numbers (so a checkout's path does not enter a key)."""
+    h = hashlib.sha256()
+
+    def feed(c):
+        h.update(c.co_code)
+        h.update(repr((c.co_names, c.co_varnames, c.co_freevars, c.co_cellvars, c.co_argcount,
+                       c.co_kwonlyargcount, c.co_flags)).encode())
+        for const in c.co_consts:
+            if isinstance(const, pytypes.CodeType):
+                feed(const)
+            else:
+                h.update(repr((type(const).__name__, const)).encode())
+
+    feed(code)
+    return h.hexdigest()
+
+
 def code_state(fn):
-    """sha256 (hex) of what ``fn``'s compiled code is built from besides its source and its factory's
-    arguments: the values in its closure and the module globals its code names, through every device
-    function, intrinsic and Python function among them (plain values by ``repr``, containers by their
-    items, modules and other objects by name).  A factory that reads a module setting (``forward.MAX_THREADS``,
+    """sha256 (hex) of what ``fn``'s compiled code is built from besides its factory's arguments: the code of
+    every function it reaches (``code_digest``: a function outside ``flashnb/kernels/``, a ``flex_attention``
+    function say, has no other part of the key that holds its code), the values in its closure and the module
+    globals its code names, through every device function, intrinsic and Python function among them (plain
+    values by ``repr``, arrays by their bytes, containers by their items, modules and other objects by name).  A factory that reads a module setting (``forward.MAX_THREADS``,
     which tools/tune_simt.py changes between rebuilds) gives kernels with one id but other code: this part of
     the disk cache's key tells them apart."""
     parts, seen = [], set()
@@ -319,7 +352,7 @@ def code_state(fn):
                 cells.append("<empty>")
         names = sorted(n for n in _code_names(f.__code__) if n in f.__globals__)
         used = ", ".join(f"{n}={value(f.__globals__[n])}" for n in names)
-        parts.append(f"{f.__module__}.{f.__qualname__} cells [{', '.join(cells)}] defaults "
+        parts.append(f"{f.__module__}.{f.__qualname__} code {code_digest(f.__code__)} cells [{', '.join(cells)}] defaults "
                      f"{value(f.__defaults__ or ())} globals [{used}]")
 
     function(fn)

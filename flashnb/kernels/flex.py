@@ -10,13 +10,14 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from ._jit import kernel
+from ._jit import kernel, kernel_factory
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 THREADS = 128
 
 
 @lru_cache(maxsize=None)
+@kernel_factory
 def make_block_states(MASK_MOD, BLOCK_Q, BLOCK_K):
     """``block_states(states, seqlen_q, seqlen_k)``: ``states`` int8 ``(B, H, ceil(seqlen_q / BLOCK_Q),
     ceil(seqlen_k / BLOCK_K))``, one thread a block, ``THREADS`` a thread block."""
