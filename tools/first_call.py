@@ -10,6 +10,13 @@ import time
 
 t0 = time.perf_counter()
 import torch  # noqa: E402
+if os.environ.get("FIRST_CALL_KEYS"):
+    import json
+    from flashnb.kernels import _cache as _c, _jit as _j
+    ASKED, _load, PARTS, _dk = [], _c.load, {}, _j._disk_key
+    _c.load = lambda key: (ASKED.append(key), _load(key))[1]
+    _j._disk_key = lambda kern, argtypes, arch: (PARTS.setdefault(getattr(kern, "flashnb_id", "?"), _j.code_state_parts(
+        kern.py_func)), _dk(kern, argtypes, arch))[1]
 t1 = time.perf_counter()
 import flashnb  # noqa: E402
 import flashnb.torch as ft  # noqa: E402
@@ -63,3 +70,23 @@ print(f"first-call {label}: import torch {t1 - t0:.2f} s, import flashnb+flashnb
 from flashnb.kernels import _cache  # noqa: E402
 print(f"first-call {label}: disk cache {_cache.counters}; "
       + ", ".join(f"{r['kernel'].split('(')[0].rsplit('.', 1)[-1]} {r['how']} {r['seconds']:.2f} s" for r in _cache.log))
+if os.environ.get("FIRST_CALL_KEYS"):      # why an entry stored by an earlier process missed in this one
+    import difflib
+    stored = [k for _, k, _, _ in _cache.entries() if k]
+    parts_file = os.path.join(_cache.cache_dir(), "parts.json")
+    before = json.load(open(parts_file)) if os.path.exists(parts_file) else {}
+    for kid, parts in PARTS.items():
+        if kid in before and before[kid] != parts:
+            print(f"first-call {label}: code state parts of {kid[:80]} differ from the first process's:")
+            for line in difflib.unified_diff(before[kid], parts, lineterm="", n=0):
+                print("   ", line[:600])
+    json.dump({**before, **PARTS}, open(parts_file, "w"))
+    for key in ASKED:
+        if key in stored:
+            continue
+        head = key.split("\n")[1][:60]
+        near = [k for k in stored if k.split("\n")[1][:60] == head]
+        print(f"first-call {label}: missed {head}...; {len(near)} stored keys of that factory")
+        for k in near[:1]:
+            for line in difflib.unified_diff(k.split("\n"), key.split("\n"), lineterm="", n=0):
+                print("   ", line[:400])

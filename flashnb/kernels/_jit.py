@@ -300,14 +300,21 @@ def code_digest(code):
             if isinstance(const, pytypes.CodeType):
                 feed(const)
             else:
-                h.update(repr((type(const).__name__, const)).encode())
+                h.update(const_text(const).encode())
+
+    def const_text(const):          # a frozenset's order (``x in {"a", "b"}``) follows the process's string hashes
+        if isinstance(const, (frozenset, set)):
+            return "{" + ", ".join(sorted(const_text(x) for x in const)) + "}"
+        if isinstance(const, tuple):
+            return "(" + ", ".join(const_text(x) for x in const) + ")"
+        return f"{type(const).__name__} {const!r}"
 
     feed(code)
     return h.hexdigest()
 
 
-def code_state(fn):
-    """sha256 (hex) of what ``fn``'s compiled code is built from besides its factory's arguments: the code of
+def code_state_parts(fn):
+    """The lines ``code_state`` hashes: what ``fn``'s compiled code is built from besides its factory's arguments: the code of
     every function it reaches (``code_digest``: a function outside ``flashnb/kernels/``, a ``flex_attention``
     function say, has no other part of the key that holds its code), the values in its closure and the module
     globals its code names, through every device function, intrinsic and Python function among them (plain
@@ -356,7 +363,12 @@ def code_state(fn):
                      f"{value(f.__defaults__ or ())} globals [{used}]")
 
     function(fn)
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return parts
+
+
+def code_state(fn):
+    """sha256 (hex) of ``code_state_parts(fn)``: the disk cache's key part."""
+    return hashlib.sha256("\n".join(code_state_parts(fn)).encode()).hexdigest()
 
 
 def _code_names(code):
