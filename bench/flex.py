@@ -6,7 +6,7 @@ Cases (each written twice, as plain Python for flashnb and with torch ops for Py
 
 * ``causal``: mask ``q_idx >= kv_idx``;
 * ``document``: 8 documents of random lengths (seed 0) packed in the sequence, causal within each (ids captured:
-  an int16 NumPy array for flashnb, a CUDA tensor for PyTorch);
+  an int8 NumPy array for flashnb (16 KB, read twice: 32 KB of constant memory), a CUDA tensor for PyTorch);
 * ``sliding 1024``: causal with a window of 1024 keys;
 * ``alibi``: causal, score_mod ``score - slope_h * (q_idx - kv_idx)``;
 * ``softcap 30``: causal, score_mod ``30 tanh(score / 30)`` (flashnb: ``math.tanh`` and its ``score_mod_grad``);
@@ -40,7 +40,7 @@ def document_ids(seqlen=SEQLEN, docs=DOCS, seed=SEED):
     import numpy as np
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.choice(np.arange(1, seqlen), docs - 1, replace=False))
-    ids = np.zeros(seqlen, np.int16)
+    ids = np.zeros(seqlen, np.int8)
     for c in cuts:
         ids[c:] += 1
     return ids

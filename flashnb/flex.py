@@ -25,6 +25,7 @@ them small; a new array means a new function).  The backward needs ``d score_mod
 ``math.*`` on the score: ``cmath`` works) and flashnb takes the complex step ``Im f(s + i t) / t``, exact to
 rounding.  What cannot hold is refused before any launch with an error naming the function.
 """
+import dis
 import hashlib
 import itertools
 import numbers
@@ -175,11 +176,11 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
             raise ValueError("block_mask has no mask_mod (make it with flashnb.create_block_mask)")
         _check_mod(block_mask.mask_mod, "block_mask's mask_mod", 4, probe)
         mask_mod = block_mask.mask_mod
-    captured = sum(value.nbytes for fn in (score_mod, mask_mod, grad) if fn is not None
-                   for _, value in _captured(fn) if isinstance(value, np.ndarray))
+    captured = sum(_constant_bytes(fn) for fn in (score_mod, mask_mod, grad) if fn is not None)
     if captured > MAX_CAPTURED_BYTES:
-        raise ValueError(f"the functions capture {captured} bytes of NumPy arrays together; they are frozen into "
-                         f"the kernel's constant memory ({MAX_CAPTURED_BYTES} bytes at most)")
+        raise ValueError(f"the functions capture {captured} bytes of NumPy arrays together (counted once per place "
+                         "the code reads an array: Numba freezes a copy for each); they are frozen into the kernel's "
+                         f"constant memory ({MAX_CAPTURED_BYTES} bytes at most)")
     mods = None
     if score_mod is not None or mask_mod is not None:
         mods = Mods(_compiled(score_mod), _compiled(mask_mod),
@@ -204,9 +205,7 @@ def _check_mod(fn, name, nargs, probe=True):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
     for var, value in _captured(fn):
         if isinstance(value, np.ndarray):
-            if value.nbytes > MAX_CAPTURED_BYTES:
-                raise ValueError(f"{name} captures the NumPy array {var!r} of {value.nbytes} bytes; a captured array "
-                                 f"is frozen into the kernel's constant memory ({MAX_CAPTURED_BYTES} bytes at most)")
+            continue
         elif isinstance(value, (list, dict, set)):
             raise TypeError(f"{name} captures the {type(value).__name__} {var!r}, which Numba cannot compile into a "
                             "kernel; capture a tuple or a NumPy array")
@@ -214,6 +213,11 @@ def _check_mod(fn, name, nargs, probe=True):
             raise TypeError(f"{name} captures the device array {var!r} ({type(value).__name__}); flashnb compiles "
                             "captured arrays into the kernel as constants, so capture a NumPy array (device arrays "
                             "as kernel arguments are not supported yet)")
+    nbytes = _constant_bytes(fn)
+    if nbytes > MAX_CAPTURED_BYTES:
+        raise ValueError(f"{name} captures {nbytes} bytes of NumPy arrays (counted once per place its code reads "
+                         "an array: Numba freezes a copy for each); they are frozen into the kernel's constant memory "
+                         f"({MAX_CAPTURED_BYTES} bytes at most)")
     if not probe:                              # (an empty sequence: no index 0 to call it at)
         return
     try:
@@ -224,6 +228,20 @@ def _check_mod(fn, name, nargs, probe=True):
         raise TypeError(f"mask_mod must return a bool, got {type(got).__name__}")
     if nargs == 5 and (not isinstance(got, numbers.Real) or isinstance(got, (bool, np.bool_))):
         raise TypeError(f"{name} must return a real number, got {type(got).__name__}")
+
+
+def _constant_bytes(fn):
+    """The constant memory ``fn``'s captured NumPy arrays take in a kernel: each array's bytes once per place
+    the code loads it (measured: ptxas counted ``ids[i] == ids[j]`` over a 40000-byte array as 80000 bytes)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return 0
+    arrays = {var: value.nbytes for var, value in _captured(fn) if isinstance(value, np.ndarray)}
+    if not arrays:
+        return 0
+    loads = [ins.argval for ins in dis.get_instructions(code)
+             if ins.opname in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME", "LOAD_CLASSDEREF")]
+    return sum(nbytes * max(1, loads.count(var)) for var, nbytes in arrays.items())
 
 
 def _captured(fn):

@@ -335,7 +335,7 @@ def code_state_parts(fn):
         if isinstance(v, dict):
             return "{" + ", ".join(sorted(f"{value(k)}: {value(x)}" for k, x in v.items())) + "}"
         if isinstance(v, pytypes.ModuleType):
-            return f"module {v.__name__}"
+            return "module"                              # by no name: numba.types is numba.core.types or not by import order (the toolchain keys the versions)
         if isinstance(v, np.ndarray):
             return f"ndarray {v.dtype} {v.shape} {hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()}"
         if isinstance(v, NumbaType):

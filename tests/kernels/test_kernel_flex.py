@@ -272,7 +272,7 @@ def test_a_math_score_mod_needs_score_mod_grad_for_the_backward():
     (lambda q, k, v: flashnb.create_block_mask(lambda b, h, i, j: i >= j, None, None, 5, 5, BLOCK_SIZE=0),
      ValueError, "BLOCK_SIZE"),
     (lambda q, k, v: flashnb.create_block_mask(_captures(np.zeros(20000, np.int32)), None, None, 5, 5), ValueError,
-     "captures the NumPy array 'table' of 80000 bytes"),
+     "mask_mod captures 80000 bytes of NumPy arrays"),
     (lambda q, k, v: flashnb.flex_attention(q, k, v, score_mod=_device_capture()), TypeError,
      "captures the device array 'ids'"),
     (lambda q, k, v: flashnb.create_block_mask(_captures([0, 1, 2, 3, 4]), None, None, 5, 5), TypeError,
@@ -392,7 +392,10 @@ def test_a_hand_made_block_mask_is_checked():
                                                                      5, 5))
     with pytest.raises(ValueError, match="no mask_mod"):
         flashnb.flex_attention(q, k, v, block_mask=flashnb.BlockMask(None, good.states, (2, 2), 5, 5))
-    ids, bias = np.zeros(5000), np.zeros(5000)                  # 40 KB each, 80 KB together
+    ids, bias = np.zeros(3000), np.zeros(3000)                  # 24 KB each, read twice and once: 72 KB together
     both = flashnb.create_block_mask(lambda b, h, i, j: ids[i] == ids[j], None, None, 5, 5, BLOCK_SIZE=2)
-    with pytest.raises(ValueError, match="capture 80000 bytes of NumPy arrays together"):
+    with pytest.raises(ValueError, match="capture 72000 bytes of NumPy arrays together"):
         flashnb.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[i], block_mask=both)
+    big = np.zeros(5000)                                        # 40 KB read twice: 80 KB (ptxas: "too much global constant data")
+    with pytest.raises(ValueError, match="mask_mod captures 80000 bytes"):
+        flashnb.create_block_mask(lambda b, h, i, j: big[i] == big[j], None, None, 5, 5, BLOCK_SIZE=2)

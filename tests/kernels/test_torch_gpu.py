@@ -398,6 +398,7 @@ def test_flex_attention_compiled_on_cuda_equals_eager_and_the_oracle(dtype):
         bound = 2.0 ** -7 * float(b.abs().max())          # one rounding of a 16-bit value at the largest
         assert float((a - b).abs().max()) <= bound, f"{name}: compiled and eager differ past one rounding"
     args = [x.detach().double().cpu().numpy() for x in (q, k, v)]
+    out = out.detach()
     ref = rf.flex_attention(*args, score_mod=alibi, mask_mod=doc_causal, enable_gqa=True)
     low = rf.flex_attention(*[a.astype(np.float16) for a in args], score_mod=alibi, mask_mod=doc_causal,
                             enable_gqa=True, dtype=np.float16)
