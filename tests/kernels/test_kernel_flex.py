@@ -272,7 +272,7 @@ def test_a_math_score_mod_needs_score_mod_grad_for_the_backward():
     (lambda q, k, v: flashnb.create_block_mask(lambda b, h, i, j: i >= j, None, None, 5, 5, BLOCK_SIZE=0),
      ValueError, "BLOCK_SIZE"),
     (lambda q, k, v: flashnb.create_block_mask(_captures(np.zeros(20000, np.int32)), None, None, 5, 5), ValueError,
-     "mask_mod captures 80000 bytes of NumPy arrays"),
+     "mask_mod captures 160000 bytes of NumPy arrays"),
     (lambda q, k, v: flashnb.flex_attention(q, k, v, score_mod=_device_capture()), TypeError,
      "captures the device array 'ids'"),
     (lambda q, k, v: flashnb.create_block_mask(_captures([0, 1, 2, 3, 4]), None, None, 5, 5), TypeError,
