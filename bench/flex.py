@@ -152,6 +152,10 @@ def run(torch, headdims=HEADDIMS, cases=CASES, log=print):
     import flashnb
     import flashnb.torch as ft
 
+    import torch._dynamo
+    # one compiled function for every case: each new score_mod / mask_mod is a recompile, past Dynamo's default
+    # limit of 8 it would fall back to the eager flex_attention, which materialises the scores (out of memory)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     compiled = torch.compile(tflex.flex_attention)
     ids = document_ids()
     records = []

@@ -1,0 +1,89 @@
+"""Where a flex_attention call's time goes on the GPU: bfloat16, one sequence of 16384 tokens, 32 heads of 64, the
+causal and sliding-window (1024) cases of ``python -m bench --flex`` against the dense call with the same option;
+per case the host time of a call (no synchronisation), the CUDA-event time of a forward and of a
+forward+backward, and torch.profiler's kernels (name, launches, GPU ms).  ``python -m tools.flex_profile``."""
+import time
+
+import torch
+
+import flashnb
+import flashnb.torch as ft
+
+N, H, D, W = 16384, 32, 64, 1024
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= W)
+
+
+def event_ms(fn, reps=5):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def host_us(fn, reps=20):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t) / reps * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            rows.append((e.device_time_total / 1e3, e.count, e.key[:90]))
+    return sorted(rows, reverse=True)[:8]
+
+
+def main():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    for name, mask_mod, dense in (("causal", causal, dict(causal=True)),
+                                  ("sliding 1024", sliding, dict(causal=True, window_size=(W, 0)))):
+        mask = flashnb.create_block_mask(mask_mod, None, None, N, N, BLOCK_SIZE=128)
+        print(f"{name}: {mask}")
+        calls = {
+            "flex": lambda: ft.flex_attention(q, k, v, block_mask=mask),
+            "dense": lambda: ft.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                **dense).transpose(1, 2),
+        }
+        for impl, fwd in calls.items():
+            with torch.no_grad():
+                h = host_us(fwd)
+                f = event_ms(fwd)
+                ks = kernels(fwd)
+            fb = event_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), dout))
+            kb = kernels(lambda: torch.autograd.grad(fwd(), (q, k, v), dout))
+            print(f"{name} {impl}: host {h:.0f} us a forward call, forward {f:.3f} ms, forward+backward {fb:.3f} ms")
+            for ms, n, key in ks:
+                print(f"    fwd  {ms:8.3f} ms {n:3d}x {key}")
+            for ms, n, key in kb:
+                print(f"    f+b  {ms:8.3f} ms {n:3d}x {key}")
+
+
+if __name__ == "__main__":
+    main()
