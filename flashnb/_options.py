@@ -119,8 +119,8 @@ def _as_4d(x, name, full_shape, dtype_kind, stream):
     kind = _arrays.kind_of(x, name)
     if dtype_kind == "bool" and kind.dtype != "bool":
         raise TypeError(f"{name} must be a boolean array (True = may attend), got dtype {kind.dtype}")
-    if dtype_kind == "states" and kind.dtype != "int8":
-        raise TypeError(f"{name} must hold create_block_mask's int8 states, got dtype {kind.dtype}")
+    if dtype_kind == "states" and kind.dtype != "int32":
+        raise TypeError(f"{name} must hold flex.BlockMask.kernel_states (int32), got dtype {kind.dtype}")
     if dtype_kind == "float" and kind.dtype not in _arrays.FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating-point array, got dtype {kind.dtype}")
     if kind.dtype == "bfloat16":
@@ -197,7 +197,9 @@ def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softma
     bm_q, bm_k = int(block_mask_size[0]), int(block_mask_size[1])
     if block_mask is not None:
         blocks = (batch, nheads, -(-seqlen_q // bm_q), -(-seqlen_k // bm_k))
-        states = mods is not None and mods.mask_mod is not None      # flex: create_block_mask's int8 states
+        states = mods is not None and mods.mask_mod is not None      # flex: the states padded with their bounds
+        if states:
+            blocks = blocks[:2] + (blocks[2] + 2, blocks[3] + 2)
         bmask_d = _as_4d(block_mask, "block_mask", blocks, "states" if states else "bool", stream)
     else:
         bmask_d = _dummy(4, np.uint8)

@@ -60,12 +60,12 @@ class BlockMask:
         self._as = {}             # the kind of array a call passes -> the states as that kind
 
     def states_like(self, like):
-        """The states as an array of ``like``'s kind and device (the kernels' block mask: they load no empty
-        block, and run the mask_mod on a tile unless every block under it is full)."""
+        """``kernel_states`` as an array of ``like``'s kind and device (the kernels' block mask: they load no
+        empty block, and run the mask_mod on a tile unless every block under it is full)."""
         torch = _arrays.torch
         key = (str(like.device) if torch is not None and isinstance(like, torch.Tensor) else type(like).__name__)
         if key not in self._as:
-            states = self.states
+            states = kernel_states(self.states)
             if torch is not None and isinstance(like, torch.Tensor):
                 states = torch.as_tensor(states, device=like.device)
             self._as[key] = states
@@ -76,6 +76,23 @@ class BlockMask:
                                                                 ("full", FULL))}
         return (f"BlockMask(shape={self.states.shape}, block_size={self.block_size}, "
                 + ", ".join(f"{n}={c}" for n, c in counts.items()) + ")")
+
+
+def kernel_states(states):
+    """The kernels' block mask: ``states`` (int8, ``(B, H, nqb, nkb)``) as int32 padded to ``(B, H, nqb + 2,
+    nkb + 2)`` with each query block's first kept key block and last plus one (columns ``nkb``, ``nkb + 1``; ``nkb``
+    and 0 where it keeps none) and each key block's first and last-plus-one kept query block (rows ``nqb``,
+    ``nqb + 1``), so a kernel's loop over tiles starts and ends at the kept blocks (``forward.make_mask_bounds``)."""
+    B, H, nqb, nkb = states.shape
+    padded = np.zeros((B, H, nqb + 2, nkb + 2), np.int32)
+    padded[:, :, :nqb, :nkb] = states
+    kept = states != EMPTY
+    for axis, n, (first, last) in ((3, nkb, (np.s_[:, :, :nqb, nkb], np.s_[:, :, :nqb, nkb + 1])),
+                                   (2, nqb, (np.s_[:, :, nqb, :nkb], np.s_[:, :, nqb + 1, :nkb]))):
+        some = kept.any(axis=axis)
+        padded[first] = np.where(some, kept.argmax(axis=axis), n)
+        padded[last] = np.where(some, n - np.flip(kept, axis=axis).argmax(axis=axis), 0)
+    return padded
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128):

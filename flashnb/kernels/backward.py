@@ -34,7 +34,7 @@ from ._mma import primitives, tf32_primitives
 from ._scores import Mods, make_allowed_fn, make_score_fn, philox_keep
 from ._tiles import (U, tile_head_batch, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load,
                      packed_tile_head_batch, padded, scratch_size, sequence_span)
-from .forward import LOG2E, make_window_helpers, tile_threads
+from .forward import LOG2E, make_mask_bounds, make_window_helpers, tile_threads
 
 
 @lru_cache(maxsize=None)
@@ -258,6 +258,7 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
     round_p = make_round_to(P_FORMAT or "bfloat16")
 
     query_tile_range = make_query_tile_range(BLOCK_Q)
+    _, query_bounds = make_mask_bounds(BLOCK_Q, BLOCK_K, MODS is not None and MODS.mask_mod is not None)
 
     @kernel
     def flash_dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
@@ -308,6 +309,7 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
         load_kv(k, b, k0, hk, seqlen_k - k0, k_smem)
         load_kv(v, b, k0, hk, seqlen_k - k0, v_smem)
         qt_lo, qt_hi = query_tile_range(k0, k_last, off, left, right, seqlen_q)
+        qt_lo, qt_hi = query_bounds(qt_lo, qt_hi, b, hk * group, group, k0, k_last, block_mask, bm_q, bm_k)
         for g in range(group):
             h = hk * group + g
             for qt in range(qt_lo, qt_hi):
@@ -413,6 +415,7 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
                              HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                                                      MODS is not None and MODS.mask_mod is not None)
+    key_bounds, _ = make_mask_bounds(BLOCK_Q, BLOCK_K, MODS is not None and MODS.mask_mod is not None)
 
     @kernel
     def flash_dq(q, k, v, dout, lse2, delta, dq, group, off, scale, softcap, left, right,
@@ -462,6 +465,7 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
         load_q(q, b, q0, h, seqlen_q - q0, q_smem)
         load_q(dout, b, q0, h, seqlen_q - q0, do_smem)
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
+        kt_lo, kt_hi = key_bounds(kt_lo, kt_hi, b, h, q0, q_last, block_mask, bm_q, bm_k)
         for kt in range(kt_lo, kt_hi):
             k0 = kt * BLOCK_K
             visible, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right,

@@ -48,7 +48,7 @@ from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
 from ._tiles import U, make_tile_order, packed_tile_head_batch, sequence_span
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
-from .forward import LOG2E, make_window_helpers
+from .forward import LOG2E, make_mask_bounds, make_window_helpers
 from .forward_tc import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
                      make_wgmma, mn_major_steps)
@@ -399,6 +399,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                              HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, HAS_MASK_MOD)
     query_tile_range = make_query_tile_range(BLOCK_Q)
+    _, query_bounds = make_mask_bounds(BLOCK_Q, BLOCK_K, HAS_MASK_MOD)
     tile_order = make_tile_order(SECTION)             # (a causal dK/dV kernel's longest key tiles are its first)
 
     if WGMMA:
@@ -959,6 +960,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # work items w = (query head gi of the group, query tile qt_lo + w % nqt), in order; double-buffered:
         # item w + 1's Q, dO (cp.async) and lse2, delta (registers) are in flight while item w computes
         qt_lo, qt_hi = query_tile_range(k0, k_last, off, left, right, seqlen_q)
+        qt_lo, qt_hi = query_bounds(qt_lo, qt_hi, b, hk * group, group, k0, k_last, block_mask, bm_q, bm_k)
         nqt = max(qt_hi - qt_lo, 1)
         n_work = group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
         w, gi, qi = next_work(-1, 0, -1, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,

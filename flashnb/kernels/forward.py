@@ -114,6 +114,49 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
 
 
 @lru_cache(maxsize=None)
+def make_mask_bounds(BLOCK_Q, BLOCK_K, HAS_MASK_MOD):
+    """``key_bounds`` and ``query_bounds``: a tile range narrowed to the blocks a ``flex_attention`` block mask
+    keeps (``HAS_MASK_MOD``; otherwise the range as given).  ``flex.BlockMask.kernel_states`` pads the states
+    with each query block's first and last-plus-one kept key block (columns ``nkb``, ``nkb + 1``) and each key
+    block's kept query blocks (rows ``nqb``, ``nqb + 1``), so a tile's loop runs from its first kept block to its
+    last instead of testing every block of the row (a sliding window keeps 9 of 128)."""
+
+    @device_function
+    def key_bounds(lo, hi, b, h, q_first, q_last, block_mask, bm_q, bm_k):
+        """Key tiles ``[lo, hi)`` of queries ``[q_first, q_last]`` within the blocks kept for them."""
+        if HAS_MASK_MOD:
+            nkb = block_mask.shape[3] - 2
+            bb, hh = min(b, block_mask.shape[0] - 1), min(h, block_mask.shape[1] - 1)
+            first = nkb
+            last = 0
+            for qb in range(q_first // bm_q, q_last // bm_q + 1):
+                first = min(first, block_mask[bb, hh, qb, nkb])
+                last = max(last, block_mask[bb, hh, qb, nkb + 1])
+            lo = max(lo, first * bm_k // BLOCK_K)
+            hi = min(hi, (last * bm_k + BLOCK_K - 1) // BLOCK_K)
+        return lo, hi
+
+    @device_function
+    def query_bounds(lo, hi, b, h0, nh, k_first, k_last, block_mask, bm_q, bm_k):
+        """Query tiles ``[lo, hi)`` of keys ``[k_first, k_last]`` within the blocks kept for them by any of the
+        query heads ``h0 .. h0 + nh - 1`` (a key/value head's group)."""
+        if HAS_MASK_MOD:
+            nqb = block_mask.shape[2] - 2
+            bb = min(b, block_mask.shape[0] - 1)
+            first = nqb
+            last = 0
+            for hh in range(min(h0, block_mask.shape[1] - 1), min(h0 + nh, block_mask.shape[1])):
+                for kb in range(k_first // bm_k, k_last // bm_k + 1):
+                    first = min(first, block_mask[bb, hh, nqb, kb])
+                    last = max(last, block_mask[bb, hh, nqb + 1, kb])
+            lo = max(lo, first * bm_q // BLOCK_Q)
+            hi = min(hi, (last * bm_q + BLOCK_Q - 1) // BLOCK_Q)
+        return lo, hi
+
+    return key_bounds, query_bounds
+
+
+@lru_cache(maxsize=None)
 def make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK):
     """``next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)``."""
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
@@ -182,7 +225,7 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod)
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                                                      MODS.mask_mod is not None)
-
+    key_bounds, _ = make_mask_bounds(BLOCK_Q, BLOCK_K, MODS.mask_mod is not None)
     next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
 
     @kernel
@@ -231,6 +274,7 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
 
         load_q(q, b, q0, h, seqlen_q - q0, q_smem)
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
+        kt_lo, kt_hi = key_bounds(kt_lo, kt_hi, b, h, q0, q_last, block_mask, bm_q, bm_k)
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
         if kt < kt_hi:
             load_kv(k, b, kt * BLOCK_K, hk, seqlen_k - kt * BLOCK_K, k_smem)

@@ -39,7 +39,7 @@ from ._tiles import U, make_row_allreduce, make_tile_order, packed_tile_head_bat
 from ._tma import make_box_load, make_tile_load, tma_primitives
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
                      make_wgmma, mn_major_steps, swizzled_offset)
-from .forward import LN2, LOG2E, make_next_tile, make_window_helpers
+from .forward import LN2, LOG2E, make_mask_bounds, make_next_tile, make_window_helpers
 
 
 def tc_padded_words(n_words):
@@ -376,6 +376,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
 
     next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    key_bounds, _ = make_mask_bounds(BLOCK_Q, BLOCK_K, HAS_MASK_MOD)
 
     # ---- TMA: the copy engine's loads, issued by one thread; tensor maps 0, 1, 2 of ``maps`` are Q's, K's, V's
     # (rows counted in the tensor: a packed batch's from its first row, the tensor's ``rows`` rows long)
@@ -780,6 +781,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
 
         # the key tiles this query tile sees (a window's range, a block mask's skips); the first one's copy
         kt_lo, kt_hi = key_tile_range(q0, q_last, off, left, right, seqlen_k)
+        kt_lo, kt_hi = key_bounds(kt_lo, kt_hi, b, h, q0, q_last, block_mask, bm_q, bm_k)
         kt = next_tile(kt_lo - 1, kt_hi, b, h, q0, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
         q_base, q_row = (b * q.strides[0] + q_start * q.strides[1] + h * q.strides[2]) // 4, q.strides[1] // 4
         if TMA and VARLEN:     # the copy engine's rows: the packed tensor's (its batch stride 0: coordinate 0)

@@ -399,3 +399,26 @@ def test_a_hand_made_block_mask_is_checked():
     big = np.zeros(5000)                                        # 40 KB read twice: 80 KB (ptxas: "too much global constant data")
     with pytest.raises(ValueError, match="mask_mod captures 80000 bytes"):
         flashnb.create_block_mask(lambda b, h, i, j: big[i] == big[j], None, None, 5, 5, BLOCK_SIZE=2)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(seed=st.integers(0, 2**31), shape=st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(1, 9),
+                                                   st.integers(1, 9)))
+def test_kernel_states_pad_each_block_row_and_column_with_its_kept_range(seed, shape):
+    """``flex.kernel_states``: the states, then per query block its first kept key block and last plus one
+    (``nkb`` and 0 where none is kept), per key block the same over query blocks: the ranges the kernels'
+    tile loops run over (``forward.make_mask_bounds``)."""
+    from flashnb.flex import kernel_states
+    states = np.random.default_rng(seed).choice(np.array([0, 0, 1, 2], np.int8), size=shape)
+    got = kernel_states(states)
+    B, H, nqb, nkb = shape
+    assert got.dtype == np.int32 and got.shape == (B, H, nqb + 2, nkb + 2)
+    assert np.array_equal(got[:, :, :nqb, :nkb], states)
+    for b in range(B):
+        for h in range(H):
+            for i in range(nqb):
+                kept = [j for j in range(nkb) if states[b, h, i, j]]
+                assert tuple(got[b, h, i, nkb:]) == ((kept[0], kept[-1] + 1) if kept else (nkb, 0))
+            for j in range(nkb):
+                kept = [i for i in range(nqb) if states[b, h, i, j]]
+                assert tuple(got[b, h, nqb:, j]) == ((kept[0], kept[-1] + 1) if kept else (nqb, 0))
