@@ -236,7 +236,10 @@ def main(argv=None) -> int:
     print(f"# one sequence of {SEQLEN} tokens, nheads * headdim = {HIDDEN}, bfloat16; block masks of {BLOCK}; "
           f"ms: median of {REPS} calls after {WARMUP}, CUDA events around the Python call (host time included); "
           "speed vs torch flex: its time / the row's (above 1: faster than PyTorch's compiled flex_attention)")
-    records = run(torch, log=lambda s: print("# " + s, flush=True))
+    headdims = HEADDIMS
+    if "--headdims" in argv:                       # e.g. --headdims 64 (one run per head dim fits a time limit)
+        headdims = tuple(int(d) for d in argv[argv.index("--headdims") + 1].split(","))
+    records = run(torch, headdims=headdims, log=lambda s: print("# " + s, flush=True))
     print(table(records))
     return 0
 
