@@ -1,7 +1,9 @@
 """Where a flex_attention call's time goes on the GPU: bfloat16, one sequence of 16384 tokens, 32 heads of 64, the
 causal and sliding-window (1024) cases of ``python -m bench --flex`` against the dense call with the same option;
 per case the host time of a call (no synchronisation), the CUDA-event time of a forward and of a
-forward+backward, and torch.profiler's kernels (name, launches, GPU ms).  ``python -m tools.flex_profile``."""
+forward+backward, and torch.profiler's kernels (name, launches, GPU ms).  ``python -m tools.flex_profile``.
+``python -m tools.flex_profile --once``: one causal forward of each (flex, then dense) after a warm-up, for
+``ncu -k regex:flash_forward_tc --launch-skip 2`` (the two warm-up launches skipped)."""
 import time
 
 import torch
@@ -57,7 +59,24 @@ def kernels(fn):
     return sorted(rows, reverse=True)[:8]
 
 
+def once():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    mask = flashnb.create_block_mask(causal, None, None, N, N, BLOCK_SIZE=128)
+    calls = (lambda: ft.flex_attention(q, k, v, block_mask=mask),
+             lambda: ft.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True))
+    for fn in calls:           # warm-up: the two launches ncu skips
+        fn()
+    torch.cuda.synchronize()
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+
+
 def main():
+    import sys
+    if "--once" in sys.argv:
+        return once()
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                for _ in range(3))
