@@ -61,6 +61,8 @@ MISS_STREAK, RECORD_EVERY = 32, 16
 _STREAK = {}                          # op -> its misses since its last hit
 
 _PLAIN = frozenset((int, float, bool, str, type(None)))
+_KEYABLE = {}                         # scalars' types that a key takes -> the positions of the tuples among them
+_TENSOR = _arrays.torch.Tensor if _arrays.torch is not None else None
 
 
 # ------------------------------------------------------------------------------------------------ signature
@@ -70,22 +72,36 @@ def signature(op, arrays, scalars):
     the current device; (None, None) where the call is not cacheable (a NumPy array, an empty array, an
     argument of another type)."""
     parts, ptrs = [op], []
+    tensor = _TENSOR
     for x in arrays:
         if x is None:
             parts.append(None)
             ptrs.append(0)
-            continue
-        d = _describe(x)
-        if d is None:
-            return None, None
-        parts.append(d[0])
-        ptrs.append(d[1])
-    live = [p for p in ptrs if p]
-    parts.append(None if len(set(live)) == len(live) else tuple(ptrs.index(p) for p in ptrs))
+        elif type(x) is tensor:             # _describe's first case, inline (most calls)
+            device, ptr = x.get_device(), x.data_ptr()
+            if device < 0 or ptr == 0:
+                return None, None
+            parts.append((tensor, x.dtype, x.shape, x.stride(), device, ptr & 15))
+            ptrs.append(ptr)
+        else:
+            d = _describe(x)
+            if d is None:
+                return None, None
+            parts.append(d[0])
+            ptrs.append(d[1])
+    live = set(ptrs)
+    live.discard(0)
+    parts.append(None if len(live) == len(ptrs) - parts.count(None) else tuple(ptrs.index(p) for p in ptrs))
     types = tuple(map(type, scalars))
-    for t, s in zip(types, scalars):
-        if t not in _PLAIN and not (t is tuple and all(type(e) is int for e in s)):
+    tuples = _KEYABLE.get(types)
+    if tuples is None:
+        if not all(t in _PLAIN or t is tuple for t in types):
             return None, None
+        tuples = _KEYABLE[types] = tuple(i for i, t in enumerate(types) if t is tuple)
+    for i in tuples:
+        for e in scalars[i]:
+            if type(e) is not int:
+                return None, None
     parts.append(types)
     parts.append(scalars)
     parts.append(current_device(arrays[0]))
@@ -337,59 +353,85 @@ def _own_buffer(buf, nwords):
 
 # ------------------------------------------------------------------------------------------------ replay
 class Replay:
-    """A recorded call: allocate, patch, launch."""
+    """A recorded call: allocate, patch, launch.  On a GPU what every replay does alike is worked out once, here:
+    the allocations made one by one (the outputs first), the temporaries' offsets in one scratch allocation, and
+    for each launch the buffer words to patch with the index of their address in ``ptrs + alloc_ptrs``, and its
+    other arguments as ctypes objects (``_Driver``)."""
 
     def __init__(self, allocs, steps, outputs, as_tuple):
         self.allocs, self.steps, self.outputs, self.as_tuple = allocs, steps, outputs, as_tuple
         self.lock = threading.Lock()
         # on a GPU the temporaries (allocations not returned) of a PyTorch call come from one allocation
         self.scratch, self.scratch_bytes = {}, 0
-        if not _jit.SIMULATOR:
-            for j, (lib, shape, dtype, device) in enumerate(allocs):
-                if lib == "torch" and j not in outputs:
-                    self.scratch[j] = self.scratch_bytes
-                    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                    self.scratch_bytes += -(-size // 256) * 256
-                    self.scratch_device = device
+        if _jit.SIMULATOR:
+            return
+        for j, (lib, shape, dtype, device) in enumerate(allocs):
+            if lib == "torch" and j not in outputs:
+                self.scratch[j] = self.scratch_bytes
+                size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                self.scratch_bytes += -(-size // 256) * 256
+                self.scratch_device = device
+        self.scratch_offsets = tuple(self.scratch.items())
+        rest = tuple(j for j in range(len(allocs)) if j not in outputs and j not in self.scratch)
+        self.fresh = tuple((j, allocs[j][0] == "torch", allocs[j]) for j in tuple(outputs) + rest)
+        n, self.plan = len(allocs), []
+        for step in steps:
+            if step[0] == "launch":
+                _, handle, grid, block, shared, buf, params, words = step
+                sources = None if any(tag[0] == "maps" for _, tag in words) else tuple(
+                    (w, tag[1] if tag[0] == "in" else tag[1] - n) for w, tag in words)
+                args = tuple(map(ctypes.c_uint, (grid, 1, 1, block, 1, 1, shared)))
+                self.plan.append((True, (ctypes.c_void_p(handle),) + args, memoryview(buf), ctypes.c_void_p(params),
+                                  sources, words))
+            else:
+                _, j, nbytes = step
+                self.plan.append((False, j, ctypes.c_size_t(nbytes // 4)))
 
     def __call__(self, arrays, ptrs):
         if _jit.SIMULATOR:
             made = [_allocate(*a) for a in self.allocs]
             self._simulate(arrays, made)
         else:
-            made, alloc_ptrs, scratch = [None] * len(self.allocs), [0] * len(self.allocs), None
+            made, alloc_ptrs = [None] * len(self.allocs), [0] * len(self.allocs)
+            torch = _arrays.torch
             if self.scratch:
-                scratch = _arrays.torch.empty(self.scratch_bytes, dtype=_arrays.torch.uint8,
-                                              device=self.scratch_device)
+                scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=self.scratch_device)
                 base = scratch.data_ptr()
-                for j, offset in self.scratch.items():
+                for j, offset in self.scratch_offsets:
                     alloc_ptrs[j] = base + offset
-            for j in self.outputs:
-                made[j] = _allocate(*self.allocs[j])
-                alloc_ptrs[j] = _ptr_of_alloc(made[j])
-            for j, a in enumerate(self.allocs):
-                if made[j] is None and j not in self.scratch:
-                    made[j] = _allocate(*a)
-                    alloc_ptrs[j] = _ptr_of_alloc(made[j])
-            stream = _current_stream(arrays[0])
+            poison = _arrays.POISON_OUTPUTS
+            for j, is_torch, (lib, shape, dtype, device) in self.fresh:
+                if is_torch and not poison:
+                    a = made[j] = torch.empty(size=shape, dtype=dtype, device=device)   # (size=: ~0.6 us less)
+                    alloc_ptrs[j] = a.data_ptr()
+                else:
+                    a = made[j] = _allocate(lib, shape, dtype, device)
+                    alloc_ptrs[j] = _ptr_of_alloc(a)
+            addrs = ptrs + alloc_ptrs
+            stream = ctypes.c_void_p(_current_stream(arrays[0]))
             cuda = _cuda()
             with self.lock:
-                for step in self.steps:
-                    if step[0] == "launch":
-                        _, handle, grid, block, shared, buf, params, words = step
-                        for w, tag in words:
-                            buf[w] = (ptrs[tag[1]] if tag[0] == "in" else alloc_ptrs[tag[1]] if tag[0] == "alloc"
-                                      else _tma.maps_for(_specs(tag[1], ptrs, alloc_ptrs)).ptr)
-                        err = cuda.cuLaunchKernel(handle, grid, 1, 1, block, 1, 1, shared, stream, params, None)
+                for step in self.plan:
+                    if step[0]:
+                        _, args, buf, params, sources, words = step
+                        if sources is not None:
+                            for w, i in sources:
+                                buf[w] = addrs[i]
+                        else:
+                            for w, tag in words:
+                                buf[w] = (ptrs[tag[1]] if tag[0] == "in" else alloc_ptrs[tag[1]] if tag[0] == "alloc"
+                                          else _tma.maps_for(_specs(tag[1], ptrs, alloc_ptrs)).ptr)
+                        err = cuda.launch(*args, stream, params, None)
                         if err:
                             raise RuntimeError(f"cuLaunchKernel failed in a replayed call: CUDA error {err}")
                     else:
-                        _, j, nbytes = step
-                        err = cuda.cuMemsetD32Async(alloc_ptrs[j], 0, nbytes // 4, stream)
+                        _, j, count = step
+                        err = cuda.memset(ctypes.c_uint64(alloc_ptrs[j]), _ZERO, count, stream)
                         if err:
                             raise RuntimeError(f"cuMemsetD32Async failed in a replayed call: CUDA error {err}")
-        result = tuple(made[j] for j in self.outputs)
-        return result if self.as_tuple else result[0]
+        if self.as_tuple:
+            return tuple([made[j] for j in self.outputs])
+        return made[self.outputs[0]]
 
     def _simulate(self, arrays, made):
         from numba import cuda
@@ -418,7 +460,7 @@ def _specs(recorded, ptrs, alloc_ptrs):
 
 def _allocate(lib, shape, dtype, device):
     if lib == "torch":
-        t = _arrays.torch.empty(shape, dtype=dtype, device=device)
+        t = _arrays.torch.empty(size=shape, dtype=dtype, device=device)
         if _arrays.POISON_OUTPUTS and t.is_floating_point():
             t.fill_(float("nan"))
         return t
@@ -462,16 +504,22 @@ def _current_stream(x):
 
 
 _libcuda = None
+_ZERO = ctypes.c_uint(0)
 
 
 def _cuda():
-    """The CUDA driver library through ctypes (a launch costs ~1 us this way)."""
+    """The CUDA driver's launch and memset (a launch costs ~1 us this way)."""
     global _libcuda
     if _libcuda is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        lib.cuLaunchKernel.restype = ctypes.c_int
-        lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
-        lib.cuMemsetD32Async.restype = ctypes.c_int
-        _libcuda = lib
+        _libcuda = _Driver(ctypes.CDLL("libcuda.so.1"))
     return _libcuda
+
+
+class _Driver:
+    """``cuLaunchKernel`` and ``cuMemsetD32Async`` of ``lib`` (or the functions named so) through ctypes with no
+    argument types: the replay passes ctypes objects (most made once, in ``Replay``), ~0.3 us a call less than
+    ctypes converting Python ints."""
+
+    def __init__(self, lib, launch="cuLaunchKernel", memset="cuMemsetD32Async"):
+        self.launch, self.memset = lib[launch], lib[memset]
+        self.launch.restype = self.memset.restype = ctypes.c_int

@@ -65,14 +65,25 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     del deterministic  # the forward is deterministic by construction (no atomics)
     if type(window_size) is not tuple:      # a list, an array or tensor of two ints (flash-attn takes them)
         window_size = _options.window_pair(window_size)
-    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, attn_mask=attn_mask,
-                   attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                   block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+    return cached_forward(q, k, v, softmax_scale, causal, window_size, attn_mask, attn_bias, alibi_slopes, softcap,
+                          block_mask, block_mask_size, dropout_p, seed, return_lse, block_q, block_k, stream, backend,
+                          precision)
+
+
+def cached_forward(q, k, v, softmax_scale, causal, window_size, attn_mask, attn_bias, alibi_slopes, softcap,
+                   block_mask, block_mask_size, dropout_p, seed, return_lse, block_q, block_k, stream, backend,
+                   precision):
+    """``flash_attention`` with every option in order, ``window_size`` a tuple (``flashnb.torch`` calls it so): a
+    replay of the dispatch cache, or the full path (its options' dict made only then)."""
     return _dispatch.cached_call(
         "forward", (q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask),
         (softmax_scale, causal, window_size, softcap, block_mask_size, dropout_p, seed, return_lse, block_q,
          block_k, backend, precision),
-        lambda: _forward(q, k, v, options, return_lse, block_q, block_k, stream, backend, precision),
+        lambda: _forward(q, k, v, dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                       attn_mask=attn_mask, attn_bias=attn_bias, alibi_slopes=alibi_slopes,
+                                       softcap=softcap, block_mask=block_mask, block_mask_size=block_mask_size,
+                                       dropout_p=dropout_p, seed=seed),
+                         return_lse, block_q, block_k, stream, backend, precision),
         cacheable=stream is None and type(dropout_p) in (int, float) and dropout_p == 0)
 
 
@@ -170,15 +181,26 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, cau
     """
     if type(window_size) is not tuple:
         window_size = _options.window_pair(window_size)
-    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, attn_mask=attn_mask,
-                   attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=softcap, block_mask=block_mask,
-                   block_mask_size=block_mask_size, dropout_p=dropout_p, seed=seed)
+    return cached_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, attn_mask, attn_bias,
+                           alibi_slopes, softcap, block_mask, block_mask_size, dropout_p, seed, block_q, block_k,
+                           deterministic, stream, backend, precision)
+
+
+def cached_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, attn_mask, attn_bias, alibi_slopes,
+                    softcap, block_mask, block_mask_size, dropout_p, seed, block_q, block_k, deterministic, stream,
+                    backend, precision):
+    """``flash_attention_backward`` with every option in order, ``window_size`` a tuple: as ``cached_forward``."""
     return _dispatch.cached_call(
         "backward", (dout, q, k, v, out, lse, attn_mask, attn_bias, alibi_slopes, block_mask),
         (softmax_scale, causal, window_size, softcap, block_mask_size, dropout_p, seed, block_q, block_k,
          deterministic, backend, precision),
-        lambda: _backward(dout, q, k, v, out, lse, options, block_q, block_k, deterministic, stream, backend,
-                          precision),
+        lambda: _backward(dout, q, k, v, out, lse, dict(softmax_scale=softmax_scale, causal=causal,
+                                                        window_size=window_size, attn_mask=attn_mask,
+                                                        attn_bias=attn_bias, alibi_slopes=alibi_slopes,
+                                                        softcap=softcap, block_mask=block_mask,
+                                                        block_mask_size=block_mask_size, dropout_p=dropout_p,
+                                                        seed=seed),
+                          block_q, block_k, deterministic, stream, backend, precision),
         cacheable=stream is None and type(dropout_p) in (int, float) and dropout_p == 0)
 
 

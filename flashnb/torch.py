@@ -54,7 +54,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     if not isinstance(return_attn_probs, bool):
         raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
-    window_size = _options.window_pair(window_size)
+    window_size = _window_pair(window_size)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, softmax_scale, causal,
@@ -270,10 +270,11 @@ def _flex_backward_impl(dout, q, k, v, out, lse, score_mod, block_mask, scale, e
 def _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
                block_mask_size, dropout_p, deterministic, backend):
     """(out, lse): through the custom ops under ``torch.compile``, else through ``_FlashAttention``."""
-    for t, name in ((attn_bias, "attn_bias"), (alibi_slopes, "alibi_slopes")):
-        if t is not None and isinstance(t, Tensor) and t.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"{name} requires grad, but flashnb computes no gradient for {name}; "
-                             f"pass {name}.detach() (or compute attention with the bias elsewhere)")
+    if attn_bias is not None or alibi_slopes is not None:
+        for t, name in ((attn_bias, "attn_bias"), (alibi_slopes, "alibi_slopes")):
+            if t is not None and isinstance(t, Tensor) and t.requires_grad and torch.is_grad_enabled():
+                raise ValueError(f"{name} requires grad, but flashnb computes no gradient for {name}; "
+                                 f"pass {name}.detach() (or compute attention with the bias elsewhere)")
     seed = None
     if dropout_p > 0:      # a fresh seed per call, from torch's CPU generator (a tensor: traced, not baked in)
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
@@ -284,10 +285,25 @@ def _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, c
         return torch.ops.flashnb.forward(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, float(scale),
                                          causal, left, right, float(softcap), bm_q, bm_k, float(dropout_p), seed,
                                          deterministic, backend)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FlashAttention.apply(q, k, v, args)   # the options as one argument: less for apply to inspect
-    with torch.no_grad():   # inputs that require grad under no_grad: nothing the call does is recorded
+    if not torch.is_grad_enabled():
         return _forward_impl(q, k, v, *args)
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        return _FlashAttention.apply(q, k, v, args)   # the options as one argument: less for apply to inspect
+    torch._C._set_grad_enabled(False)    # torch.no_grad() without its context manager (~1 us)
+    try:
+        return _forward_impl(q, k, v, *args)
+    finally:
+        torch._C._set_grad_enabled(True)
+
+
+def _window_pair(window_size):
+    """``_options.window_pair(window_size)``, a tuple of two ints >= -1 (the common case) checked inline (~0.5 us
+    less)."""
+    if type(window_size) is tuple and len(window_size) == 2:
+        left, right = window_size
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1:
+            return window_size
+    return _options.window_pair(window_size)
 
 
 def attention_function(name, forward_impl, backward_impl, doc):
@@ -323,24 +339,27 @@ def _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal,
 
 def _forward_impl(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
                   bm_q, bm_k, dropout_p, seed, deterministic, backend):
+    if q.is_cuda:           # (autograd is off here: in an autograd.Function's forward, in a custom op)
+        return api.cached_forward(q, k, v, scale, causal, (left, right), attn_mask, attn_bias, alibi_slopes, softcap,
+                                  block_mask, (bm_q, bm_k), dropout_p, 0 if seed is None else int(seed[0]), True,
+                                  None, None, None, backend, _precision(q))
     opts = _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
                          bm_q, bm_k, dropout_p, seed)
-    if q.is_cuda:           # (autograd is off here: in an autograd.Function's forward, in a custom op)
-        return api.flash_attention(q, k, v, return_lse=True, backend=backend, deterministic=deterministic,
-                                   precision=_precision(q), **opts)
     out, lse = api.flash_attention(*_numpy(q, k, v), return_lse=True, backend=backend, **_numpy_options(opts))
     return _from_numpy(out, q.dtype), torch.from_numpy(lse)
 
 
 def _backward_impl(dout, q, k, v, out, lse, attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left,
                    right, softcap, bm_q, bm_k, dropout_p, seed, deterministic, backend):
-    opts = _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
-                         bm_q, bm_k, dropout_p, seed)
     if dout.stride(-1) != 1:            # as flash-attn: the tensor cores read rows of dout
         dout = dout.contiguous()
     if q.is_cuda:
-        return api.flash_attention_backward(dout, q, k, v, out, lse, backend=backend, deterministic=deterministic,
-                                            precision=_precision(q), **opts)
+        return api.cached_backward(dout, q, k, v, out, lse, scale, causal, (left, right), attn_mask, attn_bias,
+                                   alibi_slopes, softcap, block_mask, (bm_q, bm_k), dropout_p,
+                                   0 if seed is None else int(seed[0]), None, None, deterministic, None, backend,
+                                   _precision(q))
+    opts = _call_options(attn_mask, attn_bias, alibi_slopes, block_mask, scale, causal, left, right, softcap,
+                         bm_q, bm_k, dropout_p, seed)
     grads = api.flash_attention_backward(*_numpy(dout, q, k, v, out), lse.detach().numpy(), backend=backend,
                                          deterministic=deterministic, **_numpy_options(opts))
     return tuple(_from_numpy(g, q.dtype) for g in grads)

@@ -194,6 +194,53 @@ def test_the_float32_hopper_forward_replays_maps_of_its_temporaries(monkeypatch,
     assert not np.allclose(replayed, host(flashnb.flash_attention(q, k, v, **opts))[0]), "the replay ignored its inputs"
 
 
+def test_the_gpus_replay_patches_and_launches_what_was_recorded(monkeypatch):
+    """The GPU's replay, run here on CPU tensors with stand-ins for the driver and PyTorch's stream: each launch's
+    parameter words get this call's input addresses, its allocations' (a temporary's: its offset in the one
+    scratch allocation) and tensor maps re-derived from them; the memset gets its allocation's address and
+    count; every call its recorded grid, block, shared bytes and parameters, on the current stream; the outputs
+    come back new, in order."""
+    torch = pytest.importorskip("torch")
+    from flashnb.kernels import _jit
+    monkeypatch.setattr(_jit, "SIMULATOR", False)
+    calls = []
+
+    class Driver:
+        def launch(self, *args):
+            calls.append(("launch",) + tuple(getattr(a, "value", a) for a in args))
+            return 0
+
+        def memset(self, *args):
+            calls.append(("memset",) + tuple(getattr(a, "value", a) for a in args))
+            return 0
+
+    monkeypatch.setattr(_dispatch, "_libcuda", Driver())
+    monkeypatch.setattr(_dispatch, "_current_stream", lambda x: 77)
+    monkeypatch.setattr(_tma, "maps_for", lambda specs: type("Maps", (), {"ptr": specs[0][0] + 1})())
+    cpu = torch.device("cpu")
+    allocs = [("torch", (2, 3), torch.float32, cpu), ("torch", (5,), torch.float32, cpu),
+              ("torch", (4,), torch.float16, cpu), ("torch", (7,), torch.float32, cpu)]
+    bufs = [np.zeros(2 * 3 + 3, np.uint64) for _ in range(2)]     # two words an argument, then the pointer array
+    params = [b.__array_interface__["data"][0] + 8 * 2 * 3 for b in bufs]
+    steps = [("launch", 11, 3, 64, 1024, bufs[0], params[0], ((0, ("in", 1)), (2, ("alloc", 1)), (4, ("alloc", 0)))),
+             ("memset", 1, 20),
+             ("launch", 12, 1, 128, 0, bufs[1], params[1], ((0, ("maps", ((("in", 0), "spec"),))), (2, ("alloc", 2)),
+                                                                 (4, ("alloc", 3))))]
+    rec = _dispatch.Replay(allocs, steps, (2, 0), True)
+    x = torch.zeros(1)
+    for ptrs in ([1000, 2000], [3000, 4000]):
+        calls.clear()
+        out = rec((x, x), ptrs)
+        assert [(tuple(t.shape), t.dtype) for t in out] == [((4,), torch.float16), ((2, 3), torch.float32)]
+        temporary = int(bufs[0][2])
+        assert temporary not in (0, out[0].data_ptr(), out[1].data_ptr())
+        assert [int(w) for w in bufs[0][:6:2]] == [ptrs[1], temporary, out[1].data_ptr()]
+        assert [int(w) for w in bufs[1][:6:2]] == [ptrs[0] + 1, out[0].data_ptr(), temporary + 256]
+        assert calls == [("launch", 11, 3, 1, 1, 64, 1, 1, 1024, 77, params[0], None),
+                         ("memset", temporary, 0, 5, 77),
+                         ("launch", 12, 1, 1, 1, 128, 1, 1, 0, 77, params[1], None)]
+
+
 # ------------------------------------------------------------------------------------------------ KV cache
 def kv_arrays(seed, paged, dtype=np.float32):
     """A decode call's device arrays: q (2 sequences, 1 token, 4 heads over 2 KV heads, head dim 8), the caches

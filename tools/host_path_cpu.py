@@ -3,10 +3,10 @@
 CPU tensors stand in for CUDA ones (``cpu_as_gpu``: they say device 0 and ``is_cuda``, PyTorch's current device
 and stream are 0, ``_jit.SIMULATOR`` is off so the replay takes the GPU's path), and the cache holds recordings in
 the GPU's form made from the simulator's of the same calls (``gpu_recordings``: the same allocations, launches,
-memsets and patched words), whose launches call libm's ``fegetround`` through ctypes with ``cuLaunchKernel``'s
-argument types (the ctypes conversion is paid, the driver is not).  The stand-ins are Python functions where
-PyTorch's are C ones, so the absolute numbers are slightly off (``stand-in`` below times them); the GPU's own
-measure is ``python -m tools.torch_host_time``.
+memsets and patched words), whose launches and memsets call libm's ``fegetround`` (which returns 0) through
+``_dispatch._Driver`` in the driver's functions' place (ctypes' cost is paid, the driver's is not).  The stand-ins
+are Python functions where PyTorch's are C ones, so the absolute numbers are slightly off (``stand-in`` below times
+them); the GPU's own measure is ``python -m tools.torch_host_time``.
 
 `NUMBA_ENABLE_CUDASIM=1 python -m tools.host_path_cpu` (the variable is set here if absent).
 """
@@ -33,13 +33,15 @@ SHAPE = (1, 16, 1, 64)
 
 
 def gpu_recordings():
-    """{op: Replay}: the simulator's recordings of SHAPE's float16 forward (return_lse) and backward, each launch
+    """{op: Replay} (made under ``cpu_as_gpu``): the simulator's recordings of SHAPE's float16 forward (return_lse) and backward, each launch
     turned into the GPU's form (a parameter buffer of two words per argument, the arrays' addresses patched)."""
+    _jit.SIMULATOR = True
     _dispatch.clear()
     rng = np.random.default_rng(0)
     q, k, v, do = (cuda.to_device(rng.standard_normal(SHAPE).astype(np.float16)) for _ in range(4))
     out, lse = flashnb.flash_attention(q, k, v, return_lse=True)
     flashnb.flash_attention_backward(do, q, k, v, out, lse)
+    _jit.SIMULATOR = False
     made = {}
     for key, rec in _dispatch._CACHE.items():
         allocs = [("torch", shape, torch.from_numpy(np.empty(0, dtype)).dtype, torch.device("cpu"))
@@ -59,21 +61,6 @@ def gpu_recordings():
     return made
 
 
-class _FakeDriver:
-    """``cuLaunchKernel`` and ``cuMemsetD32Async`` as ctypes calls of a C function returning 0 (libm's
-    ``fegetround`` in round-to-nearest), with the driver's argument types."""
-
-    def __init__(self):
-        libm = ctypes.CDLL("libm.so.6")
-        self.cuLaunchKernel = libm["fegetround"]
-        self.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        self.cuLaunchKernel.restype = ctypes.c_int
-        self.cuMemsetD32Async = libm["fegetround"]
-        self.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
-        self.cuMemsetD32Async.restype = ctypes.c_int
-        assert self.cuLaunchKernel(0, 1, 1, 1, 1, 1, 1, 0, 0, 0, None) == 0
-
-
 @contextlib.contextmanager
 def cpu_as_gpu():
     """CPU tensors taken as device 0's, the replay on the GPU's path (see the module's docstring)."""
@@ -84,7 +71,7 @@ def cpu_as_gpu():
     torch._C._cuda_getDevice = lambda: 0
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     _jit.SIMULATOR = False
-    _dispatch._libcuda = _FakeDriver()
+    _dispatch._libcuda = _dispatch._Driver(ctypes.CDLL("libm.so.6"), "fegetround", "fegetround")
     try:
         yield
     finally:
@@ -132,11 +119,11 @@ def per_call(f, n=2000, repeats=9):
 
 
 def main():
-    recordings = gpu_recordings()
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(SHAPE, dtype=torch.float16) for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     with cpu_as_gpu():
+        recordings = gpu_recordings()
         calls = []
         with preloaded(recordings, calls):
             out, lse = flashnb.flash_attention(q, k, v, return_lse=True)
