@@ -218,22 +218,22 @@ class Recorder:
         return None if j is None else ("alloc", j)
 
 
-def cached_call(op, arrays, scalars, full_call, cacheable=True):
-    """``full_call()``, or the replay of its recording: the entry point of the public functions.
+def cached_call(op, arrays, scalars, full_call, cacheable=True, args=()):
+    """``full_call(*args)``, or the replay of its recording: the entry point of the public functions.
     ``arrays`` and ``scalars``: every argument of the call (``signature``)."""
     key, ptrs = signature(op, arrays, scalars) if cacheable else (None, None)
     rec = lookup(key)
     if rec is UNFIT:
-        return full_call()
+        return full_call(*args)
     if rec is not None:
         _STREAK[op] = 0
         return rec(arrays, ptrs)
     streak = _STREAK[op] = _STREAK.get(op, 0) + 1
     if streak > MISS_STREAK and streak % RECORD_EVERY:
         stats["unrecorded"] += 1
-        return full_call()
+        return full_call(*args)
     with _Recording(key, arrays) as recording:
-        result = full_call()
+        result = full_call(*args)
         recording.finish(result)
     return result
 

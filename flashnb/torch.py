@@ -288,7 +288,10 @@ def _attention(q, k, v, attn_mask, attn_bias, alibi_slopes, block_mask, scale, c
     if not torch.is_grad_enabled():
         return _forward_impl(q, k, v, *args)
     if q.requires_grad or k.requires_grad or v.requires_grad:
-        return _FlashAttention.apply(q, k, v, args)   # the options as one argument: less for apply to inspect
+        if torch._C._are_functorch_transforms_active():
+            return _FlashAttention.apply(q, k, v, args)
+        unwrap = torch._C._functorch.unwrap_if_dead
+        return _flash_apply(unwrap(q), unwrap(k), unwrap(v), args)   # the options as one argument: less to inspect
     torch._C._set_grad_enabled(False)    # torch.no_grad() without its context manager (~1 us)
     try:
         return _forward_impl(q, k, v, *args)
@@ -449,6 +452,10 @@ def _from_numpy(a, dtype):
 _FlashAttention = attention_function(
     "_FlashAttention", _forward_impl, _backward_impl,
     "The eager path: autograd's bookkeeping (~7 us a call) without the custom op's dispatch (~15 us more).")
+# ``_FlashAttention.apply`` less its Python wrapper (~1.5 us a call), which with no functorch transform active
+# unwraps the dead functorch wrappers among the tensor arguments (``_attention`` does) and calls this (binding default
+# arguments first only for a Function with a ``setup_context``, which these have not)
+_flash_apply = super(torch.autograd.Function, _FlashAttention).apply
 _FlexAttention = attention_function(
     "_FlexAttention", _flex_forward_impl, _flex_backward_impl, "``flex_attention``'s eager path.")
 _FlashAttentionVarlen = attention_function(

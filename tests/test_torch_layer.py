@@ -86,6 +86,14 @@ def test_refusals_name_the_argument():
     assert not ft.supports_sdpa_call(q, k, v[..., :4])
 
 
+def test_functorch_transforms_meet_autograd_functions_own_refusal():
+    """The eager path calls the autograd.Function's C apply directly, except under a functorch transform, where
+    ``Function.apply`` says why it cannot serve one (no setup_context), as it did before."""
+    q, k, v = rnd(1, 4, 2, 8), rnd(1, 4, 2, 8), rnd(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda q: ft.flash_attn_func(q, k, v).sum())(q.detach())
+
+
 def test_custom_ops_trace_without_graph_breaks():
     torch.manual_seed(3)
     q, k, v = rnd(1, 4, 2, 6), rnd(1, 5, 1, 6), rnd(1, 5, 1, 6)

@@ -94,9 +94,9 @@ def preloaded(recordings, calls):
             _dispatch._store(key, recordings[key[0]])
         return lookup(key)
 
-    def noting_cached_call(op, arrays, scalars, full_call, cacheable=True):
+    def noting_cached_call(op, arrays, scalars, full_call, cacheable=True, args=()):
         calls.append((op, arrays, scalars))
-        return cached_call(op, arrays, scalars, full_call, cacheable)
+        return cached_call(op, arrays, scalars, full_call, cacheable, args)
 
     _dispatch.lookup, _dispatch.cached_call = storing_lookup, noting_cached_call
     try:
