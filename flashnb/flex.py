@@ -202,7 +202,7 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
     if score_mod is not None or mask_mod is not None:
         mods = Mods(_compiled(score_mod), _compiled(mask_mod),
                     _compiled(grad) if grad is not None else _complex_step(score_mod) if backward and score_mod
-                    else None)
+                    else None, None if mask_mod is None else block_mask.block_size)
     options = dict(softmax_scale=scale, causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None,
                    alibi_slopes=None, softcap=0.0,
                    block_mask=None if block_mask is None else block_mask.states_like(query),

@@ -256,7 +256,7 @@ def _flex_forward(score_mod=_alibi, mask_mod=_same_doc):
     from flashnb import flex
     from flashnb.kernels import forward
     from flashnb.kernels._scores import Mods
-    mods = Mods(flex._compiled(score_mod), flex._compiled(mask_mod))
+    mods = Mods(flex._compiled(score_mod), flex._compiled(mask_mod), None, (16, 16))
     return forward.make_forward(16, 16, 8, "float32", False, False, True, *[False] * 4, MODS=mods)[0]   # block mask
 
 
@@ -302,7 +302,7 @@ def test_flex_functions_name_their_kernels_by_code_and_the_key_holds_their_captu
     kern = _flex_forward()
     assert kern.flashnb_id.startswith("flashnb.kernels.forward.make_forward(16, 16, 8, 'float32'")
     assert ", Mods(<flex test_compile_cache._alibi " in kern.flashnb_id
-    assert "<flex test_compile_cache._same_doc " in kern.flashnb_id and kern.flashnb_id.endswith(", None))[0]")
+    assert "<flex test_compile_cache._same_doc " in kern.flashnb_id and kern.flashnb_id.endswith(", None, (16, 16)))[0]")
 
     def _alibi(score, b, h, q_idx, kv_idx):                        # the same name, another body
         return score - 0.25 * (h + 1) * abs(q_idx - kv_idx)

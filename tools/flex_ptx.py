@@ -74,7 +74,7 @@ def main():
                types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"))
     for name, sm, mm, grad in (("alibi + document mask", alibi, same_doc, flex._complex_step(alibi)),
                                ("softcap", softcap, None, flex._compiled(softcap_grad))):
-        mods = Mods(flex._compiled(sm), flex._compiled(mm), grad)
+        mods = Mods(flex._compiled(sm), flex._compiled(mm), grad, None if mm is None else (16, 16))
         flags = (False, False, mm is not None, False, False, False, False)      # the block mask of the states
         kernels = (
             ("forward", make_forward(32, 32, 64, "float32", *flags, MODS=mods)[0],

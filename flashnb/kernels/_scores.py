@@ -33,6 +33,16 @@ class Mods(NamedTuple):
     score_mod: object = None
     mask_mod: object = None
     score_grad: object = None
+    block: tuple = None           # the block mask's (BLOCK_Q, BLOCK_K) with a mask_mod: compile-time divisors
+
+
+def mask_block(MODS):
+    """A kernel's ``MASK_BLOCK``: the mask_mod's block size (its states' divisor, a compile-time constant), or
+    None without a mask_mod."""
+    if MODS is None or MODS.mask_mod is None:
+        return None
+    assert MODS.block is not None, "a mask_mod comes with its block size"
+    return tuple(int(x) for x in MODS.block)
 
 
 def make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, SCORE_MOD=None):
@@ -62,7 +72,7 @@ def make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, SCORE_MOD=None):
     return score
 
 
-def make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_MOD=None):
+def make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_MOD=None, MASK_BLOCK=None):
     """``allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)``.
 
     True iff query ``i`` may attend key ``j``: both in range, inside the
@@ -72,6 +82,8 @@ def make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_MOD=None):
     called only for a pair inside the sequences).
     """
     HAS_MASK_MOD = MASK_MOD is not None
+    CONST_BLOCK = MASK_BLOCK is not None           # the block mask's divisors as constants (shifts, not divisions)
+    BMQ, BMK = MASK_BLOCK if CONST_BLOCK else (1, 1)
 
     @device_function
     def allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
@@ -90,8 +102,8 @@ def make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_MOD=None):
                                   min(i, attn_mask.shape[2] - 1), min(j, attn_mask.shape[3] - 1)] != 0
         if HAS_BLOCK_MASK:
             ok = ok and block_mask[min(b, block_mask.shape[0] - 1), min(h, block_mask.shape[1] - 1),
-                                   min(i // bm_q, block_mask.shape[2] - 1),
-                                   min(j // bm_k, block_mask.shape[3] - 1)] != 0
+                                   min(i // (BMQ if CONST_BLOCK else bm_q), block_mask.shape[2] - 1),
+                                   min(j // (BMK if CONST_BLOCK else bm_k), block_mask.shape[3] - 1)] != 0
         return ok
 
     return allowed

@@ -31,7 +31,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import primitives, tf32_primitives
-from ._scores import Mods, make_allowed_fn, make_score_fn, philox_keep
+from ._scores import Mods, make_allowed_fn, make_score_fn, mask_block, philox_keep
 from ._tiles import (U, tile_head_batch, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load,
                      packed_tile_head_batch, padded, scratch_size, sequence_span)
 from .forward import LOG2E, make_mask_bounds, make_window_helpers, tile_threads
@@ -127,7 +127,7 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
     HAS_SCORE_MOD = MODS.score_mod is not None
     score_grad = MODS.score_grad
     score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
-    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod, mask_block(MODS))
 
     @device_function
     def grad(qk, dp, i, j, b, h, lse2_i, delta_i, need_mask, seqlen_q, seqlen_k, off, scale, softcap, left,
@@ -253,12 +253,12 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
     grad = make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                                        MODS is not None and MODS.mask_mod is not None)
+                                        mask_block(MODS))
     ROUND_P = P_FORMAT is not None
     round_p = make_round_to(P_FORMAT or "bfloat16")
 
     query_tile_range = make_query_tile_range(BLOCK_Q)
-    _, query_bounds = make_mask_bounds(BLOCK_Q, BLOCK_K, MODS is not None and MODS.mask_mod is not None)
+    _, query_bounds = make_mask_bounds(BLOCK_Q, BLOCK_K, mask_block(MODS))
 
     @kernel
     def flash_dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
@@ -414,8 +414,8 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
     grad = make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                                                     MODS is not None and MODS.mask_mod is not None)
-    key_bounds, _ = make_mask_bounds(BLOCK_Q, BLOCK_K, MODS is not None and MODS.mask_mod is not None)
+                                                     mask_block(MODS))
+    key_bounds, _ = make_mask_bounds(BLOCK_Q, BLOCK_K, mask_block(MODS))
 
     @kernel
     def flash_dq(q, k, v, dout, lse2, delta, dq, group, off, scale, softcap, left, right,

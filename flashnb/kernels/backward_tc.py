@@ -46,6 +46,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
+from ._scores import mask_block
 from ._tiles import U, make_tile_order, packed_tile_head_batch, sequence_span
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_mask_bounds, make_window_helpers
@@ -397,9 +398,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     exp2, red_add_f32x2, red_add_f32x4 = mem["exp2_ftz"], mem["red_add_f32x2"], mem["red_add_f32x4"]
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
-    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, HAS_MASK_MOD)
+    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
+                                        mask_block(MODS))
     query_tile_range = make_query_tile_range(BLOCK_Q)
-    _, query_bounds = make_mask_bounds(BLOCK_Q, BLOCK_K, HAS_MASK_MOD)
+    _, query_bounds = make_mask_bounds(BLOCK_Q, BLOCK_K, mask_block(MODS))
     tile_order = make_tile_order(SECTION)             # (a causal dK/dV kernel's longest key tiles are its first)
 
     if WGMMA:

@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda
 
 from ._jit import device_function, kernel, kernel_factory
-from ._scores import Mods, make_allowed_fn, make_score_fn, philox_keep
+from ._scores import Mods, make_allowed_fn, make_score_fn, mask_block, philox_keep
 from ._tiles import (U, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load, packed_tile_head_batch,
                      padded, scratch_size, sequence_span, tile_head_batch)
 
@@ -46,11 +46,14 @@ def tile_threads(block, axis):
 
 
 @lru_cache(maxsize=None)
-def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, HAS_MASK_MOD=False):
-    """Tile-level mask arithmetic, shared by the forward and backward kernels.  ``HAS_MASK_MOD``: the block mask
-    holds ``create_block_mask``'s states (0 empty, 1 partial, 2 full; ``kernels/flex.py``), and the ``mask_mod``
-    runs on a tile unless every block under it is full."""
+def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_BLOCK=None):
+    """Tile-level mask arithmetic, shared by the forward and backward kernels.  ``MASK_BLOCK`` (a mask_mod's
+    block size, ``_scores.mask_block``): the block mask holds ``create_block_mask``'s states (0 empty, 1 partial,
+    2 full; ``kernels/flex.py``) in blocks of that constant size, and the ``mask_mod`` runs on a tile unless every
+    block under it is full."""
     FULL_STATE = 2
+    HAS_MASK_MOD = MASK_BLOCK is not None
+    BMQ, BMK = MASK_BLOCK if HAS_MASK_MOD else (1, 1)
     assert HAS_BLOCK_MASK or not HAS_MASK_MOD, "a mask_mod comes with its block states"
 
     @device_function
@@ -81,6 +84,8 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
         full, so that the tile needs no ``mask_mod``)."""
         any_on = False
         all_on = True
+        if HAS_MASK_MOD:                 # compile-time divisors: shifts for the usual powers of two
+            bm_q, bm_k = BMQ, BMK
         for bi in range(q_first // bm_q, q_last // bm_q + 1):
             for bj in range(k_first // bm_k, k_last // bm_k + 1):
                 state = block_mask[min(b, block_mask.shape[0] - 1), min(h, block_mask.shape[1] - 1),
@@ -114,12 +119,14 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
 
 
 @lru_cache(maxsize=None)
-def make_mask_bounds(BLOCK_Q, BLOCK_K, HAS_MASK_MOD):
+def make_mask_bounds(BLOCK_Q, BLOCK_K, MASK_BLOCK):
     """``key_bounds`` and ``query_bounds``: a tile range narrowed to the blocks a ``flex_attention`` block mask
-    keeps (``HAS_MASK_MOD``; otherwise the range as given).  ``flex.BlockMask.kernel_states`` pads the states
+    keeps (``MASK_BLOCK``, the mask_mod's block size; None: the range as given).  ``flex.BlockMask.kernel_states`` pads the states
     with each query block's first and last-plus-one kept key block (columns ``nkb``, ``nkb + 1``) and each key
     block's kept query blocks (rows ``nqb``, ``nqb + 1``), so a tile's loop runs from its first kept block to its
     last instead of testing every block of the row (a sliding window keeps 9 of 128)."""
+    HAS_MASK_MOD = MASK_BLOCK is not None
+    BMQ, BMK = MASK_BLOCK if HAS_MASK_MOD else (1, 1)
 
     @device_function
     def key_bounds(lo, hi, b, h, q_first, q_last, block_mask, bm_q, bm_k):
@@ -129,11 +136,11 @@ def make_mask_bounds(BLOCK_Q, BLOCK_K, HAS_MASK_MOD):
             bb, hh = min(b, block_mask.shape[0] - 1), min(h, block_mask.shape[1] - 1)
             first = nkb
             last = 0
-            for qb in range(q_first // bm_q, q_last // bm_q + 1):
+            for qb in range(q_first // BMQ, q_last // BMQ + 1):
                 first = min(first, block_mask[bb, hh, qb, nkb])
                 last = max(last, block_mask[bb, hh, qb, nkb + 1])
-            lo = max(lo, first * bm_k // BLOCK_K)
-            hi = min(hi, (last * bm_k + BLOCK_K - 1) // BLOCK_K)
+            lo = max(lo, first * BMK // BLOCK_K)
+            hi = min(hi, (last * BMK + BLOCK_K - 1) // BLOCK_K)
         return lo, hi
 
     @device_function
@@ -146,20 +153,20 @@ def make_mask_bounds(BLOCK_Q, BLOCK_K, HAS_MASK_MOD):
             first = nqb
             last = 0
             for hh in range(min(h0, block_mask.shape[1] - 1), min(h0 + nh, block_mask.shape[1])):
-                for kb in range(k_first // bm_k, k_last // bm_k + 1):
+                for kb in range(k_first // BMK, k_last // BMK + 1):
                     first = min(first, block_mask[bb, hh, nqb, kb])
                     last = max(last, block_mask[bb, hh, nqb + 1, kb])
-            lo = max(lo, first * bm_q // BLOCK_Q)
-            hi = min(hi, (last * bm_q + BLOCK_Q - 1) // BLOCK_Q)
+            lo = max(lo, first * BMQ // BLOCK_Q)
+            hi = min(hi, (last * BMQ + BLOCK_Q - 1) // BLOCK_Q)
         return lo, hi
 
     return key_bounds, query_bounds
 
 
 @lru_cache(maxsize=None)
-def make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK):
+def make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_BLOCK=None):
     """``next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k)``."""
-    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+    _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_BLOCK)
 
     @device_function
     def next_tile(kt, kt_hi, b, h, q_first, q_last, seqlen_k, off, left, right, block_mask, bm_q, bm_k):
@@ -222,11 +229,12 @@ def make_forward(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK
     row_max = make_row_allreduce(TQ, THREADS_K, NTHREADS, ACC, is_max=True)
     row_sum = make_row_allreduce(TQ, THREADS_K, NTHREADS, ACC, is_max=False)
     score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
-    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod)
+    MASK_BLOCK = mask_block(MODS)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod, MASK_BLOCK)
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                                                     MODS.mask_mod is not None)
-    key_bounds, _ = make_mask_bounds(BLOCK_Q, BLOCK_K, MODS.mask_mod is not None)
-    next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
+                                                     MASK_BLOCK)
+    key_bounds, _ = make_mask_bounds(BLOCK_Q, BLOCK_K, MASK_BLOCK)
+    next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_BLOCK)
 
     @kernel
     def flash_forward(q, k, v, out, lse, group, off, scale, softcap, left, right,

@@ -34,7 +34,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
-from ._scores import Mods, make_allowed_fn, make_score_fn, philox_keep
+from ._scores import Mods, make_allowed_fn, make_score_fn, mask_block, philox_keep
 from ._tiles import U, make_row_allreduce, make_tile_order, packed_tile_head_batch, sequence_span
 from ._tma import make_box_load, make_tile_load, tma_primitives
 from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
@@ -300,9 +300,10 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     quad_max = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=False)
     score = make_score_fn(F32, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
-    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod)
+    MASK_BLOCK = mask_block(MODS)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod, MASK_BLOCK)
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
-                                                     HAS_MASK_MOD)
+                                                     MASK_BLOCK)
     tile_order = make_tile_order(SECTION, LAST_FIRST=True)   # (a causal forward's longest query tiles: its last)
 
     @device_function
@@ -375,8 +376,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     else:
         copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
 
-    next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK)
-    key_bounds, _ = make_mask_bounds(BLOCK_Q, BLOCK_K, HAS_MASK_MOD)
+    next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_BLOCK)
+    key_bounds, _ = make_mask_bounds(BLOCK_Q, BLOCK_K, MASK_BLOCK)
 
     # ---- TMA: the copy engine's loads, issued by one thread; tensor maps 0, 1, 2 of ``maps`` are Q's, K's, V's
     # (rows counted in the tensor: a packed batch's from its first row, the tensor's ``rows`` rows long)
