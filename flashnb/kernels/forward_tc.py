@@ -210,6 +210,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     D_PAD = D_WORDS * VALS                   # head dim padded to the mma's k
     KSTEPS_D = D_WORDS // 8                  # k-steps of Q K^T
     NT_K = BLOCK_K // 8                      # n-tiles of S (8 keys each)
+    MASK_WORDS = (MT * NT_K * 4 + 31) // 32  # a mask_mod's bits of one thread's S (``mask_words``)
     KSTEPS_K = BLOCK_K // (8 * VALS)         # k-steps of P V (16 keys each, tf32: 8)
     NT_D = D_PAD // 8                        # n-tiles of the output (8 dims each)
     if WGMMA:
@@ -472,10 +473,30 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     s_reg[m, n, e] = x
 
     @device_function
+    def mask_words(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q,
+                   bm_k):
+        """``words``: one bit per S element of this thread (element ``(m * NT_K + n) * 4 + e``), set where the
+        score is allowed (the mask_mod and the bounds).  Apart from S, so that this loop (too long to unroll) does
+        not index S and keep it in local memory."""
+        for w in range(MASK_WORDS):
+            words[w] = W0
+        for m in range(MT):
+            for n in range(NT_K):
+                for e in range(4):
+                    if allowed(row0 + 16 * m + 8 * (e // 2), k0 + 8 * n + 2 * t + (e % 2), b, h, seqlen_q, seqlen_k,
+                               off, left, right, attn_mask, block_mask, bm_q, bm_k):
+                        x = (m * NT_K + n) * 4 + e
+                        words[x >> 5] |= np.uint32(1) << np.uint32(x & 31)
+
+    @device_function
     def modify_mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
                          scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k):
         """S <- score modifiers (softcap, bias, ALiBi) and, on a tile the masks cut, -inf where a score is not
-        allowed; log2 units (raw under FOLD)."""
+        allowed; log2 units (raw under FOLD).  With a mask_mod, the mask first as bits (``mask_words``)."""
+        words = cuda.local.array(MASK_WORDS, np.uint32)
+        if HAS_MASK_MOD and need_mask:
+            mask_words(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q,
+                       bm_k)
         for m in range(MT):
             for n in range(NT_K):
                 for e in range(4):
@@ -491,8 +512,12 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     else:
                         x = s_reg[m, n, e] * scale_log2
                     if need_mask:
-                        if not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
-                                       attn_mask, block_mask, bm_q, bm_k):
+                        if HAS_MASK_MOD:
+                            bit = (m * NT_K + n) * 4 + e
+                            if (words[bit >> 5] >> np.uint32(bit & 31)) & np.uint32(1) == 0:
+                                x = NEG_INF
+                        elif not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
+                                         attn_mask, block_mask, bm_q, bm_k):
                             x = NEG_INF
                     s_reg[m, n, e] = x
 
