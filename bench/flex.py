@@ -8,7 +8,7 @@ Cases (each written twice, as plain Python for flashnb and with torch ops for Py
 * ``document``: 8 documents of random lengths (seed 0) packed in the sequence, causal within each (ids captured:
   an int8 NumPy array for flashnb (16 KB, read twice: 32 KB of constant memory), a CUDA tensor for PyTorch);
 * ``sliding 1024``: causal with a window of 1024 keys;
-* ``alibi``: causal, score_mod ``score - slope_h * (q_idx - kv_idx)``;
+* ``alibi``: causal, score_mod ``score - slope_h * (q_idx - kv_idx)`` (flashnb: the slopes a captured float32 array);
 * ``softcap 30``: causal, score_mod ``30 tanh(score / 30)`` (flashnb: ``math.tanh`` and its ``score_mod_grad``);
 * ``none``: no function at all (flex's overhead against the dense call).
 
@@ -72,7 +72,8 @@ def flops(case, nheads, headdim, what, seqlen=SEQLEN):
 
 def flashnb_mods(case, nheads, ids):
     """(score_mod, mask_mod, score_mod_grad) of a case, plain Python for flashnb."""
-    slopes = alibi_slopes(nheads)
+    import numpy as np
+    slopes = np.array(alibi_slopes(nheads), np.float32)    # a table indexed by h: an array (docs/flex.md)
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
