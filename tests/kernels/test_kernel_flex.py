@@ -422,31 +422,3 @@ def test_kernel_states_pad_each_block_row_and_column_with_its_kept_range(seed, s
             for j in range(nkb):
                 kept = [i for i in range(nqb) if states[b, h, i, j]]
                 assert tuple(got[b, h, nqb:, j]) == ((kept[0], kept[-1] + 1) if kept else (nqb, 0))
-
-
-SLOPE = 0.75
-
-
-def test_float32_kernels_get_the_functions_with_float32_constants():
-    """For kernels that accumulate in float32, a function's Python float constants (literals, closure cells,
-    module globals it reads) become float32 (``flex._float32_constants``), so the mod computes in float32 as the
-    scores do; a function with none comes back as it is; the values agree to float32 rounding; float64 calls keep
-    the function itself."""
-    from flashnb import flex
-    half = 0.5
-
-    def mod(score, b, h, q_idx, kv_idx):
-        return score * half - SLOPE * abs(q_idx - kv_idx) / 3.0
-
-    def plain(score, b, h, q_idx, kv_idx):
-        return score + (q_idx - kv_idx)
-
-    f32 = flex._float32_constants(mod)
-    assert f32 is not mod and flex._float32_constants(plain) is plain
-    assert [type(c) for c in f32.__code__.co_consts if isinstance(c, (float, np.floating))] == [np.float32]
-    assert type(f32.__closure__[0].cell_contents) is np.float32 and type(f32.__globals__["SLOPE"]) is np.float32
-    assert type(mod.__closure__[0].cell_contents) is float and type(SLOPE) is float      # the caller's untouched
-    for s in (-3.1, 0.2, 7.9):
-        want = mod(s, 0, 0, 5, 2)
-        assert abs(float(f32(np.float32(s), 0, 0, 5, 2)) - want) <= 4 * 2.0 ** -24 * (abs(want) + 3)
-    assert flex._compiled(mod, True) is not flex._compiled(mod)
