@@ -10,6 +10,7 @@ import torch
 
 import flashnb
 import flashnb.torch as ft
+from bench.flex import _gpu_ms
 
 N, H, D, W = 16384, 32, 64, 1024
 
@@ -23,18 +24,8 @@ def sliding(b, h, q_idx, kv_idx):
 
 
 def event_ms(fn, reps=5):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    """The median CUDA-event time of ``fn`` (bench --flex's timer)."""
+    return _gpu_ms(torch, fn, reps=reps, warmup=2)
 
 
 def host_us(fn, reps=20):
