@@ -567,3 +567,19 @@ def test_precompile_with_the_cache_off_does_nothing_and_says_so(capsys, monkeypa
     monkeypatch.setenv(_cache.ENV, "off")
     assert precompile.main([]) == 1
     assert "the cache is off" in capsys.readouterr().out
+
+
+def test_code_state_names_no_module():
+    """A module captured by a kernel's code enters the key by no name: ``numba.types`` reads as ``numba.types`` or
+    ``numba.core.types`` by import order (a second process on the H100 missed every kernel reaching the mma
+    primitives), and the toolchain's versions key the modules' contents."""
+    import math
+    import numpy
+
+    def make(mod):
+        def kernel():
+            return mod
+        return kernel
+
+    assert _jit.code_state(make(math)) == _jit.code_state(make(numpy))
+    assert _jit.code_state(make(math)) != _jit.code_state(make(1))
