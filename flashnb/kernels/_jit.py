@@ -282,7 +282,9 @@ def _text(value):
     tuple with its type's name)."""
     if isinstance(value, tuple):
         items = ", ".join(_text(v) for v in value)
-        return f"{type(value).__name__}({items})" if type(value) is not tuple else f"({items}{',' if len(value) == 1 else ''})"
+        if type(value) is not tuple:
+            return f"{type(value).__name__}({items})"
+        return f"({items}{',' if len(value) == 1 else ''})"
     ident = getattr(value, "flashnb_id", None)
     return f"<{ident}>" if isinstance(ident, str) else repr(value)
 
@@ -314,13 +316,14 @@ def code_digest(code):
 
 
 def code_state_parts(fn):
-    """The lines ``code_state`` hashes: what ``fn``'s compiled code is built from besides its factory's arguments: the code of
-    every function it reaches (``code_digest``: a function outside ``flashnb/kernels/``, a ``flex_attention``
-    function say, has no other part of the key that holds its code), the values in its closure and the module
-    globals its code names, through every device function, intrinsic and Python function among them (plain
-    values by ``repr``, arrays by their bytes, containers by their items, modules and other objects by name).  A factory that reads a module setting (``forward.MAX_THREADS``,
-    which tools/tune_simt.py changes between rebuilds) gives kernels with one id but other code: this part of
-    the disk cache's key tells them apart."""
+    """The lines ``code_state`` hashes: what ``fn``'s compiled code is built from besides its factory's
+    arguments: the code of every function it reaches (``code_digest``: a function outside ``flashnb/kernels/``, a
+    ``flex_attention`` function say, has no other part of the key that holds its code), the values in its closure
+    and the module globals its code names, through every device function, intrinsic and Python function among
+    them (plain values by ``repr``, arrays by their bytes, containers by their items, modules by no name, other
+    objects by their type's name).  A factory that reads a module setting (``forward.MAX_THREADS``, which
+    tools/tune_simt.py changes between rebuilds) gives kernels with one id but other code: this part of the disk
+    cache's key tells them apart."""
     parts, seen = [], set()
 
     def value(v):
@@ -335,7 +338,8 @@ def code_state_parts(fn):
         if isinstance(v, dict):
             return "{" + ", ".join(sorted(f"{value(k)}: {value(x)}" for k, x in v.items())) + "}"
         if isinstance(v, pytypes.ModuleType):
-            return "module"                              # by no name: numba.types is numba.core.types or not by import order (the toolchain keys the versions)
+            return "module"      # by no name: numba.types reads as numba.core.types or not, by import order
+                                 # (the toolchain's versions key the modules' contents)
         if isinstance(v, np.ndarray):
             return f"ndarray {v.dtype} {v.shape} {hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()}"
         if isinstance(v, NumbaType):
@@ -359,7 +363,8 @@ def code_state_parts(fn):
                 cells.append("<empty>")
         names = sorted(n for n in _code_names(f.__code__) if n in f.__globals__)
         used = ", ".join(f"{n}={value(f.__globals__[n])}" for n in names)
-        parts.append(f"{f.__module__}.{f.__qualname__} code {code_digest(f.__code__)} cells [{', '.join(cells)}] defaults "
+        parts.append(f"{f.__module__}.{f.__qualname__} code {code_digest(f.__code__)} "
+                     f"cells [{', '.join(cells)}] defaults "
                      f"{value(f.__defaults__ or ())} globals [{used}]")
 
     function(fn)

@@ -121,10 +121,10 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
 @lru_cache(maxsize=None)
 def make_mask_bounds(BLOCK_Q, BLOCK_K, MASK_BLOCK):
     """``key_bounds`` and ``query_bounds``: a tile range narrowed to the blocks a ``flex_attention`` block mask
-    keeps (``MASK_BLOCK``, the mask_mod's block size; None: the range as given).  ``flex.BlockMask.kernel_states`` pads the states
-    with each query block's first and last-plus-one kept key block (columns ``nkb``, ``nkb + 1``) and each key
-    block's kept query blocks (rows ``nqb``, ``nqb + 1``), so a tile's loop runs from its first kept block to its
-    last instead of testing every block of the row (a sliding window keeps 9 of 128)."""
+    keeps (``MASK_BLOCK``, the mask_mod's block size; None: the range as given).  ``flex.kernel_states`` pads the
+    states with each query block's first and last-plus-one kept key block (columns ``nkb``, ``nkb + 1``) and each
+    key block's kept query blocks (rows ``nqb``, ``nqb + 1``), so a tile's loop runs from its first kept block to
+    its last instead of testing every block of the row (a sliding window keeps 9 of 128)."""
     HAS_MASK_MOD = MASK_BLOCK is not None
     BMQ, BMK = MASK_BLOCK if HAS_MASK_MOD else (1, 1)
 
