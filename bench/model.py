@@ -15,7 +15,10 @@ padding ignored): padded prefill, training and decoding steps, as a batch of pro
 Implementations (``--impl``): ``sdpa`` (transformers' SDPA attention with PyTorch's default backend choice),
 ``sdpa-cudnn`` and ``sdpa-flash`` (the same with SDPA restricted to one backend by ``torch.nn.attention.
 sdpa_kernel``) and ``numba_attention`` (``import flashnb.transformers``; ``attn_implementation=
-"numba_attention"``).  The greedy tokens of every implementation are compared with the first's (a mismatch is
+"numba_attention"``).  ``no-attention`` is a bound, not an implementation: each attention layer returns its
+query (transposed, made contiguous: one copy, differentiable) and computes nothing else, so its step is the
+model's without attention; ``(time with SDPA) / (time with no-attention)`` is the most any attention kernel could
+gain over SDPA in that step.  The greedy tokens of every implementation are compared with the first's (a mismatch is
 reported: bfloat16 rounding can flip a near tie).
 """
 from __future__ import annotations
@@ -27,6 +30,13 @@ import sys
 import time
 
 IMPLS = ("sdpa", "sdpa-cudnn", "sdpa-flash", "numba_attention")
+NO_ATTENTION = "no-attention"
+
+
+def no_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention layer that attends to nothing: ``query`` as the output (``(batch, seqlen, heads, head_dim)``,
+    one copy), for the bound ``no-attention``."""
+    return query.transpose(1, 2).contiguous(), None
 
 
 def parse_args(argv=None):
@@ -70,6 +80,8 @@ def build(args, impl, torch, transformers):
                                    + args.prompt + args.new_tokens)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to("cuda", getattr(torch, args.dtype))
+    if impl == NO_ATTENTION:
+        transformers.AttentionInterface.register(NO_ATTENTION, no_attention)
     model.set_attn_implementation("sdpa" if impl.startswith("sdpa") else impl)
     return model
 

@@ -408,7 +408,8 @@ class Replay:
                     a = made[j] = _allocate(lib, shape, dtype, device)
                     alloc_ptrs[j] = _ptr_of_alloc(a)
             addrs = ptrs + alloc_ptrs
-            stream = ctypes.c_void_p(_current_stream(arrays[0]))
+            raw_stream = _current_stream(arrays[0])
+            stream = ctypes.c_void_p(raw_stream)
             cuda = _cuda()
             with self.lock:
                 for step in self.plan:
@@ -420,7 +421,7 @@ class Replay:
                         else:
                             for w, tag in words:
                                 buf[w] = (ptrs[tag[1]] if tag[0] == "in" else alloc_ptrs[tag[1]] if tag[0] == "alloc"
-                                          else _tma.maps_for(_specs(tag[1], ptrs, alloc_ptrs)).ptr)
+                                          else _tma.maps_for(_specs(tag[1], ptrs, alloc_ptrs), raw_stream).ptr)
                         err = cuda.launch(*args, stream, params, None)
                         if err:
                             raise RuntimeError(f"cuLaunchKernel failed in a replayed call: CUDA error {err}")

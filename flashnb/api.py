@@ -165,7 +165,7 @@ def _forward_launch(p, q, k, v, out, lse, opts, stream):
     if p.forward is not None:
         if p.tma and not _dispatch.REPLAY_TENSOR_MAPS:
             _dispatch.unfit()         # its tensor maps hold the arrays' addresses: no replay with other arrays
-        _run(p.forward, stream, p.args(q, k, v, out, lse, opts))
+        _run(p.forward, stream, p.args(q, k, v, out, lse, opts, stream.handle))
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),

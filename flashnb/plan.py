@@ -75,8 +75,9 @@ class ForwardPlan(NamedTuple):
     tma: bool = False               # the Hopper forward's tiles come by the copy engine: tensor maps of q, k, v
     prepare: object = None          # float32 on tf32 wgmma: the pre-pass kernel making k, v's tf32 operands
 
-    def args(self, q, k, v, out, lse, opts):
-        """The forward kernel's arguments; with ``prepare``, ``k`` and ``v`` are its outputs (``kk``, ``vt``)."""
+    def args(self, q, k, v, out, lse, opts, stream=0):
+        """The forward kernel's arguments; with ``prepare``, ``k`` and ``v`` are its outputs (``kk``, ``vt``).
+        ``stream``: the raw ``CUstream`` the kernel runs on (the tensor maps are copied there)."""
         args = (q, k, v, out, lse) + _group_off(self.call) + opts.kernel_args(np.dtype(self.acc).type)
         if self.backend != "tensorcore":
             return args
@@ -84,7 +85,7 @@ class ForwardPlan(NamedTuple):
             return args + (_options._dummy(2, np.uint64),)
         packed = self.call.total_q is not None        # (a packed batch's views: batch stride 0, one batch mapped)
         v_rows = self.block_k if self.prepare is None else tf32_head_words(self.call.headdim)   # (V^T: dims)
-        return args + (tensor_maps(((q, self.block_q), (k, self.block_k), (v, v_rows)), packed),)
+        return args + (tensor_maps(((q, self.block_q), (k, self.block_k), (v, v_rows)), packed, stream),)
 
 
 class BackwardPlan(NamedTuple):

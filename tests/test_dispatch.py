@@ -80,6 +80,57 @@ def test_the_hopper_forward_with_tensor_maps(monkeypatch, replay_maps):
     assert not np.allclose(replayed, host(flashnb.flash_attention(q, k, v, **opts))[0]), "the replay ignored its inputs"
 
 
+def test_tensor_maps_are_copied_from_pinned_rows_on_the_launch_stream(monkeypatch):
+    """The GPU's path of ``_tma.maps_for``, its driver faked: a new set of maps is encoded into rows of the
+    pinned arena and copied to the same rows of the device arena on the given stream; the same specs on the
+    same stream reuse them (no copy), another stream gets its own copy; the arena hands out each row once,
+    and starts over only after the device has drained (``synchronize``), when ``_MAX_MAPS`` sets are kept."""
+    import ctypes
+    from flashnb.kernels import _jit
+    copies, syncs = [], []
+
+    class Driver:
+        @staticmethod
+        def cuMemcpyHtoDAsync(dst, src, nbytes, stream):
+            copies.append((dst, src, nbytes, stream))
+            ctypes.memmove(dst, src, nbytes)
+            return (0,)
+
+    monkeypatch.setattr(_tma, "SIMULATOR", False)
+    monkeypatch.setattr(_tma, "_driver", lambda: Driver)
+    monkeypatch.setattr(_jit, "current_context", lambda: 1)
+    monkeypatch.setattr(_tma, "encode_map", lambda ptr, shape, strides, rows: [ptr, rows] + [7] * 14)
+    monkeypatch.setattr(_tma.cuda, "synchronize", lambda: syncs.append(len(copies)))
+    monkeypatch.setattr(_tma, "_MAX_MAPS", 4)
+    monkeypatch.setattr(_tma, "_ARENA_ROWS", 10)
+    monkeypatch.setattr(_tma, "_arenas", {})
+    monkeypatch.setattr(_tma, "_maps", {})
+    monkeypatch.setattr(_tma, "SPECS", {})
+
+    def specs(i, n=2):
+        return tuple((1000 * i + j, (1, 8, 2, 4), (64, 8, 4, 1), 64) for j in range(n))
+
+    a = _tma.maps_for(specs(1), 5)
+    arena = _tma._arenas[1]
+    assert copies == [(arena.device_ptr, arena.host_ptr, 256, 5)]
+    assert (a.ptr, a.shape) == (arena.device_ptr, (2, 16))
+    assert arena.device[:2, :2].tolist() == [[1000, 64], [1001, 64]]
+    assert _tma.maps_for(specs(1), 5) is a and len(copies) == 1
+    b = _tma.maps_for(specs(1), 6)
+    assert b.ptr == arena.device_ptr + 256 and copies[-1][3] == 6
+    assert _tma.SPECS[a.ptr] == _tma.SPECS[b.ptr] == specs(1)
+    c = _tma.maps_for(specs(2, 3), 5)                       # rows 4-6
+    d = _tma.maps_for(specs(3, 1), 5)                       # row 7: 4 sets kept
+    assert (c.ptr - a.ptr, d.ptr - a.ptr) == (4 * 128, 7 * 128) and not syncs
+    e = _tma.maps_for(specs(4), 5)                          # a fifth set: drain, start over at row 0
+    assert syncs == [4] and e.ptr == arena.device_ptr and list(_tma._maps) == [(specs(4), 5)]
+    assert arena.device[:2, :2].tolist() == [[4000, 64], [4001, 64]]
+    _tma.maps_for(specs(5, 3), 5)
+    _tma.maps_for(specs(6, 3), 5)                           # rows 2-7: the arena holds 10
+    f = _tma.maps_for(specs(7, 3), 5)                       # too few rows left: drain, start over
+    assert syncs == [4, 7] and f.ptr == arena.device_ptr
+
+
 def test_every_difference_the_plan_reads_is_a_miss():
     q, k, v, _ = arrays(0)
     flashnb.flash_attention(q, k, v, **OPTS)
@@ -216,7 +267,12 @@ def test_the_gpus_replay_patches_and_launches_what_was_recorded(monkeypatch):
 
     monkeypatch.setattr(_dispatch, "_libcuda", Driver())
     monkeypatch.setattr(_dispatch, "_current_stream", lambda x: 77)
-    monkeypatch.setattr(_tma, "maps_for", lambda specs: type("Maps", (), {"ptr": specs[0][0] + 1})())
+    maps_streams = []
+
+    def maps_for(specs, stream):
+        maps_streams.append(stream)                 # the maps are copied on the launch stream
+        return type("Maps", (), {"ptr": specs[0][0] + 1})()
+    monkeypatch.setattr(_tma, "maps_for", maps_for)
     cpu = torch.device("cpu")
     allocs = [("torch", (2, 3), torch.float32, cpu), ("torch", (5,), torch.float32, cpu),
               ("torch", (4,), torch.float16, cpu), ("torch", (7,), torch.float32, cpu)]
@@ -239,6 +295,7 @@ def test_the_gpus_replay_patches_and_launches_what_was_recorded(monkeypatch):
         assert calls == [("launch", 11, 3, 1, 1, 64, 1, 1, 1024, 77, params[0], None),
                          ("memset", temporary, 0, 5, 77),
                          ("launch", 12, 1, 1, 1, 128, 1, 1, 0, 77, params[1], None)]
+    assert maps_streams == [77, 77]
 
 
 # ------------------------------------------------------------------------------------------------ KV cache

@@ -10,8 +10,8 @@ tensor arrive as zeros.  A copy completes on an ``mbarrier``: the issuing thread
 Waiting threads spin on ``try_wait.parity`` for that phase's parity.  The same barriers, with plain ``arrive``s,
 hand a stage back from the threads that read it to the thread that refills it.
 
-The tensor maps live in global memory (``tensor_maps``: one device buffer per distinct set, cached), the
-kernel receiving a uint64 array whose 16-word rows are the maps.  (A separate copy warp, FA3's producer, was
+The tensor maps live in global memory (``tensor_maps``: device rows per distinct set, cached, copied from pinned
+host rows on the launch stream, so a new set never blocks the host), the kernel receiving a uint64 array whose 16-word rows are the maps.  (A separate copy warp, FA3's producer, was
 tried first: 288 threads of the forward's ~190-236 registers pass the SM's 65536 at head dim 128 causal and
 256, and ``cuLaunchKernel`` refused them; without ``setmaxnreg`` and a register cap at entry, which Numba's
 kernels do not declare, the copies are issued by one of the readers.)
@@ -24,7 +24,7 @@ the GPU suites and compute-sanitizer (racecheck, synccheck) the barriers' protoc
 import numpy as np
 from numba import cuda
 
-from ._jit import SIMULATOR, View, device_address as _address, device_function
+from ._jit import SIMULATOR, View, _driver, device_address as _address, device_function
 from ._mma import memory_primitives
 from ._wgmma import SWIZZLE_BYTES, BLOCK_COLS, swizzled_offset
 
@@ -204,9 +204,58 @@ def make_box_load(NROWS, NBLK):
 # ------------------------------------------------------------------------------------------------------------
 # The host: tensor maps
 # ------------------------------------------------------------------------------------------------------------
-_maps = {}                # specs -> the device buffer of their maps
+_maps = {}                # (specs, stream) -> the device rows of their maps
 SPECS = {}                # a buffer's device address -> its specs (the dispatch cache's replay re-derives them)
-_MAX_MAPS = 256
+_MAX_MAPS = 256           # sets of maps kept; the next new set waits for the device and starts over
+_ARENA_ROWS = 4 * _MAX_MAPS
+_arenas = {}              # CUDA context -> _Arena
+
+
+class _Arena:
+    """Rows of tensor maps in pinned host memory and their device twins, handed out in order and never rewritten
+    until ``reset``.  A new set of maps is encoded into its host rows and copied to its device rows by
+    ``cuMemcpyHtoDAsync`` on the launch stream: stream order puts the copy before the kernel that reads it, and the
+    host runs on (a pageable copy would wait until the GPU drained everything queued before it).  Rows are reused
+    only after ``reset``, which waits for the device: no copy still reads them, no kernel still reads their twins."""
+
+    def __init__(self):
+        self.host = cuda.pinned_array((_ARENA_ROWS, MAP_WORDS), np.uint64)
+        self.device = cuda.device_array((_ARENA_ROWS, MAP_WORDS), np.uint64)
+        self.host_ptr = self.host.__array_interface__["data"][0]
+        self.device_ptr = _address(self.device)
+        self.next = 0
+
+    def take(self, n):
+        """The first of ``n`` free rows, or None when too few are left (``reset`` first)."""
+        if self.next + n > _ARENA_ROWS:
+            return None
+        first, self.next = self.next, self.next + n
+        return first
+
+    def reset(self):
+        cuda.synchronize()
+        self.next = 0
+
+
+def _arena(make=True):
+    """The current CUDA context's arena (None if it has none and not ``make``)."""
+    from ._jit import current_context
+    context = current_context()
+    arena = _arenas.get(context)
+    if arena is None and make:
+        arena = _arenas[context] = _Arena()
+    return arena
+
+
+def clear():
+    """Forget every set of maps.  The current context's rows are handed out again after its device has drained;
+    another context's arena goes on from where it was (and resets itself when full, with its context current)."""
+    if not SIMULATOR:
+        arena = _arena(make=False)
+        if arena is not None:
+            arena.reset()
+    _maps.clear()
+    SPECS.clear()
 
 
 def encode_map(ptr, shape, strides, box_rows):
@@ -238,30 +287,41 @@ def encode_map(ptr, shape, strides, box_rows):
     return [int(x) for x in tmap.opaque]
 
 
-def tensor_maps(views_and_rows, packed=False):
+def tensor_maps(views_and_rows, packed=False, stream=0):
     """A device uint64 array of the tensor maps of ``(view, box_rows)`` pairs (word views), one row of 16 words
-    each: ``maps_for`` their specs.  ``packed``: the views of a packed batch (batch stride 0, ``flashnb.varlen``),
-    mapped as one batch of the packed rows."""
+    each: ``maps_for`` their specs, copied on ``stream`` (a raw ``CUstream``, the kernel's).  ``packed``: the views
+    of a packed batch (batch stride 0, ``flashnb.varlen``), mapped as one batch of the packed rows."""
     return maps_for(tuple((_address(v), (1,) + tuple(v.shape[1:]) if packed else tuple(v.shape), tuple(v.strides),
-                           rows) for v, rows in views_and_rows))
+                           rows) for v, rows in views_and_rows), stream)
 
 
-def maps_for(specs):
-    """The maps of ``specs``, each ``(device address, shape, strides, box_rows)``, in one device buffer kept per
-    distinct specs (a loop over the same arrays encodes and copies nothing new); ``SPECS`` names the specs of
-    each buffer's address.  The simulator's buffer holds zeros (its copies read the arrays themselves)."""
-    buf = _maps.get(specs)
-    if buf is None:
-        if len(_maps) >= _MAX_MAPS:       # no kernel still in flight may read a dropped buffer
-            if not SIMULATOR:
-                cuda.synchronize()
+def maps_for(specs, stream=0):
+    """The maps of ``specs``, each ``(device address, shape, strides, box_rows)``: device rows kept per distinct
+    specs and stream (a loop over the same arrays encodes and copies nothing new; the copy is ordered before the
+    kernels of its own stream only, so another stream gets its own).  ``SPECS`` names the specs of each rows'
+    address.  The simulator's rows hold zeros (its copies read the arrays themselves)."""
+    key = (specs, stream)
+    buf = _maps.get(key)
+    if buf is not None:
+        return buf
+    if SIMULATOR:
+        if len(_maps) >= _MAX_MAPS:
             _maps.clear()
             SPECS.clear()
-        if SIMULATOR:
-            buf = cuda.to_device(np.zeros((len(specs), MAP_WORDS), np.uint64))
-        else:
-            buf = View.of(cuda.to_device(np.array([encode_map(*spec) for spec in specs], np.uint64)))
-        _maps[specs] = buf
-        SPECS[_address(buf)] = specs
+        buf = cuda.to_device(np.zeros((len(specs), MAP_WORDS), np.uint64))
+    else:
+        arena = _arena()
+        first = arena.take(len(specs)) if len(_maps) < _MAX_MAPS else None
+        if first is None:                 # no kernel still in flight may read a row handed out again
+            clear()
+            first = arena.take(len(specs))
+        arena.host[first:first + len(specs)] = [encode_map(*spec) for spec in specs]
+        nbytes, offset = len(specs) * MAP_WORDS * 8, first * MAP_WORDS * 8
+        (err,) = _driver().cuMemcpyHtoDAsync(arena.device_ptr + offset, arena.host_ptr + offset, nbytes, stream)
+        if err != 0:
+            raise RuntimeError(f"cuMemcpyHtoDAsync of tensor maps failed: {err!r}")
+        buf = View(arena.device_ptr + offset, (len(specs), MAP_WORDS), (MAP_WORDS * 8, 8), np.dtype(np.uint64),
+                   arena)
+    _maps[key] = buf
+    SPECS[_address(buf)] = specs
     return buf
-

@@ -363,6 +363,47 @@ def test_dispatch_cache_and_the_hopper_forwards_tensor_maps(monkeypatch, replay_
     assert not torch.equal(replayed, first), "the replay read the first call's keys and values"
 
 
+def test_new_tensor_maps_do_not_block_the_host():
+    """A Hopper forward over arrays at new addresses encodes their tensor maps and copies them on the launch
+    stream from pinned memory (``_tma.maps_for``): the call returns while the GPU is still busy with earlier
+    work (a 200 ms ``torch.cuda._sleep`` queued first), where a pageable copy would wait for it.  Sets past the
+    arena's reset (``_tma._MAX_MAPS``), full path and replay, on the current and on a side stream, each equal to
+    the full path on fresh maps."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward needs compute capability 9.0")
+    import time
+    from flashnb.kernels import _tma
+    opts = dict(causal=True, backend="wgmma")
+    q, k, v = (_randn(1, 200, 2, 64, dtype=torch.float16) for _ in range(3))
+    flashnb.flash_attention(q, k, v, **opts)                        # compiled, loaded, recorded
+    torch.cuda.synchronize()
+    cycles = int(0.2 * torch.cuda.get_device_properties(0).clock_rate * 1e3)   # (clock_rate: kHz)
+    q2, k2, v2 = (x.clone() for x in (q, k, v))                      # new addresses: new maps
+    torch.cuda._sleep(cycles)
+    t = time.perf_counter()
+    out = flashnb.flash_attention(q2, k2, v2, **opts)
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    assert host < 0.1, f"a call with new tensor maps held the host {host * 1e3:.0f} ms (the GPU was busy 200 ms)"
+    assert torch.equal(out, flashnb.flash_attention(q, k, v, **opts))
+    side = torch.cuda.Stream()
+    inputs = [tuple(_randn(1, 200, 2, 64, dtype=torch.float16) for _ in range(3)) for _ in range(_tma._MAX_MAPS + 20)]
+    outs = []
+    for i, (a, b, c) in enumerate(inputs):
+        if i % 3 == 2:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                outs.append(flashnb.flash_attention(a, b, c, **opts))
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            outs.append(flashnb.flash_attention(a, b, c, **opts))
+    torch.cuda.synchronize()
+    for i in (0, 1, 2, _tma._MAX_MAPS - 1, _tma._MAX_MAPS, len(inputs) - 1):
+        _dispatch.clear()
+        _tma.clear()
+        assert torch.equal(outs[i], flashnb.flash_attention(*inputs[i], **opts)), f"call {i} differs"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_flex_attention_compiled_on_cuda_equals_eager_and_the_oracle(dtype):
     """flashnb.torch.flex_attention on CUDA tensors (ALiBi by the complex step, a causal document block mask,
