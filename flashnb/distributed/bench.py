@@ -56,6 +56,9 @@ def main():
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="a dry run on CPU ranks (gloo; the simulator)")
+    parser.add_argument("--high-priority", action="store_true",
+                        help="create the process group with high-priority NCCL streams (is_high_priority_stream)")
+    parser.add_argument("--masks", default="causal,full", help="which masks the throughput table times")
     args = parser.parse_args()
 
     global DEVICE
@@ -66,8 +69,13 @@ def main():
     else:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        options = None
+        if args.high_priority:
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local), pg_options=options)
         device, comm = torch.cuda.get_device_name(), "NCCL " + ".".join(map(str, torch.cuda.nccl.version()))
+        comm += ", high-priority streams" if args.high_priority else ""
     rank, world = dist.get_rank(), dist.get_world_size()
     lines = [f"# Ring attention on {world} x {device}",
              "", f"- torch {torch.__version__}, {comm}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -200,7 +208,8 @@ def throughput(args, rank, world):
              "ring, timeout=60 (s) | its scaling efficiency |",
              "|---|---|---|---|---|---|---|---|---|"]
     gen = torch.Generator(device=DEVICE).manual_seed(7)
-    for causal in (True, False):
+    masks = [m.strip() for m in args.masks.split(",")]
+    for causal in [m == "causal" for m in ("causal", "full") if m in masks]:
         full = [torch.randn(1, n, h, d, device=DEVICE, dtype=dtype, generator=gen) for _ in range(4)]
         parts = [shard(x) for x in full]
         for backward in (False, True):
