@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--impl", default=",".join(IMPLS))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--pad", type=int, default=0, help="left padding (tokens) of every other sequence; 0: none")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile 2 training steps: GPU ms a step in attention kernels and in all kernels")
     return p.parse_args(argv)
 
 
@@ -113,6 +115,34 @@ def train_ms(model, args, torch):
     return statistics.median(times), losses
 
 
+ATTENTION_KERNELS = ("flashnb::", "flash", "fmha", "cudnn", "attention", "sdpa")
+
+
+def attention_kernel_ms(model, args, torch, steps=2):
+    """``(attention ms, all kernels ms)`` of the GPU a training step, from torch.profiler over ``steps`` steps:
+    kernels whose names hold one of ``ATTENTION_KERNELS`` (flashnb's, FlashAttention's, cuDNN's), and every
+    kernel."""
+    from torch.profiler import ProfilerActivity, profile
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids, mask = batch_of(args.batch, args.seqlen, args.pad, model.config.vocab_size, 1, torch)
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    attention = total = 0.0
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if e.key.startswith("Memcpy") or e.key.startswith("Memset") or t <= 0 or e.count == 0:
+            continue
+        total += t
+        if any(n in e.key.lower() for n in ATTENTION_KERNELS):
+            attention += t
+    return attention / steps / 1e3, total / steps / 1e3
+
+
 def generate_once(model, args, torch, new_tokens=None):
     """(tokens/s, the new tokens) of one greedy ``generate()``."""
     n = new_tokens or args.new_tokens
@@ -144,6 +174,8 @@ def main(argv=None) -> int:
             with backend_scope(row["impl"], torch):
                 model.train()
                 row["train ms"], losses = train_ms(model, args, torch)
+                if args.profile:
+                    row["attn GPU ms"], row["GPU ms"] = attention_kernel_ms(model, args, torch)
             row["loss 1st/last"] = f"{losses[0]:.4f}/{losses[-1]:.4f}"
             del model
             torch.cuda.empty_cache()
@@ -166,7 +198,8 @@ def main(argv=None) -> int:
             print(row, file=sys.stderr, flush=True)
         del models
     base = rows[0]
-    cols = [c for c in ("train ms", "gen tok/s", "loss 1st/last", "tokens = 1st impl") if c in base]
+    cols = [c for c in ("train ms", "attn GPU ms", "GPU ms", "gen tok/s", "loss 1st/last", "tokens = 1st impl")
+            if c in base]
     print("| impl | " + " | ".join(cols) + f" | train vs {base['impl']} | generate vs {base['impl']} |")
     print("|---" * (len(cols) + 3) + "|")
     for r in rows:

@@ -256,8 +256,8 @@ def _ring_forward(q, k, v, group, world, rank, layout, causal, scale, backend, t
     if exchange is None:                 # (ring_attention rehearsed it, before the agreement)
         exchange = _exchange
     acc = _acc_dtype(q)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
+    out = torch.empty(q.shape, dtype=acc, device=q.device)        # (set by the first block: no pass of its own)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc, device=q.device)
     kv, first = (k, v), True
     for step in range(world):
         pending = exchange(kv, group, world, rank) if step < world - 1 else None
@@ -269,12 +269,18 @@ def _ring_forward(q, k, v, group, world, rank, layout, causal, scale, backend, t
                 out.copy_(o)
                 lse.copy_(l)
             else:
+                if first:                    # rows the first block does not reach: nothing seen yet
+                    out.zero_()
+                    lse.fill_(-math.inf)
                 _merge(out[:, qs], lse[:, :, qs], o, l)
             first = False
         if pending is not None:
             _wait(pending[0], timeout, f"rank {rank}'s forward exchange of step {step} (to rank {(rank + 1) % world}, "
                                        f"from rank {(rank - 1) % world})")
             kv = tuple(pending[1])
+    if first:                                # no block reached this rank's rows
+        out.zero_()
+        lse.fill_(-math.inf)
     return out.to(q.dtype), lse
 
 
