@@ -204,6 +204,21 @@ def word_view(d):
     return View(d.ptr, words, wstrides, _U32, d.owner)
 
 
+def has_word_view(x, stream):
+    """Whether ``word_view(to_device_bits(x, stream))`` would give a view (not None), without making it: a PyTorch
+    CUDA tensor of 16-bit floats is answered from its shape, strides and address (a routed call asks before the
+    kernels' path makes the views it launches with)."""
+    if (torch is not None and type(x) is torch.Tensor and not SIMULATOR and x.dtype in (torch.float16, torch.bfloat16)
+            and x.is_cuda):
+        shape = x.shape
+        if 0 in shape:
+            return shape[-1] % 2 == 0
+        if shape[-1] % 2 or x.stride(-1) != 1 or x.data_ptr() % 4:
+            return False
+        return all(n == 1 or s % 2 == 0 for n, s in zip(shape[:-1], x.stride()[:-1]))
+    return word_view(to_device_bits(x, stream)) is not None
+
+
 def flat(d):
     """The 1-D view of a C-contiguous device array (the kernels' view): the same memory, one index."""
     n = int(np.prod(d.shape, dtype=np.int64))

@@ -138,7 +138,7 @@ def _decode_layout(kind, arrays, stream):
     32-bit words (a contiguous head dimension, rows 4-byte aligned); NumPy arrays are copied contiguous."""
     if kind.dtype == "float32" or kind.lib == "numpy":
         return True
-    return all(_arrays.word_view(_arrays.to_device_bits(x, stream)) is not None for x in arrays)
+    return all(_arrays.has_word_view(x, stream) for x in arrays)
 
 
 def _tf32_operands(p, k, v, kind, like, stream):

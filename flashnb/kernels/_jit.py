@@ -22,6 +22,7 @@ internals relied on are all here: that parameter layout,
 cache of compiled kernels (``_cache``; "disk cache" below) the code library's
 ``get_cubin()``, ``_entry_name`` and module-setup fields.
 """
+import ctypes
 import functools
 import hashlib
 import inspect
@@ -147,13 +148,12 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     if entry is None:
         entry = _compiled[kern, key] = _compile(kern, key)
     overload, fmt, nwords, offsets = entry
-    drv = _driver()
     context = current_context()
     cached = _handles.get((overload, context))
     if cached is None:                                         # Numba's, or the disk cache's cubin, loaded
         handle = kernel_handle(entry, context)
-        cached = _handles[overload, context] = (handle, static_shared_bytes(handle))
-    handle, static_bytes = cached
+        cached = _handles[overload, context] = (handle, static_shared_bytes(handle), ctypes.c_void_p(int(handle)))
+    handle, static_bytes, c_handle = cached
     if shared_bytes + static_bytes > 48 * 1024:
         _allow_shared(handle, shared_bytes)
     LAUNCHED[id(kern)] = (kern, block, shared_bytes)
@@ -163,7 +163,10 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     buf[nwords:] = offsets + np.uint64(base)
     if getattr(RECORDING, "recorder", None) is not None:
         _record(kern, grid, block, shared_bytes, args, handle, buf, nwords, offsets)
-    (err,) = drv.cuLaunchKernel(handle, grid, 1, 1, block, 1, 1, shared_bytes, stream.handle, base + 8 * nwords, 0)
+    one = _ONE
+    err = _libcuda().cuLaunchKernel(c_handle, ctypes.c_uint(grid), one, one, ctypes.c_uint(block), one, one,
+                                    ctypes.c_uint(shared_bytes), ctypes.c_void_p(stream.handle),
+                                    ctypes.c_void_p(base + 8 * nwords), None)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernel of {kern.py_func.__name__} (grid {grid}, block {block}, "
                            f"{shared_bytes} bytes of shared memory) failed: {err!r}")
@@ -526,11 +529,30 @@ def shared_limit():
 
 def current_context():
     """The handle (an int) of this thread's current CUDA context; Numba's is made current if there is none."""
-    context = int(_driver().cuCtxGetCurrent()[1])
-    if context == 0:
+    lib = _libcuda()
+    ctx = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
         cuda.current_context()
-        context = int(_driver().cuCtxGetCurrent()[1])
-    return context
+        if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+            raise RuntimeError("no current CUDA context after Numba made one current")
+    return ctx.value
+
+
+_ONE = ctypes.c_uint(1)
+_lib = None
+
+
+def _libcuda():
+    """The CUDA driver through ctypes, for the calls every launch makes (``cuLaunchKernel``, ``cuCtxGetCurrent``):
+    a few microseconds less a call than ``cuda.bindings``' wrappers, which convert every argument.  The return
+    types are the driver's ``CUresult`` (an int); the arguments are passed as ctypes objects."""
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        for name in ("cuLaunchKernel", "cuCtxGetCurrent"):
+            getattr(lib, name).restype = ctypes.c_int
+        _lib = lib
+    return _lib
 
 
 def _driver():
