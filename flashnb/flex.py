@@ -55,7 +55,9 @@ class BlockMask:
     def __init__(self, mask_mod, states, block_size, q_len, kv_len):
         self.mask_mod, self.states, self.block_size = mask_mod, states, block_size
         self.q_len, self.kv_len = q_len, kv_len
-        self.handle = next(_HANDLES)   # names the mask where only plain values pass (flashnb.torch's custom ops)
+        # names the mask where only plain values pass (flashnb.torch's custom ops); a str, which Dynamo keeps a
+        # constant (an int attribute that differs between two compiles is made symbolic by the second)
+        self.handle = f"mask{next(_HANDLES)}"
         MASKS[self.handle] = self
         self._as = {}             # the kind of array a call passes -> the states as that kind
 

@@ -213,7 +213,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     step: a score_mod that cannot take it is refused here, before the forward, when a gradient will be asked
     for; under ``torch.compile``, in the backward).  CPU tensors run through NumPy (the simulator)."""
     if torch.compiler.is_compiling():
-        handle = _flex_handle(score_mod, -1 if block_mask is None else block_mask.handle, score_mod_grad)
+        handle = _flex_handle(score_mod, "" if block_mask is None else block_mask.handle, score_mod_grad)
         out, lse = torch.ops.flashnb.flex_forward(query, key, value, handle, None if scale is None else float(scale),
                                                   bool(enable_gqa))
         return (out, lse) if return_lse else out
@@ -244,10 +244,10 @@ def _flex_handle(score_mod, mask_handle, score_mod_grad):
 
 def _flex_call(handle):
     score_mod, mask_handle, score_mod_grad = _FLEX[handle]
-    if mask_handle >= 0 and mask_handle not in flex.MASKS:
+    if mask_handle and mask_handle not in flex.MASKS:
         raise ValueError(f"flex_attention: the BlockMask of handle {mask_handle} no longer exists; a compiled graph "
                          "runs with the masks it is called with, so keep the mask alive while calling it")
-    return score_mod, None if mask_handle < 0 else flex.MASKS[mask_handle], score_mod_grad
+    return score_mod, flex.MASKS[mask_handle] if mask_handle else None, score_mod_grad
 
 
 def _flex_forward_impl(q, k, v, score_mod, block_mask, scale, enable_gqa, score_mod_grad):

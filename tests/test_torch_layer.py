@@ -209,3 +209,20 @@ def test_flex_attention_under_torch_compile():
         return ft.flex_attention(q, k, v, score_mod=bias, block_mask=mask, scale=0.4).square().sum()
 
     compiled_equals_eager(loss, (q, k, v))
+
+
+def test_flex_attention_compiled_again_with_another_block_mask():
+    """A second compile of one function with another BlockMask: the mask's handle stays a constant (an int
+    handle was made symbolic by Dynamo's automatic dynamic shapes on the recompile, and the trace failed)."""
+    import flashnb
+    torch.manual_seed(9)
+    q, k, v = rnd(1, 2, 6, 8), rnd(1, 2, 6, 8), rnd(1, 2, 6, 8)
+    masks = [flashnb.create_block_mask(lambda b, h, q_idx, kv_idx, w=w: q_idx - kv_idx <= w, None, None, 6, 6,
+                                       BLOCK_SIZE=4) for w in (6, 2, 1)]
+
+    def attend(q, k, v, mask):
+        return ft.flex_attention(q, k, v, block_mask=mask)
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    for mask in masks:
+        torch.testing.assert_close(compiled(q, k, v, mask), attend(q, k, v, mask), rtol=0, atol=0)
