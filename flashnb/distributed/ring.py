@@ -33,6 +33,10 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     about ``timeout`` (forward and backward alike).  On GPUs a signature's first pass with a timeout is rehearsed
     once on this rank's shards, so that no kernel is first loaded while an exchange is in flight (docs/distributed.md:
     what NCCL and CUDA would otherwise block on, and what to do after the error).
+
+    Speed: the exchanges overlap the attention when the group's NCCL streams have a higher priority than the
+    compute stream (``ProcessGroupNCCL.Options`` with ``is_high_priority_stream=True``; docs/distributed.md: 82%
+    -> 90% scaling of the causal forward on 4 H100s).
     """
     world, rank = _ring_of(group)
     _check(q, k, v, layout, world, causal)
