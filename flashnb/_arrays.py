@@ -262,9 +262,9 @@ def empty_like_kind(kind, shape, dtype, like, stream, bits=False):
     ``bits``: a 16-bit float tensor's view is of its bit patterns (``to_device_bits``).
     """
     returned, view = _empty_like_kind(kind, shape, dtype, like, stream, bits)
-    if getattr(RECORDING, "recorder", None) is not None:
-        from ._dispatch import note_alloc
-        note_alloc(returned, view, shape, dtype, like)
+    recorder = getattr(RECORDING, "recorder", None)
+    if recorder is not None:
+        recorder.note_alloc(returned, view, shape, dtype, like)
     return returned, view
 
 
@@ -301,9 +301,9 @@ def scratch(shape, dtype, kind, like, stream):
     else:
         returned = cuda.device_array(shape, dtype=dtype, stream=stream.numba)
         view = returned if SIMULATOR else View.of(returned)
-    if getattr(RECORDING, "recorder", None) is not None:
-        from ._dispatch import note_alloc
-        note_alloc(returned, view, shape, dtype, like)
+    recorder = getattr(RECORDING, "recorder", None)
+    if recorder is not None:
+        recorder.note_alloc(returned, view, shape, dtype, like)
     return view
 
 

@@ -176,7 +176,9 @@ def _store(key, rec):
 
 # ------------------------------------------------------------------------------------------------ recording
 class Recorder:
-    """What one call does, as it does it (the hooks below feed it)."""
+    """What one call does, as it does it: the lower layers find it in ``_jit.RECORDING.recorder`` while a call
+    is recorded and tell it of each allocation, memset and launch (``note_alloc``, ``note_memset``,
+    ``note_launch``)."""
 
     def __init__(self, arrays):
         self.inputs = {}
@@ -216,6 +218,54 @@ class Recorder:
             return ("in", i)
         j = self.alloc_ptrs.get(ptr)
         return None if j is None else ("alloc", j)
+
+    def note_alloc(self, returned, view, shape, dtype, like):
+        """Called by ``_arrays.empty_like_kind`` / ``scratch`` while recording: a new array (``returned`` to the
+        caller, ``view`` the kernels'), of ``shape`` and ``dtype`` (a NumPy dtype or dtype name), like ``like``."""
+        torch = _arrays.torch
+        lib = "torch" if torch is not None and isinstance(returned, torch.Tensor) else "numba"
+        if lib == "numba" and not _arrays._is_numba_device_array(returned):
+            self.fit = False
+            return
+        device = like.device if lib == "torch" else None
+        dt = returned.dtype if lib == "torch" else np.dtype(dtype)
+        j = len(self.allocs)
+        self.allocs.append((lib, tuple(int(s) for s in shape), dt, device))
+        self.alloc_ptrs.setdefault(_ptr(view), j)
+        if lib == "torch":
+            self.alloc_ptrs.setdefault(returned.data_ptr(), j)
+        self.alloc_ids[id(returned)] = j
+        self.keep.append(returned)
+
+    def note_memset(self, view):
+        """Called by ``_jit.memset_zero`` while recording."""
+        tag = self.tag(_ptr(view))
+        if tag is None or tag[0] != "alloc":
+            self.fit = False
+            return
+        self.steps.append(("memset", tag[1], view.nbytes if type(view) is _jit.View else view._ary.nbytes))
+
+    def note_launch(self, kern, grid, block, shared, args, packed=None):
+        """Called by ``_jit.launch`` while recording.  ``packed``: on a GPU, (kernel handle, parameter buffer,
+        words of values, {argument position: buffer word of its device address} for the array arguments)."""
+        slots = []                      # (argument position or buffer word, tag)
+        for pos, a in enumerate(args):
+            if type(a) is _jit.View or _arrays._is_numba_device_array(a):
+                ptr = _ptr(a)
+                tag = self.tag(ptr)
+                if tag is None:
+                    self.fit = False
+                    return
+                if tag[0] != "const":
+                    slots.append((pos, tag))
+        if packed is None:              # the simulator: substitute arguments
+            self.steps.append(("call", kern, grid, block, shared, tuple(args), tuple(slots)))
+            return
+        handle, buf, nwords, address_word = packed
+        words = tuple((address_word[pos], tag) for pos, tag in slots)
+        own = _own_buffer(buf, nwords)
+        self.steps.append(("launch", int(handle), grid, block, shared, own, own.__array_interface__["data"][0]
+                          + 8 * nwords, words))
 
 
 def cached_call(op, arrays, scalars, full_call, cacheable=True, args=()):
@@ -281,66 +331,6 @@ def unfit():
     rec = active()
     if rec is not None:
         rec.fit = False
-
-
-def note_alloc(returned, view, shape, dtype, like):
-    """Hook of ``_arrays.empty_like_kind`` / ``scratch``: a new array (``returned`` to the caller, ``view`` the
-    kernels'), of ``shape`` and ``dtype`` (a NumPy dtype or dtype name), like ``like``."""
-    rec = active()
-    if rec is None:
-        return
-    torch = _arrays.torch
-    lib = "torch" if torch is not None and isinstance(returned, torch.Tensor) else "numba"
-    if lib == "numba" and not _arrays._is_numba_device_array(returned):
-        rec.fit = False
-        return
-    device = like.device if lib == "torch" else None
-    dt = returned.dtype if lib == "torch" else np.dtype(dtype)
-    j = len(rec.allocs)
-    rec.allocs.append((lib, tuple(int(s) for s in shape), dt, device))
-    rec.alloc_ptrs.setdefault(_ptr(view), j)
-    if lib == "torch":
-        rec.alloc_ptrs.setdefault(returned.data_ptr(), j)
-    rec.alloc_ids[id(returned)] = j
-    rec.keep.append(returned)
-
-
-def note_memset(view):
-    """Hook of ``_jit.memset_zero``."""
-    rec = active()
-    if rec is None:
-        return
-    tag = rec.tag(_ptr(view))
-    if tag is None or tag[0] != "alloc":
-        rec.fit = False
-        return
-    rec.steps.append(("memset", tag[1], view.nbytes if type(view) is _jit.View else view._ary.nbytes))
-
-
-def note_launch(kern, grid, block, shared, args, packed=None):
-    """Hook of ``_jit.launch``.  ``packed``: on a GPU, (kernel handle, parameter buffer, words of values,
-    {argument position: buffer word of its device address} for the array arguments)."""
-    rec = active()
-    if rec is None:
-        return
-    slots = []                      # (argument position or buffer word, tag)
-    for pos, a in enumerate(args):
-        if type(a) is _jit.View or _arrays._is_numba_device_array(a):
-            ptr = _ptr(a)
-            tag = rec.tag(ptr)
-            if tag is None:
-                rec.fit = False
-                return
-            if tag[0] != "const":
-                slots.append((pos, tag))
-    if packed is None:              # the simulator: substitute arguments
-        rec.steps.append(("call", kern, grid, block, shared, tuple(args), tuple(slots)))
-        return
-    handle, buf, nwords, address_word = packed
-    words = tuple((address_word[pos], tag) for pos, tag in slots)
-    own = _own_buffer(buf, nwords)
-    rec.steps.append(("launch", int(handle), grid, block, shared, own, own.__array_interface__["data"][0]
-                      + 8 * nwords, words))
 
 
 def _own_buffer(buf, nwords):

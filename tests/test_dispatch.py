@@ -344,3 +344,31 @@ def test_kvcache_calls_the_cache_does_not_take():
         flashnb.flash_attn_with_kvcache(**dict(a, **changes))
         flashnb.flash_attn_with_kvcache(**dict(a, **changes))
     assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0, "unrecorded": 0}
+
+
+def test_a_gpu_launch_tells_the_recorder_each_arrays_address_word():
+    """``_jit._record`` (the GPU's launch path, which CI cannot run) hands the recorder found in
+    ``_jit.RECORDING`` the packed buffer and, for each array argument, the buffer word holding its address (the
+    5th of an array's parameters ``meminfo, parent, nitems, itemsize, data, shape..., strides...``)."""
+    from flashnb.kernels import _jit
+    seen = []
+
+    class Recorder:
+        def note_launch(self, *args):
+            seen.append(args)
+
+    f32 = np.dtype(np.float32)
+    a = _jit.View(4096, (2, 3), (12, 4), f32, None)
+    b = _jit.View(8192, (5,), (4,), np.dtype(np.uint32), None)
+    args = (a, 7, np.float32(0.5), b)
+    key, values = _jit._flatten(None, args)
+    _, fmt, nwords, offsets = _jit._layout(key)
+    buf = np.zeros(nwords + len(offsets), np.uint64)
+    import struct
+    struct.pack_into(fmt, buf, 0, *values)
+    _jit._record(Recorder(), "kern", 3, 64, 0, args, 99, buf, nwords, offsets)
+    ((kern, grid, block, shared, got_args, (handle, got_buf, got_nwords, address_word)),) = seen
+    assert (kern, grid, block, shared, handle, got_nwords) == ("kern", 3, 64, 0, 99, nwords)
+    assert got_args is args and got_buf is buf
+    assert sorted(address_word) == [0, 3]
+    assert int(buf[address_word[0]]) == 4096 and int(buf[address_word[3]]) == 8192

@@ -124,7 +124,8 @@ _handles = {}    # (overload or DiskKernel, CUDA context) -> (kernel handle (a C
 _shared = {}     # (kernel handle, device) -> dynamic shared bytes allowed
 _capability = {} # CUDA context -> compute capability of its device
 _shared_limit = {}  # CUDA context -> dynamic shared bytes a block of its device may opt into
-RECORDING = threading.local()  # .recorder: set while flashnb._dispatch records this thread's call
+RECORDING = threading.local()  # .recorder: set while flashnb._dispatch records this thread's call; launch and
+                               # memset_zero tell it through its note_launch / note_memset (no import upward)
 
 
 def launch(kern, grid, block, stream, shared_bytes, args):
@@ -138,9 +139,9 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     if grid == 0:
         return
     if SIMULATOR:
-        if getattr(RECORDING, "recorder", None) is not None:
-            from .._dispatch import note_launch
-            note_launch(kern, grid, block, shared_bytes, args)
+        recorder = getattr(RECORDING, "recorder", None)
+        if recorder is not None:
+            recorder.note_launch(kern, grid, block, shared_bytes, args)
         kern[grid, block, stream.numba, shared_bytes](*args)
         return
     key, values = _flatten(kern, args)
@@ -161,8 +162,9 @@ def launch(kern, grid, block, stream, shared_bytes, args):
     struct.pack_into(fmt, buf, 0, *values)
     base = buf.__array_interface__["data"][0]
     buf[nwords:] = offsets + np.uint64(base)
-    if getattr(RECORDING, "recorder", None) is not None:
-        _record(kern, grid, block, shared_bytes, args, handle, buf, nwords, offsets)
+    recorder = getattr(RECORDING, "recorder", None)
+    if recorder is not None:
+        _record(recorder, kern, grid, block, shared_bytes, args, handle, buf, nwords, offsets)
     one = _ONE
     err = _libcuda().cuLaunchKernel(c_handle, ctypes.c_uint(grid), one, one, ctypes.c_uint(block), one, one,
                                     ctypes.c_uint(shared_bytes), ctypes.c_void_p(stream.handle),
@@ -172,10 +174,9 @@ def launch(kern, grid, block, stream, shared_bytes, args):
                            f"{shared_bytes} bytes of shared memory) failed: {err!r}")
 
 
-def _record(kern, grid, block, shared_bytes, args, handle, buf, nwords, offsets):
+def _record(recorder, kern, grid, block, shared_bytes, args, handle, buf, nwords, offsets):
     """Tell the dispatch recorder about a launch: its packed buffer and the buffer word of each array's address
     (an array's parameters are ``meminfo, parent, nitems, itemsize, data, ...``: the address is the 5th)."""
-    from .._dispatch import note_launch
     address_word, value = {}, 0
     for pos, a in enumerate(args):
         if type(a) is not View and getattr(a, "__cuda_ndarray__", False) is True:
@@ -185,7 +186,7 @@ def _record(kern, grid, block, shared_bytes, args, handle, buf, nwords, offsets)
             value += len(a.params)
         else:
             value += 1
-    note_launch(kern, grid, block, shared_bytes, args, (handle, buf, nwords, address_word))
+    recorder.note_launch(kern, grid, block, shared_bytes, args, (handle, buf, nwords, address_word))
 
 
 _FORMATS = {int: "q", np.float32: "f", np.float64: "d", float: "d", bool: "?"}
@@ -593,9 +594,9 @@ def _allow_shared(handle, nbytes):
 
 def memset_zero(view, stream):
     """Zero a contiguous device array whose size is a multiple of 4 bytes, on ``stream``."""
-    if getattr(RECORDING, "recorder", None) is not None:
-        from .._dispatch import note_memset
-        note_memset(view)
+    recorder = getattr(RECORDING, "recorder", None)
+    if recorder is not None:
+        recorder.note_memset(view)
     if SIMULATOR:
         view.copy_to_device(np.zeros(view.shape, view.dtype), stream=stream.numba)
         return
