@@ -544,13 +544,14 @@ _lib = None
 
 
 def _libcuda():
-    """The CUDA driver through ctypes, for the calls every launch makes (``cuLaunchKernel``, ``cuCtxGetCurrent``):
+    """The CUDA driver through ctypes, for the calls every launch makes (``cuLaunchKernel``, ``cuCtxGetCurrent``;
+    and ``cuStreamIsCapturing``):
     a few microseconds less a call than ``cuda.bindings``' wrappers, which convert every argument.  The return
     types are the driver's ``CUresult`` (an int); the arguments are passed as ctypes objects."""
     global _lib
     if _lib is None:
         lib = ctypes.CDLL("libcuda.so.1")
-        for name in ("cuLaunchKernel", "cuCtxGetCurrent"):
+        for name in ("cuLaunchKernel", "cuCtxGetCurrent", "cuStreamIsCapturing"):
             getattr(lib, name).restype = ctypes.c_int
         _lib = lib
     return _lib
