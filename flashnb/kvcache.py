@@ -1,8 +1,9 @@
 """``flash_attn_with_kvcache``: attention of new query tokens over a KV cache, with the cache append, dense or
 paged caches and split-KV decoding (flash-decoding), following flash-attn's function of the same name.
 
-Layers as in ``api``: validate everything on the host (``_check``) -> choose the work split (``plan_decode``:
-row tiles, lanes per key, splits) -> launch ``kernels.decode``'s append, decode and combine kernels.
+Layers as in ``api``: validate everything on the host (``_check``) -> choose the work split
+(``plan.plan_decode``: row tiles, lanes per key, splits) -> launch ``kernels.decode``'s append, decode and
+combine kernels.
 The oracle is ``reference.attention_with_kvcache`` (docs/semantics.md, "KV cache").
 
 ``cache_seqlens`` and ``block_table`` held on the host (NumPy arrays, CPU PyTorch tensors, an int) are checked
@@ -19,19 +20,17 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from . import _arrays, _dispatch, _options
+from . import _arrays, _dispatch, _options, plan
 from .kernels import decode as _decode
 from .kernels import rotary as _rotary
 from .kernels._jit import SIMULATOR, launch
 
 DTYPES = ("float16", "bfloat16", "float32")
-MAX_ROWS = 8                          # query rows (query tokens x GQA heads) per block: q and acc live in registers
 KEYS_PER_LANE = 2                     # T: keys per lane group per step (loads in flight per lane: 2 T rows' chunks)
 NWARPS = 2 if SIMULATOR else 8        # the simulator's grids stay small; two warps still exercise the warp merge
 E_BUDGET = 4 if SIMULATOR else 64     # q and acc values per lane per row tile (x ROWS): sets the lanes per key;
                                       # tiny in the simulator so that its tiny head dims still split a key over lanes
 BLOCKS_PER_SM = 2 if SIMULATOR else 1  # decode blocks resident per SM (registers): the slots the split count fills
-MAX_SPLITS = 128
 STAGES = 4                            # K/V tiles staged through shared memory, STAGES - 1 steps ahead (0: registers)
 STAGE_BYTES_PER_SM = 192 * 1024       # the stages' shared memory of the BLOCKS_PER_SM blocks of an SM, together
 LEAN = True                           # decode.make_decode's LEAN path (fewer instructions per step)
@@ -41,34 +40,6 @@ LEAN = True                           # decode.make_decode's LEAN path (fewer in
 # other values against these (bench/decode.py), with no code edit.
 SIM_SMS = 2                           # the simulator's stand-in SM count: tiny problems still split
 APPEND_THREADS = 256
-
-
-class DecodePlan(NamedTuple):
-    rows: int            # ROWS: query rows per block
-    n_row_tiles: int
-    lanes_per_key: int   # LK
-    vec16: bool
-    n_splits: int
-    split_len: int       # keys per split, a multiple of KEY_ALIGN
-
-
-@functools.lru_cache(maxsize=4096)
-def num_splits_heuristic(blocks, slots, n_key_blocks, max_splits=MAX_SPLITS):
-    """flash-attn's ``num_splits_heuristic`` (csrc/flash_attn/flash_api.cpp) with the GPU's block *slots*
-    (SMs x resident blocks) for its SM count: no split when the blocks already nearly fill the slots; else
-    the fewest splits whose wave efficiency (waves / whole waves) is within 85% of the best, skipping split
-    counts that do not change the key blocks per split."""
-    if blocks >= 0.8 * slots:
-        return 1
-    max_splits = max(1, min(max_splits, slots, n_key_blocks))
-    eligible = lambda s: s == 1 or -(-n_key_blocks // s) != -(-n_key_blocks // (s - 1))
-    eff = {}
-    for s in range(1, max_splits + 1):
-        if eligible(s):
-            waves = blocks * s / slots
-            eff[s] = waves / math.ceil(waves)
-    best = max(eff.values())
-    return min(s for s, e in eff.items() if e >= 0.85 * best)
 
 
 _sm_counts = {}
@@ -83,28 +54,6 @@ def sm_count():
     if n is None:
         n = _sm_counts[dev.id] = int(dev.MULTIPROCESSOR_COUNT)
     return n
-
-
-@functools.lru_cache(maxsize=1024)
-def plan_decode(dtype_name, batch, nheads_k, group, seqlen_q, headdim, n_max, vec16, num_splits, slots=None,
-                e_budget=None):
-    """The decode kernel's work split for one call (``DecodePlan``): ``n_max`` the longest sequence's rows
-    (after the append), ``slots`` the GPU's block slots, ``e_budget`` the lanes' value budget (None: the
-    module's ``sm_count() x BLOCKS_PER_SM`` and ``E_BUDGET``; ``_attend`` passes them, so that a setting
-    changed between calls is not hidden by the cache)."""
-    nrows = group * seqlen_q
-    rows = 1
-    while rows < min(nrows, MAX_ROWS):
-        rows *= 2
-    n_row_tiles = -(-nrows // rows)
-    lk = _decode.lane_layout(headdim, dtype_name, rows, vec16, E_BUDGET if e_budget is None else e_budget)[0]
-    n_key_blocks = max(1, -(-n_max // _decode.KEY_ALIGN))
-    if num_splits == 0:
-        slots = sm_count() * BLOCKS_PER_SM if slots is None else slots
-        num_splits = num_splits_heuristic(batch * nheads_k * n_row_tiles, slots, n_key_blocks)
-    split_len = -(-n_key_blocks // min(num_splits, n_key_blocks)) * _decode.KEY_ALIGN
-    n_splits = max(1, -(-n_max // split_len))
-    return DecodePlan(rows, n_row_tiles, lk, vec16, n_splits, split_len)
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -583,8 +532,8 @@ def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts
     """The decode kernel (and the combine, with splits) for a checked call."""
     group = c.nheads // c.nheads_k
     vec16 = _arrays.rows_aligned16(kc_w) and _arrays.rows_aligned16(vc_w)
-    p = plan_decode(kind.dtype, c.batch, c.nheads_k, group, c.seqlen_q, c.headdim, c.n_max, vec16, num_splits,
-                    slots=sm_count() * BLOCKS_PER_SM, e_budget=E_BUDGET)
+    p = plan.plan_decode(kind.dtype, c.batch, c.nheads_k, group, c.seqlen_q, c.headdim, c.n_max, vec16,
+                         num_splits, slots=sm_count() * BLOCKS_PER_SM, e_budget=E_BUDGET)
     f = opts.flags
     split = p.n_splits > 1
     stages = _decode.stages_that_fit(STAGES, kind.dtype, c.headdim, p.lanes_per_key, KEYS_PER_LANE, NWARPS,

@@ -12,6 +12,7 @@ The tile and variant heuristics of both backends live here too, each with the me
 (docs/performance.md; the version history in docs/notes/tensorcore.md).  The device's limits (shared memory
 per block, compute capability) are read from the current device; a cache of plans must key on the device too.
 """
+import math
 from functools import lru_cache
 from typing import NamedTuple, Optional
 
@@ -27,6 +28,7 @@ from .kernels.backward_tc import dq_frag_shape, make_cast_frag, make_cast_tc, ma
 from .kernels.forward import LOG2E, make_forward, tile_threads
 from .kernels.forward_tc import make_forward_tc, make_prepare_tf32, tf32_head_words
 from .kernels._tma import tensor_maps
+from .kernels import decode as _decode
 
 BACKENDS = ("simt", "tensorcore", "wgmma")
 
@@ -915,3 +917,60 @@ def _red2():
     """Vector float32 reductions (red.global.add.v2.f32) exist from compute capability 9.0; the simulator's twin
     is two atomics."""
     return SIMULATOR or compute_capability() >= (9, 0)
+
+
+# ------------------------------------------------------------------------------------------------ split-KV decode
+# The decode kernels' work split (``kernels.decode``; ``flashnb.kvcache`` launches it): query rows per block (query
+# tokens x the query heads of a KV head, q and acc in registers), lanes per key, and the split of the keys over
+# the SMs (flash-decoding).
+DECODE_MAX_ROWS = 8
+DECODE_MAX_SPLITS = 128
+
+
+class DecodePlan(NamedTuple):
+    rows: int            # ROWS: query rows per block
+    n_row_tiles: int
+    lanes_per_key: int   # LK
+    vec16: bool
+    n_splits: int
+    split_len: int       # keys per split, a multiple of KEY_ALIGN
+
+
+@lru_cache(maxsize=4096)
+def num_splits_heuristic(blocks, slots, n_key_blocks, max_splits=DECODE_MAX_SPLITS):
+    """flash-attn's ``num_splits_heuristic`` (csrc/flash_attn/flash_api.cpp) with the GPU's block *slots*
+    (SMs x resident blocks) for its SM count: no split when the blocks already nearly fill the slots; else
+    the fewest splits whose wave efficiency (waves / whole waves) is within 85% of the best, skipping split
+    counts that do not change the key blocks per split."""
+    if blocks >= 0.8 * slots:
+        return 1
+    max_splits = max(1, min(max_splits, slots, n_key_blocks))
+    eligible = lambda s: s == 1 or -(-n_key_blocks // s) != -(-n_key_blocks // (s - 1))
+    eff = {}
+    for s in range(1, max_splits + 1):
+        if eligible(s):
+            waves = blocks * s / slots
+            eff[s] = waves / math.ceil(waves)
+    best = max(eff.values())
+    return min(s for s, e in eff.items() if e >= 0.85 * best)
+
+
+@lru_cache(maxsize=1024)
+def plan_decode(dtype_name, batch, nheads_k, group, seqlen_q, headdim, n_max, vec16, num_splits, slots, e_budget):
+    """The split-KV decode kernel's work split for one call (``DecodePlan``; ``flashnb.kvcache``'s calls and the
+    small-query calls routed there): ``n_max`` the longest sequence's rows (after the append), ``num_splits``
+    0 (chosen: ``num_splits_heuristic``) or asked for, ``slots`` the GPU's block slots (SMs x resident decode
+    blocks), ``e_budget`` the lanes' value budget (``kvcache.E_BUDGET``: passed, so that a setting changed between
+    calls is not hidden by the cache)."""
+    nrows = group * seqlen_q
+    rows = 1
+    while rows < min(nrows, DECODE_MAX_ROWS):
+        rows *= 2
+    n_row_tiles = -(-nrows // rows)
+    lk = _decode.lane_layout(headdim, dtype_name, rows, vec16, e_budget)[0]
+    n_key_blocks = max(1, -(-n_max // _decode.KEY_ALIGN))
+    if num_splits == 0:
+        num_splits = num_splits_heuristic(batch * nheads_k * n_row_tiles, slots, n_key_blocks)
+    split_len = -(-n_key_blocks // min(num_splits, n_key_blocks)) * _decode.KEY_ALIGN
+    n_splits = max(1, -(-n_max // split_len))
+    return DecodePlan(rows, n_row_tiles, lk, vec16, n_splits, split_len)

@@ -314,3 +314,18 @@ def test_launch_bounds_and_block_order_where_measured(device, monkeypatch, kw, t
     assert built["make_dkdv_tc"].get("SECTION") == (plan.LPT_SECTION_BWD if section else None), built
     plan.backward(call(**{**kw, "headdim": 256}))
     assert built["make_dkdv_tc"].get("EXCHANGE") is True, built
+
+
+def test_split_kv_decode_split_count_choice():
+    """The split-KV decode plan (``plan.plan_decode``), flash-attn's heuristic: no split when the blocks fill the GPU, else enough splits for >= 85% wave
+    efficiency; the splits cover every key in multiples of 16."""
+    assert plan.num_splits_heuristic(220, 264, 256) == 1                # >= 0.8 x the slots
+    assert plan.num_splits_heuristic(128, 264, 256) == 2              # the issue's shape on an H100: 256 blocks
+    assert plan.num_splits_heuristic(16, 264, 256) >= 13
+    assert plan.num_splits_heuristic(1, 264, 3) == 3                 # bounded by the key blocks
+    for n_max in (1, 15, 16, 17, 100, 4096, 32768):
+        for splits in (0, 1, 3, 7, 200):
+            p = plan.plan_decode("float16", 2, 8, 4, 1, 128, n_max, True, splits, slots=264, e_budget=64)
+            assert p.split_len % 16 == 0 and p.n_splits * p.split_len >= n_max
+            assert (p.n_splits - 1) * p.split_len < max(n_max, 1)       # no split starts past the keys
+            assert p.rows == 4 and p.n_row_tiles == 1

@@ -22,7 +22,7 @@ from numba import cuda
 import flashnb
 import strategies as S
 from bench import decode as bench_decode
-from flashnb import kvcache
+from flashnb import kvcache, plan
 from flashnb.kernels._jit import SIMULATOR
 from kernel_harness import Untouched, check_forward, examples, expected, poison_outputs  # noqa: F401 (fixture)
 from reference import varlen
@@ -281,7 +281,8 @@ def test_paged_stages_within_and_across_pages(dtype):
     simulator's two warps, the layout whose copies tile the block evenly with 32 keys a step, as 16-byte
     copies do at the GPU's shapes)."""
     headdim = 8
-    lk = kvcache.plan_decode(np.dtype(dtype).name, 2, 2, 1, 1, headdim, 256, False, 1).lanes_per_key
+    lk = plan.plan_decode(np.dtype(dtype).name, 2, 2, 1, 1, headdim, 256, False, 1,
+                          slots=kvcache.sm_count() * kvcache.BLOCKS_PER_SM, e_budget=kvcache.E_BUDGET).lanes_per_key
     kpb = kvcache.NWARPS * (32 // lk) * kvcache.KEYS_PER_LANE
     page = max(2 * kpb, PAGE)
     c = _decode_case(dtype, nheads=2, nheads_k=2, headdim=headdim, rows=4 * page, lens=(4 * page, 3 * page - 5),
@@ -307,21 +308,6 @@ def test_chunked_prefill_rows_over_several_tiles():
     q = rng.standard_normal((batch, sq, nheads, d)).astype(np.float32)
     k, v = (rng.standard_normal((batch, sq, nheads_k, d)).astype(np.float32) for _ in range(2))
     check_case(Case(q, kc, vc, k, v, np.array([9], np.int32), table, dict(causal=True), 2))
-
-
-def test_split_count_choice():
-    """flash-attn's heuristic: no split when the blocks fill the GPU, else enough splits for >= 85% wave
-    efficiency; the splits cover every key in multiples of 16."""
-    assert kvcache.num_splits_heuristic(220, 264, 256) == 1                # >= 0.8 x the slots
-    assert kvcache.num_splits_heuristic(128, 264, 256) == 2              # the issue's shape on an H100: 256 blocks
-    assert kvcache.num_splits_heuristic(16, 264, 256) >= 13
-    assert kvcache.num_splits_heuristic(1, 264, 3) == 3                 # bounded by the key blocks
-    for n_max in (1, 15, 16, 17, 100, 4096, 32768):
-        for splits in (0, 1, 3, 7, 200):
-            p = kvcache.plan_decode("float16", 2, 8, 4, 1, 128, n_max, True, splits, slots=264)
-            assert p.split_len % 16 == 0 and p.n_splits * p.split_len >= n_max
-            assert (p.n_splits - 1) * p.split_len < max(n_max, 1)       # no split starts past the keys
-            assert p.rows == 4 and p.n_row_tiles == 1
 
 
 # ------------------------------------------------------------------------------------------------ bad input
