@@ -317,8 +317,8 @@ def test_launch_bounds_and_block_order_where_measured(device, monkeypatch, kw, t
 
 
 def test_split_kv_decode_split_count_choice():
-    """The split-KV decode plan (``plan.plan_decode``), flash-attn's heuristic: no split when the blocks fill the GPU, else enough splits for >= 85% wave
-    efficiency; the splits cover every key in multiples of 16."""
+    """The split-KV decode plan (``plan.plan_decode``), flash-attn's heuristic: no split when the blocks fill the
+    GPU, else enough splits for >= 85% wave efficiency; the splits cover every key in multiples of 16."""
     assert plan.num_splits_heuristic(220, 264, 256) == 1                # >= 0.8 x the slots
     assert plan.num_splits_heuristic(128, 264, 256) == 2              # the issue's shape on an H100: 256 blocks
     assert plan.num_splits_heuristic(16, 264, 256) >= 13

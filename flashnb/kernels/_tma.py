@@ -11,10 +11,11 @@ Waiting threads spin on ``try_wait.parity`` for that phase's parity.  The same b
 hand a stage back from the threads that read it to the thread that refills it.
 
 The tensor maps live in global memory (``tensor_maps``: device rows per distinct set, cached, copied from pinned
-host rows on the launch stream, so a new set never blocks the host), the kernel receiving a uint64 array whose 16-word rows are the maps.  (A separate copy warp, FA3's producer, was
-tried first: 288 threads of the forward's ~190-236 registers pass the SM's 65536 at head dim 128 causal and
-256, and ``cuLaunchKernel`` refused them; without ``setmaxnreg`` and a register cap at entry, which Numba's
-kernels do not declare, the copies are issued by one of the readers.)
+host rows on the launch stream, so a new set never blocks the host), the kernel receiving a uint64 array whose
+16-word rows are the maps.  (A separate copy warp, FA3's producer, was tried first: 288 threads of the
+forward's ~190-236 registers pass the SM's 65536 at head dim 128 causal and 256, and ``cuLaunchKernel`` refused
+them; without ``setmaxnreg`` and a register cap at entry, which Numba's kernels do not declare, the copies are
+issued by one of the readers.)
 
 The simulator has no copy engine and no asynchrony: ``tma_box`` copies the box itself (the calling thread, from
 the source array, through the same swizzled offsets and zero fill), and the barrier operations do nothing; the
