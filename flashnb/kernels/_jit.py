@@ -544,10 +544,9 @@ _lib = None
 
 
 def _libcuda():
-    """The CUDA driver through ctypes, for the calls every launch makes (``cuLaunchKernel``, ``cuCtxGetCurrent``;
-    and ``cuStreamIsCapturing``):
-    a few microseconds less a call than ``cuda.bindings``' wrappers, which convert every argument.  The return
-    types are the driver's ``CUresult`` (an int); the arguments are passed as ctypes objects."""
+    """The CUDA driver through ctypes, for the calls every launch makes (``cuLaunchKernel``, ``cuCtxGetCurrent``)
+    and ``_tma``'s ``cuStreamIsCapturing``: a few microseconds less a call than ``cuda.bindings``' wrappers, which
+    convert every argument.  Each returns the driver's ``CUresult`` (an int); the arguments go as ctypes objects."""
     global _lib
     if _lib is None:
         lib = ctypes.CDLL("libcuda.so.1")
