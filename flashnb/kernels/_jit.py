@@ -544,13 +544,13 @@ _lib = None
 
 
 def _libcuda():
-    """The CUDA driver through ctypes, for the calls every launch makes (``cuLaunchKernel``, ``cuCtxGetCurrent``)
-    and ``_tma``'s ``cuStreamIsCapturing``: a few microseconds less a call than ``cuda.bindings``' wrappers, which
-    convert every argument.  Each returns the driver's ``CUresult`` (an int); the arguments go as ctypes objects."""
+    """The CUDA driver through ctypes, for the calls every launch makes (``cuLaunchKernel``, ``cuCtxGetCurrent``):
+    a few microseconds less a call than ``cuda.bindings``' wrappers, which convert every argument.  Each returns
+    the driver's ``CUresult`` (an int); the arguments go as ctypes objects."""
     global _lib
     if _lib is None:
         lib = ctypes.CDLL("libcuda.so.1")
-        for name in ("cuLaunchKernel", "cuCtxGetCurrent", "cuStreamIsCapturing"):
+        for name in ("cuLaunchKernel", "cuCtxGetCurrent"):
             getattr(lib, name).restype = ctypes.c_int
         _lib = lib
     return _lib

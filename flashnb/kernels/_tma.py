@@ -248,19 +248,6 @@ def _arena(make=True):
     return arena
 
 
-def _refuse_in_capture(stream):
-    """New maps are copied by a node a CUDA graph would replay from their pinned rows, which a later ``reset``
-    hands to other maps: refused while ``stream`` is being captured (as the synchronous copy was, by CUDA)."""
-    import ctypes
-    from ._jit import _libcuda
-    status = ctypes.c_int(0)
-    err = _libcuda().cuStreamIsCapturing(ctypes.c_void_p(stream), ctypes.byref(status))
-    if err == 0 and status.value != 0:
-        raise RuntimeError("flashnb: the Hopper forward needs new tensor maps (arrays at new addresses) while the "
-                           "stream is being captured into a CUDA graph; call it once on the same arrays before the "
-                           "capture (the warm-up encodes their maps)")
-
-
 def clear():
     """Forget every set of maps.  The current context's rows are handed out again after its device has drained;
     another context's arena goes on from where it was (and resets itself when full, with its context current)."""
@@ -324,7 +311,6 @@ def maps_for(specs, stream=0):
             SPECS.clear()
         buf = cuda.to_device(np.zeros((len(specs), MAP_WORDS), np.uint64))
     else:
-        _refuse_in_capture(stream)
         arena = _arena()
         first = arena.take(len(specs)) if len(_maps) < _MAX_MAPS else None
         if first is None:                 # no kernel still in flight may read a row handed out again
