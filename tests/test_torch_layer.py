@@ -226,3 +226,23 @@ def test_flex_attention_compiled_again_with_another_block_mask():
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
     for mask in masks:
         torch.testing.assert_close(compiled(q, k, v, mask), attend(q, k, v, mask), rtol=0, atol=0)
+
+
+def test_has_word_view_answers_as_word_view_does(monkeypatch):
+    """``_arrays.has_word_view``'s arithmetic for 16-bit CUDA tensors (the routed call's layout check, GPU-only)
+    against ``word_view`` of the same tensor's view: CPU tensors taken as CUDA ones (``is_cuda``, the simulator's
+    flag off), so both run their GPU path, which reads only shapes, strides and addresses."""
+    from flashnb import _arrays
+    monkeypatch.setattr(_arrays, "SIMULATOR", False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    base = torch.randn(3, 10, 6, 8, dtype=torch.float32).to(torch.float16)
+    flat = torch.randn(2000, dtype=torch.float32).to(torch.bfloat16)
+    cases = [base, base[:, 1:], base[:, :, 2:4], base[..., :6], base[..., 1:7], base[..., ::2], base.transpose(1, 2),
+             base[:, :1], base.unsqueeze(1)[:, :, :, :, :4].reshape(3, 10, 6, 4), base[..., :0],
+             flat[1:1 + 2 * 5 * 3 * 8].view(2, 5, 3, 8), flat[2:2 + 2 * 5 * 3 * 8].view(2, 5, 3, 8),
+             flat[:2 * 5 * 3 * 7].view(2, 5, 3, 7), torch.as_strided(flat, (2, 4, 3, 8), (97, 24, 8, 1)),
+             torch.as_strided(flat, (2, 1, 3, 8), (96, 5, 8, 1))]
+    for i, x in enumerate(cases):
+        want = _arrays.word_view(_arrays.to_device_bits(x, None)) is not None
+        assert _arrays.has_word_view(x, None) == want, (i, tuple(x.shape), x.stride(), x.data_ptr() % 4)
+    assert {_arrays.has_word_view(x, None) for x in cases} == {True, False}      # both answers drawn
