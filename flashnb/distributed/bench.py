@@ -208,7 +208,9 @@ def throughput(args, rank, world):
              "ring, timeout=60 (s) | its scaling efficiency |",
              "|---|---|---|---|---|---|---|---|---|"]
     gen = torch.Generator(device=DEVICE).manual_seed(7)
-    masks = [m.strip() for m in args.masks.split(",")]
+    masks = [m.strip() for m in args.masks.split(",") if m.strip()]
+    if not masks or set(masks) - {"causal", "full"}:
+        raise SystemExit(f"--masks takes causal and/or full, got {args.masks!r}")
     for causal in [m == "causal" for m in ("causal", "full") if m in masks]:
         full = [torch.randn(1, n, h, d, device=DEVICE, dtype=dtype, generator=gen) for _ in range(4)]
         parts = [shard(x) for x in full]
