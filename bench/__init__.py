@@ -13,9 +13,11 @@ Modules, in the order a run uses them:
 * ``smoke``    -- flashnb against the oracle at toy sizes (also in the simulator);
 * ``io_table`` -- reference.io_model's HBM traffic next to measured times;
 * ``host``     -- the host time of one call (tiny shape, back-to-back calls);
-* ``report``   -- terminal / Markdown / CSV / JSON writers and readers, the plot.
+* ``report``   -- terminal / Markdown / CSV / JSON writers and readers, the plot;
+* ``decode``, ``varlen``, ``flex``, ``model`` -- the sections of ``--decode``, ``--varlen``, ``--flex`` and
+  ``--model llama``, each its own table.
 
-The developer tools (tile sweeps, profiler targets and readers, SASS) are in ``tools/``
+The developer tools (tile sweeps, the decode kernels' A/B, profiler targets and readers, SASS) are in ``tools/``
 (``python -m tools.X``; tools/README.md).
 
 This file imports nothing: ``python -m bench`` must be able to switch numba to

@@ -150,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--decode", action="store_true",
                       help="only the KV-cache decode table (bench/decode.py: batch 16, 32 query heads over 8 KV heads, "
                            "d 128, 4k-32k keys, dense and paged, against SDPA and the HBM bound; needs a GPU)")
-    w.add_argument("--decode-sweep", action="store_true", help=argparse.SUPPRESS)   # --decode's tuning rows
     mode.add_argument("--varlen", action="store_true",
                       help="only the packed-batch (varlen) table (bench/varlen.py: random lengths, 16k tokens, d 64 "
                            "and 128, causal or not, fwd and fwd+bwd, against the dense kernels on the same tokens and "

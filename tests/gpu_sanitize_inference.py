@@ -13,7 +13,7 @@ sequences of unequal lengths with an empty one and lengths that are not multiple
 memory (checked by the kernels), as an int, and out of range (the kernels must refuse those sequences without
 a stray read or write: NaN rows, no append); with and without an append; one split and several (the combine);
 decoding (one query) and a chunk of 12 queries over several row tiles; the decode candidates of
-``bench.decode --variants`` (LEAN, 16 lanes a key with 6 stages, 8 warps); 3 stages (48 KB of dynamic shared
+``tools.tune_decode`` (LEAN, 16 lanes a key with 6 stages, 8 warps); 3 stages (48 KB of dynamic shared
 memory over 8 KB of static: ``_jit.launch``'s opt-in).  Each result is compared with the oracle loosely (the
 property suites hold them to tight bounds): this run is about memory and synchronisation errors.
 """
@@ -58,7 +58,7 @@ KVCACHE = [  # (dtype, paged, seqlens: "tensor" | "int" | "bad", seqlen_q, new, 
     (BF16, True, "tensor", 12, 12, 3, {}),               # chunked prefill: 48 rows in 6 tiles, paged, split
     (BF16, False, "int", 1, 0, 0, {}),                   # bfloat16 decode, no metadata array, automatic split
     (F16, False, "int", 1, 0, 0, {"STAGES": 3}),         # 48 KB dynamic + 8 KB static shared memory
-    # bench.decode's candidates, as its --variants rows compile them (an int length; the same splitting)
+    # tools.tune_decode's candidates, as its A/B rows compile them (an int length; the same splitting)
     (F16, False, "int", 1, 0, 0, {"LEAN": 1}),
     (F16, False, "int", 1, 0, 0, {"LEAN": 1, "E_BUDGET": 32, "BLOCKS_PER_SM": 3, "STAGES": 6}),
     (F16, False, "int", 1, 0, 1, {"LEAN": 1, "NWARPS": 8, "BLOCKS_PER_SM": 1}),

@@ -39,17 +39,19 @@ def decode_call(args):
     import torch
     import flashnb
     from bench import decode
+    from tools.tune_decode import in_order
     g = torch.Generator(device="cuda")
-    q, kc, vc, k_sdpa, v_sdpa, q_packed, _, table, kp, vp, _ = decode._inputs(torch, g, args.seqlen)
-    kpo, vpo, table_o = decode._in_order(torch, kc, vc)
-    k, v, t = {"dense": (kc, vc, None), "paged": (kp, vp, table), "pages-in-order": (kpo, vpo, table_o)}[args.decode]
+    x = decode.inputs(torch, g, args.seqlen)
+    kpo, vpo, table_o = in_order(torch, x.kc, x.vc)
+    k, v, t = {"dense": (x.kc, x.vc, None), "paged": (x.kp, x.vp, x.table),
+               "pages-in-order": (kpo, vpo, table_o)}[args.decode]
     if args.impl == "flashnb":
-        return lambda: flashnb.flash_attn_with_kvcache(q, k, v, cache_seqlens=args.seqlen, block_table=t)
+        return lambda: flashnb.flash_attn_with_kvcache(x.q, k, v, cache_seqlens=args.seqlen, block_table=t)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q_packed, k_sdpa, v_sdpa)
+            return torch.nn.functional.scaled_dot_product_attention(x.q_packed, x.k_sdpa, x.v_sdpa)
     return sdpa
 
 

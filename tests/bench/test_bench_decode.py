@@ -20,7 +20,7 @@ def test_table_and_speedups():
     recs = [dict(seqlen_k=4096, layout="dense", impl="sdpa-flash", gpu_us=120.0, hbm_bound_us=89.5),
             dict(seqlen_k=4096, layout="dense", impl="flashnb", gpu_us=100.0, call_us=150.0, hbm_bound_us=89.5),
             dict(seqlen_k=4096, layout="paged", impl="flashnb", note="ValueError: x", hbm_bound_us=89.5)]
-    decode._speedups(recs)
+    decode.speedups(recs)
     assert recs[1]["vs_sdpa_flash"] == 1.2 and "vs_sdpa_flash" not in recs[2]
     text = decode.table(recs)
     assert text.count("\n") == 4 and "| 4096 | paged | flashnb |" in text and "ValueError: x" in text

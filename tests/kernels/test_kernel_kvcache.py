@@ -21,11 +21,11 @@ from numba import cuda
 
 import flashnb
 import strategies as S
-from bench import decode as bench_decode
 from flashnb import kvcache, plan
 from flashnb.kernels._jit import SIMULATOR
 from kernel_harness import Untouched, check_forward, examples, expected, poison_outputs  # noqa: F401 (fixture)
 from reference import varlen
+from tools import tune_decode
 
 PAGE = 16                     # the smallest page the kernel takes (decode.KEY_ALIGN)
 MAX_ROWS_DENSE = 24 if SIMULATOR else 700
@@ -491,11 +491,11 @@ def test_cpu_torch_metadata_is_checked_on_the_host():
 
 # ------------------------------------------------------------------------------------------------ candidates
 def simulator_settings(spec):
-    """A ``bench.decode --variants`` candidate (``flashnb.kvcache`` settings timed against the default on the
+    """A ``tools.tune_decode`` candidate (``flashnb.kvcache`` settings timed against the default on the
     GPU) for these tests' tiny head dims: E_BUDGET = 16, with which they take 1-2 lanes per key and 64-128-key
     steps, so that the LEAN kernel's hoisted copies (whole stages of a dense cache) and its steps without the
     range mask run; in the simulator also half the warps (its default is 2, the GPU's 4)."""
-    values = bench_decode.parse_variant(spec)
+    values = tune_decode.parse_variant(spec)
     if SIMULATOR and "NWARPS" in values:
         values["NWARPS"] //= 2
     values["E_BUDGET"] = 16
@@ -525,9 +525,9 @@ def test_lean_decode_matches_oracle(case, monkeypatch):
     check_case(_long_case(*case))
 
 
-@pytest.mark.parametrize("spec", [v for v in bench_decode.VARIANTS if v != "LEAN=1"])
+@pytest.mark.parametrize("spec", [v for v in tune_decode.VARIANTS if v != "LEAN=1"])
 def test_decode_variants_match_oracle(spec, monkeypatch):
-    """The other candidates of ``bench.decode --variants`` (more stages and blocks, twice the warps)."""
+    """The other candidates of ``tools.tune_decode`` (more stages and blocks, twice the warps)."""
     for name, value in simulator_settings(spec).items():
         monkeypatch.setattr(kvcache, name, value)
     check_case(_long_case(*LONG[0]))
