@@ -12,7 +12,7 @@ sequence lengths, so any later call of the same dtype, head dim and options on c
 from disk.  Strided arrays, options that change the kernels (masks, bias, ALiBi, softcap, dropout, windows,
 ``deterministic``, own tiles) and other head dims compile on their first call and are stored then.
 bfloat16 runs on PyTorch CUDA tensors (skipped without them).  The cache's location and key:
-``flashnb/kernels/_cache.py`` and docs/api.md.
+``flashnb/kernels/_cache.py`` and docs/internals.md.
 
 Numba compiles one kernel at a time per process (it holds the GIL), so the (dtype, head dim, causal) tasks run
 in ``--jobs`` processes at once (default: one per task, up to the CPU count); the disk cache's atomic writes

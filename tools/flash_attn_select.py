@@ -70,7 +70,7 @@ KNOWN_DIFFERENCES = {
     "test_flash_attn_kvcache_paged_block_table_bounds":
         "expects RuntimeError('...block_table...') when cache_seqlens (a CUDA tensor) passes the block table's "
         "capacity; flashnb by design never copies device metadata to the host: its kernels check each entry and "
-        "give that sequence NaN rows and no append (docs/api.md, flash_attn_with_kvcache), and host values raise "
+        "give that sequence NaN rows and no append (docs/reference.md, flash_attn_with_kvcache), and host values raise "
         "ValueError",
 }
 
