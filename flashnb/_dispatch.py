@@ -52,7 +52,14 @@ CONSTANT_PTRS = set()                 # device addresses that stay valid for the
 # tests/kernels/test_torch_gpu.py::test_dispatch_cache_and_the_hopper_forwards_tensor_maps): bit-identical to the
 # full path, 26-28 us of host time a call against 168 us unrecorded
 REPLAY_TENSOR_MAPS = True
-stats = {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0, "unrecorded": 0}
+stats = {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0, "unrecorded": 0, "steps": 0}
+# Length-generic steps: a decoding loop's key count grows by one a step, so its signature never comes back and
+# every step would take the full path.  An op that passes ``generic=(positions, axis)`` also looks a miss up by
+# its *length-generic* key (``length_generic``: the signature with the length of those arrays on that axis left
+# out); the full path of such a call may offer a step (``offer_step``: a callable that binds and launches a call
+# of that key at any length, re-deriving what depends on the length), kept here and called on later misses.
+MAX_STEPS = 64
+_STEPS = OrderedDict()                # length-generic key -> step, oldest first
 # An op whose calls keep missing (a decoding loop: a new key count every step, so no signature comes back) stops
 # paying for recordings that never replay, and stops pushing the recordings that do out of the cache: after
 # MISS_STREAK misses in a row with no hit between, only one miss in RECORD_EVERY is recorded (so a signature that
@@ -162,6 +169,7 @@ UNFIT = object()
 def clear():
     with _LOCK:
         _CACHE.clear()
+        _STEPS.clear()
         _STREAK.clear()
         for k in stats:
             stats[k] = 0
@@ -268,9 +276,10 @@ class Recorder:
                           + 8 * nwords, words))
 
 
-def cached_call(op, arrays, scalars, full_call, cacheable=True, args=()):
+def cached_call(op, arrays, scalars, full_call, cacheable=True, args=(), generic=None):
     """``full_call(*args)``, or the replay of its recording: the entry point of the public functions.
-    ``arrays`` and ``scalars``: every argument of the call (``signature``)."""
+    ``arrays`` and ``scalars``: every argument of the call (``signature``); ``generic``: ``(positions, axis)``
+    of the arrays whose length on ``axis`` a length-generic step may vary (``length_generic``), or None."""
     key, ptrs = signature(op, arrays, scalars) if cacheable else (None, None)
     rec = lookup(key)
     if rec is UNFIT:
@@ -278,14 +287,71 @@ def cached_call(op, arrays, scalars, full_call, cacheable=True, args=()):
     if rec is not None:
         _STREAK[op] = 0
         return rec(arrays, ptrs)
-    streak = _STREAK[op] = _STREAK.get(op, 0) + 1
-    if streak > MISS_STREAK and streak % RECORD_EVERY:
-        stats["unrecorded"] += 1
-        return full_call(*args)
-    with _Recording(key, arrays) as recording:
-        result = full_call(*args)
-        recording.finish(result)
+    gkey = None if generic is None else length_generic(key, *generic)
+    if gkey is not None:
+        step = _STEPS.get(gkey)
+        if step is not None:
+            result = step(arrays)
+            if result is not None:
+                stats["steps"] += 1
+                return result
+        _local.step = None
+        _local.wants_step = True
+    try:
+        streak = _STREAK[op] = _STREAK.get(op, 0) + 1
+        if streak > MISS_STREAK and streak % RECORD_EVERY:
+            stats["unrecorded"] += 1
+            result = full_call(*args)
+        else:
+            with _Recording(key, arrays) as recording:
+                result = full_call(*args)
+                recording.finish(result)
+    finally:
+        if gkey is not None:
+            step, _local.step, _local.wants_step = _local.step, None, False
+    if gkey is not None and step is not None:
+        with _LOCK:
+            _STEPS[gkey] = step
+            while len(_STEPS) > MAX_STEPS:
+                _STEPS.popitem(last=False)
     return result
+
+
+def length_generic(key, positions, axis):
+    """``key`` (a ``signature``) with the length of the arrays at ``positions`` on ``axis`` left out: their shapes
+    without that axis, and each of their strides that is a multiple of the length written as that multiple
+    (``("L", stride // length)``: a dense cache's batch stride grows with it), so that calls differing only in
+    that length (the same in each of those arrays) share the key.  None where the call has no such key (not
+    cacheable, an array absent, lengths that differ or are 0).  The strides stay exact: a key and a length give
+    back every stride."""
+    if key is None:
+        return None
+    parts, length = list(key), None
+    for i in positions:
+        d = parts[1 + i]
+        if d is None:
+            return None
+        shape, strides = d[2], d[3]
+        n = shape[axis]
+        if n == 0 or (length is not None and n != length):
+            return None
+        length = n
+        parts[1 + i] = d[:2] + (tuple(shape[:axis]) + tuple(shape[axis + 1:]),
+                                tuple(("L", s // n) if s % n == 0 else s for s in strides)) + d[4:]
+    parts[0] = (key[0], "length-generic")
+    return tuple(parts)
+
+
+def wants_step():
+    """Whether the call being run (its full path) may offer a length-generic step (``offer_step``)."""
+    return getattr(_local, "wants_step", False)
+
+
+def offer_step(step):
+    """The full path's step for its call's length-generic key: ``step(arrays)`` binds and launches a call of that
+    key at any length, or returns None (it cannot: the full path then runs).  Kept only where ``wants_step()``."""
+    if getattr(_local, "wants_step", False):
+        _local.step = step
 
 
 class _Recording:

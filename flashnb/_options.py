@@ -160,17 +160,9 @@ def check_seed_and_block_size(seed, block_mask_size):
         raise ValueError(f"block_mask_size must be a pair of positive ints, got {block_mask_size!r}")
 
 
-def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softmax_scale=None,
-              causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None, alibi_slopes=None,
-              softcap=0.0, block_mask=None, block_mask_size=(128, 128), dropout_p=0.0, seed=0, mods=None):
-    """Check every option against docs/semantics.md and build the ``LaunchOptions``."""
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(headdim)
-    if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool) or not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    window_size = window_pair(window_size)
+def window_sides(window_size, causal, seqlen_q, seqlen_k):
+    """The kernels' window ``(left, right)`` (-1: no bound on that side) for a checked ``window_size`` pair and
+    ``causal`` at these lengths."""
     # a side at or beyond max(seqlen_q, seqlen_k) bounds nothing (|key - (query + off)| is below it): clamped
     # there, so that no side, however large, overflows the kernels' 64-bit index arithmetic
     bound = max(seqlen_q, seqlen_k, 1)
@@ -185,6 +177,20 @@ def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softma
         right = -1
     if left >= seqlen_k - 1:
         left = -1
+    return left, right
+
+
+def normalise(*, batch, seqlen_q, seqlen_k, nheads, headdim, acc, stream, softmax_scale=None,
+              causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None, alibi_slopes=None,
+              softcap=0.0, block_mask=None, block_mask_size=(128, 128), dropout_p=0.0, seed=0, mods=None):
+    """Check every option against docs/semantics.md and build the ``LaunchOptions``."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(headdim)
+    if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool) or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    left, right = window_sides(window_pair(window_size), causal, seqlen_q, seqlen_k)
     if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:

@@ -70,6 +70,9 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                           precision)
 
 
+_KEY_LENGTH = ((1, 2), 1)   # k's and v's length (axis 1): a routed call's step serves every key count (kvcache._Step)
+
+
 def cached_forward(q, k, v, softmax_scale, causal, window_size, attn_mask, attn_bias, alibi_slopes, softcap,
                    block_mask, block_mask_size, dropout_p, seed, return_lse, block_q, block_k, stream, backend,
                    precision):
@@ -81,7 +84,8 @@ def cached_forward(q, k, v, softmax_scale, causal, window_size, attn_mask, attn_
          block_k, backend, precision),
         _full_forward, cacheable=stream is None and type(dropout_p) in (int, float) and dropout_p == 0,
         args=(q, k, v, softmax_scale, causal, window_size, attn_mask, attn_bias, alibi_slopes, softcap, block_mask,
-              block_mask_size, dropout_p, seed, return_lse, block_q, block_k, stream, backend, precision))
+              block_mask_size, dropout_p, seed, return_lse, block_q, block_k, stream, backend, precision),
+        generic=_KEY_LENGTH)
 
 
 def _full_forward(q, k, v, softmax_scale, causal, window_size, attn_mask, attn_bias, alibi_slopes, softcap,

@@ -12,6 +12,7 @@ synchronisation (a decode step stays asynchronous and capturable in a CUDA graph
 what they read (``decode.make_sequence_check``): a sequence with an out-of-range entry gets NaN rows and no
 append.
 """
+import dataclasses
 import functools
 import math
 import numbers
@@ -36,8 +37,8 @@ STAGE_BYTES_PER_SM = 192 * 1024       # the stages' shared memory of the BLOCKS_
 LEAN = True                           # decode.make_decode's LEAN path (fewer instructions per step)
 # NWARPS 8, one block an SM and LEAN: measured 1.04-1.06x the earlier 4 warps, two blocks an SM (the issue's shape,
 # H100, bench/results/h100-decode-2026-11-25.md, "run 4": 0.99-1.01x SDPA FlashAttention-2's kernels)
-# The settings above are read at every call: ``python -m bench.decode --variants "LEAN=1,STAGES=6" ...`` times
-# other values against these (bench/decode.py), with no code edit.
+# The settings above are read at every call: ``python -m tools.tune_decode "LEAN=1,STAGES=6" ...`` times
+# other values against these (tools/tune_decode.py), with no code edit.
 SIM_SMS = 2                           # the simulator's stand-in SM count: tiny problems still split
 APPEND_THREADS = 256
 
@@ -405,9 +406,56 @@ def _pad_head_dim(x, lib):
 def attend(q, k, v, options, return_lse, stream):
     """``flash_attention``'s small-query calls (``plan.split_kv``): q over k, v as a full dense cache, no
     append, through the decode kernels (their split over the keys and the combine).  ``options``: the forward's
-    (``plan.split_kv`` has ruled out masks, bias and dropout)."""
-    return _with_kvcache(q, k, v, None, None, None, None, 0, options["softmax_scale"], options["causal"],
-                         options["window_size"], options["softcap"], options["alibi_slopes"], return_lse, stream)
+    (``plan.split_kv`` has ruled out masks, bias and dropout).  Offers the dispatch cache a ``_Step`` for the
+    call's other key counts (a decoding loop's next steps)."""
+    result = _with_kvcache(q, k, v, None, None, None, None, 0, options["softmax_scale"], options["causal"],
+                           options["window_size"], options["softcap"], options["alibi_slopes"], return_lse, stream)
+    if _dispatch.wants_step() and stream is None and options["alibi_slopes"] is None:
+        _dispatch.offer_step(_Step(q, k, v, options, return_lse))
+    return result
+
+
+class _Step:
+    """A routed call (``attend``) for any key count: the dispatch cache's length-generic step for the calls that
+    differ from this one only in the keys' length (``_dispatch.length_generic``: the same kinds, dtypes, q, heads,
+    head dim, options, and k/v strides that are the same function of the length).  What depends on the length is
+    derived again each call: the window's sides, the split plan and the kernel's variant (``_attend``), the
+    word views and their alignment; the rest (the checks, the options) is this first call's."""
+
+    def __init__(self, q, k, v, options, return_lse):
+        self.c = c = _check(q, k, v, None, None, None, None, 0, return_lse)
+        stream = _arrays.resolve_stream(None, c.kind, q)
+        self.opts = _normalised(c, stream, options["softmax_scale"], options["causal"], options["window_size"], None,
+                                options["softcap"])
+        self.window, self.causal, self.return_lse = options["window_size"], options["causal"], return_lse
+        self.by_sides = {}           # (left, right) -> the options with those window sides
+
+    def __call__(self, arrays):
+        q, k, v = arrays[0], arrays[1], arrays[2]
+        c = self.c
+        kind, n = c.kind, int(k.shape[1])
+        stream = _arrays.resolve_stream(None, kind, q)
+        words = [_step_words(x, kind, stream) for x in (q, k, v)]
+        if any(w is None for w in words):   # a length whose strides give no word view: the full path decides
+            return None
+        sides = _options.window_sides(self.window, self.causal, c.seqlen_q, n)
+        opts = self.by_sides.get(sides)
+        if opts is None:
+            opts = self.by_sides[sides] = dataclasses.replace(
+                self.opts, left=sides[0], right=sides[1],
+                flags=dataclasses.replace(self.opts.flags, has_window=sides[0] >= 0 or sides[1] >= 0))
+        c = c._replace(page=n, capacity=n, n_max=n, uniform=n)
+        out_ret, out_d, lse_ret, lse_d = _outputs(c, q, stream, _dummy(1, np.int32), n, _dummy(2, np.int32),
+                                                  _dummy(1, np.int32), *words, opts, 0)
+        out = _arrays.finish(kind, out_ret, out_d, stream)
+        return (out, _arrays.finish(kind, lse_ret, lse_d, stream)) if self.return_lse else out
+
+
+def _step_words(x, kind, stream):
+    """``_device_words``' view of a device array, or None where its layout gives none."""
+    if kind.dtype == "float32":
+        return _arrays.to_device(x, stream)
+    return _arrays.word_view(_arrays.to_device_bits(x, stream))
 
 
 def _batch_idx_as_pages(k_cache, v_cache, cache_batch_idx, block_table, q):
@@ -468,18 +516,26 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
                    c.batch * blocks_per_seq, APPEND_THREADS, launch_stream, 0,
                    (kn_w, vn_w, kc_w, vc_w, seqlens_d, base_len, table_d, c.page, blocks_per_seq))
 
-        out_ret, out_d = _arrays.empty_like_kind(kind, (c.batch, c.seqlen_q, c.nheads, c.headdim), kind.dtype, q,
-                                                 launch_stream, bits=True)
-        lse_ret, lse_d = _arrays.empty_like_kind(kind, (c.batch, c.nheads, c.seqlen_q), "float32", q, launch_stream)
-        out_w = out_d if kind.dtype == "float32" else _arrays.word_view(out_d)
-        if c.batch * c.seqlen_q * c.nheads > 0:
-            _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts, int(num_splits), kind, q,
-                    launch_stream, leftpad_d)
+        out_ret, out_d, lse_ret, lse_d = _outputs(c, q, launch_stream, seqlens_d, base_len, table_d, leftpad_d, q_w,
+                                                  kc_w, vc_w, opts, int(num_splits))
         for back, host in ((kc_back, k_cache), (vc_back, v_cache)):
             if back is not None and k is not None:
                 host[...] = back.copy_to_host(stream=launch_stream.numba)
         out = _arrays.finish(kind, out_ret, out_d, launch_stream)
         return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_softmax_lse else out
+
+
+def _outputs(c, q, stream, seqlens_d, base_len, table_d, leftpad_d, q_w, kc_w, vc_w, opts, num_splits):
+    """``out`` and ``lse`` allocated (returned arrays and device views) and computed by ``_attend``."""
+    kind = c.kind
+    out_ret, out_d = _arrays.empty_like_kind(kind, (c.batch, c.seqlen_q, c.nheads, c.headdim), kind.dtype, q,
+                                             stream, bits=True)
+    lse_ret, lse_d = _arrays.empty_like_kind(kind, (c.batch, c.nheads, c.seqlen_q), "float32", q, stream)
+    out_w = out_d if kind.dtype == "float32" else _arrays.word_view(out_d)
+    if c.batch * c.seqlen_q * c.nheads > 0:
+        _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts, num_splits, kind, q, stream,
+                leftpad_d)
+    return out_ret, out_d, lse_ret, lse_d
 
 
 def _check_rotary(c, q, k, cos, sin, interleaved):

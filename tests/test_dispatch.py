@@ -180,7 +180,7 @@ def test_calls_the_cache_does_not_take(what):
         kw = dict(dropout_p=0.25, seed=3)
     a = flashnb.flash_attention(q, k, v, **kw)
     b = flashnb.flash_attention(q, k, v, **kw)
-    assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0, "unrecorded": 0}
+    assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0, "unrecorded": 0, "steps": 0}
     a, b = (x if isinstance(x, np.ndarray) else x.copy_to_host() for x in (a, b))
     assert_bitwise_equal(a, b, f"{what}: two calls")
 
@@ -343,7 +343,7 @@ def test_kvcache_calls_the_cache_does_not_take():
                     dict(block_table=np.array([[3, 2], [1, 0]], np.int32))):
         flashnb.flash_attn_with_kvcache(**dict(a, **changes))
         flashnb.flash_attn_with_kvcache(**dict(a, **changes))
-    assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0, "unrecorded": 0}
+    assert _dispatch.stats == {"hits": 0, "misses": 0, "recorded": 0, "unfit": 0, "unrecorded": 0, "steps": 0}
 
 
 def test_a_gpu_launch_tells_the_recorder_each_arrays_address_word():
@@ -373,3 +373,83 @@ def test_a_gpu_launch_tells_the_recorder_each_arrays_address_word():
     assert sorted(address_word) == [0, 3]
     assert int(buf[address_word[0]]) == 4096 and int(buf[address_word[3]]) == 8192
 
+
+
+# ------------------------------------------------------------------------------------------------ length-generic steps
+def decode_keys(layout, cache, n):
+    """The first ``n`` rows of ``cache`` (a NumPy (batch, rows, heads, dim) array) as a decoding loop passes them:
+    a new contiguous array ("dense"), transformers' layout (a (batch, heads, n, dim) array seen transposed), or a
+    slice of one preallocated device array ("static", its strides the same every step)."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    if layout == "dense":
+        return cuda.to_device(np.ascontiguousarray(cache[:, :n]))
+    if layout == "transformers":
+        return FakeCUDAArray(cuda.to_device(np.ascontiguousarray(cache[:, :n].transpose(0, 2, 1, 3)))._ary
+                             .transpose(0, 2, 1, 3))
+    return cache[:, :n]                                                # a device array already
+
+
+@pytest.mark.parametrize("dtype, layout, opts", [
+    (np.float16, "transformers", dict(causal=True)), (np.float16, "static", dict(window_size=(4, 0), softcap=2.0)),
+    (np.float32, "dense", dict(window_size=(4, 0), softcap=2.0)), (np.float32, "static", dict(causal=True))])
+def test_decoding_steps_of_every_key_count_take_the_step(dtype, layout, opts):
+    """A decoding loop (one query token, one key more a step) misses the cache every step; after its first call
+    each step is served by the length-generic step (``kvcache._Step``), which computes out and lse bit for bit as
+    the full path does, the window's left side included once it starts to bound the keys."""
+    rng = np.random.default_rng(0)
+    k_all, v_all = (rng.standard_normal((2, 16, 2, 8)).astype(dtype) for _ in range(2))
+    if layout == "static":
+        k_all, v_all = cuda.to_device(k_all), cuda.to_device(v_all)
+    lengths = range(3, 15, 2)
+    qs = [cuda.to_device(rng.standard_normal((2, 1, 4, 8)).astype(dtype)) for _ in lengths]
+    stepped = []
+    for q, n in zip(qs, lengths):
+        out, lse = flashnb.flash_attention(q, decode_keys(layout, k_all, n), decode_keys(layout, v_all, n),
+                                           return_lse=True, **opts)
+        stepped.append(host(out, lse))
+    assert _dispatch.stats["steps"] == len(lengths) - 1 and _dispatch.stats["recorded"] == 1
+    for q, n, (out, lse) in zip(qs, lengths, stepped):
+        _dispatch.clear()                                              # the full path
+        want = host(*flashnb.flash_attention(q, decode_keys(layout, k_all, n), decode_keys(layout, v_all, n),
+                                             return_lse=True, **opts))
+        assert _dispatch.stats["steps"] == 0
+        assert_bitwise_equal(out, want[0], f"out at {n} keys")
+        assert_bitwise_equal(lse, want[1], f"lse at {n} keys")
+
+
+def test_the_length_generic_key():
+    """Calls that differ only in the keys' length share the key; every other difference (q's shape, the keys'
+    layout, an option, k and v of different lengths) parts them, and the strides come back exactly."""
+    rng = np.random.default_rng(0)
+    q = cuda.to_device(rng.standard_normal((2, 1, 4, 8)).astype(np.float32))
+
+    def gkey(q, n, m=None, layout="dense", scalars=(True,)):
+        cache = rng.standard_normal((2, 20, 2, 8)).astype(np.float32)
+        k, v = decode_keys(layout, cache, n), decode_keys(layout, cache, n if m is None else m)
+        key, _ = _dispatch.signature("forward", (q, k, v, None), scalars)
+        return _dispatch.length_generic(key, (1, 2), 1)
+    for layout in ("dense", "transformers"):
+        assert gkey(q, 5, layout=layout) == gkey(q, 11, layout=layout) is not None
+    assert gkey(q, 5) != gkey(q, 5, layout="transformers")
+    assert gkey(q, 5) != gkey(q, 5, scalars=(False,))
+    assert gkey(q, 5) != gkey(cuda.to_device(np.zeros((2, 2, 4, 8), np.float32)), 5)
+    assert gkey(q, 5, 6) is None and gkey(q, 0) is None
+    key = gkey(q, 5, layout="transformers")
+    assert key[2][3] == (("L", 2 * 8 * 4), 8 * 4, ("L", 8 * 4), 4)      # (batch, keys, heads, dim) of (b, h, n, d)
+
+
+def test_a_step_leaves_a_length_to_the_full_path_where_it_gives_no_word_view(monkeypatch):
+    """A step that cannot bind a call (a length at which the keys' strides give no 32-bit word view) returns
+    None: the call takes the full path, which decides (here: the generic kernels), and is not counted a step."""
+    from flashnb import kvcache
+    q, k, v = (cuda.to_device(np.random.default_rng(0).standard_normal(s).astype(np.float16))
+               for s in ((1, 1, 2, 8), (1, 6, 1, 8), (1, 6, 1, 8)))
+    flashnb.flash_attention(q, k, v)
+    k7, v7 = (cuda.to_device(np.random.default_rng(1).standard_normal((1, 7, 1, 8)).astype(np.float16))
+              for _ in range(2))
+    monkeypatch.setattr(kvcache, "_step_words", lambda *a: None)
+    out = flashnb.flash_attention(q, k7, v7)
+    monkeypatch.undo()
+    assert _dispatch.stats["steps"] == 0 and _dispatch.stats["recorded"] == 2
+    _dispatch.clear()
+    assert_bitwise_equal(host(out)[0], host(flashnb.flash_attention(q, k7, v7))[0], "out")

@@ -339,6 +339,38 @@ def test_dispatch_cache_replays_a_decode_step(paged):
     assert not torch.equal(replayed[0], first[0]), "the replay read the first call's arrays"
 
 
+@pytest.mark.parametrize("dtype, window", [(torch.bfloat16, -1), (torch.float16, 300), (torch.float32, -1)])
+def test_decoding_steps_of_growing_key_counts_take_the_length_generic_step(dtype, window):
+    """A generate() loop through transformers' layout (keys (batch, kv heads, n, d) seen transposed, one key more a
+    step, a new tensor each step as a dynamic cache makes): after the first call every step is served by the
+    length-generic step, bit for bit what the full path computes, splits and the window's left side changing on
+    the way; and the full path's result meets the oracle's bound."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k_all, v_all = (torch.randn(4, 2, 700, 128, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    lengths = list(range(250, 700, 37))
+    qs = [torch.randn(4, 1, 8, 128, device="cuda", dtype=dtype, generator=g) for _ in lengths]
+    opts = dict(causal=True, window_size=(window, -1))
+
+    def call(q, n):
+        k, v = (x[:, :, :n].contiguous().transpose(1, 2) for x in (k_all, v_all))
+        return flashnb.flash_attention(q, k, v, return_lse=True, **opts)
+
+    _dispatch.clear()
+    stepped = [call(q, n) for q, n in zip(qs, lengths)]
+    assert _dispatch.stats["steps"] == len(lengths) - 1 and _dispatch.stats["recorded"] == 1
+    for q, n, (out, lse) in zip(qs, lengths, stepped):
+        _dispatch.clear()
+        want_out, want_lse = call(q, n)
+        assert _dispatch.stats["steps"] == 0
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"the step differs at {n} keys"
+    q, n = qs[-1], lengths[-1]
+    k, v = (x[:, :, :n].transpose(1, 2) for x in (k_all, v_all))
+    allowed = _allowed(1, n, True, (window, -1))
+    truth = _math(q.double(), k.double(), v.double(), allowed, 128 ** -0.5)
+    mine = _math(q, k, v, allowed, 128 ** -0.5)
+    _check("out", stepped[-1][0], truth, mine, dtype)
+
+
 @pytest.mark.parametrize("replay_maps", [False, True])
 def test_dispatch_cache_and_the_hopper_forwards_tensor_maps(monkeypatch, replay_maps):
     """backend="wgmma" (compute capability 9.0): the tensor maps hold the inputs' addresses; unrecorded without
