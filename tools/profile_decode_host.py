@@ -6,9 +6,12 @@ before each loop, so every step's first call is a new signature, as in generate(
 SDPA, back to back with one synchronisation, then cProfile of the flashnb steps (largest own and cumulative
 times).  The flashnb rows are timed with one call a step (every call a miss: past the
 miss streak, unrecorded), with the same rule off (``_dispatch.MISS_STREAK`` out of reach: every miss recorded),
-and with LAYERS calls a step of the same shape (a model's layers: the first records, the others replay), per call.  ``python -m tools.profile_decode_host`` on a GPU machine."""
+and with LAYERS calls a step of the same shape (a model's layers: the first records, the others replay), per call.  ``python -m tools.profile_decode_host`` on a GPU machine; ``--steps-ab``: the dispatch cache's
+length-generic steps on and off in alternating rounds (``steps_ab``)."""
 import cProfile
 import pstats
+import statistics
+import sys
 import time
 
 import torch
@@ -57,6 +60,8 @@ def main():
         "SDPA (default backend)": lambda i: F.scaled_dot_product_attention(qt, kt[:, :, :n0 + i], vt[:, :, :n0 + i]),
     }
     with torch.no_grad():
+        if "--steps-ab" in sys.argv:
+            return steps_ab(steps)
         for name, step in steps.items():
             step(0)
             print(f"{name}: {per_step_us(step):.1f} us a call (min of 3 loops of {STEPS} steps)", flush=True)
@@ -79,6 +84,41 @@ def main():
             print(f"==== {name}")
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(22)
+
+
+def steps_ab(steps, rounds=7):
+    """``--steps-ab``: the routed calls with the dispatch cache's length-generic steps on and off
+    (``api._KEY_LENGTH``), one and LAYERS calls a step, and SDPA, in alternating rounds of one process (this
+    host's timings drift between calls): median and min per row."""
+    from flashnb import api
+    on = api._KEY_LENGTH
+    rows = {}
+    for _ in range(rounds):
+        for name in ("flashnb.flash_attention", "flashnb.transformers.attention_forward", "SDPA (default backend)"):
+            for calls in (1, LAYERS):
+                for generic in ((on, None) if name.startswith("flashnb") else (on,)):
+                    api._KEY_LENGTH = generic
+                    try:
+                        us = per_step_us(steps[name], reps=1, calls=calls)
+                    finally:
+                        api._KEY_LENGTH = on
+                    label = f"{name}, {calls} call{'s' if calls > 1 else ''} a step" + (
+                        "" if not name.startswith("flashnb") else ", steps on" if generic else ", steps off")
+                    rows.setdefault(label, []).append(us)
+    for label, us in rows.items():
+        print(f"{label:<72} median {statistics.median(us):7.1f} us  min {min(us):7.1f} us  ({len(us)} rounds)")
+    _dispatch.clear()
+    prof = cProfile.Profile()
+    step = steps["flashnb.flash_attention"]
+    step(0)
+    prof.enable()
+    for i in range(1, STEPS):
+        step(i)
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"==== flashnb.flash_attention, steps on: {_dispatch.stats}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":
