@@ -287,19 +287,24 @@ def cached_call(op, arrays, scalars, full_call, cacheable=True, args=(), generic
     if rec is not None:
         _STREAK[op] = 0
         return rec(arrays, ptrs)
+    streak = _STREAK[op] = _STREAK.get(op, 0) + 1
+    record = streak <= MISS_STREAK or streak % RECORD_EVERY == 0
     gkey = None if generic is None else length_generic(key, *generic)
     if gkey is not None:
         step = _STEPS.get(gkey)
-        if step is not None:
-            result = step(arrays)
+        if step is not None:          # recorded as a full path's call is: a model's other layers replay it
+            with _Recording(key if record else None, arrays) as recording:
+                result = step(arrays)
+                if result is not None:
+                    recording.finish(result)
             if result is not None:
                 stats["steps"] += 1
+                stats["unrecorded"] += not record
                 return result
         _local.step = None
         _local.wants_step = True
     try:
-        streak = _STREAK[op] = _STREAK.get(op, 0) + 1
-        if streak > MISS_STREAK and streak % RECORD_EVERY:
+        if not record:
             stats["unrecorded"] += 1
             result = full_call(*args)
         else:

@@ -24,6 +24,7 @@ from numba import cuda
 from . import _arrays, _dispatch, _options, plan
 from .kernels import decode as _decode
 from .kernels import rotary as _rotary
+from .kernels import _jit
 from .kernels._jit import SIMULATOR, launch
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -50,10 +51,10 @@ def sm_count():
     """Multiprocessors of the current device (``SIM_SMS`` in the simulator)."""
     if SIMULATOR:
         return SIM_SMS
-    dev = cuda.get_current_device()
-    n = _sm_counts.get(dev.id)
+    ctx = _jit.current_context()           # (a ctypes call: Numba's current device costs ~10 us a call)
+    n = _sm_counts.get(ctx)
     if n is None:
-        n = _sm_counts[dev.id] = int(dev.MULTIPROCESSOR_COUNT)
+        n = _sm_counts[ctx] = int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
     return n
 
 

@@ -357,7 +357,9 @@ def test_decoding_steps_of_growing_key_counts_take_the_length_generic_step(dtype
 
     _dispatch.clear()
     stepped = [call(q, n) for q, n in zip(qs, lengths)]
-    assert _dispatch.stats["steps"] == len(lengths) - 1 and _dispatch.stats["recorded"] == 1
+    assert _dispatch.stats["steps"] == len(lengths) - 1 and _dispatch.stats["recorded"] == len(lengths)
+    assert all(torch.equal(a, b) for a, b in zip(call(qs[-1], lengths[-1]), stepped[-1]))   # its replay
+    assert _dispatch.stats["hits"] == 1
     for q, n, (out, lse) in zip(qs, lengths, stepped):
         _dispatch.clear()
         want_out, want_lse = call(q, n)
