@@ -541,23 +541,190 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         else:
             vals[o] = F32(words[n])
 
-    @kernel
-    def decode(q, k_cache, v_cache, out, lse, out_s, lse_s, seqlens, base_len, seqlen_new, block_table, page,
-               group, n_row_tiles, n_splits, split_len, scale, softcap, left, right, alibi, leftpad):
-        # (split, row tile, kv head, batch) of this block, split fastest
+    # ---- the decode kernel's steps (FA2's Algorithm 1 per lane; the kernel body below reads as the algorithm)
+    @device_function
+    def block_coords(k_cache, n_splits, n_row_tiles):
+        """(split ``sp``, row tile ``rt``, KV head ``hk``, batch ``b``) of this block, split fastest."""
         nheads_k = k_cache.shape[2]
         sp = cuda.blockIdx.x % n_splits
         rest = cuda.blockIdx.x // n_splits
         rt = rest % n_row_tiles
         rest = rest // n_row_tiles
         hk = rest % nheads_k
-        b = rest // nheads_k
+        return sp, rt, hk, rest // nheads_k
+
+    @device_function
+    def lane_coords():
+        """(warp ``w``, key group ``g`` of the warp, lane ``t_l`` among the group's ``LK``) of this thread."""
+        w = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x - w * 32
+        g = lane // LK
+        return w, g, lane - g * LK
+
+    @device_function
+    def init_row(q, alibi, b, qi, h, valid, r, t_l, fold, q_reg, acc, m_i, l_i, row_i, slope, qw, fv):
+        """Row r's state (query ``qi``, head ``h``; ``valid``: not past the last row): ``m_i = -inf``, ``l_i = 0``,
+        ``acc = 0``, its query index ``row_i`` (-1 past the last row) and ALiBi slope, and this lane's dims of its
+        query times ``fold`` in ``q_reg``."""
+        m_i[r] = NEG_INF
+        l_i[r] = ZERO
+        row_i[r] = qi if valid else -1
+        if HAS_ALIBI:
+            slope[r] = F32(alibi[min(b, alibi.shape[0] - 1), h]) if valid else ZERO
+        for i in range(CPL):
+            c = t_l + LK * i
+            for u in range(CW):
+                wd = c * CW + u
+                if valid and (EVEN_CH or c < NCH):
+                    qw[i * CW + u] = q[b, qi, h, wd]
+                else:
+                    qw[i * CW + u] = ZW
+        for x in range(WPL):
+            to_floats(qw, x, fv, x * EPW)
+        for e in range(E):
+            q_reg[r * E + e] = fv[e] * fold
+            acc[r * E + e] = ZERO
+
+    @device_function
+    def fill_stage(k_cache, v_cache, block_table, b, hk, start, s, nsteps, p, row, hi, page, stage, buf):
+        """The copies of step ``s``'s stage (keys ``start + s KPB ..``; paged: from row ``row`` of page ``p``) into
+        ``stage[buf:]`` where the step exists; one commit group either way (the count stays exact).  Returns the
+        page and row of the next stage to fill."""
+        if s < nsteps:
+            issue_step(k_cache, v_cache, block_table, b, hk, start + s * KPB, p, row, hi, page, stage, buf)
+        commit()
+        return next_stage(p, row, page)
+
+    @device_function
+    def scores(q_reg, kw, fv, s):
+        """``s[r, t] = q_r . k_t`` over this lane's dims (``sum_key`` adds the LK lanes' parts)."""
+        for t in range(T):
+            for x in range(WPL):
+                to_floats(kw, t * WPL + x, fv, x * EPW)
+            for r in range(ROWS):
+                a = ZERO
+                for e in range(E):
+                    a += q_reg[r * E + e] * fv[e]
+                s[r * T + t] = a
+
+    @device_function
+    def score_mods(x, i, j, off, slope_r, scale, softcap):
+        """A raw score made log2-scaled with the score options: scale, softcap, ALiBi (``HAS_MODS``)."""
+        x = x * scale
+        if HAS_SOFTCAP:
+            x = softcap * math.tanh(x / softcap)
+        if HAS_ALIBI:
+            x -= slope_r * F32(abs(i + off - j))
+        return x * LOG2E_T
+
+    @device_function
+    def key_visible(i, j, off, lo, hi, left, right):
+        """Whether query ``i`` sees key ``j``: inside ``[lo, hi)`` and (window) its sides."""
+        ok = j >= lo and j < hi
+        if HAS_WINDOW:
+            rel = j - (i + off)
+            if left >= 0:
+                ok = ok and rel >= -left
+            if right >= 0:
+                ok = ok and rel <= right
+        return ok
+
+    @device_function
+    def rescale_row(m_i, l_i, acc, r, alpha, m_new):
+        """Row r's ``l_i`` and ``acc`` times ``alpha``, ``m_i = m_new``."""
+        l_i[r] *= alpha
+        for e in range(E):
+            acc[r * E + e] *= alpha
+        m_i[r] = m_new
+
+    @device_function
+    def online_max(m_i, l_i, acc, mx):
+        """``m_new = max(m_i, mx)``; ``l_i``, ``acc`` rescaled by ``exp2(m_i - m_new)`` only where the max grew (a
+        warp-uniform branch; exact: otherwise the factor is 1; exp2(-inf) = 0 for a row that saw nothing yet)."""
+        if LEAN:                                   # one warp-uniform branch for the rows' rescales
+            grew = False
+            for r in range(ROWS):
+                grew = grew or mx[r] > m_i[r]
+            if grew:
+                for r in range(ROWS):
+                    m_new = max(m_i[r], mx[r])
+                    alpha = exp2(m_i[r] - m_new) if m_new > m_i[r] else ONE   # exact 1: the max stayed
+                    rescale_row(m_i, l_i, acc, r, alpha, m_new)
+        else:
+            for r in range(ROWS):
+                m_new = max(m_i[r], mx[r])
+                if m_new > m_i[r]:
+                    rescale_row(m_i, l_i, acc, r, exp2(m_i[r] - m_new), m_new)
+
+    @device_function
+    def exp_scores(s, m_i, l_i):
+        """``p = exp2(s - m_i)`` in place of ``s``, ``l_i += rowsum p``."""
+        for r in range(ROWS):
+            m_use = m_i[r] if m_i[r] != NEG_INF else ZERO
+            for t in range(T):
+                p = exp2(s[r * T + t] - m_use)
+                s[r * T + t] = p
+                l_i[r] += p
+
+    @device_function
+    def add_pv(vw, s, fv, acc):
+        """``acc += p v`` over this lane's dims."""
+        for t in range(T):
+            for x in range(WPL):
+                to_floats(vw, t * WPL + x, fv, x * EPW)
+            for r in range(ROWS):
+                p = s[r * T + t]
+                for e in range(E):
+                    acc[r * E + e] += p * fv[e]
+
+    @device_function
+    def merge_warps(acc_smem, ml_smem, r, wd):
+        """Word ``wd`` of row r's output ``(v0, v1)`` and its ``lse``: the warps' partials merged (``m = max_w
+        m_w``, ``l = sum_w l_w exp2(m_w - m)``, ``acc = sum_w acc_w exp2(m_w - m)``), ``out = acc / l``, ``lse =
+        (m + log2 l) ln 2``; a row that saw no key gives ``out = 0``, ``lse = -inf``."""
+        m = NEG_INF
+        for ww in range(NWARPS):
+            m = max(m, ml_smem[0, ww, r])
+        m_use = m if m != NEG_INF else ZERO
+        l = ZERO
+        for ww in range(NWARPS):
+            l += ml_smem[1, ww, r] * math.exp2(ml_smem[0, ww, r] - m_use)
+        inv_l = ZERO if l == ZERO else ONE / l
+        v0 = ZERO
+        v1 = ZERO
+        for ww in range(NWARPS):
+            f = math.exp2(ml_smem[0, ww, r] - m_use)
+            v0 += acc_smem[(ww * ROWS + r) * HEAD_DIM + wd * EPW] * f
+            if SIXTEEN:
+                v1 += acc_smem[(ww * ROWS + r) * HEAD_DIM + wd * EPW + 1] * f
+        v0 *= inv_l
+        v1 *= inv_l
+        return v0, v1, NEG_INF if l == ZERO else (m + math.log2(l)) * LN2_T
+
+    @device_function
+    def store_word(out, lse, out_s, lse_s, sp, b, qi, h, wd, v0, v1, row_lse):
+        """Word ``wd`` of row (qi, h) and (word 0) its lse: ``(out, lse)``, or the split's ``(out_s, lse_s)``."""
+        if SPLIT:
+            out_s[sp, b, qi, h, wd * EPW] = v0
+            if SIXTEEN:
+                out_s[sp, b, qi, h, wd * EPW + 1] = v1
+            if wd == 0:
+                lse_s[sp, b, h, qi] = row_lse
+        else:
+            if SIXTEEN:
+                out[b, qi, h, wd] = pack2(v0, v1)
+            else:
+                out[b, qi, h, wd] = v0
+            if wd == 0:
+                lse[b, h, qi] = row_lse
+
+    @kernel
+    def decode(q, k_cache, v_cache, out, lse, out_s, lse_s, seqlens, base_len, seqlen_new, block_table, page,
+               group, n_row_tiles, n_splits, split_len, scale, softcap, left, right, alibi, leftpad):
+        sp, rt, hk, b = block_coords(k_cache, n_splits, n_row_tiles)
         seqlen_q = q.shape[1]
         tid = cuda.threadIdx.x
-        w = tid // 32
-        lane = tid - w * 32
-        g = lane // LK
-        t_l = lane - g * LK
+        w, g, t_l = lane_coords()
 
         n = sequence_rows(seqlens, base_len, seqlen_new, block_table, k_cache, b, page)   # valid rows
         bad = n < 0                                    # metadata out of range: no key read, NaN written
@@ -600,27 +767,10 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
 
         fold = scale * LOG2E_T if not HAS_MODS else ONE
         for r in range(ROWS):
-            m_i[r] = NEG_INF
-            l_i[r] = ZERO
             rr = r0 + r
             qi = rr // group
             h = hk * group + (rr - qi * group)
-            row_i[r] = qi if rr < nrows else -1
-            if HAS_ALIBI:
-                slope[r] = F32(alibi[min(b, alibi.shape[0] - 1), h]) if rr < nrows else ZERO
-            for i in range(CPL):
-                c = t_l + LK * i
-                for u in range(CW):
-                    wd = c * CW + u
-                    if rr < nrows and (EVEN_CH or c < NCH):
-                        qw[i * CW + u] = q[b, qi, h, wd]
-                    else:
-                        qw[i * CW + u] = ZW
-            for x in range(WPL):
-                to_floats(qw, x, fv, x * EPW)
-            for e in range(E):
-                q_reg[r * E + e] = fv[e] * fold
-                acc[r * E + e] = ZERO
+            init_row(q, alibi, b, qi, h, rr < nrows, r, t_l, fold, q_reg, acc, m_i, l_i, row_i, slope, qw, fv)
 
         # software pipeline: K_{j+1} is loaded once S_j is computed, V_{j+1} once P_j V_j is: the loads of the
         # next step are in flight during this step's arithmetic, in the same registers
@@ -650,21 +800,11 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                 if not LEAN:
                     fill = (nxt % STAGES) * STAGE_W
                     buf = (step % STAGES) * STAGE_W
-                if nxt < nsteps:
-                    issue_step(k_cache, v_cache, block_table, b, hk, start + nxt * KPB, p_fill, row_fill, hi,
-                               page, stage, fill)
-                commit()
-                p_fill, row_fill = next_stage(p_fill, row_fill, page)
+                p_fill, row_fill = fill_stage(k_cache, v_cache, block_table, b, hk, start, nxt, nsteps, p_fill,
+                                              row_fill, hi, page, stage, fill)
                 for t in range(T):
                     read_stage(stage, buf, kk0 + t, t_l, kw, t * WPL)
-            for t in range(T):                         # s = q . k, this lane's dims
-                for x in range(WPL):
-                    to_floats(kw, t * WPL + x, fv, x * EPW)
-                for r in range(ROWS):
-                    a = ZERO
-                    for e in range(E):
-                        a += q_reg[r * E + e] * fv[e]
-                    s[r * T + t] = a
+            scores(q_reg, kw, fv, s)                   # s = q . k, this lane's dims
             if not STAGED and step + 1 < nsteps:
                 load_keys(k_cache, block_table, b, hk, j0 + KPB, hi, page, t_l, kw)
             sum_key(s, scratch)                        # whole dot products, in every lane of the group
@@ -677,63 +817,19 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
                     j = j0 + t
                     x = s[r * T + t]
                     if HAS_MODS:
-                        x = x * scale
-                        if HAS_SOFTCAP:
-                            x = softcap * math.tanh(x / softcap)
-                        if HAS_ALIBI:
-                            x -= slope[r] * F32(abs(i + off - j))
-                        x *= LOG2E_T
-                    if edge:
-                        ok = j >= lo and j < hi
-                        if HAS_WINDOW:
-                            rel = j - (i + off)
-                            if left >= 0:
-                                ok = ok and rel >= -left
-                            if right >= 0:
-                                ok = ok and rel <= right
-                        if not ok:
-                            x = NEG_INF
+                        x = score_mods(x, i, j, off, slope[r], scale, softcap)
+                    if edge and not key_visible(i, j, off, lo, hi, left, right):
+                        x = NEG_INF
                     s[r * T + t] = x
                     best = max(best, x)
                 mx[r] = best
             max_groups(mx, scratch)                    # the warp's row max over this step's keys
-            if LEAN:                                   # one warp-uniform branch for the rows' rescales
-                grew = False
-                for r in range(ROWS):
-                    grew = grew or mx[r] > m_i[r]
-                if grew:
-                    for r in range(ROWS):
-                        m_new = max(m_i[r], mx[r])
-                        alpha = exp2(m_i[r] - m_new) if m_new > m_i[r] else ONE   # exact 1: the max stayed
-                        l_i[r] *= alpha
-                        for e in range(E):
-                            acc[r * E + e] *= alpha
-                        m_i[r] = m_new
-            else:
-                for r in range(ROWS):
-                    m_new = max(m_i[r], mx[r])
-                    if m_new > m_i[r]:                 # warp-uniform; exact: otherwise the factor is 1
-                        alpha = exp2(m_i[r] - m_new)   # exp2(-inf) = 0 for a row that saw nothing yet
-                        l_i[r] *= alpha
-                        for e in range(E):
-                            acc[r * E + e] *= alpha
-                        m_i[r] = m_new
-            for r in range(ROWS):
-                m_use = m_i[r] if m_i[r] != NEG_INF else ZERO
-                for t in range(T):
-                    p = exp2(s[r * T + t] - m_use)
-                    s[r * T + t] = p
-                    l_i[r] += p
+            online_max(m_i, l_i, acc, mx)              # m_i = max(m_i, mx), l_i and acc rescaled
+            exp_scores(s, m_i, l_i)                    # p = exp2(s - m_i), l_i += rowsum p
             if STAGED:
                 for t in range(T):
                     read_stage(stage, buf + TILE_W, kk0 + t, t_l, vw, t * WPL)
-            for t in range(T):                         # acc += p v
-                for x in range(WPL):
-                    to_floats(vw, t * WPL + x, fv, x * EPW)
-                for r in range(ROWS):
-                    p = s[r * T + t]
-                    for e in range(E):
-                        acc[r * E + e] += p * fv[e]
+            add_pv(vw, s, fv, acc)                     # acc += p v
             if not STAGED and step + 1 < nsteps:
                 load_keys(v_cache, block_table, b, hk, j0 + KPB, hi, page, t_l, vw)
             if LEAN:                                   # the ring steps on: this stage is refilled next
@@ -761,39 +857,10 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
             if rr < nrows:
                 qi = rr // group
                 h = hk * group + (rr - qi * group)
-                m = NEG_INF
-                for ww in range(NWARPS):
-                    m = max(m, ml_smem[0, ww, r])
-                m_use = m if m != NEG_INF else ZERO
-                l = ZERO
-                for ww in range(NWARPS):
-                    l += ml_smem[1, ww, r] * math.exp2(ml_smem[0, ww, r] - m_use)
-                inv_l = ZERO if l == ZERO else ONE / l   # no key seen: out = 0, lse = -inf
-                v0 = ZERO
-                v1 = ZERO
-                for ww in range(NWARPS):
-                    f = math.exp2(ml_smem[0, ww, r] - m_use)
-                    v0 += acc_smem[(ww * ROWS + r) * HEAD_DIM + wd * EPW] * f
-                    if SIXTEEN:
-                        v1 += acc_smem[(ww * ROWS + r) * HEAD_DIM + wd * EPW + 1] * f
-                v0 *= inv_l
-                v1 *= inv_l
-                row_lse = NEG_INF if l == ZERO else (m + math.log2(l)) * LN2_T
+                v0, v1, row_lse = merge_warps(acc_smem, ml_smem, r, wd)
                 if bad:
                     v0 = v1 = row_lse = NAN
-                if SPLIT:
-                    out_s[sp, b, qi, h, wd * EPW] = v0
-                    if SIXTEEN:
-                        out_s[sp, b, qi, h, wd * EPW + 1] = v1
-                    if wd == 0:
-                        lse_s[sp, b, h, qi] = row_lse
-                else:
-                    if SIXTEEN:
-                        out[b, qi, h, wd] = pack2(v0, v1)
-                    else:
-                        out[b, qi, h, wd] = v0
-                    if wd == 0:
-                        lse[b, h, qi] = row_lse
+                store_word(out, lse, out_s, lse_s, sp, b, qi, h, wd, v0, v1, row_lse)
 
     return decode, NTHREADS, SHARED_BYTES
 
