@@ -1,9 +1,9 @@
 """``flash_attn_with_kvcache``: attention of new query tokens over a KV cache, with the cache append, dense or
 paged caches and split-KV decoding (flash-decoding), following flash-attn's function of the same name.
 
-Layers as in ``api``: validate everything on the host (``_check``) -> choose the work split
-(``plan.plan_decode``: row tiles, lanes per key, splits) -> launch ``kernels.decode``'s append, decode and
-combine kernels.
+Layers as in ``api``: validate everything on the host (``_check``) -> plan (``plan.decode_launches``: row tiles,
+lanes per key, splits, stages, the kernels' variants and grids; ``plan.append_launch``) -> bind the arrays and
+launch ``kernels.decode``'s append, decode and combine kernels.
 The oracle is ``reference.attention_with_kvcache`` (docs/semantics.md, "KV cache").
 
 ``cache_seqlens`` and ``block_table`` held on the host (NumPy arrays, CPU PyTorch tensors, an int) are checked
@@ -41,7 +41,6 @@ LEAN = True                           # decode.make_decode's LEAN path (fewer in
 # The settings above are read at every call: ``python -m tools.tune_decode "LEAN=1,STAGES=6" ...`` times
 # other values against these (tools/tune_decode.py), with no code edit.
 SIM_SMS = 2                           # the simulator's stand-in SM count: tiny problems still split
-APPEND_THREADS = 256
 
 
 _sm_counts = {}
@@ -511,11 +510,9 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
         if appending:
             if rotary is not None:
                 kn_w = _rotated(kn_w, rotary, False, c, seqlens_d, base_len, kind, q, launch_stream)
-            per_seq = c.seqlen_new * c.nheads_k * int(kn_w.shape[3])       # words of one sequence's new rows
-            blocks_per_seq = max(1, min(-(-per_seq // APPEND_THREADS), 8192 // c.batch))
-            launch(_decode.make_append(c.table is not None, c.seqlens is not None),
-                   c.batch * blocks_per_seq, APPEND_THREADS, launch_stream, 0,
-                   (kn_w, vn_w, kc_w, vc_w, seqlens_d, base_len, table_d, c.page, blocks_per_seq))
+            step, blocks_per_seq = plan.append_launch(c.batch, c.seqlen_new, c.nheads_k, int(kn_w.shape[3]),
+                                                      c.table is not None, c.seqlens is not None)
+            _run(step, launch_stream, (kn_w, vn_w, kc_w, vc_w, seqlens_d, base_len, table_d, c.page, blocks_per_seq))
 
         out_ret, out_d, lse_ret, lse_d = _outputs(c, q, launch_stream, seqlens_d, base_len, table_d, leftpad_d, q_w,
                                                   kc_w, vc_w, opts, int(num_splits))
@@ -586,20 +583,14 @@ def _rotated(x_w, rotary, at_start, c, seqlens_d, base_len, kind, like, stream):
 
 def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts, num_splits, kind, like, stream,
             leftpad_d):
-    """The decode kernel (and the combine, with splits) for a checked call."""
-    group = c.nheads // c.nheads_k
-    vec16 = _arrays.rows_aligned16(kc_w) and _arrays.rows_aligned16(vc_w)
-    p = plan.plan_decode(kind.dtype, c.batch, c.nheads_k, group, c.seqlen_q, c.headdim, c.n_max, vec16,
-                         num_splits, slots=sm_count() * BLOCKS_PER_SM, e_budget=E_BUDGET)
+    """The decode kernel (and the combine, with splits) for a checked call: ``plan.decode_launches``, bound."""
     f = opts.flags
-    split = p.n_splits > 1
-    stages = _decode.stages_that_fit(STAGES, kind.dtype, c.headdim, p.lanes_per_key, KEYS_PER_LANE, NWARPS,
-                                     STAGE_BYTES_PER_SM // BLOCKS_PER_SM)
-    kern, threads, shared = _decode.make_decode(kind.dtype, c.headdim, p.rows, p.lanes_per_key, KEYS_PER_LANE,
-                                                NWARPS, p.vec16, c.table is not None, c.seqlens is not None, split,
-                                                f.has_window, f.has_softcap, f.has_alibi, stages, bool(LEAN),
-                                                c.leftpad is not None)
-    if split:
+    vec16 = _arrays.rows_aligned16(kc_w) and _arrays.rows_aligned16(vc_w)
+    plan_ = plan.decode_launches(kind.dtype, c.batch, c.nheads, c.nheads_k, c.seqlen_q, c.headdim, c.n_max, vec16,
+                                 num_splits, sm_count(), settings(), c.table is not None, c.seqlens is not None,
+                                 f.has_window, f.has_softcap, f.has_alibi, c.leftpad is not None)
+    p = plan_.split
+    if plan_.combine is not None:
         out_s = _arrays.scratch((p.n_splits, c.batch, c.seqlen_q, c.nheads, c.headdim), np.float32, kind, like,
                                 stream)
         lse_s = _arrays.scratch((p.n_splits, c.batch, c.nheads, c.seqlen_q), np.float32, kind, like, stream)
@@ -608,12 +599,20 @@ def _attend(c, q_w, kc_w, vc_w, out_w, lse_d, seqlens_d, base_len, table_d, opts
             lse_s.copy_to_device(np.full(lse_s.shape, np.nan, np.float32))
     else:
         out_s, lse_s = _dummy(5, np.float32), _dummy(4, np.float32)
-    grid = c.batch * c.nheads_k * p.n_row_tiles * p.n_splits
-    launch(kern, grid, threads, stream, shared,
-           (q_w, kc_w, vc_w, out_w, lse_d, out_s, lse_s, seqlens_d, base_len, c.seqlen_new, table_d, c.page, group,
-            p.n_row_tiles, p.n_splits, p.split_len, np.float32(opts.scale), np.float32(opts.softcap), opts.left,
-            opts.right, opts.alibi, leftpad_d))
-    if split:
-        total = c.batch * c.seqlen_q * c.nheads * int(out_w.shape[3])
-        launch(_decode.make_combine(kind.dtype), min(-(-total // 128), 8192), 128, stream, 0,
-               (out_s, lse_s, out_w, lse_d))
+    _run(plan_.decode, stream,
+         (q_w, kc_w, vc_w, out_w, lse_d, out_s, lse_s, seqlens_d, base_len, c.seqlen_new, table_d, c.page,
+          c.nheads // c.nheads_k, p.n_row_tiles, p.n_splits, p.split_len, np.float32(opts.scale),
+          np.float32(opts.softcap), opts.left, opts.right, opts.alibi, leftpad_d))
+    if plan_.combine is not None:
+        _run(plan_.combine, stream, (out_s, lse_s, out_w, lse_d))
+
+
+def settings():
+    """This module's decode settings as the plan takes them (read at every call)."""
+    return plan.DecodeSettings(KEYS_PER_LANE, NWARPS, STAGES, STAGE_BYTES_PER_SM // BLOCKS_PER_SM, bool(LEAN),
+                               E_BUDGET, BLOCKS_PER_SM)
+
+
+def _run(step, stream, args):
+    """Launch a ``plan.Launch`` with ``args``."""
+    launch(step.kernel, step.grid, step.threads, stream, step.shared, args)

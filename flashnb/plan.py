@@ -974,3 +974,62 @@ def plan_decode(dtype_name, batch, nheads_k, group, seqlen_q, headdim, n_max, ve
     split_len = -(-n_key_blocks // min(num_splits, n_key_blocks)) * _decode.KEY_ALIGN
     n_splits = max(1, -(-n_max // split_len))
     return DecodePlan(rows, n_row_tiles, lk, vec16, n_splits, split_len)
+
+
+class DecodeSettings(NamedTuple):
+    """``flashnb.kvcache``'s decode-kernel settings, read at every call (so that a setting changed between calls
+    is not hidden by ``decode_launches``' cache): keys per lane, warps, K/V stages and their shared bytes a block,
+    the LEAN path, the lanes' value budget, block slots a multiprocessor."""
+    keys_per_lane: int
+    nwarps: int
+    stages: int
+    stage_bytes: int
+    lean: bool
+    e_budget: int
+    blocks_per_sm: int
+
+
+class DecodeLaunches(NamedTuple):
+    """A split-KV decode call's launches: the work split (``DecodePlan``), the decode kernel's launch and, when
+    the keys are split, the combine's (None without a split)."""
+    split: DecodePlan
+    decode: Launch
+    combine: object
+
+
+@lru_cache(maxsize=1024)
+def decode_launches(dtype_name, batch, nheads, nheads_k, seqlen_q, headdim, n_max, vec16, num_splits, sms, settings,
+                    paged, has_seqlens, has_window, has_softcap, has_alibi, has_leftpad):
+    """Everything a split-KV decode call launches (``flashnb.kvcache``: its own calls, the routed small-query
+    calls and their length-generic steps): ``plan_decode``'s work split for ``sms`` multiprocessors, the K/V
+    stages that fit a block's share of shared memory, the decode kernel's variant and grid, and the combine of the
+    splits (one thread an output value, at most 8192 blocks)."""
+    group = nheads // nheads_k
+    s = settings
+    p = plan_decode(dtype_name, batch, nheads_k, group, seqlen_q, headdim, n_max, vec16, num_splits,
+                    slots=sms * s.blocks_per_sm, e_budget=s.e_budget)
+    split = p.n_splits > 1
+    stages = _decode.stages_that_fit(s.stages, dtype_name, headdim, p.lanes_per_key, s.keys_per_lane, s.nwarps,
+                                     s.stage_bytes)
+    kern, threads, shared = _decode.make_decode(dtype_name, headdim, p.rows, p.lanes_per_key, s.keys_per_lane,
+                                                s.nwarps, p.vec16, paged, has_seqlens, split, has_window, has_softcap,
+                                                has_alibi, stages, bool(s.lean), has_leftpad)
+    decode = Launch(kern, batch * nheads_k * p.n_row_tiles * p.n_splits, threads, shared)
+    combine = None
+    if split:
+        words = headdim if dtype_name == "float32" else headdim // 2
+        total = batch * seqlen_q * nheads * words
+        combine = Launch(_decode.make_combine(dtype_name), min(-(-total // COMBINE_THREADS), 8192), COMBINE_THREADS, 0)
+    return DecodeLaunches(p, decode, combine)
+
+
+COMBINE_THREADS = 128
+APPEND_THREADS = 256
+
+
+def append_launch(batch, seqlen_new, nheads_k, head_words, paged, has_seqlens):
+    """The KV cache append's launch (``kernels.decode.make_append``): each sequence's new rows (``head_words``
+    32-bit words a row and head) over at most 8192 blocks in all."""
+    per_seq = seqlen_new * nheads_k * head_words
+    blocks_per_seq = max(1, min(-(-per_seq // APPEND_THREADS), 8192 // batch))
+    return Launch(_decode.make_append(paged, has_seqlens), batch * blocks_per_seq, APPEND_THREADS, 0), blocks_per_seq

@@ -316,6 +316,49 @@ def test_launch_bounds_and_block_order_where_measured(device, monkeypatch, kw, t
     assert built["make_dkdv_tc"].get("EXCHANGE") is True, built
 
 
+GPU_DECODE = plan.DecodeSettings(keys_per_lane=2, nwarps=8, stages=4, stage_bytes=192 * 1024, lean=True, e_budget=64,
+                                 blocks_per_sm=1)          # kvcache's settings on a GPU
+
+
+@pytest.mark.parametrize("n_max, splits", [(4096, 0), (32768, 0), (300, 1), (5000, 7)])
+def test_decode_launches(monkeypatch, n_max, splits):
+    """The split-KV decode call's launches (``plan.decode_launches``): one block per (sequence, KV head, row
+    tile, split), the combine exactly when the keys are split (an output value a thread, at most 8192 blocks),
+    the K/V stages lowered until they fit a block's share of shared memory, and the variant from the options."""
+    built = {}
+    real = plan._decode.make_decode
+
+    def noting(*args):
+        built["args"] = args
+        return real(*args)
+    monkeypatch.setattr(plan._decode, "make_decode", noting)
+    plan.decode_launches.cache_clear()
+    for dtype, d in (("float16", 128), ("float32", 256)):
+        launches = plan.decode_launches(dtype, 16, 32, 8, 1, d, n_max, True, splits, 132, GPU_DECODE, False, False,
+                                        True, False, False, False)
+        p = launches.split
+        assert p == plan.plan_decode(dtype, 16, 8, 4, 1, d, n_max, True, splits, slots=132, e_budget=64)
+        assert launches.decode.grid == 16 * 8 * p.n_row_tiles * p.n_splits
+        assert (launches.combine is not None) == (p.n_splits > 1)
+        if launches.combine is not None:
+            total = 16 * 1 * 32 * (d if dtype == "float32" else d // 2)
+            assert launches.combine.grid == min(-(-total // plan.COMBINE_THREADS), 8192)
+        args = built["args"]
+        assert args[9:12] == (p.n_splits > 1, True, False)              # SPLIT, HAS_WINDOW, HAS_SOFTCAP
+        stages = args[13]
+        stage = plan._decode.stage_size(dtype, d, p.lanes_per_key, 2, 8)
+        assert stages == 0 or (2 <= stages <= 4 and stages * stage <= 192 * 1024)
+    plan.decode_launches.cache_clear()
+
+
+def test_append_launch():
+    """The KV-cache append: a sequence's new words over blocks of 256 threads, at most 8192 blocks in all."""
+    step, per_seq = plan.append_launch(4, 1, 8, 64, False, True)
+    assert (step.grid, step.threads, per_seq) == (4 * 2, 256, 2)
+    step, per_seq = plan.append_launch(64, 4096, 8, 64, True, False)
+    assert per_seq == 8192 // 64 and step.grid == 8192
+
+
 def test_split_kv_decode_split_count_choice():
     """The split-KV decode plan (``plan.plan_decode``), flash-attn's heuristic: no split when the blocks fill the
     GPU, else enough splits for >= 85% wave efficiency; the splits cover every key in multiples of 16."""
