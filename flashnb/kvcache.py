@@ -344,7 +344,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         lambda: _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, softmax_scale,
                               causal, window_size, softcap, alibi_slopes, return_softmax_lse, stream, rotary,
                               cache_leftpad),
-        cacheable=stream is None and not uniform)
+        cacheable=stream is None and not uniform, generic=_CACHE_LENGTH)
+
+
+_CACHE_LENGTH = ((1, 2), 1)   # the caches' rows (axis 1): a whole dense cache's call is a step at any length (_Step)
 
 
 def _odd_16bit(q):
@@ -406,28 +409,30 @@ def _pad_head_dim(x, lib):
 def attend(q, k, v, options, return_lse, stream):
     """``flash_attention``'s small-query calls (``plan.split_kv``): q over k, v as a full dense cache, no
     append, through the decode kernels (their split over the keys and the combine).  ``options``: the forward's
-    (``plan.split_kv`` has ruled out masks, bias and dropout).  Offers the dispatch cache a ``_Step`` for the
-    call's other key counts (a decoding loop's next steps)."""
-    result = _with_kvcache(q, k, v, None, None, None, None, 0, options["softmax_scale"], options["causal"],
-                           options["window_size"], options["softcap"], options["alibi_slopes"], return_lse, stream)
-    if _dispatch.wants_step() and stream is None and options["alibi_slopes"] is None:
-        _dispatch.offer_step(_Step(q, k, v, options, return_lse))
-    return result
+    (``plan.split_kv`` has ruled out masks, bias and dropout).  ``_with_kvcache`` offers the dispatch cache a
+    ``_Step`` for the call's other key counts (a decoding loop's next steps)."""
+    return _with_kvcache(q, k, v, None, None, None, None, 0, options["softmax_scale"], options["causal"],
+                         options["window_size"], options["softcap"], options["alibi_slopes"], return_lse, stream)
 
 
 class _Step:
-    """A routed call (``attend``) for any key count: the dispatch cache's length-generic step for the calls that
-    differ from this one only in the keys' length (``_dispatch.length_generic``: the same kinds, dtypes, q, heads,
-    head dim, options, and k/v strides that are the same function of the length).  What depends on the length is
-    derived again each call: the window's sides, the split plan and the kernel's variant (``_attend``), the
-    word views and their alignment; the rest (the checks, the options) is this first call's."""
+    """A routed call (``attend``), or a ``flash_attn_with_kvcache`` call over a whole dense cache (no append, no
+    rotary, no pages, no ALiBi: a padded batch's decoding step from ``flashnb.transformers``), for any key count:
+    the dispatch cache's length-generic step for the calls that differ from this one only in the keys' length
+    (``_dispatch.length_generic``: the same kinds, dtypes, q, heads, head dim, options, and k/v strides that are
+    the same function of the length).  What depends on the length is derived again each call: the window's sides,
+    the split plan and the kernel's variant (``_attend``), the word views and their alignment; the call's own
+    ``cache_seqlens`` and ``cache_leftpad`` (device arrays, at ``flash_attn_with_kvcache``'s positions 5 and 10 of
+    the dispatch cache's arrays) are bound; the rest (the checks, the options) is this first call's."""
 
-    def __init__(self, q, k, v, options, return_lse):
-        self.c = c = _check(q, k, v, None, None, None, None, 0, return_lse)
+    def __init__(self, q, k, v, options, return_lse, num_splits=0, cache_seqlens=None, cache_leftpad=None):
+        self.c = c = _check(q, k, v, None, None, cache_seqlens, None, num_splits, return_lse, None, cache_leftpad)
         stream = _arrays.resolve_stream(None, c.kind, q)
         self.opts = _normalised(c, stream, options["softmax_scale"], options["causal"], options["window_size"], None,
                                 options["softcap"])
         self.window, self.causal, self.return_lse = options["window_size"], options["causal"], return_lse
+        self.num_splits = int(num_splits)
+        self.bind_seqlens, self.bind_leftpad = c.seqlens is not None, c.leftpad is not None
         self.by_sides = {}           # (left, right) -> the options with those window sides
 
     def __call__(self, arrays):
@@ -444,9 +449,12 @@ class _Step:
             opts = self.by_sides[sides] = dataclasses.replace(
                 self.opts, left=sides[0], right=sides[1],
                 flags=dataclasses.replace(self.opts.flags, has_window=sides[0] >= 0 or sides[1] >= 0))
-        c = c._replace(page=n, capacity=n, n_max=n, uniform=n)
-        out_ret, out_d, lse_ret, lse_d = _outputs(c, q, stream, _dummy(1, np.int32), n, _dummy(2, np.int32),
-                                                  _dummy(1, np.int32), *words, opts, 0)
+        seqlens_d = _arrays.to_device(arrays[5], stream) if self.bind_seqlens else _dummy(1, np.int32)
+        leftpad_d = _arrays.to_device(arrays[10], stream) if self.bind_leftpad else _dummy(1, np.int32)
+        uniform = -1 if self.bind_seqlens else n
+        c = c._replace(page=n, capacity=n, n_max=n, uniform=uniform)
+        out_ret, out_d, lse_ret, lse_d = _outputs(c, q, stream, seqlens_d, max(uniform, 0), _dummy(2, np.int32),
+                                                  leftpad_d, *words, opts, self.num_splits)
         out = _arrays.finish(kind, out_ret, out_d, stream)
         return (out, _arrays.finish(kind, lse_ret, lse_d, stream)) if self.return_lse else out
 
@@ -520,7 +528,13 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
             if back is not None and k is not None:
                 host[...] = back.copy_to_host(stream=launch_stream.numba)
         out = _arrays.finish(kind, out_ret, out_d, launch_stream)
-        return (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_softmax_lse else out
+        result = (out, _arrays.finish(kind, lse_ret, lse_d, launch_stream)) if return_softmax_lse else out
+    if (_dispatch.wants_step() and k is None and rotary is None and c.table is None and alibi_slopes is None
+            and stream is None):        # a whole dense cache: its next lengths can be steps
+        _dispatch.offer_step(_Step(q, k_cache, v_cache, dict(softmax_scale=softmax_scale, causal=causal,
+                                                             window_size=window_size, softcap=softcap),
+                                   return_softmax_lse, num_splits, cache_seqlens, cache_leftpad))
+    return result
 
 
 def _outputs(c, q, stream, seqlens_d, base_len, table_d, leftpad_d, q_w, kc_w, vc_w, opts, num_splits):

@@ -459,3 +459,30 @@ def test_a_step_leaves_a_length_to_the_full_path_where_it_gives_no_word_view(mon
     assert _dispatch.stats["steps"] == 0 and _dispatch.stats["recorded"] == 2
     _dispatch.clear()
     assert_bitwise_equal(host(out)[0], host(flashnb.flash_attention(q, k7, v7))[0], "out")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_a_padded_batchs_decoding_steps_over_growing_caches_take_the_step(dtype):
+    """``flash_attn_with_kvcache`` over a whole dense cache that grows a row a step (no append; device
+    ``cache_seqlens`` and ``cache_leftpad``, as transformers' padded batches pass them): after the first call
+    each step is served by the length-generic step, which binds that call's own lengths and padding, bit for bit
+    the full path's; the split count asked for is kept."""
+    rng = np.random.default_rng(0)
+    k_all, v_all = (rng.standard_normal((2, 16, 2, 8)).astype(dtype) for _ in range(2))
+    lengths = range(5, 15, 4)            # odd: no length divides a stride (that would be another generic key)
+    qs = [cuda.to_device(rng.standard_normal((2, 1, 4, 8)).astype(dtype)) for _ in lengths]
+
+    def call(q, n):
+        lens = cuda.to_device(np.array([n, n - 1], np.int32))             # sequence 1 a row short of the cache
+        pad = cuda.to_device(np.array([0, 3], np.int32))                  # sequence 1 left-padded by 3
+        return host(*flashnb.flash_attn_with_kvcache(q, decode_keys("dense", k_all, n), decode_keys("dense", v_all, n),
+                                                     cache_seqlens=lens, cache_leftpad=pad, causal=True, num_splits=2,
+                                                     return_softmax_lse=True))
+    stepped = [call(q, n) for q, n in zip(qs, lengths)]
+    assert _dispatch.stats["steps"] == len(lengths) - 1
+    for q, n, got in zip(qs, lengths, stepped):
+        _dispatch.clear()
+        want = call(q, n)
+        assert _dispatch.stats["steps"] == 0
+        for name, a, b in zip(("out", "lse"), got, want):
+            assert_bitwise_equal(a, b, f"{name} at {n} keys")

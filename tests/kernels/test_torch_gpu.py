@@ -373,6 +373,31 @@ def test_decoding_steps_of_growing_key_counts_take_the_length_generic_step(dtype
     _check("out", stepped[-1][0], truth, mine, dtype)
 
 
+def test_a_padded_batchs_decoding_steps_take_the_length_generic_step():
+    """flashnb.transformers' padded decoding step (``flash_attn_with_kvcache`` over the whole grown cache, device
+    ``cache_seqlens`` and ``cache_leftpad``): every step after the first is a length-generic step binding its own
+    lengths and padding, bit for bit the full path's."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k_all, v_all = (torch.randn(4, 2, 700, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    lengths = list(range(251, 700, 74))
+    qs = [torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in lengths]
+    pad = torch.tensor([0, 7, 0, 100], dtype=torch.int32, device="cuda")
+
+    def call(q, n):
+        k, v = (x[:, :, :n].contiguous().transpose(1, 2) for x in (k_all, v_all))
+        lens = torch.full((4,), n, dtype=torch.int32, device="cuda")
+        return flashnb.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=pad, causal=True,
+                                               return_softmax_lse=True)
+
+    _dispatch.clear()
+    stepped = [call(q, n) for q, n in zip(qs, lengths)]
+    assert _dispatch.stats["steps"] == len(lengths) - 1
+    for q, n, (out, lse) in zip(qs, lengths, stepped):
+        _dispatch.clear()
+        want_out, want_lse = call(q, n)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"the step differs at {n} keys"
+
+
 @pytest.mark.parametrize("replay_maps", [False, True])
 def test_dispatch_cache_and_the_hopper_forwards_tensor_maps(monkeypatch, replay_maps):
     """backend="wgmma" (compute capability 9.0): the tensor maps hold the inputs' addresses; unrecorded without
