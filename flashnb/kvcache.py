@@ -318,8 +318,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Host time: a call whose arrays are all in device memory and whose ``cache_seqlens`` is None or a device
     array replays the launches recorded by the first call of its signature (``_dispatch``: a decode loop's
-    calls after the first); an int ``cache_seqlens`` (its value decides the split plan) or metadata on the
-    host takes the full path every call.
+    calls after the first); a call over a whole dense cache (no append, rotary, pages or ALiBi) whose cache has
+    grown since is bound by the length-generic step of its first call (``_Step``); an int ``cache_seqlens`` (its
+    value decides the split plan) or metadata on the host takes the full path every call.
     """
     if cache_leftpad is not None and block_table is not None:
         raise ValueError("cache_leftpad is for dense caches: it cannot be given with block_table (as flash-attn)")
