@@ -192,8 +192,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     half the dims at a time (its other half of registers are Q's).
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
-    ``window_mask_tile`` / ``modify_mask_tile`` / ``scale_tile``, ``online_softmax``, ``pv_tile``), the
-    epilogue ``store_out_lse``.
+    ``mask_tile``, ``online_softmax``, ``pv_step``), the epilogue ``store_out_lse``; the stages' hand-offs
+    (``init_barriers``, ``prepare_stage``, ``release_stage``) are helpers too.
     """
     TF32 = DTYPE_NAME == "float32"
     SPLIT = TF32 and TF32X3                  # 3xTF32: big and small parts of every operand
@@ -325,6 +325,25 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                         q_reg[m, ks, 2 * half + r] = w
 
     @device_function
+    def lane_coords():
+        """(warp, lane, fragment row ``g`` (and ``g + 8``), fragment column pair ``t``) of this thread."""
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x - 32 * warp
+        g = lane // 4
+        return warp, lane, g, lane - 4 * g
+
+    @device_function
+    def init_state(m_i, l_i, acc):
+        """``m_i = -inf``, ``l_i = 0``, ``acc = 0``."""
+        for r in range(ROWS):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
+        for m in range(MT):
+            for n in range(NT_D):
+                for e in range(4):
+                    acc[m, n, e] = ZERO
+
+    @device_function
     def split_smem(smem, src, dst, nwords):
         """SPLIT: ``smem[src:src + nwords]`` -> its tf32 big parts in place and its small parts at ``dst``, by
         the whole block (the caller synchronises before and after)."""
@@ -407,6 +426,18 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         else:
             load_kv_box(smem, dst, maps, 1, k, k_base, k_row, row0, rows - row0, hk, b, bar)
             load_kv_box(smem, dst + 4 * V_OFF, maps, 2, v, v_base, v_row, row0, rows - row0, hk, b, bar)
+
+    @device_function
+    def init_barriers(smem, tid):
+        """The stages' barriers (full[s]: the copy thread's arrive and the bytes; empty[s]: every reader's) and Q's,
+        set up by thread 0 before any thread uses them."""
+        if tid == 0:
+            for s in range(STAGES):
+                mbar_init(smem, FULL + 8 * s, 1)
+                mbar_init(smem, EMPTY + 8 * s, NTHREADS)
+            mbar_init(smem, Q_FULL, 1)
+            mbar_fence_init()
+        cuda.syncthreads()
 
     @device_function
     def zero_rows_past(smem, tile, n, tid):
@@ -528,6 +559,19 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             for n in range(NT_K):
                 for e in range(4):
                     s_reg[m, n, e] *= scale_log2
+
+    @device_function
+    def mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale, scale_log2,
+                  softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k):
+        """S <- mask(score mods(S)) in log2 units (raw under FOLD): a window alone by comparisons
+        (``window_mask_tile``), else ``modify_mask_tile`` where an option or the masks apply, else ``scale_tile``."""
+        if WINDOW_ONLY and need_mask:
+            window_mask_tile(s_reg, row0, k0, t, seqlen_q, seqlen_k, off, left, right, scale_log2)
+        elif not WINDOW_ONLY and (HAS_MODS or need_mask):
+            modify_mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
+                             scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k)
+        elif not FOLD:
+            scale_tile(s_reg, scale_log2)
 
     @device_function
     def online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,
@@ -713,6 +757,46 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
 
     @device_function
+    def release_stage(smem, buf, i):
+        """This thread is done with stage ``buf`` (TMA: arrives on its ``empty`` barrier; cp.async: the block
+        synchronises); the next tile's (stage, number)."""
+        if TMA:
+            mbar_arrive(smem, EMPTY + 8 * buf)
+            if SIMULATOR:
+                cuda.syncthreads()
+            return buf, i + 1
+        cuda.syncthreads()
+        return 1 - buf, i
+
+    @device_function
+    def prepare_stage(smem, i, buf, k0, seqlen_k, tid, warp, g, t, q_small_a):
+        """The landed tiles made ready for the tensor cores: ``WG_TF32``, Q's tf32 parts once (``QS_REG``: the
+        small ones kept in registers); ``VARLEN``, the next sequence's values past this one's end zeroed.  These
+        generic-proxy writes are fenced for the tensor cores."""
+        if QS_REG and i == 0:
+            split_q_fragments(smem, warp, g, t, q_small_a)
+        elif WG_TF32 and i == 0:
+            prepare_q_tf32(smem, tid)
+        if VARLEN and k0 + BLOCK_K > seqlen_k:
+            zero_rows_past(smem, buf * STAGE_WORDS + V_OFF, seqlen_k - k0, tid)
+        if (WG_TF32 and i == 0) or (VARLEN and k0 + BLOCK_K > seqlen_k):
+            fence_async()
+            cuda.syncthreads()
+
+    @device_function
+    def pv_step(smem, base, v_lane, v_word, s_reg, p_reg, p_small, p_all, p_all_s, part, wpart, acc):
+        """acc += P V_j of the tile in the buffer at ``base``: by ``wgmma`` (tf32: ``pv_tile_wgmma_tf32``) or
+        ``mma`` (tf32: ``pv_tile_tf32``)."""
+        if WG_TF32:
+            pv_tile_wgmma_tf32(smem, base, s_reg, p_all, p_all_s, acc, wpart)
+        elif WGMMA:
+            pv_tile_wgmma(smem, base, s_reg, p_all, acc)
+        elif TF32:
+            pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc, part)
+        else:
+            pv_tile(smem, base, v_lane, s_reg, p_reg, acc)
+
+    @device_function
     def store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q, q_start):
         """out = acc / l_i (rounded to the input format), lse = (m_i + log2 l_i) ln 2; l_i summed over the quad
         first.  A row that saw no key (l_i = 0) gets out = 0, lse = -inf."""
@@ -755,10 +839,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         q0 = qt * BLOCK_Q
         hk = h // group
         tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid - 32 * warp
-        g = lane // 4                        # fragment row (and row + 8)
-        t = lane - 4 * g                     # fragment column pair
+        warp, lane, g, t = lane_coords()
         row0 = q0 + 16 * MT * warp + g       # query row of (m-tile m, half r): row0 + 16 m + 8 r
         q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
         scale_log2 = F32(scale) * LOG2E_T
@@ -790,15 +871,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         m_i = cuda.local.array(ROWS, F32)  # row 2 m + r: running max (base-2 units)
         l_i = cuda.local.array(ROWS, F32)  # per-thread partial row sums, reduced over the quad at the end
         row = cuda.local.array(ROWS, F32)
-        for r in range(ROWS):
-            m_i[r] = NEG_INF
-            l_i[r] = ZERO
-        for m in range(MT):
-            for n in range(NT_D):
-                for e in range(4):
-                    acc[m, n, e] = ZERO
-            if not Q_SMEM:
-                load_q_frags(q, b, h, row0 + 16 * m, seqlen_q, t, q_reg, q_small, m, q_start)
+        init_state(m_i, l_i, acc)                        # m_i = -inf, l_i = 0, acc = 0
+        for m in range(MT if not Q_SMEM else 0):         # without Q_SMEM: Q's a fragments in registers, read once
+            load_q_frags(q, b, h, row0 + 16 * m, seqlen_q, t, q_reg, q_small, m, q_start)
         # this lane's ldmatrix row of Q's a fragments (m-tile 0): matrices (rows +0 | +8) x (words +0 | +4)
         q_lane = Q_OFF + (16 * MT * warp + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         k_base = (b * k.strides[0] + k_start * k.strides[1] + hk * k.strides[2]) // 4   # bytes, 4 per word
@@ -815,13 +890,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         else:
             cb, q_first, k_first, q_rows, k_rows = b, 0, 0, seqlen_q, seqlen_k
         if TMA:
-            if tid == 0:
-                for s in range(STAGES):
-                    mbar_init(smem, FULL + 8 * s, 1)              # the copy thread's arrive (and the bytes)
-                    mbar_init(smem, EMPTY + 8 * s, NTHREADS)      # every reader's
-                mbar_init(smem, Q_FULL, 1)
-                mbar_fence_init()
-            cuda.syncthreads()
+            init_barriers(smem, tid)
             if kt < kt_hi and tid == 0:                      # Q and the first K/V tile, in flight
                 load_q_tile(smem, maps, q, q_base - q_first * q_row, q_row, q_first + q0, q_rows, h, cb)
                 load_kv_stage(smem, maps, k, v, k_base - k_first * k_row, v_base - k_first * v_row, k_row, v_row,
@@ -850,15 +919,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 if i == 0:
                     mbar_wait(smem, Q_FULL, 0)
                 mbar_wait(smem, FULL + 8 * buf, (i // STAGES) % 2)   # K_j, V_j have landed in stage buf
-                if QS_REG and i == 0:                        # Q's tf32 parts, once: the small ones kept
-                    split_q_fragments(smem, warp, g, t, q_small_a)
-                elif WG_TF32 and i == 0:
-                    prepare_q_tf32(smem, tid)
-                if VARLEN and k0 + BLOCK_K > seqlen_k:       # the next sequence's values past this one's end
-                    zero_rows_past(smem, buf * STAGE_WORDS + V_OFF, seqlen_k - k0, tid)
-                if (WG_TF32 and i == 0) or (VARLEN and k0 + BLOCK_K > seqlen_k):
-                    fence_async()                            # (generic-proxy writes the tensor cores read)
-                    cuda.syncthreads()
+                prepare_stage(smem, i, buf, k0, seqlen_k, tid, warp, g, t, q_small_a)   # (tf32 Q; VARLEN: zeros)
             elif kn < kt_hi:                                 # K_{j+1}, V_{j+1} fly while tile j computes
                 start_kv_copy(k, v, k_base, v_base, k_row, v_row, kn * BLOCK_K, seqlen_k, smem,
                               (1 - buf) * STAGE_WORDS)
@@ -883,31 +944,12 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 wgmma_qk(s_reg, smem, q_bytes, 4 * base, 0)
             else:
                 score_tile(smem, base, q_reg, q_small, q_frag, q_frag_s, q_lane, k_lane, s_reg)
-            if WINDOW_ONLY and need_mask:                                                  # S <- mask(S * scale)
-                window_mask_tile(s_reg, row0, k0, t, seqlen_q, seqlen_k, off, left, right, scale_log2)
-            elif not WINDOW_ONLY and (HAS_MODS or need_mask):
-                modify_mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
-                                 scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k)
-            elif not FOLD:
-                scale_tile(s_reg, scale_log2)
+            mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,  # S <- mask(S)
+                      scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k)
             online_softmax(s_reg, m_i, l_i, acc, row, scratch, tid, t, scale_log2, row0, k0, b, h,   # m_i, l_i, P
                            drop_threshold, drop_scale, seed_lo, seed_hi)
-            if WG_TF32:                                                                    # acc += P V_j
-                pv_tile_wgmma_tf32(smem, base, s_reg, p_all, p_all_s, acc, wpart)
-            elif WGMMA:
-                pv_tile_wgmma(smem, base, s_reg, p_all, acc)
-            elif TF32:
-                pv_tile_tf32(smem, base, v_word, s_reg, p_reg, p_small, acc, part)
-            else:
-                pv_tile(smem, base, v_lane, s_reg, p_reg, acc)
-            if TMA:
-                mbar_arrive(smem, EMPTY + 8 * buf)           # this thread is done with stage buf
-                if SIMULATOR:
-                    cuda.syncthreads()
-                i += 1
-            else:
-                cuda.syncthreads()                           # every warp is done with buffer buf
-                buf = 1 - buf
+            pv_step(smem, base, v_lane, v_word, s_reg, p_reg, p_small, p_all, p_all_s, part, wpart, acc)  # acc += P V_j
+            buf, i = release_stage(smem, buf, i)             # done with stage buf: the next tile's
             kt = kn
 
         store_out_lse(out, lse, acc, m_i, l_i, scratch, tid, t, row0, b, h, seqlen_q, q_start)   # out = acc / l_i
