@@ -10,7 +10,7 @@ import numpy as np
 from . import _arrays, _dispatch, _options, kvcache, plan
 from .plan import BACKENDS  # noqa: F401  (flashnb.BACKENDS)
 from .kernels._jit import launch, memset_zero
-from .kernels import forward_tc
+from .kernels import tf32_prepare
 from .kernels._tiles import np_acc
 
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), attn_mask=None,
@@ -147,20 +147,20 @@ def _decode_layout(kind, arrays, stream):
 
 def _tf32_operands(p, k, v, kind, like, stream):
     """The forward's K and V operands: with ``p.prepare`` (float32 on tf32 wgmma), its pre-pass's ``kk`` and
-    ``vt`` made from K's and V's word views (``kernels.forward_tc.make_prepare_tf32``), in temporaries of the
+    ``vt`` made from K's and V's word views (``kernels.tf32_prepare.make_prepare_tf32``), in temporaries of the
     call; else ``k``, ``v``."""
     if p.prepare is None:
         return k, v
     batch, seqlen_k, nheads_k, _ = k.shape
     split = p.call.precision == "highest"
-    kk_shape, vt_shape = forward_tc.tf32_operand_shapes(batch, seqlen_k, nheads_k, p.call.headdim, split)
+    kk_shape, vt_shape = tf32_prepare.tf32_operand_shapes(batch, seqlen_k, nheads_k, p.call.headdim, split)
     kk = _arrays.scratch(kk_shape, np.uint32, kind, like, stream)
     vt = _arrays.scratch(vt_shape, np.uint32, kind, like, stream)
     s = vt.strides
     vt = _arrays.strided_view(vt, (batch, vt_shape[2], nheads_k, vt_shape[3]), (s[0], s[2], s[1], s[3]))
-    grid = forward_tc.prepare_tf32_grid(batch, seqlen_k, nheads_k, p.call.headdim)
-    if grid:
-        _run(plan.Launch(p.prepare, grid, forward_tc.PREP_THREADS, 0), stream, (k, v, kk, vt))
+    step = p.prepare_launch(batch, seqlen_k, nheads_k)
+    if step is not None:
+        _run(step, stream, (k, v, kk, vt))
     return kk, vt
 
 

@@ -26,7 +26,8 @@ from .kernels.backward import (CAST_THREADS, PREPROCESS_THREADS, cast_grid, make
                                make_preprocess, preprocess_grid, preprocess_threads)
 from .kernels.backward_tc import dq_frag_shape, make_cast_frag, make_cast_tc, make_dkdv_tc
 from .kernels.forward import LOG2E, make_forward, tile_threads
-from .kernels.forward_tc import make_forward_tc, make_prepare_tf32, tf32_head_words
+from .kernels.forward_tc import make_forward_tc
+from .kernels.tf32_prepare import PREP_THREADS, make_prepare_tf32, prepare_tf32_grid, tf32_head_words
 from .kernels._tma import tensor_maps
 from .kernels import decode as _decode
 
@@ -76,6 +77,7 @@ class ForwardPlan(NamedTuple):
     forward: Optional[Launch]       # None: nothing to compute (no batch, query or head)
     tma: bool = False               # the Hopper forward's tiles come by the copy engine: tensor maps of q, k, v
     prepare: object = None          # float32 on tf32 wgmma: the pre-pass kernel making k, v's tf32 operands
+                                    # (``prepare_launch``: its launch for the arrays of a call)
 
     def args(self, q, k, v, out, lse, opts, stream=0):
         """The forward kernel's arguments; with ``prepare``, ``k`` and ``v`` are its outputs (``kk``, ``vt``).
@@ -88,6 +90,11 @@ class ForwardPlan(NamedTuple):
         packed = self.call.total_q is not None        # (a packed batch's views: batch stride 0, one batch mapped)
         v_rows = self.block_k if self.prepare is None else tf32_head_words(self.call.headdim)   # (V^T: dims)
         return args + (tensor_maps(((q, self.block_q), (k, self.block_k), (v, v_rows)), packed, stream),)
+
+    def prepare_launch(self, batch, seqlen_k, nheads_k):
+        """The pre-pass's launch over K and V of that shape (``kernels.tf32_prepare``), or None: nothing to make."""
+        grid = prepare_tf32_grid(batch, seqlen_k, nheads_k, self.call.headdim)
+        return Launch(self.prepare, grid, PREP_THREADS, 0) if grid else None
 
 
 class BackwardPlan(NamedTuple):
