@@ -884,6 +884,51 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         fq[0, 0], fq[0, 1], fq[0, 2], fq[0, 3], b2, b3, dq_reg[p + 1, 0], dq_reg[p + 1, 1],
                         dq_reg[p + 1, 2], dq_reg[p + 1, 3])
 
+    @device_function
+    def await_item(more):
+        """Item w's copies landed (``more``: the next item's copy group may stay in flight), made visible to the
+        tensor cores (WGMMA), for every thread (a barrier)."""
+        if more:
+            wait_prev()
+        else:
+            wait_all()
+        if WGMMA:
+            fence_async()
+        cuda.syncthreads()
+
+    @device_function
+    def share_products(smem, fsmem, ds_buf, qa, s_reg, dp_reg, kw, g, t):
+        """SHARE: this warp's queries (from ``qa``) of P_drop^T and dS^T to shared memory (at ``P_OFF``,
+        ``ds_buf``), then a barrier: every warp reads them all."""
+        if TF32:
+            store_words_tf32(fsmem, P_OFF + qa, s_reg, kw, g, t)
+            store_words_tf32(fsmem, ds_buf + qa, dp_reg, kw, g, t)
+        else:
+            store_words(smem, P_OFF + qa // 2, s_reg, kw, g, t)
+            store_words(smem, ds_buf + qa // 2, dp_reg, kw, g, t)
+        cuda.syncthreads()
+
+    @device_function
+    def dv_dk_step(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, part_bytes, s_reg, dp_reg, fa, fb, fa_s, fb_s, p_all,
+                   ds_all, dv_acc, dk_acc):
+        """dV += P_drop^T dO_i, dK += dS^T Q_i: by ``mma`` (``dv_dk_tile``, tf32: ``dv_dk_tile_tf32``) or
+        ``wgmma`` (``dv_dk_tile_wgmma``)."""
+        if TF32:
+            dv_dk_tile_tf32(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, fa_s, fb_s, dv_acc,
+                            dk_acc)
+        elif WGMMA:
+            dv_dk_tile_wgmma(smem, qb, db, part_bytes, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc)
+        else:
+            dv_dk_tile(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, dv_acc, dk_acc)
+
+    @device_function
+    def store_ds(smem, fsmem, ds_buf, dp_reg, kw, g, t):
+        """This warp's dS^T as [key][query] words at ``ds_buf`` (16-bit pairs; tf32: float32 words)."""
+        if TF32:
+            store_words_tf32(fsmem, ds_buf, dp_reg, kw, g, t)
+        else:
+            store_words(smem, ds_buf, dp_reg, kw, g, t)
+
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
@@ -998,13 +1043,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0,
                              dq_row0 + seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg)
             else:
-                if wn < n_work:
-                    wait_prev()
-                else:
-                    wait_all()
-                if WGMMA:
-                    fence_async()                        # ... made visible to the tensor cores
-                cuda.syncthreads()                       # item w's Q, dO, lse2, delta have landed for everyone
+                await_item(wn < n_work)                  # item w's Q, dO, lse2, delta have landed for everyone
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             qb = Q_OFF + buf * 2 * QTILE
             db = qb + QTILE
@@ -1045,30 +1084,16 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
             ds_buf = DS_OFF + (buf * DS_TILE if DEFER_DQ else 0)
             if SHARE:                                    # this warp's queries of P_drop^T and dS^T, for all
-                if TF32:
-                    store_words_tf32(fsmem, P_OFF + qa, s_reg, kw, g, t)
-                    store_words_tf32(fsmem, ds_buf + qa, dp_reg, kw, g, t)
-                else:
-                    store_words(smem, P_OFF + qa // 2, s_reg, kw, g, t)
-                    store_words(smem, ds_buf + qa // 2, dp_reg, kw, g, t)
-                cuda.syncthreads()
+                share_products(smem, fsmem, ds_buf, qa, s_reg, dp_reg, kw, g, t)
 
-            if TF32:                                     # dV += P_drop^T dO_i, dK += dS^T Q_i
-                dv_dk_tile_tf32(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, fa_s, fb_s, dv_acc,
-                                dk_acc)
-            elif WGMMA:
-                dv_dk_tile_wgmma(smem, qb, db, part_bytes, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc)
-            else:
-                dv_dk_tile(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, s_reg, dp_reg, fa, fb, dv_acc, dk_acc)
+            dv_dk_step(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, part_bytes, s_reg, dp_reg, fa, fb, fa_s, fb_s,
+                       p_all, ds_all, dv_acc, dk_acc)            # dV += P_drop^T dO_i, dK += dS^T Q_i
 
             # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
             # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans.  With
             # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T; SHARE: written above)
             if not SHARE and (DSPLIT == 1 or warp < KW):
-                if TF32:
-                    store_words_tf32(fsmem, ds_buf, dp_reg, kw, g, t)
-                else:
-                    store_words(smem, ds_buf, dp_reg, kw, g, t)
+                store_ds(smem, fsmem, ds_buf, dp_reg, kw, g, t)
             if DEFER_DQ:                                 # added after the next item's barrier (or the last one)
                 pending = True
                 ph = h
