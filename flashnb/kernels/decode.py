@@ -322,7 +322,7 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     ``STAGES``: 0 reads K and V straight into registers (16-byte loads, the next step's in flight during
     this step's arithmetic); ``STAGES >= 2`` stages each step's K and V tiles (``KPB`` keys) through shared
     memory with ``cp.async``, ``STAGES - 1`` steps ahead: more bytes in flight per SM than registers hold.
-    ``LEAN`` (a candidate, measured against the default by ``bench.decode --variants``): fewer instructions
+    ``LEAN`` (a candidate, measured against the default by ``tools.tune_decode``): fewer instructions
     per step for the same arithmetic -- a stage that lies wholly before ``hi``, and paged within one page,
     takes each thread's cp.async sources from one offset per tile (paged: one block-table load) and a
     constant step per copy; only the last stage clamps, paged also a stage across pages, ``exp2`` as one
