@@ -31,7 +31,7 @@ def num(x):
 
 
 def kind_of(name):
-    return "fwd" if ("forward" in name or "fwd" in name) else "bwd"
+    return "fwd" if ("forward" in name or "fwd" in name or "fprop" in name) else "bwd"
 
 
 def raw_rows(d):

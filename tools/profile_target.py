@@ -1,6 +1,7 @@
 """One forward and one backward at the FlashAttention-2 benchmark shape, twice: a target for Nsight Compute.
 
-    python -m tools.profile_target [HEADDIM] [--dtype float32|float16|bfloat16] [--impl flashnb|sdpa-flash] [--causal]
+    python -m tools.profile_target [HEADDIM] [--dtype float32|float16|bfloat16] [--impl flashnb|sdpa-flash|sdpa-cudnn]
+                                   [--causal]
 
 For example, flashnb's kernels (SIMT at float32, tensor cores at 16 bits) and then FA2's:
 
@@ -11,6 +12,11 @@ For example, flashnb's kernels (SIMT at float32, tensor cores at 16 bits) and th
 
 (the first call of each kernel compiles it; the profiled launches are the second ones; ``--launch-skip``
 counts launches of matching kernels only).  batch * seqlen = 16k tokens, nheads * headdim = 2048, seqlen 4096.
+The second forward and backward run between ``cudaProfilerStart`` and ``cudaProfilerStop``, so
+``ncu --profile-from-start off`` takes every kernel of that one step whatever its name (cuDNN's kernels are
+named by their generator):
+
+    ncu --profile-from-start off --section ... python -m tools.profile_target 128 --dtype float16 --impl sdpa-cudnn
 The profiles in docs/performance.md and docs/notes/tensorcore.md were taken this way.
 
     python -m tools.profile_target --decode dense|paged|pages-in-order [--seqlen 32768] [--impl sdpa-flash] [--host]
@@ -122,7 +128,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("headdim", nargs="?", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--impl", choices=("flashnb", "sdpa-flash"), default="flashnb")
+    ap.add_argument("--impl", choices=("flashnb", "sdpa-flash", "sdpa-cudnn"), default="flashnb")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--host", action="store_true", help="time the host side of a call (see above)")
@@ -145,17 +151,22 @@ def main(argv=None):
     batch, nheads = max(1, 16384 // n), 2048 // d
     dtype = getattr(torch, args.dtype)
     q, k, v, dout = (torch.randn(batch, n, nheads, d, device="cuda", dtype=dtype) for _ in range(4))
-    for _ in range(2):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = SDPBackend.CUDNN_ATTENTION if args.impl == "sdpa-cudnn" else SDPBackend.FLASH_ATTENTION
+    for i in range(2):
+        if i == 1:                           # the second step alone between the profiler's start and stop
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
         if args.impl == "flashnb":
             out, lse = flashnb.flash_attention(q, k, v, causal=args.causal, return_lse=True)
             flashnb.flash_attention_backward(dout, q, k, v, out, lse, causal=args.causal)
         else:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
             qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            with sdpa_kernel(backend):
                 out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
             out.backward(dout.transpose(1, 2))
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 if __name__ == "__main__":
