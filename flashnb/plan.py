@@ -323,7 +323,7 @@ def _backward_tc_plan(call, bq, bk):
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
                                              **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
-                                             **({"DQ_FRAG": True} if frag else {}))
+                                             **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -364,7 +364,7 @@ def _hopper_backward(call, block_k):
 # dim 64 (64 x 128 tiles; 32 x 128: 6.00 / 3.49), 5.08 / 2.99 against 5.89 / 3.23 at 128 (32 x 128; 64 x 128
 # spills there); its query tiles per head-dim class
 WGMMA_BACKWARD = True
-_WGMMA_BWD_BLOCK_Q = ((64, 64), (128, 32), (256, 32))
+_WGMMA_BWD_BLOCK_Q = ((64, 64), (128, 64), (256, 32))
 # packed batches (VARLEN: the kernel's views sliced to the sequence, as the mma.sync kernel's): measured on the
 # H100 (bench/results/h100-tf32-wgmma-2026-11-26.md, python -m bench --varlen, 16k tokens), the packed
 # forward+backward 5.18 / 3.35 ms at head dim 64 (non-causal / causal) and 5.21 / 3.41 at 128, against 5.50 /
@@ -400,6 +400,18 @@ WGMMA_DQ_FRAG = True
 # and ptxas spills more with it at 128 (168 bytes against 40), so those keep the rows layout
 TC_DQ_FRAG = True
 TC_DQ_FRAG_MAX_HEADDIM = 48
+
+
+# dQ_i += dS K_j by the warpgroups too (``make_dkdv_tc(DQ_WGMMA=True)``: dS^T in swizzled rows, the MN-major A of
+# wgmma, K_j's tile its B; no mma.sync phase, no second copy of K_j), where dQ's accumulator is in the fragments'
+# order and a query tile is the 64 rows of a warpgroup's product (one warp per 16 keys: head dims up to 128)
+WGMMA_DQ = True
+
+
+def _dq_wgmma(frag, block_q, headdim):
+    """The Hopper dK/dV factory's ``DQ_WGMMA`` keyword where it applies and the flag is on."""
+    return ({"DQ_WGMMA": True} if WGMMA_DQ and frag and block_q == 64 and wgmma_bwd_dim_split(headdim) == 1
+            else {})
 
 
 def _exchange(headdim):

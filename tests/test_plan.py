@@ -42,9 +42,9 @@ TABLE = [
     (dict(headdim=64, flags=CAUSAL), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=64, flags=SOFTCAP), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=40), ("tensorcore", 128, 64), ("tensorcore", 32, 128)),
-    (dict(headdim=128), ("tensorcore", 128, 128), ("tensorcore", 32, 128)),
+    (dict(headdim=128), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=256), ("tensorcore", 128, 64), ("tensorcore", 32, 64)),
-    (dict(dtype="bfloat16", headdim=128), ("tensorcore", 128, 128), ("tensorcore", 32, 128)),
+    (dict(dtype="bfloat16", headdim=128), ("tensorcore", 128, 128), ("tensorcore", 64, 128)),
     (dict(headdim=128, block_q=64), ("tensorcore", 64, 128), ("tensorcore", 64, 128)),
     (dict(headdim=128, block_q=32), ("tensorcore", 32, 64), ("tensorcore", 32, 128)),  # mma.sync: 32 rows
     (dict(headdim=64, block_q=32, block_k=32), ("tensorcore", 32, 32), ("tensorcore", 32, 32)),
@@ -255,7 +255,8 @@ def test_the_hopper_backward_on_the_h100_where_enabled(device, monkeypatch, kw, 
     assert bool(built[-1].get("WGMMA")) == hopper, built[-1]
     if hopper:
         split = 2 if c.headdim > 128 else 1
-        assert b.block_q == (64 if c.headdim <= 64 else 32) and b.dkdv.threads == 32 * split * b.block_k // 16
+        assert b.block_q == (64 if c.headdim <= 128 else 32) and b.dkdv.threads == 32 * split * b.block_k // 16
+        assert built[-1].get("DQ_WGMMA", False) == (split == 1 and b.block_q == 64), "dQ by the warpgroups"
         assert plan.backward(c._replace(total_q=4 * c.seqlen_q)).dkdv is not None
         assert built[-1].get("WGMMA") and built[-1].get("VARLEN"), "packed: the Hopper dK/dV kernel"
         monkeypatch.setattr(plan, "WGMMA_BACKWARD_PACKED", False)

@@ -111,7 +111,7 @@ def _descriptor_bits(lbo, sbo):
     return ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62)
 
 
-def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
+def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -135,7 +135,7 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
         if kind == "ss":
             lines.append(f"add.s64 da, {ins_ptx[0]}, {a_steps[ks] >> 4};")
             lines.append(f"add.s64 db, {ins_ptx[1]}, {b_steps[ks] >> 4};")
-            trans = "" if fmt == "tf32" else f", 0, {trans_b}"        # .tf32 takes no transpose immediates
+            trans = "" if fmt == "tf32" else f", {trans_a}, {trans_b}"   # .tf32 takes no transpose immediates
             lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, da, db, {scale_d}, 1, 1{trans};")
         else:
             a = x + 1 + 4 * ks
@@ -263,7 +263,7 @@ def _a_fragment(word, ks, tt, reg, fmt):
     return reg % 2, 16 * ks + 2 * tt + 8 * (reg // 2), halves_to_float(np.array([word, word]), np.array([0, 1]), fmt)
 
 
-def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
+def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
     NACC = N // 2
     KSTEPS = len(b_steps)
     assert KSTEPS <= MAX_RS_KSTEPS
@@ -290,8 +290,12 @@ def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_b, fmt):
             tid = cuda.threadIdx.x
             w, lane = (tid // 32) % 4, tid % 32
             g, t = lane // 4, lane % 4
-            a = np.concatenate([operand_values(smem, a_off + a_steps[ks], 64, KS, "k", a_lbo, fmt)
-                                for ks in range(KSTEPS)], axis=1)
+            if trans_a:                                    # MN-major A: 16 k-rows of 64 m-columns a k-step
+                a = np.concatenate([operand_values(smem, a_off + a_steps[ks], KS, 64, "mn", a_lbo, fmt).T
+                                    for ks in range(KSTEPS)], axis=1)
+            else:
+                a = np.concatenate([operand_values(smem, a_off + a_steps[ks], 64, KS, "k", a_lbo, fmt)
+                                    for ks in range(KSTEPS)], axis=1)
             b = np.concatenate([b_operand(smem, b_off, ks) for ks in range(KSTEPS)], axis=0)
             store(acc, a[[16 * w + g, 16 * w + g + 8]], b, accumulate, w, g, t)
 
@@ -332,12 +336,13 @@ def _sim_fence_proxy_async():
 _cache = {}
 
 
-def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0):
+def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0, trans_a=0):
     """``wgmma_ss(acc, smem, a_off, b_off, accumulate)`` (``kind="ss"``) or ``wgmma_rs(acc, a_regs, smem, b_off,
     accumulate)`` (``"rs"``) for one product shape: ``m64nNk16`` on ``dtype_name`` operands (``"float16"``,
     ``"bfloat16"``; ``m64nNk8`` for ``"tf32"`` or ``"float32"``: tf32 operands, K-major only), the k-steps' start
     offsets (bytes, from the operands' ``*_off``) ``a_steps`` / ``b_steps``, the LBO of MN-major operands,
-    ``trans_b`` 1 for an MN-major B.  ``acc``: a local float32 array of ``N / 2`` values (any shape, C order)."""
+    ``trans_b`` 1 for an MN-major B, ``trans_a`` 1 for an MN-major A (``"ss"`` only: the backward's dQ = dS K_j
+    with dS^T stored key by key).  ``acc``: a local float32 array of ``N / 2`` values (any shape, C order)."""
     if kind not in ("ss", "rs"):
         raise ValueError(f"kind must be 'ss' or 'rs', got {kind!r}")
     if dtype_name not in WGMMA_FORMATS:
@@ -345,10 +350,12 @@ def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=
     fmt = WGMMA_FORMATS[dtype_name]
     if fmt == "tf32" and trans_b:
         raise ValueError("trans_b must be 0 for tf32 operands: PTX has no transpose for .tf32 (B K-major only)")
-    key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b)
+    if trans_a and (fmt == "tf32" or kind != "ss"):
+        raise ValueError("trans_a needs 16-bit operands and A in shared memory (kind 'ss')")
+    key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, trans_a)
     if key not in _cache:
         make = _sim_wgmma if SIMULATOR else _gpu_wgmma
-        _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, fmt)
+        _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt)
     return _cache[key]
 
 

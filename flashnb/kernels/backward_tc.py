@@ -51,8 +51,8 @@ from ._tiles import U, make_tile_order, packed_tile_head_batch, sequence_span
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
 from .forward import LOG2E, make_mask_bounds, make_window_helpers
 from .forward_tc import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
-from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
-                     make_wgmma, mn_major_steps)
+from ._wgmma import (ATOM_BYTES, SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps,
+                     make_pack_a, make_wgmma, mn_major_steps)
 
 F32 = np.float32
 U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
@@ -237,7 +237,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
                  DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0,
-                 DQ_FRAG=False, MODS=None):
+                 DQ_FRAG=False, DQ_WGMMA=False, MODS=None):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -306,6 +306,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     whole 128-byte lines) instead of 8 rows x 32 bytes: the L2 takes a request of four sectors where it took
     four requests of one (bench/results/h100-dq-frag-2026-11-26.md).
 
+    ``DQ_WGMMA`` (with ``WGMMA`` and ``DQ_FRAG``, 64-query tiles, one warp per 16 keys): dQ_i += dS K_j by the
+    warpgroups too, each for its share of the dims (``DQ_N``): dS^T is stored as 128-byte-swizzled [key][query]
+    rows, the MN-major A of ``wgmma_ss`` (``trans_a``), and K_j's swizzled tile is its MN-major B, so the
+    unswizzled copy of K_j and the ``mma.sync`` phase go; each thread's accumulators are the m16n8 fragments
+    ``DQ_FRAG``'s blocks hold.
+
     The kernel body is FA2's Algorithm 2 for one key tile; its steps are the helpers below (``scores_t``,
     ``plain_grad`` / ``option_grad``, ``dv_dk_tile``, ``dq_phase``, ``store_dk_dv``).  (The timing ablations
     of the dQ phase, the atomics and the element-wise step, whose results were wrong by design, were measured
@@ -328,6 +334,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     assert not SHARE or (DSPLIT == 2 and BLOCK_Q % (16 * QS) == 0)
     if WGMMA:
         assert not TF32 and MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
+    DQ_WGMMA = DQ_WGMMA and WGMMA
+    assert not DQ_WGMMA or (DSPLIT == 1 and BLOCK_Q == 64 and DQ_FRAG)
     assert not DQ_FRAG or not (TF32 or VARLEN)
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
@@ -344,7 +352,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     KSTEPS_K = BLOCK_K // (8 * VALS)         # k-steps of dS K (16 keys each, tf32: 8)
     MQ = BLOCK_Q // 16                       # query m-tiles of dQ, spread over the warps
     STRIDE = D_WORDS if WGMMA else tc_padded_words(D_WORDS)   # (WGMMA: swizzled rows)
-    DS_STRIDE = tc_padded_words(BLOCK_Q // VALS)
+    DS_STRIDE = BLOCK_Q // 2 if DQ_WGMMA else tc_padded_words(BLOCK_Q // VALS)   # (DQ_WGMMA: swizzled rows)
     QTILE = BLOCK_Q * STRIDE                 # words of one Q (or dO) tile
     K_OFF = 0
     V_OFF = K_OFF + BLOCK_K * STRIDE
@@ -357,9 +365,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     QS_OFF = K_SMALL + BLOCK_K * STRIDE
     SMEM_WORDS = QS_OFF + 2 * QTILE if SPLIT else K_SMALL
     KD_OFF, KD_STRIDE = K_OFF, STRIDE        # K_j as dQ's b fragments read it
-    if WGMMA:                                # a second copy of K_j with padded rows (ldmatrix.trans, no swizzle)
+    if WGMMA and not DQ_WGMMA:               # a second copy of K_j with padded rows (ldmatrix.trans, no swizzle)
         KD_OFF, KD_STRIDE = SMEM_WORDS, tc_padded_words(D_WORDS)
         SMEM_WORDS = KD_OFF + BLOCK_K * KD_STRIDE
+    DQ_N = D_PAD // (KW // 4) if DQ_WGMMA else 8   # DQ_WGMMA: dims of dQ per warpgroup
+    DQ_NT_WG = DQ_N // 8                           # (its n-tiles)
+    assert not DQ_WGMMA or (DQ_N % 16 == 0 and (4 * DS_OFF) % ATOM_BYTES == 0)
     EXCHANGE = EXCHANGE and WGMMA and DSPLIT == 2
     assert not EXCHANGE or KW == 4           # one warpgroup a half: thread tid's partner is tid +- 128
     X_WORDS = 4 * NT_QA * 128                # EXCHANGE: one warpgroup's S^T or dP^T, [element][thread]
@@ -417,6 +428,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         PART_BYTES = D_PAD // DSPLIT // 64 * BLOCK_Q * SWIZZLE_BYTES   # dO_i's, Q_i's blocks of one part of dims
         fence_async = fence_proxy_async()
         pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
+        # DQ_WGMMA: dQ_i = dS K_j, A = dS^T's [key][query] rows, B = K_j's rows (both MN-major, k = 16 keys)
+        wgmma_dq = make_wgmma("ss", DTYPE_NAME, DQ_N, mn_major_steps(KSTEPS_K), mn_major_steps(KSTEPS_K),
+                              a_lbo=BLOCK_K * SWIZZLE_BYTES, b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1, trans_a=1)
     else:
         copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
         copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
@@ -923,11 +937,32 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
     @device_function
     def store_ds(smem, fsmem, ds_buf, dp_reg, kw, g, t):
-        """This warp's dS^T as [key][query] words at ``ds_buf`` (16-bit pairs; tf32: float32 words)."""
+        """This warp's dS^T as [key][query] words at ``ds_buf`` (16-bit pairs; tf32: float32 words; DQ_WGMMA:
+        128-byte-swizzled rows, query pair 4 n + t of key row r in chunk n ^ (r % 8), and r % 8 is g)."""
         if TF32:
             store_words_tf32(fsmem, ds_buf, dp_reg, kw, g, t)
+        elif DQ_WGMMA:
+            row = ds_buf + (16 * kw + g) * DS_STRIDE + t
+            for n in range(NT_QA):
+                sw = 4 * (n ^ g)
+                smem[U(row + sw)] = pack2(dp_reg[0, n, 0], dp_reg[0, n, 1])
+                smem[U(row + 8 * DS_STRIDE + sw)] = pack2(dp_reg[0, n, 2], dp_reg[0, n, 3])
         else:
             store_words(smem, ds_buf, dp_reg, kw, g, t)
+
+    @device_function
+    def dq_wgmma_phase(smem, dq_accum, b, h, q0, warp, g, t, scale32, dq_acc):
+        """DQ_WGMMA: dQ_i += dS K_j for this warpgroup's ``DQ_N`` dims (dS^T at ``DS_OFF``, K_j at ``K_OFF``), each
+        lane's four floats of an n-tile added to ``dq_frag_shape``'s blocks (its warp: the 16-row slab
+        ``warp % 4``)."""
+        c0 = (warp // 4) * DQ_N                          # this warpgroup's first dim
+        wgmma_dq(dq_acc, smem, 4 * DS_OFF, 4 * K_OFF + (c0 // 64) * BLOCK_K * SWIZZLE_BYTES + 2 * (c0 % 64), 0)
+        dq_row = ((b * dq_accum.shape[1] + h) * dq_accum.shape[2] + q0 + 16 * (warp % 4)) * D_PAD + 4 * (4 * g + t)
+        for p in range(DQ_NT_WG):
+            n = c0 // 8 + p
+            if D_PAD == HEAD_DIM or 8 * n < HEAD_DIM:       # (n-tiles of padding: nothing to add)
+                red_add_f32x4(dq_accum, dq_row + 128 * n, dq_acc[p, 0] * scale32, dq_acc[p, 1] * scale32,
+                              dq_acc[p, 2] * scale32, dq_acc[p, 3] * scale32)
 
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
@@ -986,6 +1021,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         fa_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)   # SPLIT: their small parts
         fb_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)
         dq_reg = cuda.local.array((DQ_NT, 4), F32)
+        dq_acc = cuda.local.array((DQ_NT_WG, 4), F32)    # DQ_WGMMA: this thread's dQ fragments
         p_all = cuda.local.array(A_ALL, U32_DT)           # WGMMA: P_drop^T's a fragments of every k-step
         ds_all = cuda.local.array(A_ALL, U32_DT)          # and dS^T's
         wg_rows = (kw // 4) * 64 * SWIZZLE_BYTES                         # WGMMA: this warpgroup's K / V rows
@@ -1000,7 +1036,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
         copy_kv(k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0, seqlen_k - k0, smem, K_OFF)
         copy_kv(v, (b * v.strides[0] + hk * v.strides[2]) >> 2, v.strides[1] >> 2, k0, seqlen_k - k0, smem, V_OFF)
-        if WGMMA:
+        if WGMMA and not DQ_WGMMA:
             copy_kd(k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0, seqlen_k - k0, smem,
                     KD_OFF)
         cp_async_commit()
@@ -1098,6 +1134,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 pending = True
                 ph = h
                 pq0 = q0
+            elif DQ_WGMMA:
+                fence_async()                            # dS^T's stores, for the tensor cores
+                cuda.syncthreads()
+                dq_wgmma_phase(smem, dq_accum, b, h, q0, warp, g, t, scale32, dq_acc)
             else:
                 cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
                 dq_phase(smem, dq_accum, DS_OFF, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,

@@ -329,17 +329,18 @@ def _record_factory(mp, name, pick):
     return built
 
 
-def _wgmma_backward_matches_oracle(p, split=None, exchange=True, frag=True):
+def _wgmma_backward_matches_oracle(p, split=None, exchange=True, frag=True, dq_wgmma=True):
     """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel (``split``: its warps per 16 keys forced, else
     the plan's, with ``WGMMA_BACKWARD_256``; ``exchange``: ``WGMMA_BACKWARD_EXCHANGE``; ``frag``:
-    ``WGMMA_DQ_FRAG``, dQ's accumulator in the fragments' order, whose padded rows and dims the draws cross):
-    flash-attn's rule."""
+    ``WGMMA_DQ_FRAG``, dQ's accumulator in the fragments' order, whose padded rows and dims the draws cross;
+    ``dq_wgmma``: ``WGMMA_DQ``, dQ by the warpgroups where the query tile is 64 rows): flash-attn's rule."""
     out, lse = kernel_forward(p, backend="tensorcore")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plan, "WGMMA_BACKWARD", True)
         mp.setattr(plan, "WGMMA_BACKWARD_256", True)
         mp.setattr(plan, "WGMMA_BACKWARD_EXCHANGE", exchange)
         mp.setattr(plan, "WGMMA_DQ_FRAG", frag)
+        mp.setattr(plan, "WGMMA_DQ", dq_wgmma)
         built = _record_factory(mp, "make_dkdv_tc", lambda a, kw: (a, kw))
         if split is not None:
             mp.setattr(plan, "wgmma_bwd_dim_split", lambda headdim: split)
@@ -352,6 +353,7 @@ def _wgmma_backward_matches_oracle(p, split=None, exchange=True, frag=True):
         assert a[12] == (split or plan.wgmma_bwd_dim_split(p.headdim)), a[12]      # DSPLIT
         assert kw.get("EXCHANGE", False) == (exchange and a[12] == 2), kw
         assert kw.get("DQ_FRAG", False) == frag, kw
+        assert kw.get("DQ_WGMMA", False) == (dq_wgmma and frag and a[0] == 64 and a[12] == 1), kw
 
 
 @settings(max_examples=examples(2, 12), deadline=None)
@@ -361,6 +363,17 @@ def test_wgmma_backward_within_twice_float16_oracle_error(p, frag):
     """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel, any options, dQ's accumulator in either
     layout: flash-attn's rule."""
     _wgmma_backward_matches_oracle(p, frag=frag)
+
+
+@settings(max_examples=examples(1, 12), deadline=None)
+@given(p=kernel_problems(dtypes=(np.float16,), tiles=st.just((64, 128)) if SIMULATOR else
+                         st.sampled_from([(64, 64), (64, 128)]), headdims=(16,) if SIMULATOR else (64, 96, 128),
+                         max_seqlen=TC_MAX_SEQLEN), dq_wgmma=st.just(True) if SIMULATOR else st.booleans())
+def test_wgmma_backward_with_dq_by_wgmma(p, dq_wgmma):
+    """64-query tiles, where dQ_i += dS K_j is a warpgroup's product too (``WGMMA_DQ``: dS^T in swizzled rows,
+    MN-major A; K_j's tile MN-major B; at 128 keys each warpgroup has half of the dims, which at head dims up to
+    64 starts its B halfway along the tile's 128-byte rows), or the mma.sync phase: flash-attn's rule."""
+    _wgmma_backward_matches_oracle(p, dq_wgmma=dq_wgmma)
 
 
 @settings(max_examples=examples(1, 8), deadline=None)
