@@ -311,7 +311,7 @@ def _cast_launch(kern, n):
 
 def _backward_tc_plan(call, bq, bk):
     if _hopper_backward(call, bk) and call.block_q is None:
-        bq = wgmma_bwd_block_q(call.headdim)
+        bq = wgmma_bwd_block_q(call.headdim, call.total_q is not None)
     if _empty(call, True):
         return BackwardPlan(call, "tensorcore", bq, bk, "float32", None, None, True, None)
     d, words = call.headdim, call.headdim // (1 if call.dtype == "float32" else 2)
@@ -323,7 +323,8 @@ def _backward_tc_plan(call, bq, bk):
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
                                              **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
-                                             **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d))
+                                             **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d),
+                                             **({"PAIRED": True} if WGMMA_BWD_PAIRED else {}))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -364,7 +365,12 @@ def _hopper_backward(call, block_k):
 # dim 64 (64 x 128 tiles; 32 x 128: 6.00 / 3.49), 5.08 / 2.99 against 5.89 / 3.23 at 128 (32 x 128; 64 x 128
 # spills there); its query tiles per head-dim class
 WGMMA_BACKWARD = True
+# 64 x 128 at head dim 128 (255 registers, 8-24 bytes of spill), with dQ by the warpgroups (WGMMA_DQ): measured on an
+# H200 (bench/results/h100-bwd-dq-wgmma-2026-11-27.md, call 1, tools.tune_tc --pass bwd, N 4096) the backward 4.344 /
+# 2.435 ms at 32 x 128 against 3.683 / 2.053 at 64 x 128 with dQ on mma.sync; packed batches, whose dQ stays on
+# mma.sync (rows layout), measured 2% slower at 64 (python -m bench --varlen, H100, call 3) and keep 32
 _WGMMA_BWD_BLOCK_Q = ((64, 64), (128, 64), (256, 32))
+_WGMMA_BWD_BLOCK_Q_PACKED = ((64, 64), (128, 32), (256, 32))
 # packed batches (VARLEN: the kernel's views sliced to the sequence, as the mma.sync kernel's): measured on the
 # H100 (bench/results/h100-tf32-wgmma-2026-11-26.md, python -m bench --varlen, 16k tokens), the packed
 # forward+backward 5.18 / 3.35 ms at head dim 64 (non-causal / causal) and 5.21 / 3.41 at 128, against 5.50 /
@@ -406,6 +412,8 @@ TC_DQ_FRAG_MAX_HEADDIM = 48
 # wgmma, K_j's tile its B; no mma.sync phase, no second copy of K_j), where dQ's accumulator is in the fragments'
 # order and a query tile is the 64 rows of a warpgroup's product (one warp per 16 keys: head dims up to 128)
 WGMMA_DQ = True
+# S^T with dP^T, and dV with dK, each pair issued together and waited for once (``make_dkdv_tc(PAIRED=True)``)
+WGMMA_BWD_PAIRED = True
 
 
 def _dq_wgmma(frag, block_q, headdim):
@@ -424,9 +432,10 @@ def wgmma_bwd_dim_split(headdim):
     return 2 if headdim > 128 else 1
 
 
-def wgmma_bwd_block_q(headdim):
-    """The Hopper dK/dV kernel's query tile for the head dim (its key tile is the tensor-core kernel's)."""
-    return next(bq for max_d, bq in _WGMMA_BWD_BLOCK_Q if headdim <= max_d)
+def wgmma_bwd_block_q(headdim, packed=False):
+    """The Hopper dK/dV kernel's query tile for the head dim (its key tile is the tensor-core kernel's); a packed
+    batch keeps ``_WGMMA_BWD_BLOCK_Q_PACKED`` (its dQ stays on mma.sync)."""
+    return next(bq for max_d, bq in (_WGMMA_BWD_BLOCK_Q_PACKED if packed else _WGMMA_BWD_BLOCK_Q) if headdim <= max_d)
 
 
 def _tf32_keywords(dtype, precision):
