@@ -323,8 +323,7 @@ def _backward_tc_plan(call, bq, bk):
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
                                              **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
-                                             **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d),
-                                             **({"PAIRED": True} if WGMMA_BWD_PAIRED else {}))
+                                             **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -412,8 +411,9 @@ TC_DQ_FRAG_MAX_HEADDIM = 48
 # wgmma, K_j's tile its B; no mma.sync phase, no second copy of K_j), where dQ's accumulator is in the fragments'
 # order and a query tile is the 64 rows of a warpgroup's product (one warp per 16 keys: head dims up to 128)
 WGMMA_DQ = True
-# S^T with dP^T, and dV with dK, each pair issued together and waited for once (``make_dkdv_tc(PAIRED=True)``)
-WGMMA_BWD_PAIRED = True
+# (S^T with dP^T, and dV with dK, each pair issued together and waited for once: measured no faster on the H100,
+# forward+backward 0-3.5% more time at head dims 64-256, bench/results/h100-bwd-dq-wgmma-2026-11-27.md call 4;
+# removed: the code is in commit 84b0d03)
 
 
 def _dq_wgmma(frag, block_q, headdim):

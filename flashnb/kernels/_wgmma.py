@@ -111,7 +111,7 @@ def _descriptor_bits(lbo, sbo):
     return ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62)
 
 
-def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, pair=False):
+def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -119,30 +119,30 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, p
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     NACC = N // 2
     KSTEPS = len(b_steps)
-    NPROD = 2 if pair else 1
     shape = f"m64n{N}k{k_step(fmt)}.f32.{fmt}.{fmt}"
-    x = 2 * NACC * NPROD  # first input after the accumulators and their tied inputs (which are numbered too)
-    per = 2 if kind == "ss" else 1 + 4 * KSTEPS     # inputs of one product: descriptors (and A's registers)
-    flag = x + per * NPROD
+    acc_list = "{" + ", ".join(f"${i}" for i in range(NACC)) + "}"
+    x = 2 * NACC          # first input after the accumulators and their tied inputs (which are numbered too)
+    if kind == "ss":
+        ins_ptx = f"${x}", f"${x + 1}"               # A's and B's descriptors (k-step 0)
+        flag = x + 2
+    else:
+        flag = x + 1 + 4 * KSTEPS                   # B's descriptor, then 4 A registers per k-step
     # scale-d is a predicate: p (accumulate into acc, or not) for the first k-step, q (true) for the others
     lines = ["{", ".reg .b64 da, db;", ".reg .pred p, q;", f"setp.ne.b32 p, ${flag}, 0;", "setp.eq.b32 q, 0, 0;",
              "wgmma.fence.sync.aligned;"]
-    for j in range(NPROD):                          # (a pair: both products issued, then one wait)
-        acc_list = "{" + ", ".join(f"${j * NACC + i}" for i in range(NACC)) + "}"
-        y = x + j * per
-        for ks in range(KSTEPS):
-            scale_d = "p" if ks == 0 else "q"
-            if kind == "ss":
-                lines.append(f"add.s64 da, ${y}, {a_steps[ks] >> 4};")
-                lines.append(f"add.s64 db, ${y + 1}, {b_steps[ks] >> 4};")
-                trans = "" if fmt == "tf32" else f", {trans_a}, {trans_b}"   # .tf32 takes no transpose immediates
-                lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, da, db, {scale_d}, 1, 1{trans};")
-            else:
-                a = y + 1 + 4 * ks
-                lines.append(f"add.s64 db, ${y}, {b_steps[ks] >> 4};")
-                trans = "" if fmt == "tf32" else f", {trans_b}"
-                lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, {{${a}, ${a + 1}, ${a + 2}, "
-                             f"${a + 3}}}, db, {scale_d}, 1, 1{trans};")
+    for ks in range(KSTEPS):
+        scale_d = "p" if ks == 0 else "q"
+        if kind == "ss":
+            lines.append(f"add.s64 da, {ins_ptx[0]}, {a_steps[ks] >> 4};")
+            lines.append(f"add.s64 db, {ins_ptx[1]}, {b_steps[ks] >> 4};")
+            trans = "" if fmt == "tf32" else f", {trans_a}, {trans_b}"   # .tf32 takes no transpose immediates
+            lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, da, db, {scale_d}, 1, 1{trans};")
+        else:
+            a = x + 1 + 4 * ks
+            lines.append(f"add.s64 db, ${x}, {b_steps[ks] >> 4};")
+            trans = "" if fmt == "tf32" else f", {trans_b}"
+            lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, {{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, "
+                         f"db, {scale_d}, 1, 1{trans};")
     lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     ptx = " ".join(lines)
     a_bits, b_bits = _descriptor_bits(a_lbo, 1024), _descriptor_bits(b_lbo, 1024)
@@ -160,40 +160,13 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, p
         ary = context.make_array(aryty)(context, builder, aryval)
         return [builder.gep(ary.data, [ir.Constant(i64, i)]) for i in range(NACC)]
 
-    def offset(context, builder, val, ty):
-        return builder.trunc(context.cast(builder, val, ty, types.uint64), i32)
-
     def run(context, builder, acc_ptrs, extra_types, extra_vals, accumulate):
-        n = len(acc_ptrs)
         accs = [builder.load(p) for p in acc_ptrs]
-        cons = ",".join(["=f"] * n + [str(i) for i in range(n)] + extra_types + ["r"])
-        fnty = ir.FunctionType(ir.LiteralStructType([f32] * n), [f32] * n + [v.type for v in extra_vals] + [i32])
+        cons = ",".join(["=f"] * NACC + [str(i) for i in range(NACC)] + extra_types + ["r"])
+        fnty = ir.FunctionType(ir.LiteralStructType([f32] * NACC), [f32] * NACC + [v.type for v in extra_vals] + [i32])
         res = builder.call(ir.InlineAsm(fnty, ptx, cons, side_effect=True), accs + extra_vals + [accumulate])
         for i, p in enumerate(acc_ptrs):
             builder.store(builder.extract_value(res, i), p)
-
-    def a_registers(context, builder, aryty, aryval):
-        regs = context.make_array(aryty)(context, builder, aryval)
-        return [builder.load(builder.gep(regs.data, [ir.Constant(i64, i)])) for i in range(4 * KSTEPS)]
-
-    if kind == "ss" and pair:
-        @intrinsic
-        def wgmma_ss2(typingctx, acc, acc2, smem, a_off, b_off, a2_off, b2_off):
-            """acc = A B and acc2 = A2 B2 (neither accumulating), issued together and waited for once."""
-            sig = types.void(acc, acc2, smem, a_off, b_off, a2_off, b2_off)
-
-            def codegen(context, builder, signature, args):
-                tys = signature.args
-                base = shared_base(context, builder, tys[2], args[2])
-                offs = [offset(context, builder, v, t) for v, t in zip(args[3:7], tys[3:7])]
-                descs = [descriptor(builder, base, o, bits) for o, bits in zip(offs, (a_bits, b_bits) * 2)]
-                ptrs = acc_pointers(context, builder, tys[0], args[0]) + acc_pointers(context, builder, tys[1], args[1])
-                run(context, builder, ptrs, ["l"] * 4, descs, ir.Constant(i32, 0))
-                return context.get_dummy_value()
-
-            return sig, codegen
-
-        return wgmma_ss2
 
     if kind == "ss":
         @intrinsic
@@ -205,7 +178,8 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, p
             def codegen(context, builder, signature, args):
                 tys = signature.args
                 base = shared_base(context, builder, tys[1], args[1])
-                offs = [offset(context, builder, v, t) for v, t in zip(args[2:4], tys[2:4])]
+                offs = [builder.trunc(context.cast(builder, v, t, types.uint64), i32) for v, t in
+                        zip(args[2:4], tys[2:4])]
                 da, db = descriptor(builder, base, offs[0], a_bits), descriptor(builder, base, offs[1], b_bits)
                 flag = context.cast(builder, args[4], tys[4], types.int32)
                 run(context, builder, acc_pointers(context, builder, tys[0], args[0]), ["l", "l"], [da, db], flag)
@@ -214,28 +188,6 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, p
             return sig, codegen
 
         return wgmma_ss
-
-    if pair:
-        @intrinsic
-        def wgmma_rs2(typingctx, acc, a_regs, acc2, a2_regs, smem, b_off, b2_off):
-            """acc += A B and acc2 += A2 B2 (A, A2 from registers), issued together and waited for once."""
-            sig = types.void(acc, a_regs, acc2, a2_regs, smem, b_off, b2_off)
-
-            def codegen(context, builder, signature, args):
-                tys = signature.args
-                base = shared_base(context, builder, tys[4], args[4])
-                vals = []
-                for j in range(2):
-                    off = offset(context, builder, args[5 + j], tys[5 + j])
-                    vals += [descriptor(builder, base, off, b_bits)] + a_registers(context, builder, tys[1 + 2 * j],
-                                                                                   args[1 + 2 * j])
-                ptrs = acc_pointers(context, builder, tys[0], args[0]) + acc_pointers(context, builder, tys[2], args[2])
-                run(context, builder, ptrs, (["l"] + ["r"] * (4 * KSTEPS)) * 2, vals, ir.Constant(i32, 1))
-                return context.get_dummy_value()
-
-            return sig, codegen
-
-        return wgmma_rs2
 
     @intrinsic
     def wgmma_rs(typingctx, acc, a_regs, smem, b_off, accumulate):
@@ -247,10 +199,13 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, p
         def codegen(context, builder, signature, args):
             tys = signature.args
             base = shared_base(context, builder, tys[2], args[2])
-            db = descriptor(builder, base, offset(context, builder, args[3], tys[3]), b_bits)
+            off = builder.trunc(context.cast(builder, args[3], tys[3], types.uint64), i32)
+            db = descriptor(builder, base, off, b_bits)
+            regs = context.make_array(tys[1])(context, builder, args[1])
+            a_vals = [builder.load(builder.gep(regs.data, [ir.Constant(i64, i)])) for i in range(4 * KSTEPS)]
             flag = context.cast(builder, args[4], tys[4], types.int32)
             run(context, builder, acc_pointers(context, builder, tys[0], args[0]), ["l"] + ["r"] * (4 * KSTEPS),
-                [db] + a_registers(context, builder, tys[1], args[1]), flag)
+                [db] + a_vals, flag)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -401,33 +356,6 @@ def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=
     if key not in _cache:
         make = _sim_wgmma if SIMULATOR else _gpu_wgmma
         _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt)
-    return _cache[key]
-
-
-def make_wgmma_pair(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0):
-    """Two products of one shape issued together and waited for once (``make_wgmma``'s, 16-bit operands):
-    ``wgmma_ss2(acc, acc2, smem, a_off, b_off, a2_off, b2_off)`` (``kind="ss"``: ``acc = A B``, ``acc2 = A2 B2``,
-    neither accumulating) or ``wgmma_rs2(acc, a_regs, acc2, a2_regs, smem, b_off, b2_off)`` (``"rs"``: ``acc +=
-    A B``, ``acc2 += A2 B2``).  The tensor cores run the second product's k-steps right after the first's instead
-    of after a round trip through the warps: the backward's S^T and dP^T, then its dV and dK."""
-    fmt = WGMMA_FORMATS.get(dtype_name)
-    if fmt not in ("f16", "bf16") or kind not in ("ss", "rs"):
-        raise ValueError(f"make_wgmma_pair takes 16-bit operands and kind 'ss' or 'rs', got {dtype_name!r}, {kind!r}")
-    key = ("pair", kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b)
-    if key not in _cache:
-        if SIMULATOR:
-            one = _sim_wgmma(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, 0, trans_b, fmt)
-            if kind == "ss":
-                def pair(acc, acc2, smem, a_off, b_off, a2_off, b2_off):
-                    one(acc, smem, a_off, b_off, 0)
-                    one(acc2, smem, a2_off, b2_off, 0)
-            else:
-                def pair(acc, a_regs, acc2, a2_regs, smem, b_off, b2_off):
-                    one(acc, a_regs, smem, b_off, 1)
-                    one(acc2, a2_regs, smem, b2_off, 1)
-            _cache[key] = device_function(pair)
-        else:
-            _cache[key] = _gpu_wgmma(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, 0, trans_b, fmt, pair=True)
     return _cache[key]
 
 

@@ -52,7 +52,7 @@ from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_ti
 from .forward import LOG2E, make_mask_bounds, make_window_helpers
 from .forward_tc import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
 from ._wgmma import (ATOM_BYTES, SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps,
-                     make_pack_a, make_wgmma, make_wgmma_pair, mn_major_steps)
+                     make_pack_a, make_wgmma, mn_major_steps)
 
 F32 = np.float32
 U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
@@ -237,7 +237,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
                  DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0,
-                 DQ_FRAG=False, DQ_WGMMA=False, PAIRED=False, MODS=None):
+                 DQ_FRAG=False, DQ_WGMMA=False, MODS=None):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -306,9 +306,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     whole 128-byte lines) instead of 8 rows x 32 bytes: the L2 takes a request of four sectors where it took
     four requests of one (bench/results/h100-dq-frag-2026-11-26.md).
 
-    ``PAIRED`` (with ``WGMMA``): S^T and dP^T (without ``EXCHANGE``) issued together and waited for once, then dV and
-    dK the same (``make_wgmma_pair``), instead of four round trips between the warps and the tensor cores.
-
     ``DQ_WGMMA`` (with ``WGMMA`` and ``DQ_FRAG``, 64-query tiles, one warp per 16 keys): dQ_i += dS K_j by the
     warpgroups too, each for its share of the dims (``DQ_N``): dS^T is stored as 128-byte-swizzled [key][query]
     rows, the MN-major A of ``wgmma_ss`` (``trans_a``), and K_j's swizzled tile is its MN-major B, so the
@@ -375,7 +372,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     DQ_NT_WG = DQ_N // 8                           # (its n-tiles)
     assert not DQ_WGMMA or (DQ_N % 16 == 0 and (4 * DS_OFF) % ATOM_BYTES == 0)
     EXCHANGE = EXCHANGE and WGMMA and DSPLIT == 2
-    PAIRED = PAIRED and WGMMA
     assert not EXCHANGE or KW == 4           # one warpgroup a half: thread tid's partner is tid +- 128
     X_WORDS = 4 * NT_QA * 128                # EXCHANGE: one warpgroup's S^T or dP^T, [element][thread]
     X_OFF = SMEM_WORDS                       # the first warpgroup's S^T at X_OFF, the second's dP^T after it
@@ -429,10 +425,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                              k_major_steps(BLOCK_Q, KSTEPS_D))
         wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD // DSPLIT, (), mn_major_steps(KSTEPS_Q),
                                b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
-        wgmma_t2 = make_wgmma_pair("ss", DTYPE_NAME, BLOCK_Q, k_major_steps(BLOCK_K, KSTEPS_D),
-                                   k_major_steps(BLOCK_Q, KSTEPS_D))               # PAIRED: S^T with dP^T,
-        wgmma_acc2 = make_wgmma_pair("rs", DTYPE_NAME, D_PAD // DSPLIT, (), mn_major_steps(KSTEPS_Q),
-                                     b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)      # dV with dK
         PART_BYTES = D_PAD // DSPLIT // 64 * BLOCK_Q * SWIZZLE_BYTES   # dO_i's, Q_i's blocks of one part of dims
         fence_async = fence_proxy_async()
         pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
@@ -700,11 +692,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         this warp's part of the dims (``DSPLIT``), ``part_bytes`` into dO_i's and Q_i's tiles."""
         pack_a(s_reg, p_all)
         pack_a(dp_reg, ds_all)
-        if PAIRED:
-            wgmma_acc2(dv_acc, p_all, dk_acc, ds_all, smem, 4 * db + part_bytes, 4 * qb + part_bytes)
-        else:
-            wgmma_acc(dv_acc, p_all, smem, 4 * db + part_bytes, 1)
-            wgmma_acc(dk_acc, ds_all, smem, 4 * qb + part_bytes, 1)
+        wgmma_acc(dv_acc, p_all, smem, 4 * db + part_bytes, 1)
+        wgmma_acc(dk_acc, ds_all, smem, 4 * qb + part_bytes, 1)
 
     @device_function
     def store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32):
@@ -1110,8 +1099,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 b_off = 4 * (qb if first_wg else db)
                 wgmma_t(s_reg, smem, a_off, b_off, 0)
                 exchange_products(fsmem, s_reg, dp_reg, first_wg)
-            elif WGMMA and PAIRED:
-                wgmma_t2(s_reg, dp_reg, smem, 4 * K_OFF + wg_rows, 4 * qb, 4 * V_OFF + wg_rows, 4 * db)
             elif WGMMA:
                 wgmma_t(s_reg, smem, 4 * K_OFF + wg_rows, 4 * qb, 0)
                 wgmma_t(dp_reg, smem, 4 * V_OFF + wg_rows, 4 * db, 0)
