@@ -364,7 +364,7 @@ def _hopper_backward(call, block_k):
 # dim 64 (64 x 128 tiles; 32 x 128: 6.00 / 3.49), 5.08 / 2.99 against 5.89 / 3.23 at 128 (32 x 128; 64 x 128
 # spills there); its query tiles per head-dim class
 WGMMA_BACKWARD = True
-# 64 x 128 at head dim 128 (255 registers, 8-24 bytes of spill), with dQ by the warpgroups (WGMMA_DQ): measured on an
+# 64 x 128 at head dim 128 (255 registers, 8 bytes of spill), with dQ by the warpgroups (WGMMA_DQ): measured on an
 # H200 (bench/results/h100-bwd-dq-wgmma-2026-11-27.md, call 1, tools.tune_tc --pass bwd, N 4096) the backward 4.344 /
 # 2.435 ms at 32 x 128 against 3.683 / 2.053 at 64 x 128 with dQ on mma.sync; packed batches, whose dQ stays on
 # mma.sync (rows layout), measured 2% slower at 64 (python -m bench --varlen, H100, call 3) and keep 32
@@ -409,7 +409,10 @@ TC_DQ_FRAG_MAX_HEADDIM = 48
 
 # dQ_i += dS K_j by the warpgroups too (``make_dkdv_tc(DQ_WGMMA=True)``: dS^T in swizzled rows, the MN-major A of
 # wgmma, K_j's tile its B; no mma.sync phase, no second copy of K_j), where dQ's accumulator is in the fragments'
-# order and a query tile is the 64 rows of a warpgroup's product (one warp per 16 keys: head dims up to 128)
+# order and a query tile is the 64 rows of a warpgroup's product (one warp per 16 keys: head dims up to 128):
+# measured on the H100 (bench/results/h100-bwd-dq-wgmma-2026-11-27.md, call 2, python -m tools.plan_ab) forward+backward
+# 1.185x / 1.150x -> 1.249x / 1.215x FlashAttention-2 at head dim 64 (causal after the slash), 1.294x / 1.278x ->
+# 1.386x / 1.360x at 128 (bfloat16 1.303x / 1.289x -> 1.387x / 1.353x); compute-sanitizer clean
 WGMMA_DQ = True
 # (S^T with dP^T, and dV with dK, each pair issued together and waited for once: measured no faster on the H100,
 # forward+backward 0-3.5% more time at head dims 64-256, bench/results/h100-bwd-dq-wgmma-2026-11-27.md call 4;

@@ -6,7 +6,8 @@ A optionally, come from shared memory through 64-bit *matrix descriptors*
 (start address, two strides, the swizzle mode).  Only what the forward needs is here:
 
 * ``wgmma_ss``: A and B from shared memory, both "K-major" (contiguous along k): ``S = Q K_j^T`` with the
-  Q tile and the K tile stored row by row;
+  Q tile and the K tile stored row by row; or both MN-major (``trans_a``, ``trans_b``): the backward's
+  ``dQ_i = dS K_j`` with dS^T and K_j stored key by key;
 * ``wgmma_rs``: A from registers (P, packed from S's accumulators: the register fragments of A are those of
   ``mma.m16n8k16``, one 16-row block per warp), B from shared memory "MN-major" (contiguous along n):
   ``acc += P V_j`` with the V tile stored row by row, as K's.
@@ -172,7 +173,7 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
         @intrinsic
         def wgmma_ss(typingctx, acc, smem, a_off, b_off, accumulate):
             """acc (N/2 float32 a thread) = A B (+ acc if ``accumulate``): A at byte ``a_off``, B at ``b_off`` of
-            the shared array ``smem`` (K-major, swizzled tiles)."""
+            the shared array ``smem`` (swizzled tiles, K-major unless ``trans_a`` / ``trans_b``)."""
             sig = types.void(acc, smem, a_off, b_off, accumulate)
 
             def codegen(context, builder, signature, args):
