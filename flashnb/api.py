@@ -296,7 +296,9 @@ def _backward_launches(p, dout, q, k, v, out, lse, dq, dk, dv, opts, stream, kin
     else:
         dq_accum = _arrays.scratch((1, 1, 1, 1), acc, kind, like, stream)
     if p.dkdv is not None:
-        _run(p.dkdv, stream, p.dkdv_args(q, k, v, dout, lse2, delta, dk, dv, dq_accum, opts))
+        if p.tma and not _dispatch.REPLAY_TENSOR_MAPS:
+            _dispatch.unfit()         # its tensor maps hold the arrays' addresses: no replay with other arrays
+        _run(p.dkdv, stream, p.dkdv_args(q, k, v, dout, lse2, delta, dk, dv, dq_accum, opts, stream.handle))
     if p.finish is not None:
         args = ((_arrays.flat(dq_accum), _arrays.flat(dq)) + p.cast_args() if p.atomic
                 else p.dq_args(q, k, v, dout, lse2, delta, dq, opts))

@@ -108,6 +108,7 @@ class BackwardPlan(NamedTuple):
     atomic: bool                    # dQ summed with atomics into an accumulator, which ``finish`` casts
     finish: Optional[Launch]        # the accumulator's cast, or the dQ pass (atomic False)
     dq_frag: Optional[tuple] = None  # the fragment-ordered dQ accumulator's shape (``dq_frag_shape``)
+    tma: bool = False               # the Hopper dK/dV kernel's Q_i, dO_i come by the copy engine: maps of q, dout
 
     def accum_shape(self):
         """The dQ accumulator's shape: ``(batch, seqlen_q, nheads, headdim)``, or the fragment-ordered one."""
@@ -121,8 +122,14 @@ class BackwardPlan(NamedTuple):
         c = self.call
         return c.nheads, c.seqlen_q, self.dq_frag[2], self.dq_frag[3], c.headdim
 
-    def dkdv_args(self, q, k, v, dout, lse2, delta, dk, dv, dq_accum, opts):
-        return (q, k, v, dout, lse2, delta, dk, dv, dq_accum) + _group_off(self.call) + self._options(opts)
+    def dkdv_args(self, q, k, v, dout, lse2, delta, dk, dv, dq_accum, opts, stream=0):
+        """The dK/dV kernel's arguments; ``stream``: the raw ``CUstream`` it runs on (``tma``'s maps are copied
+        there)."""
+        args = (q, k, v, dout, lse2, delta, dk, dv, dq_accum) + _group_off(self.call) + self._options(opts)
+        if self.backend != "tensorcore":
+            return args
+        return args + (tensor_maps(((q, self.block_q), (dout, self.block_q)), False, stream) if self.tma
+                       else _options._dummy(2, np.uint64),)
 
     def dq_args(self, q, k, v, dout, lse2, delta, dq, opts):
         return (q, k, v, dout, lse2, delta, dq) + _group_off(self.call) + self._options(opts)
@@ -317,13 +324,16 @@ def _backward_tc_plan(call, bq, bk):
     d, words = call.headdim, call.headdim // (1 if call.dtype == "float32" else 2)
     dkdv = None
     frag = None
+    tma = False
     if call.seqlen_k > 0 and _hopper_backward(call, bk):
         if WGMMA_DQ_FRAG and call.total_q is None:
             frag = dq_frag_shape(call.batch, call.nheads, call.seqlen_q, d, bq, wgmma_bwd_dim_split(d), True)
+        tma = WGMMA_BWD_TMA and call.total_q is None
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
                                              **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
-                                             **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d))
+                                             **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d),
+                                             **({"TMA": True} if tma else {}))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -343,7 +353,7 @@ def _backward_tc_plan(call, bq, bk):
     elif call.seqlen_q > 0:
         cast = _cast_launch(make_cast_tc(call.dtype), _rows(call)[0] * _rows(call)[1] * call.nheads * words)
     return BackwardPlan(call, "tensorcore", bq, bk, "float32", _preprocess_launch(call, "float32", call.dtype),
-                        dkdv, True, cast, frag)
+                        dkdv, True, cast, frag, tma)
 
 
 def _hopper_backward(call, block_k):
@@ -414,6 +424,12 @@ TC_DQ_FRAG_MAX_HEADDIM = 48
 # 1.185x / 1.150x -> 1.249x / 1.215x FlashAttention-2 at head dim 64 (causal after the slash), 1.294x / 1.278x ->
 # 1.386x / 1.360x at 128 (bfloat16 1.303x / 1.289x -> 1.387x / 1.353x); compute-sanitizer clean
 WGMMA_DQ = True
+# Q_i and dO_i by the copy engine in dense batches (``make_dkdv_tc(TMA=True)``: one block barrier an item instead of
+# two, no cp.async from every thread); built in the simulator on 2026-11-27 after the device time was
+# spent, so off until its GPU run: tests/kernels/test_kernel_forward_tc.py -k dq_by_wgmma (it turns the flag on),
+# compute-sanitizer on gpu_sanitize.py wgmma-bwd with it on, and python -m tools.plan_ab --settings
+# "WGMMA_BWD_TMA=0;WGMMA_BWD_TMA=1"
+WGMMA_BWD_TMA = False
 # (S^T with dP^T, and dV with dK, each pair issued together and waited for once: measured no faster on the H100,
 # forward+backward 0-3.5% more time at head dims 64-256, bench/results/h100-bwd-dq-wgmma-2026-11-27.md call 4;
 # removed: the code is in commit 84b0d03)

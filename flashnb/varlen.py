@@ -177,7 +177,7 @@ def _backward_launches(p, dout, q, k, v, out, lse, dq, dk, dv, opts, stream, kin
         dq_accum = _arrays.scratch((1, 1, 1, 1), acc, kind, like, stream)
     q, k, v, dout, lse2, delta, dk, dv = (_packed(x, batch) for x in (q, k, v, dout, lse2, delta, dk, dv))
     if p.dkdv is not None:
-        api._run(p.dkdv, stream, p.dkdv_args(q, k, v, dout, lse2, delta, dk, dv, dq_accum, opts))
+        api._run(p.dkdv, stream, p.dkdv_args(q, k, v, dout, lse2, delta, dk, dv, dq_accum, opts, stream.handle))
     if p.finish is not None:
         args = ((_arrays.flat(dq_accum), _arrays.flat(dq)) if p.atomic
                 else p.dq_args(q, k, v, dout, lse2, delta, _packed(dq, batch), opts))

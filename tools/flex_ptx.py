@@ -103,7 +103,7 @@ def main():
         kernels += (
             ("tensor-core dK/dV", make_dkdv_tc(bq, bk, 64, "float16", True, *flags, split, True, MTK=mtk, SHARE=share,
                                                MODS=mods)[0],
-             (u4w, u4w, u4w, u4w, f3, f3, u4w, u4w, f4c, types.int64, types.int64)),)
+             (u4w, u4w, u4w, u4w, f3, f3, u4w, u4w, f4c, types.int64, types.int64), (types.Array(types.uint64, 2, "C"),)),)
         for what, kern, head, *tail in kernels:
             cc = tail[1] if len(tail) > 1 else (9, 0)
             ptx, _ = cuda.compile_ptx(kern.py_func, head + options + tuple(tail[0] if tail else ()), cc=cc)

@@ -78,15 +78,15 @@ for flags in FLAG_SETS:
     bq, bk = plan.default_tc_bwd_tiles(64, None, None, "float16"); split, mtk, share = plan._tc_bwd_layout(bq, bk, 64, "float16")
     if want("tc dkdv"):
         k = make_dkdv_tc(bq, bk, 64, "float16", True, *flags, split, True, MTK=mtk, SHARE=share)[0]
-        print("tc dkdv", flags, h(cuda.compile_ptx(k.py_func, (u4w,)*4 + (f3, f3, u4w, u4w, f4c, types.int64, types.int64) + opts, cc=(9,0))[0]))
+        print("tc dkdv", flags, h(cuda.compile_ptx(k.py_func, (u4w,)*4 + (f3, f3, u4w, u4w, f4c, types.int64, types.int64) + opts + (types.Array(types.uint64, 2, "C"),), cc=(9,0))[0]))
 # the Hopper dK/dV kernel as plan.py builds it (16-bit, dense: DQ_FRAG; above head dim 128 two warpgroups, EXCHANGE)
 for d in (64, 128, 256):
     for flags in FLAG_SETS:
         if want("wgmma dkdv %d %s" % (d, flags)):
             bq, bk = plan.wgmma_bwd_block_q(d), plan.default_tc_bwd_tiles(d, None, None, "float16")[1]
             k = make_dkdv_tc(bq, bk, d, "float16", True, *flags, plan.wgmma_bwd_dim_split(d), True, DEFER_DQ=False,
-                             WGMMA=True, **plan._exchange(d), DQ_FRAG=True)[0]
-            print("wgmma dkdv", d, flags, h(cuda.compile_ptx(k.py_func, (u4w,)*4 + (f3, f3, u4w, u4w, f4c, types.int64, types.int64) + opts, cc=(9,0,"a"))[0]))
+                             WGMMA=True, **plan._exchange(d), DQ_FRAG=True, **plan._dq_wgmma(True, bq, d))[0]
+            print("wgmma dkdv", d, flags, h(cuda.compile_ptx(k.py_func, (u4w,)*4 + (f3, f3, u4w, u4w, f4c, types.int64, types.int64) + opts + (types.Array(types.uint64, 2, "C"),), cc=(9,0,"a"))[0]))
 # the decode kernel at kvcache's settings: (dtype, head dim, group, seqlen_q, vec16, PAGED, HAS_SEQLENS, split,
 # window, softcap, alibi, LEAN, leftpad, STAGES (None: kvcache's, fitted))
 i64, f32t = types.int64, types.float32

@@ -60,7 +60,8 @@ def compile_backward(bq, bk, d, options, out_dir, ptx_version):
     kw = dict(DSPLIT=split, MTK=mtk, SHARE=share)
     if options.get("WGMMA"):                     # the Hopper dK/dV kernel: one warp per 16 keys, dQ undeferred
         kw = dict(DSPLIT=1, MTK=1, SHARE=False, DEFER_DQ=False)
-    kw.update({k: (bool(v) if k in ("SHARE", "DEFER_DQ", "WGMMA", "EXCHANGE", "TF32X3", "DQ_FRAG") else v)
+    kw.update({k: (bool(v) if k in ("SHARE", "DEFER_DQ", "WGMMA", "EXCHANGE", "TF32X3", "DQ_FRAG", "DQ_WGMMA", "TMA")
+                   else v)
                for k, v in options.items()})
     wgmma = kw.get("WGMMA", False)
     dsplit = kw.pop("DSPLIT")
@@ -68,7 +69,8 @@ def compile_backward(bq, bk, d, options, out_dir, ptx_version):
     u4 = types.Array(types.uint32, 4, "C")
     f3 = types.Array(types.float32, 3, "C")
     sig = (u4, u4, u4, u4, f3, f3, u4, u4, types.Array(types.float32, 4, "C"),   # q k v dout lse2 delta dk dv dq
-           types.int64, types.int64) + _OPTION_TYPES()                                  # group off, options
+           types.int64, types.int64) + _OPTION_TYPES() + (                            # group off, options,
+        types.Array(types.uint64, 2, "C"),)                                             # the tensor maps
     return _build(kern, sig, shared, threads, os.path.join(out_dir, f"dkdv_{bq}_{bk}_{d}"), ptx_version,
                   arch="sm_90a" if wgmma else "sm_90")
 

@@ -53,6 +53,7 @@ from .forward import LOG2E, make_mask_bounds, make_window_helpers
 from .forward_tc import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
 from ._wgmma import (ATOM_BYTES, SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps,
                      make_pack_a, make_wgmma, mn_major_steps)
+from ._tma import make_tile_load, tma_primitives
 
 F32 = np.float32
 U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
@@ -237,7 +238,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
                  DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0,
-                 DQ_FRAG=False, DQ_WGMMA=False, MODS=None):
+                 DQ_FRAG=False, DQ_WGMMA=False, TMA=False, MODS=None):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -306,6 +307,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     whole 128-byte lines) instead of 8 rows x 32 bytes: the L2 takes a request of four sectors where it took
     four requests of one (bench/results/h100-dq-frag-2026-11-26.md).
 
+    ``TMA`` (with ``WGMMA``, dense batches): Q_i and dO_i come by the tensor-copy engine (``_tma``; tensor maps
+    0 and 1 of ``maps``) into two stages, each completing on its ``full`` barrier, instead of cp.async from every
+    thread.  One block barrier an item instead of two: the one before dQ (dS^T complete) also says that every
+    thread is past the item's reads of its stage (S^T, dP^T, dV, dK; dQ reads dS^T and K_j), so thread 0 refills
+    it with the item after next right there, and publishes the next item's lse2, delta rows (stored before it);
+    dS^T alternates between two buffers, so the next item's stores never meet this item's dQ.
+
     ``DQ_WGMMA`` (with ``WGMMA`` and ``DQ_FRAG``, 64-query tiles, one warp per 16 keys): dQ_i += dS K_j by the
     warpgroups too, each for its share of the dims (``DQ_N``): dS^T is stored as 128-byte-swizzled [key][query]
     rows, the MN-major A of ``wgmma_ss`` (``trans_a``), and K_j's swizzled tile is its MN-major B, so the
@@ -336,6 +344,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         assert not TF32 and MTK == 1 and not SHARE and not DEFER_DQ and VEC16 and BLOCK_K % 64 == 0
     DQ_WGMMA = DQ_WGMMA and WGMMA
     assert not DQ_WGMMA or (DSPLIT == 1 and BLOCK_Q == 64 and DQ_FRAG)
+    assert not TMA or (WGMMA and not VARLEN)
     assert not DQ_FRAG or not (TF32 or VARLEN)
     KW = BLOCK_K // (16 * MTK)               # warps along the keys: 16 MTK keys each
     NWARPS = KW * DSPLIT                     # warp w: keys 16 MTK (w % KW) ..; dims of dK, dV: part w // KW
@@ -359,7 +368,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     Q_OFF = V_OFF + BLOCK_K * STRIDE         # buffer s: Q_i at Q_OFF + 2 s QTILE, dO_i QTILE after it
     DS_TILE = BLOCK_K * DS_STRIDE
     DS_OFF = Q_OFF + 4 * QTILE               # dS^T as words: [key][query pair]; buffer s at DS_OFF + s DS_TILE
-    P_OFF = DS_OFF + (2 if DEFER_DQ else 1) * DS_TILE   # SHARE: P_drop^T as words, [key][query pair]
+    P_OFF = DS_OFF + (2 if DEFER_DQ or TMA else 1) * DS_TILE   # SHARE: P_drop^T as words, [key][query pair]
     L_OFF = P_OFF + (DS_TILE if SHARE else 0)           # buffer s: lse_i log2(e) at L_OFF + 2 s BLOCK_Q, delta_i after it
     K_SMALL = L_OFF + 4 * BLOCK_Q            # SPLIT: the small parts of K_j, then of Q_i and dO_i (this item's)
     QS_OFF = K_SMALL + BLOCK_K * STRIDE
@@ -377,7 +386,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     X_OFF = SMEM_WORDS                       # the first warpgroup's S^T at X_OFF, the second's dP^T after it
     if EXCHANGE:
         SMEM_WORDS = X_OFF + 2 * X_WORDS
+    FULL = 4 * (-(-SMEM_WORDS // 2) * 2)     # TMA: the stages' full barriers (8 bytes each), after the tiles
+    if TMA:
+        SMEM_WORDS = FULL // 4 + 4
     SHARED_BYTES = SMEM_WORDS * 4
+    QDO_BYTES = 2 * 4 * QTILE                 # TMA: the bytes of one stage's copies (Q_i, dO_i)
     A_ALL = 4 * KSTEPS_Q if WGMMA else 1     # WGMMA: words of P_drop^T's (dS^T's) a fragments, every k-step
     LROWS = -(-BLOCK_Q // NTHREADS)          # lse/delta rows per thread
     NP_D = NT_D // 2                         # dQ's n-tile pairs (16 dims each)
@@ -428,6 +441,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         PART_BYTES = D_PAD // DSPLIT // 64 * BLOCK_Q * SWIZZLE_BYTES   # dO_i's, Q_i's blocks of one part of dims
         fence_async = fence_proxy_async()
         pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
+        tma = tma_primitives()
+        mbar_init, mbar_fence_init, mbar_wait, mbar_expect = (
+            tma[name] for name in ("mbar_init", "mbar_fence_init", "mbar_wait", "mbar_arrive_expect_tx"))
+        load_q_box = make_tile_load(BLOCK_Q, HEAD_WORDS, D_WORDS // 32)     # TMA: Q_i's or dO_i's tile
         # DQ_WGMMA: dQ_i = dS K_j, A = dS^T's [key][query] rows, B = K_j's rows (both MN-major, k = 16 keys)
         wgmma_dq = make_wgmma("ss", DTYPE_NAME, DQ_N, mn_major_steps(KSTEPS_K), mn_major_steps(KSTEPS_K),
                               a_lbo=BLOCK_K * SWIZZLE_BYTES, b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1, trans_a=1)
@@ -498,6 +515,41 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         copy_q(dout, (b * dout.strides[0] + h * dout.strides[2]) >> 2, dout.strides[1] >> 2, q0, seqlen_q - q0,
                smem, base + QTILE)
         cp_async_commit()
+
+    @device_function
+    def start_q_load(smem, maps, q, dout, b, h, q0, seqlen_q, s):
+        """TMA: the copy engine's Q_i, dO_i (rows from ``q0``) into stage ``s``, completing on full[s] (thread 0)."""
+        bar = FULL + 8 * s
+        mbar_expect(smem, bar, QDO_BYTES)
+        qb = 4 * (Q_OFF + s * 2 * QTILE)
+        load_q_box(smem, qb, maps, 0, q, (b * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2, q0,
+                   seqlen_q - q0, h, b, bar)
+        load_q_box(smem, qb + 4 * QTILE, maps, 1, dout, (b * dout.strides[0] + h * dout.strides[2]) >> 2,
+                   dout.strides[1] >> 2, q0, seqlen_q - q0, h, b, bar)
+
+    @device_function
+    def refill(smem, maps, q, dout, b, hk, group, wn, gn, qn_i, n_work, nqt, qt_lo, k0, seqlen_q, seqlen_k, off, left,
+               right, block_mask, bm_q, bm_k, s):
+        """TMA, after the item's dQ barrier (every thread is past its reads of stage ``s``): the item after next,
+        ``(w2, g2, q2_i)`` after ``wn``, into stage ``s`` (thread 0)."""
+        w2, g2, q2_i = next_work(wn, gn, qn_i, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
+                                 right, block_mask, bm_q, bm_k)
+        if cuda.threadIdx.x == 0 and w2 < n_work:
+            start_q_load(smem, maps, q, dout, b, hk * group + g2, (qt_lo + q2_i) * BLOCK_Q, seqlen_q, s)
+        return w2, g2, q2_i
+
+    @device_function
+    def start_stages(smem, maps, q, dout, b, h0, qt_lo, w, gi, qi, wn, gn, qn_i, n_work, seqlen_q):
+        """TMA: the stages' barriers set up, and items ``w`` and ``wn`` in flight into stages 0 and 1 (thread 0;
+        the caller's next block barrier orders the barriers' set-up before any wait)."""
+        if cuda.threadIdx.x == 0:
+            for s in range(2):
+                mbar_init(smem, FULL + 8 * s, 1)
+            mbar_fence_init()
+            if w < n_work:
+                start_q_load(smem, maps, q, dout, b, h0 + gi, (qt_lo + qi) * BLOCK_Q, seqlen_q, 0)
+            if wn < n_work:
+                start_q_load(smem, maps, q, dout, b, h0 + gn, (qt_lo + qn_i) * BLOCK_Q, seqlen_q, 1)
 
     @device_function
     def load_rows(lse2, delta, b, h, q0, seqlen_q, l_row, d_row):
@@ -951,12 +1003,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             store_words(smem, ds_buf, dp_reg, kw, g, t)
 
     @device_function
-    def dq_wgmma_phase(smem, dq_accum, b, h, q0, warp, g, t, scale32, dq_acc):
-        """DQ_WGMMA: dQ_i += dS K_j for this warpgroup's ``DQ_N`` dims (dS^T at ``DS_OFF``, K_j at ``K_OFF``), each
+    def dq_wgmma_phase(smem, dq_accum, ds_buf, b, h, q0, warp, g, t, scale32, dq_acc):
+        """DQ_WGMMA: dQ_i += dS K_j for this warpgroup's ``DQ_N`` dims (dS^T at ``ds_buf``, K_j at ``K_OFF``), each
         lane's four floats of an n-tile added to ``dq_frag_shape``'s blocks (its warp: the 16-row slab
         ``warp % 4``)."""
         c0 = (warp // 4) * DQ_N                          # this warpgroup's first dim
-        wgmma_dq(dq_acc, smem, 4 * DS_OFF, 4 * K_OFF + (c0 // 64) * BLOCK_K * SWIZZLE_BYTES + 2 * (c0 % 64), 0)
+        wgmma_dq(dq_acc, smem, 4 * ds_buf, 4 * K_OFF + (c0 // 64) * BLOCK_K * SWIZZLE_BYTES + 2 * (c0 % 64), 0)
         dq_row = ((b * dq_accum.shape[1] + h) * dq_accum.shape[2] + q0 + 16 * (warp % 4)) * D_PAD + 4 * (4 * g + t)
         for p in range(DQ_NT_WG):
             n = c0 // 8 + p
@@ -967,7 +1019,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
-                      seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k):
+                      seed_lo, seed_hi, cu_seqlens_q, cu_seqlens_k, maps):
         if VARLEN:                                        # this block's sequence, viewed as a dense batch's
             kt, hk, b = packed_tile_head_batch(cu_seqlens_k, k.shape[2])
             k_start, n_k = sequence_span(cu_seqlens_k, b)
@@ -1048,11 +1100,21 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         n_work = group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
         w, gi, qi = next_work(-1, 0, -1, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
                               right, block_mask, bm_q, bm_k)
+        wn, gn, qn_i = next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
+                                 right, block_mask, bm_q, bm_k)
+        if TMA:                                           # stage 0: item w, stage 1: item wn, in flight
+            start_stages(smem, maps, q, dout, b, hk * group, qt_lo, w, gi, qi, wn, gn, qn_i, n_work, seqlen_q)
         if w < n_work:
             q0 = (qt_lo + qi) * BLOCK_Q
-            start_q_copy(q, dout, b, hk * group + gi, q0, seqlen_q, smem, Q_OFF)
+            if not TMA:
+                start_q_copy(q, dout, b, hk * group + gi, q0, seqlen_q, smem, Q_OFF)
             load_rows(lse2, delta, b, hk * group + gi, q0, seqlen_q, l_row, d_row)
             store_rows(fsmem, L_OFF, l_row, d_row)
+        if TMA:                                           # K_j, V_j and item w's rows landed, for everyone
+            wait_all()
+            fence_async()
+            cuda.syncthreads()
+        it = 0                                           # TMA: the item's number, for its stage's phase
         buf = 0
         pending = False                                  # DEFER_DQ: the previous item's dQ is still to add
         first = True                                     # SPLIT: K_j is split with the first item's Q_i, dO_i
@@ -1062,8 +1124,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             h = hk * group + gi
             q0 = (qt_lo + qi) * BLOCK_Q
             q_last = min(q0 + BLOCK_Q, seqlen_q) - 1
-            wn, gn, qn_i = next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
-                                     right, block_mask, bm_q, bm_k)
+            if not TMA:
+                wn, gn, qn_i = next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off,
+                                         left, right, block_mask, bm_q, bm_k)
             if DEFER_DQ:
                 wait_all()
                 # item w's Q, dO, lse2, delta have landed for everyone; every warp is done with item w - 1
@@ -1072,12 +1135,15 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             if wn < n_work:
                 # buffer 1 - buf was last read before this barrier (DEFER_DQ) or the previous item's dQ barrier
                 qn = (qt_lo + qn_i) * BLOCK_Q
-                start_q_copy(q, dout, b, hk * group + gn, qn, seqlen_q, smem, Q_OFF + (1 - buf) * 2 * QTILE)
+                if not TMA:
+                    start_q_copy(q, dout, b, hk * group + gn, qn, seqlen_q, smem, Q_OFF + (1 - buf) * 2 * QTILE)
                 load_rows(lse2, delta, b, hk * group + gn, qn, seqlen_q, l_row, d_row)
             if DEFER_DQ:
                 if pending:
                     dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0,
                              dq_row0 + seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg)
+            elif TMA:
+                mbar_wait(smem, FULL + 8 * buf, (it // 2) % 2)   # item w's Q_i, dO_i have landed in stage buf
             else:
                 await_item(wn < n_work)                  # item w's Q, dO, lse2, delta have landed for everyone
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
@@ -1118,7 +1184,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                             scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
                             drop_threshold, drop_scale, seed_lo, seed_hi)
 
-            ds_buf = DS_OFF + (buf * DS_TILE if DEFER_DQ else 0)
+            ds_buf = DS_OFF + (buf * DS_TILE if DEFER_DQ or TMA else 0)
             if SHARE:                                    # this warp's queries of P_drop^T and dS^T, for all
                 share_products(smem, fsmem, ds_buf, qa, s_reg, dp_reg, kw, g, t)
 
@@ -1134,20 +1200,29 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 pending = True
                 ph = h
                 pq0 = q0
-            elif DQ_WGMMA:
-                fence_async()                            # dS^T's stores, for the tensor cores
-                cuda.syncthreads()
-                dq_wgmma_phase(smem, dq_accum, b, h, q0, warp, g, t, scale32, dq_acc)
             else:
+                if TMA and wn < n_work:                  # item w + 1's rows, published by the barrier below
+                    store_rows(fsmem, L_OFF + (1 - buf) * 2 * BLOCK_Q, l_row, d_row)
+                if DQ_WGMMA:
+                    fence_async()                        # dS^T's stores, for the tensor cores
                 cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
-                dq_phase(smem, dq_accum, DS_OFF, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
-                         t_lane, scale32, dq_reg)
-            if wn < n_work:
+                if TMA:                                  # stage buf is free: the item after next into it
+                    w2, g2, q2_i = refill(smem, maps, q, dout, b, hk, group, wn, gn, qn_i, n_work, nqt, qt_lo, k0,
+                                          seqlen_q, seqlen_k, off, left, right, block_mask, bm_q, bm_k, buf)
+                if DQ_WGMMA:
+                    dq_wgmma_phase(smem, dq_accum, ds_buf, b, h, q0, warp, g, t, scale32, dq_acc)
+                else:
+                    dq_phase(smem, dq_accum, ds_buf, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
+                             t_lane, scale32, dq_reg)
+            if wn < n_work and not TMA:
                 # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
                 # the next item's first barrier publishes them
                 store_rows(fsmem, L_OFF + (1 - buf) * 2 * BLOCK_Q, l_row, d_row)
             buf = 1 - buf
+            it += 1
             w, gi, qi = wn, gn, qn_i
+            if TMA:
+                wn, gn, qn_i = w2, g2, q2_i
 
         wait_all()                                       # no copy may outlive the block
         if DEFER_DQ and pending:                         # the last item's dQ

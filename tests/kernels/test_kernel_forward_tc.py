@@ -329,11 +329,12 @@ def _record_factory(mp, name, pick):
     return built
 
 
-def _wgmma_backward_matches_oracle(p, split=None, exchange=True, frag=True, dq_wgmma=True):
+def _wgmma_backward_matches_oracle(p, split=None, exchange=True, frag=True, dq_wgmma=True, tma=False):
     """dq, dk, dv of backend="wgmma" with the Hopper dK/dV kernel (``split``: its warps per 16 keys forced, else
     the plan's, with ``WGMMA_BACKWARD_256``; ``exchange``: ``WGMMA_BACKWARD_EXCHANGE``; ``frag``:
     ``WGMMA_DQ_FRAG``, dQ's accumulator in the fragments' order, whose padded rows and dims the draws cross;
-    ``dq_wgmma``: ``WGMMA_DQ``, dQ by the warpgroups where the query tile is 64 rows): flash-attn's rule."""
+    ``dq_wgmma``: ``WGMMA_DQ``, dQ by the warpgroups where the query tile is 64 rows; ``tma``: ``WGMMA_BWD_TMA``, with
+    it Q_i and dO_i by the copy engine): flash-attn's rule."""
     out, lse = kernel_forward(p, backend="tensorcore")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plan, "WGMMA_BACKWARD", True)
@@ -341,6 +342,7 @@ def _wgmma_backward_matches_oracle(p, split=None, exchange=True, frag=True, dq_w
         mp.setattr(plan, "WGMMA_BACKWARD_EXCHANGE", exchange)
         mp.setattr(plan, "WGMMA_DQ_FRAG", frag)
         mp.setattr(plan, "WGMMA_DQ", dq_wgmma)
+        mp.setattr(plan, "WGMMA_BWD_TMA", tma)
         built = _record_factory(mp, "make_dkdv_tc", lambda a, kw: (a, kw))
         if split is not None:
             mp.setattr(plan, "wgmma_bwd_dim_split", lambda headdim: split)
@@ -354,6 +356,7 @@ def _wgmma_backward_matches_oracle(p, split=None, exchange=True, frag=True, dq_w
         assert kw.get("EXCHANGE", False) == (exchange and a[12] == 2), kw
         assert kw.get("DQ_FRAG", False) == frag, kw
         assert kw.get("DQ_WGMMA", False) == (dq_wgmma and frag and a[0] == 64 and a[12] == 1), kw
+        assert kw.get("TMA", False) == tma, kw
 
 
 @settings(max_examples=examples(2, 12), deadline=None)
@@ -368,12 +371,32 @@ def test_wgmma_backward_within_twice_float16_oracle_error(p, frag):
 @settings(max_examples=examples(1, 12), deadline=None)
 @given(p=kernel_problems(dtypes=(np.float16,), tiles=st.just((64, 128)) if SIMULATOR else
                          st.sampled_from([(64, 64), (64, 128)]), headdims=(16,) if SIMULATOR else (64, 96, 128),
-                         max_seqlen=TC_MAX_SEQLEN), dq_wgmma=st.just(True) if SIMULATOR else st.booleans())
-def test_wgmma_backward_with_dq_by_wgmma(p, dq_wgmma):
+                         max_seqlen=TC_MAX_SEQLEN), dq_wgmma=st.just(True) if SIMULATOR else st.booleans(),
+       tma=st.just(True) if SIMULATOR else st.booleans())
+def test_wgmma_backward_with_dq_by_wgmma(p, dq_wgmma, tma):
     """64-query tiles, where dQ_i += dS K_j is a warpgroup's product too (``WGMMA_DQ``: dS^T in swizzled rows,
     MN-major A; K_j's tile MN-major B; at 128 keys each warpgroup has half of the dims, which at head dims up to
-    64 starts its B halfway along the tile's 128-byte rows), or the mma.sync phase: flash-attn's rule."""
-    _wgmma_backward_matches_oracle(p, dq_wgmma=dq_wgmma)
+    64 starts its B halfway along the tile's 128-byte rows), or the mma.sync phase; Q_i and dO_i by the copy
+    engine or by cp.async (``WGMMA_BWD_TMA``: one block barrier an item, dS^T in two buffers): flash-attn's rule.
+    (The simulator runs the copy engine's form, whose copies and staging it checks; the cp.async form ran on the
+    H100, bench/results/h100-bwd-dq-wgmma-2026-11-27.md.)"""
+    _wgmma_backward_matches_oracle(p, dq_wgmma=dq_wgmma, tma=tma)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, nheads, causal", [(150, 40, 1, False)] if SIMULATOR else
+                         [(150, 40, 1, False), (200, 40, 4, False), (150, 150, 2, True), (1000, 333, 4, False),
+                          (777, 777, 2, True)])
+def test_wgmma_backward_copy_engine_refills_its_stages(seqlen_q, seqlen_k, nheads, causal):
+    """The copy engine's Hopper dK/dV kernel (``WGMMA_BWD_TMA``) over more work items than its two stages (query
+    tiles of a key tile, times the query heads on one key/value head), so thread 0 refills a stage with the item
+    after next, and the lse2 / delta rows and dS^T buffers alternate (a refill of the wrong stage, or rows stored
+    to the buffer being read, gives wrong gradients): flash-attn's rule."""
+    rng = np.random.default_rng(seqlen_q)
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float16)      # noqa: E731
+    p = S.Problem(q=normal(1, seqlen_q, nheads, 16), k=normal(1, seqlen_k, 1, 16), v=normal(1, seqlen_k, 1, 16),
+                  dout=normal(1, seqlen_q, nheads, 16), opts=types.MappingProxyType(dict(causal=causal)),
+                  block_q=64, block_k=64 if SIMULATOR else 128)
+    _wgmma_backward_matches_oracle(p, tma=True)
 
 
 @settings(max_examples=examples(1, 8), deadline=None)
@@ -384,8 +407,9 @@ def test_wgmma_backward_with_the_dims_split(p, exchange):
     """The Hopper dK/dV kernel with two warpgroups on the same keys, each with half of dK's and dV's dims (its
     form above head dim 128, ``WGMMA_BACKWARD_256``; forced at a small head dim in the simulator), each computing
     one of S^T, dP^T and swapping them (``EXCHANGE``) or both computing both; dQ's accumulator in the fragments'
-    order with the exchange and in rows without (so that the simulator runs both layouts every time)."""
-    _wgmma_backward_matches_oracle(p, split=2 if SIMULATOR else None, exchange=exchange, frag=exchange)
+    order with the exchange and in rows without (so that the simulator runs both layouts every time); Q_i and dO_i
+    by the copy engine with the exchange (``WGMMA_BWD_TMA``) and by cp.async without."""
+    _wgmma_backward_matches_oracle(p, split=2 if SIMULATOR else None, exchange=exchange, frag=exchange, tma=exchange)
 
 
 @pytest.mark.parametrize("dtype,headdim,tiles,match", [
