@@ -35,13 +35,14 @@ OPTION_SETS = {
 }
 
 
-DTYPES = {"float16": (np.float16, ("tensorcore", "simt", "wgmma", "wgmma-bwd")),
-          "bfloat16": ("bfloat16", ("tensorcore", "simt", "wgmma", "wgmma-bwd")),
+DTYPES = {"float16": (np.float16, ("tensorcore", "simt", "wgmma", "wgmma-bwd", "wgmma-bwd-tma")),
+          "bfloat16": ("bfloat16", ("tensorcore", "simt", "wgmma", "wgmma-bwd", "wgmma-bwd-tma")),
           "float32": (np.float32, ("simt", "tensorcore:highest", "tensorcore:high", "wgmma:highest", "wgmma:high")),
           "float64": (np.float64, ("simt",))}
 # "tensorcore:PRECISION": float32 on tf32 tensor cores, forward and backward at that precision; "wgmma": the Hopper
 # forward (compute capability 9.0 only; its backward is the tensor-core one); "wgmma-bwd": the Hopper forward and
-# the Hopper dK/dV kernel (plan.WGMMA_BACKWARD, and WGMMA_BACKWARD_256 above head dim 128); "wgmma:PRECISION": float32 on tf32 wgmma
+# the Hopper dK/dV kernel (plan.WGMMA_BACKWARD, and WGMMA_BACKWARD_256 above head dim 128); "wgmma-bwd-tma": the same
+# with its Q_i, dO_i by the copy engine (plan.WGMMA_BWD_TMA); "wgmma:PRECISION": float32 on tf32 wgmma
 # (plan.WGMMA_TF32, up to head dim 128), its backward the tf32 tensor-core one
 
 
@@ -65,6 +66,9 @@ def main(headdims=HEADDIMS, sq=133, sk=201, dtypes=tuple(DTYPES), only=None):
                         continue
                     if backend.startswith("wgmma:") and d > 128:
                         continue
+                    flashnb.plan.WGMMA_BWD_TMA = backend == "wgmma-bwd-tma"
+                    if backend == "wgmma-bwd-tma":
+                        backend = "wgmma-bwd"
                     flashnb.plan.WGMMA_BACKWARD = flashnb.plan.WGMMA_BACKWARD_256 = backend == "wgmma-bwd"
                     flashnb.plan.WGMMA_TF32 = backend.startswith("wgmma:")
                     bwd_backend = "wgmma" if backend == "wgmma-bwd" else "tensorcore"
