@@ -422,6 +422,36 @@ def test_dispatch_cache_and_the_hopper_forwards_tensor_maps(monkeypatch, replay_
     assert not torch.equal(replayed, first), "the replay read the first call's keys and values"
 
 
+@pytest.mark.parametrize("replay_maps", [True, False])
+def test_dispatch_cache_and_the_hopper_backwards_tensor_maps(monkeypatch, replay_maps):
+    """The Hopper dK/dV kernel with Q_i, dO_i by the copy engine (``plan.WGMMA_BWD_TMA``): its maps of q and dout
+    hold their addresses; unrecorded without ``REPLAY_TENSOR_MAPS``, re-derived by the replay with it.  A replayed
+    backward equals the full path's (dk, dv bit for bit; dq, summed by atomics in any order, to float32 rounding)
+    and reads its own dout."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper dK/dV kernel needs compute capability 9.0")
+    from flashnb import plan
+    monkeypatch.setattr(plan, "WGMMA_BWD_TMA", True)
+    monkeypatch.setattr(_dispatch, "REPLAY_TENSOR_MAPS", replay_maps)
+    q, k, v, dout = (_randn(2, 333, 4, 128, dtype=torch.float16) for _ in range(4))
+    opts = dict(causal=True, backend="wgmma")
+    out, lse = flashnb.flash_attention(q, k, v, return_lse=True, **opts)
+    _dispatch.clear()
+    first = flashnb.flash_attention_backward(dout, q, k, v, out, lse, **opts)
+    assert _dispatch.stats["recorded" if replay_maps else "unfit"] == 1
+    q2, dout2 = q.clone(), _randn(2, 333, 4, 128, dtype=torch.float16)       # new addresses, new dout
+    replayed = flashnb.flash_attention_backward(dout2, q2, k, v, out, lse, **opts)
+    assert _dispatch.stats["hits"] == (1 if replay_maps else 0)
+    _dispatch.clear()
+    full = flashnb.flash_attention_backward(dout2, q2, k, v, out, lse, **opts)
+    for name, r, f in zip(("dq", "dk", "dv"), replayed, full):
+        if name == "dq":
+            torch.testing.assert_close(r, f, rtol=1e-3, atol=1e-3)
+        else:
+            assert torch.equal(r, f), f"a replayed call's {name} differs from the full path's"
+    assert not torch.equal(replayed[2], first[2]), "the replay read the first call's dout"
+
+
 def test_new_tensor_maps_do_not_block_the_host():
     """A Hopper forward over arrays at new addresses encodes their tensor maps and copies them on the launch
     stream from pinned memory (``_tma.maps_for``): the call returns while the GPU is still busy with earlier
