@@ -1100,9 +1100,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         n_work = group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
         w, gi, qi = next_work(-1, 0, -1, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
                               right, block_mask, bm_q, bm_k)
-        wn, gn, qn_i = next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
-                                 right, block_mask, bm_q, bm_k)
         if TMA:                                           # stage 0: item w, stage 1: item wn, in flight
+            wn, gn, qn_i = next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
+                                     right, block_mask, bm_q, bm_k)
             start_stages(smem, maps, q, dout, b, hk * group, qt_lo, w, gi, qi, wn, gn, qn_i, n_work, seqlen_q)
         if w < n_work:
             q0 = (qt_lo + qi) * BLOCK_Q
