@@ -62,6 +62,14 @@ rounded to tf32 (``tf32_primitives``, the kernels' contract) are read exactly an
 them.  Products of tf32 values (11-bit significands) are exact in float64; the twin sums a thread's dot
 products in float64 and rounds once to float32, a result within the hardware's float32 accumulation error
 (whose order and rounding PTX leaves unspecified).
+
+**e4m3 operands** (``dtype_name="e4m3"``: FP8 attention's products, issue 45; not yet run on a GPU):
+``wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3``, K = 32 a k-step, each operand a byte (``float8_e4m3fn``).
+As for tf32, PTX has no transpose for 8-bit operands, so both are K-major and a k-step is again 32 bytes of a
+swizzled row (128 values a row): ``k_major_steps`` carries over. A's register fragments (4 words a k-step, 4 bytes
+a word) are ``mma.m16n8k32``'s 8-bit a: ``a0`` = row ``16 w + g``, columns ``32 ks + 4 t .. + 3``; ``a1`` row ``+ 8``;
+``a2``, ``a3`` the same rows at columns ``+ 16``. The twin decodes the bytes by ``e4m3_values`` and sums in float64;
+the hardware's FP8 accumulation is reported to keep fewer bits than float32's, which the kernels' tests bound.
 """
 import numpy as np
 from numba import cuda
@@ -75,12 +83,14 @@ ATOM_BYTES = 1024            # 8 rows of 128 bytes: the pattern's period (the ti
 SMEM_ALIGN = None if SIMULATOR else ATOM_BYTES
 MAX_THREADS = 512
 MAX_RS_KSTEPS = 16           # the simulator's wgmma_rs: k-steps of its widest A (tf32 P V at 128 keys)
-WGMMA_FORMATS = {**FORMATS, "tf32": "tf32"}     # dtype_name -> PTX operand type ("float32" means tf32 operands)
+WGMMA_FORMATS = {**FORMATS, "tf32": "tf32", "e4m3": "e4m3"}   # dtype_name -> PTX operand type ("float32": tf32)
+EIGHT_BIT = ("e4m3",)                            # operand types of one byte: K-major only, k = 32
 
 
 def k_step(fmt):
-    """Values of k in one instruction: 16 for 16-bit operands, 8 for tf32 (32 bytes of a K-major row either way)."""
-    return 8 if fmt == "tf32" else 16
+    """Values of k in one instruction: 16 for 16-bit operands, 8 for tf32, 32 for e4m3 (32 bytes of a K-major row
+    each way)."""
+    return 8 if fmt == "tf32" else 32 if fmt in EIGHT_BIT else 16
 
 
 def chunk_offset(rows, r, c):
@@ -136,12 +146,12 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
         if kind == "ss":
             lines.append(f"add.s64 da, {ins_ptx[0]}, {a_steps[ks] >> 4};")
             lines.append(f"add.s64 db, {ins_ptx[1]}, {b_steps[ks] >> 4};")
-            trans = "" if fmt == "tf32" else f", {trans_a}, {trans_b}"   # .tf32 takes no transpose immediates
+            trans = "" if fmt == "tf32" or fmt in EIGHT_BIT else f", {trans_a}, {trans_b}"   # (none for those)
             lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, da, db, {scale_d}, 1, 1{trans};")
         else:
             a = x + 1 + 4 * ks
             lines.append(f"add.s64 db, ${x}, {b_steps[ks] >> 4};")
-            trans = "" if fmt == "tf32" else f", {trans_b}"
+            trans = "" if fmt == "tf32" or fmt in EIGHT_BIT else f", {trans_b}"
             lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, {{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, "
                          f"db, {scale_d}, 1, 1{trans};")
     lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
@@ -239,6 +249,16 @@ def _swizzle(addr):
     return addr ^ (((addr >> 7) & 7) << 4)
 
 
+def e4m3_values(codes):
+    """float64 values of ``float8_e4m3fn`` codes (bytes): 1 sign, 4 exponent bits (bias 7), 3 mantissa bits;
+    subnormals ``m 2^-9``; NaN for ``S.1111.111``."""
+    c = np.asarray(codes).astype(np.int64)
+    e, m = (c >> 3) & 15, c & 7
+    mag = np.where(e == 0, m * 2.0 ** -9, (1 + m / 8) * 2.0 ** (e - 7))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return np.where(c & 0x80, -mag, mag)
+
+
 def operand_values(words, start, rows, cols, major, lbo, fmt):
     """float64 ``rows x cols`` operand of one k-step read the hardware's way from the shared array ``words``
     (uint32) at byte ``start``: K-major (``rows`` = M or N, ``cols`` = 16 k, 8 for tf32) or MN-major (``rows`` =
@@ -247,6 +267,9 @@ def operand_values(words, start, rows, cols, major, lbo, fmt):
     if fmt == "tf32":                                       # 4 values a 16-byte chunk, K-major only
         off = (r % 8) * 128 + (r // 8) * ATOM_BYTES + (c % 4) * 4 + (c // 4) * 16
         return tf32_values(np.asarray(words)[_swizzle(start + off) >> 2])
+    if fmt in EIGHT_BIT:                                    # 16 values a 16-byte chunk, K-major only
+        addr = _swizzle(start + (r % 8) * 128 + (r // 8) * ATOM_BYTES + c)
+        return e4m3_values((np.asarray(words)[addr >> 2] >> (8 * (addr & 3))) & 0xFF)
     if major == "k":
         off = (r % 8) * 128 + (r // 8) * ATOM_BYTES + (c % 8) * 2 + (c // 8) * 16
     else:
@@ -261,6 +284,8 @@ def _a_fragment(word, ks, tt, reg, fmt):
     (``mma.m16n8k16``'s a); tf32: column ``8 ks + tt (+ 4)``, one value (``mma.m16n8k8``'s a)."""
     if fmt == "tf32":
         return reg % 2, 8 * ks + tt + 4 * (reg // 2), tf32_values(np.array([word]))
+    if fmt in EIGHT_BIT:                    # four bytes: columns 32 ks + 4 tt (+ 16) ..
+        return reg % 2, 32 * ks + 4 * tt + 16 * (reg // 2), e4m3_values((int(word) >> np.arange(0, 32, 8)) & 0xFF)
     return reg % 2, 16 * ks + 2 * tt + 8 * (reg // 2), halves_to_float(np.array([word, word]), np.array([0, 1]), fmt)
 
 
@@ -349,9 +374,9 @@ def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=
     if dtype_name not in WGMMA_FORMATS:
         raise ValueError(f"dtype_name must be one of {sorted(WGMMA_FORMATS)}, got {dtype_name!r}")
     fmt = WGMMA_FORMATS[dtype_name]
-    if fmt == "tf32" and trans_b:
-        raise ValueError("trans_b must be 0 for tf32 operands: PTX has no transpose for .tf32 (B K-major only)")
-    if trans_a and (fmt == "tf32" or kind != "ss"):
+    if (fmt == "tf32" or fmt in EIGHT_BIT) and trans_b:
+        raise ValueError(f"trans_b must be 0 for {fmt} operands: PTX has no transpose for them (B K-major only)")
+    if trans_a and (fmt == "tf32" or fmt in EIGHT_BIT or kind != "ss"):
         raise ValueError("trans_a needs 16-bit operands and A in shared memory (kind 'ss')")
     key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, trans_a)
     if key not in _cache:

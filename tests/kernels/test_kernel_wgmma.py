@@ -10,6 +10,13 @@ Products of 16-bit values are exact in float32's 24 bits only for short sums; th
 accumulation error over K terms of the absolute products (``K u sum |a b|``), and a wrong layout, stride or
 swizzle moves entries by O(1).
 
+e4m3 (``dtype_name="e4m3"``, ``m64nNk32``, both operands K-major, FP8 attention's products, issue 45): bytes in
+shared memory (``wgmma_ss``, ``A B^T``) and A in registers as four bytes a word (``wgmma_rs``: rows ``g`` / ``g +
+8`` of the warp's 16, columns ``32 ks + 4 t ..`` and ``+ 16``), B K-major.  The codes are random bytes (NaN codes
+excepted), read by ``reference.fp8.dequantize_e4m3``; their products are exact in float32, but Hopper's FP8
+tensor cores are reported to add them with fewer than float32's bits (FlashAttention-3 and DeepSeek-V3 promote
+partial sums for that reason), so the bound is ``2^-8 sum |a b|``: a wrong layout moves an entry by O(1) of it.
+
 tf32 (``dtype_name="tf32"``, ``m64nNk8``, both operands K-major): float32 words in shared memory (``wgmma_ss``,
 ``A B^T``) and A in registers as ``mma.m16n8k8``'s tf32 a fragments with B K-major (``wgmma_rs``, ``A B^T`` of a
 row-major B: P V with V stored transposed).  The inputs are float32 with all 23 mantissa bits random; the oracle
@@ -24,6 +31,7 @@ import pytest
 from numba import cuda
 
 from flashnb.kernels._jit import SIMULATOR, device_function
+from reference.fp8 import dequantize_e4m3
 from flashnb.kernels._wgmma import (SMEM_ALIGN, chunk_offset, fence_proxy_async, k_major_steps, make_wgmma, mn_major_steps,
                                     swizzled_offset)
 
@@ -40,6 +48,9 @@ TF32_SS_CASES = ([(8, 16), (64, 8), (128, 16), (16, 40)] if SIMULATOR
                  else [(8, 32), (64, 64), (128, 32), (96, 64), (256, 32), (16, 128)])
 TF32_RS_CASES = ([(8, 8), (64, 16), (128, 8)] if SIMULATOR
                  else [(8, 128), (64, 32), (128, 64), (176, 64), (256, 32)])
+# e4m3 (N, K): K = 32 a k-step, 128 values a swizzled row (the simulator crosses into the second block at K 160)
+E4M3_SS_CASES = [(8, 32), (16, 160)] if SIMULATOR else [(8, 128), (64, 128), (128, 256), (256, 128), (16, 512)]
+E4M3_RS_CASES = [(8, 64), (64, 32)] if SIMULATOR else [(8, 128), (64, 64), (128, 128), (256, 64)]
 
 
 def _words(x):
@@ -87,9 +98,9 @@ def load_a_fragments(a, regs):
 def _make_ss(N, K, dtype_name):
     """out (64 x N) = A (64 x K) B^T, B (N x K): both tiles K-major in shared memory, 16-bit values or (``"tf32"``)
     float32 words with tf32 products."""
-    vals = 4 if dtype_name == "tf32" else 8                    # values a 16-byte chunk
+    vals = {"tf32": 4, "e4m3": 16}.get(dtype_name, 8)          # values a 16-byte chunk
     a_off, b_off = 0, _tile_bytes(64, K, vals)                  # a multiple of 1024 bytes
-    steps = K // (2 * vals)                                     # k-steps: 16 values, 8 tf32
+    steps = K // (2 * vals)                                     # k-steps: 16 values, 8 tf32, 32 e4m3
     wgmma = make_wgmma("ss", dtype_name, N, k_major_steps(64, steps), k_major_steps(N, steps))
     fence = fence_proxy_async()
     NT = N // 8
@@ -118,6 +129,9 @@ def _make_rs(N, K, dtype_name):
     if dtype_name == "tf32":
         wgmma = make_wgmma("rs", "tf32", N, (), k_major_steps(N, K // 8))
         rows, chunks, nregs, shared = N, K // 4, 4 * (K // 8), _tile_bytes(N, K, 4)
+    elif dtype_name == "e4m3":                                   # K-major B too: bytes, 32 a k-step
+        wgmma = make_wgmma("rs", "e4m3", N, (), k_major_steps(N, K // 32))
+        rows, chunks, nregs, shared = N, K // 16, 4 * (K // 32), _tile_bytes(N, K, 16)
     else:                                                        # 64-column blocks of B, K rows each
         wgmma = make_wgmma("rs", dtype_name, N, (), mn_major_steps(K // 16), b_lbo=K * 128, trans_b=1)
         rows, chunks, nregs, shared = K, N // 8, 4 * (K // 16), K * N * 2
@@ -232,6 +246,38 @@ def test_wgmma_tf32_is_a_times_b_transposed(kind, N, K):
     out = d_out.copy_to_host()
     _check(out, c + a @ b.T, c + np.abs(a) @ np.abs(b).T, K + (kind == "rs"),
            _nearest_note(out, c + a_near @ b_near.T, seed))
+
+
+def _e4m3(rng, shape):
+    """Random ``float8_e4m3fn`` codes, NaN codes excepted: (uint32 words of the bytes, float64 values)."""
+    codes = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] ^= 0x01                          # S.1111.111 (NaN) -> S.1111.110 (448)
+    return np.ascontiguousarray(codes).view(np.uint32), dequantize_e4m3(codes)
+
+
+@pytest.mark.parametrize("kind,N,K", [("ss",) + c for c in E4M3_SS_CASES] + [("rs",) + c for c in E4M3_RS_CASES])
+def test_wgmma_e4m3_is_a_times_b_transposed(kind, N, K):
+    """e4m3 operands, B (N x K) K-major either way: "ss" out = A B^T, "rs" (A's bytes in registers, added to 0.5)
+    out = 0.5 + A B^T; against the float64 product of the codes' values."""
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
+    a_words, a = _e4m3(rng, (64, K))
+    b_words, b = _e4m3(rng, (N, K))
+    kern, shared = (_make_ss if kind == "ss" else _make_rs)(N, K, "e4m3")
+    c = 0.0 if kind == "ss" else 0.5
+    d_out = cuda.to_device(np.full((64, N), np.nan, np.float32))  # poisoned: every entry must be written
+    kern[1, 128, 0, shared](cuda.to_device(a_words), cuda.to_device(b_words), d_out)
+    out = d_out.copy_to_host().astype(np.float64)
+    err, bound = np.abs(out - (c + a @ b.T)), 2.0 ** -8 * (c + np.abs(a) @ np.abs(b).T)
+    assert np.all(err <= bound), f"max error {np.nanmax(err)} (seed {seed})"
+
+
+def test_wgmma_e4m3_rejects_a_transposed_operand():
+    """PTX has no transpose for 8-bit operands: an MN-major B, or A, is refused before anything is built."""
+    with pytest.raises(ValueError, match="trans_b"):
+        make_wgmma("ss", "e4m3", 64, (0,), mn_major_steps(1), b_lbo=2048, trans_b=1)
+    with pytest.raises(ValueError, match="trans_a"):
+        make_wgmma("ss", "e4m3", 64, mn_major_steps(1), (0,), trans_a=1)
 
 
 def test_wgmma_tf32_rejects_a_transposed_b():
