@@ -384,6 +384,20 @@ def test_abs_of_the_score_needs_its_derivative():
         flashnb.flex_attention_backward(q, q, k, v, out, lse, score_mod=lambda s, b, h, i, j: abs(s))
 
 
+def test_a_score_mod_over_float32_slopes_takes_the_complex_step():
+    """ALiBi with the slopes a float32 array (as a model keeps them): its complex step on the host is a NumPy
+    complex64, a number like any other; the backward's check takes it (it was refused as "not a number") and the
+    gradients are the oracle's."""
+    q, k, v = _qkv()
+    slopes = np.array([0.5, 0.25], np.float32)
+    alibi = lambda s, b, h, i, j: s + slopes[h] * (j - i)                         # noqa: E731
+    flashnb.flex._check_complex_step(alibi)
+    out, lse = flashnb.flex_attention(q, k, v, score_mod=alibi, return_lse=True)
+    got = flashnb.flex_attention_backward(q, q, k, v, out, lse, score_mod=alibi)
+    for g, w in zip(got, rf.flex_attention_backward(q, q, k, v, score_mod=alibi)):
+        np.testing.assert_allclose(g, w, atol=1e-9, rtol=1e-9)
+
+
 def test_a_hand_made_block_mask_is_checked():
     q, k, v = _qkv()
     good = flashnb.create_block_mask(lambda b, h, i, j: i >= j, None, None, 5, 5, BLOCK_SIZE=2)
