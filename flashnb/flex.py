@@ -167,14 +167,15 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
     L, S = int(query.shape[2]), int(key.shape[2])
     probe = L > 0 and S > 0
     if score_mod is not None:
-        _check_mod(score_mod, "score_mod", 5, probe)
+        _checked(score_mod, ("score_mod", 5, probe), lambda: _check_mod(score_mod, "score_mod", 5, probe))
     grad = None
     if backward and score_mod is not None:
         if score_mod_grad is not None:
-            _check_mod(score_mod_grad, "score_mod_grad", 5, probe)
+            _checked(score_mod_grad, ("score_mod_grad", 5, probe),
+                     lambda: _check_mod(score_mod_grad, "score_mod_grad", 5, probe))
             grad = score_mod_grad
         elif probe:
-            _check_complex_step(score_mod)
+            _checked(score_mod, ("complex step",), lambda: _check_complex_step(score_mod))
     mask_mod = None
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
@@ -193,9 +194,11 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
                              f"and {hq} query heads")
         if block_mask.mask_mod is None:
             raise ValueError("block_mask has no mask_mod (make it with flashnb.create_block_mask)")
-        _check_mod(block_mask.mask_mod, "block_mask's mask_mod", 4, probe)
         mask_mod = block_mask.mask_mod
-    captured = sum(_constant_bytes(fn) for fn in (score_mod, mask_mod, grad) if fn is not None)
+        _checked(mask_mod, ("block_mask's mask_mod", 4, probe),
+                 lambda: _check_mod(mask_mod, "block_mask's mask_mod", 4, probe))
+    captured = sum(_checked(fn, ("constant bytes",), lambda fn=fn: _constant_bytes(fn))
+                   for fn in (score_mod, mask_mod, grad) if fn is not None)
     if captured > MAX_CAPTURED_BYTES:
         raise ValueError(f"the functions capture {captured} bytes of NumPy arrays together (counted once per place "
                          "the code reads an array: Numba freezes a copy for each); they are frozen into the kernel's "
@@ -214,6 +217,22 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
 
 
 MAX_CAPTURED_BYTES = 65536        # the device's constant memory, where Numba freezes a captured NumPy array
+_CHECKED = {}                     # (function, what, its captures' fingerprint) -> the host check's result
+_MAX_CHECKED = 4096
+
+
+def _checked(fn, what, check):
+    """``check()``'s result (a check raises on a bad function), computed once per function, ``what`` and
+    ``_fingerprint``: a function's behaviour on the host is its code and what it captures, so a call with the same
+    function and captures skips the probes (the complex step's twelve calls, ``dis`` of its code), and a changed
+    capture checks again."""
+    key = (fn, what, _fingerprint(fn))
+    if key not in _CHECKED:
+        result = check()
+        if len(_CHECKED) >= _MAX_CHECKED:   # (a new lambda a call is a new key: bounded)
+            _CHECKED.clear()
+        _CHECKED[key] = result
+    return _CHECKED[key]
 
 
 def _check_mod(fn, name, nargs, probe=True):

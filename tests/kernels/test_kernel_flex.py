@@ -398,6 +398,21 @@ def test_a_score_mod_over_float32_slopes_takes_the_complex_step():
         np.testing.assert_allclose(g, w, atol=1e-9, rtol=1e-9)
 
 
+def test_the_host_checks_run_again_when_a_capture_changes():
+    """The host checks of a function are kept per function and captured values (``flex._checked``): the same
+    function and captures are not probed again, and a changed capture is (here a number that becomes a string,
+    which the probe refuses by name before any launch)."""
+    q, k, v = _qkv()
+    factor = 2.0
+    mod = lambda s, b, h, i, j: s * factor                                        # noqa: E731
+    np.testing.assert_allclose(flashnb.flex_attention(q, k, v, score_mod=mod),
+                               rf.flex_attention(q, k, v, score_mod=mod), atol=1e-12, rtol=0)
+    assert any(key[0] is mod for key in flashnb.flex._CHECKED), "the check was not kept"
+    factor = "2"                                                                  # noqa: F841 (read by mod)
+    with pytest.raises(ValueError, match="score_mod failed on"):
+        flashnb.flex_attention(q, k, v, score_mod=mod)
+
+
 def test_a_hand_made_block_mask_is_checked():
     q, k, v = _qkv()
     good = flashnb.create_block_mask(lambda b, h, i, j: i >= j, None, None, 5, 5, BLOCK_SIZE=2)
