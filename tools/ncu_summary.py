@@ -20,7 +20,7 @@ STALLS = ("barrier", "long_scoreboard", "short_scoreboard", "mio_throttle", "mat
           "not_selected", "selected", "dispatch_stall", "lg_throttle", "no_instruction", "branch_resolving",
           "membar", "misc", "drain", "sleeping", "tex_throttle", "imc_miss")
 SHOWN = STALLS[:10]
-CLASSES = ("HMMA", "shared ld/st", "global/cp.async", "local", "float", "integer/control")
+CLASSES = ("HMMA", "shared ld/st", "global/cp.async", "local", "float", "integer/control")   # "HMMA": every MMA
 
 
 def num(x):
@@ -59,12 +59,12 @@ def opcode(source):
 
 
 def op_class(op):
-    if op == "HMMA":
+    if op in ("HMMA", "HGMMA", "QGMMA", "WARPGROUP"):     # mma.sync; wgmma (16-bit, FP8) and its arrive / waits
         return "HMMA"
-    if op in ("LDSM", "LDS", "STS"):
+    if op in ("LDSM", "LDS", "STS", "STSM"):
         return "shared ld/st"
-    if op in ("LDG", "STG", "REDG", "RED", "ATOMG", "LDGSTS", "LDGDEPBAR", "DEPBAR"):
-        return "global/cp.async"
+    if op in ("LDG", "STG", "REDG", "RED", "ATOMG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "UTMALDG", "UBLKRED", "SYNCS"):
+        return "global/cp.async"                        # (with the copy engine's loads and its mbarrier waits)
     if op in ("LDL", "STL"):
         return "local"
     if op.startswith("F") or op in ("MUFU", "HADD2", "HMUL2", "HFMA2"):
