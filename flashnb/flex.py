@@ -166,16 +166,23 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
     q, k, v = (_swap(x) for x in (query, key, value))
     L, S = int(query.shape[2]), int(key.shape[2])
     probe = L > 0 and S > 0
+    prints = {}                               # each function's captures hashed once a call (``_fingerprint``)
+
+    def checked(fn, what, check):
+        if id(fn) not in prints:
+            prints[id(fn)] = _fingerprint(fn)
+        return _checked(fn, what, check, prints[id(fn)])
+
     if score_mod is not None:
-        _checked(score_mod, ("score_mod", 5, probe), lambda: _check_mod(score_mod, "score_mod", 5, probe))
+        checked(score_mod, ("score_mod", 5, probe), lambda: _check_mod(score_mod, "score_mod", 5, probe))
     grad = None
     if backward and score_mod is not None:
         if score_mod_grad is not None:
-            _checked(score_mod_grad, ("score_mod_grad", 5, probe),
-                     lambda: _check_mod(score_mod_grad, "score_mod_grad", 5, probe))
+            checked(score_mod_grad, ("score_mod_grad", 5, probe),
+                    lambda: _check_mod(score_mod_grad, "score_mod_grad", 5, probe))
             grad = score_mod_grad
         elif probe:
-            _checked(score_mod, ("complex step",), lambda: _check_complex_step(score_mod))
+            checked(score_mod, ("complex step",), lambda: _check_complex_step(score_mod))
     mask_mod = None
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
@@ -195,9 +202,9 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
         if block_mask.mask_mod is None:
             raise ValueError("block_mask has no mask_mod (make it with flashnb.create_block_mask)")
         mask_mod = block_mask.mask_mod
-        _checked(mask_mod, ("block_mask's mask_mod", 4, probe),
-                 lambda: _check_mod(mask_mod, "block_mask's mask_mod", 4, probe))
-    captured = sum(_checked(fn, ("constant bytes",), lambda fn=fn: _constant_bytes(fn))
+        checked(mask_mod, ("block_mask's mask_mod", 4, probe),
+                lambda: _check_mod(mask_mod, "block_mask's mask_mod", 4, probe))
+    captured = sum(checked(fn, ("constant bytes",), lambda fn=fn: _constant_bytes(fn))
                    for fn in (score_mod, mask_mod, grad) if fn is not None)
     if captured > MAX_CAPTURED_BYTES:
         raise ValueError(f"the functions capture {captured} bytes of NumPy arrays together (counted once per place "
@@ -205,9 +212,11 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
                          f"constant memory ({MAX_CAPTURED_BYTES} bytes at most)")
     mods = None
     if score_mod is not None or mask_mod is not None:
-        mods = Mods(_compiled(score_mod), _compiled(mask_mod),
-                    _compiled(grad) if grad is not None else _complex_step(score_mod) if backward and score_mod
-                    else None, None if mask_mod is None else block_mask.block_size)
+        fp = prints.get
+        mods = Mods(_compiled(score_mod, fp(id(score_mod))), _compiled(mask_mod, fp(id(mask_mod))),
+                    _compiled(grad, fp(id(grad))) if grad is not None
+                    else _complex_step(score_mod, fp(id(score_mod))) if backward and score_mod else None,
+                    None if mask_mod is None else block_mask.block_size)
     options = dict(softmax_scale=scale, causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None,
                    alibi_slopes=None, softcap=0.0,
                    block_mask=None if block_mask is None else block_mask.states_like(query),
@@ -221,12 +230,12 @@ _CHECKED = {}                     # (function, what, its captures' fingerprint) 
 _MAX_CHECKED = 4096
 
 
-def _checked(fn, what, check):
+def _checked(fn, what, check, fingerprint):
     """``check()``'s result (a check raises on a bad function), computed once per function, ``what`` and
     ``_fingerprint``: a function's behaviour on the host is its code and what it captures, so a call with the same
     function and captures skips the probes (the complex step's twelve calls, ``dis`` of its code), and a changed
-    capture checks again."""
-    key = (fn, what, _fingerprint(fn))
+    capture checks again (``fingerprint``: ``_fingerprint(fn)``, which the caller hashes once for every use)."""
+    key = (fn, what, fingerprint)
     if key not in _CHECKED:
         result = check()
         if len(_CHECKED) >= _MAX_CHECKED:   # (a new lambda a call is a new key: bounded)
@@ -327,12 +336,13 @@ def _check_complex_step(score_mod):
 _COMPILED = {}
 
 
-def _compiled(fn):
+def _compiled(fn, fingerprint=None):
     """``fn`` as a device function: one per function and values it captures (Numba freezes a captured array or
-    number into the kernel, so a changed value must mean a new compile, never the old kernel)."""
+    number into the kernel, so a changed value must mean a new compile, never the old kernel); ``fingerprint``:
+    ``_fingerprint(fn)`` where the caller has it."""
     if fn is None:
         return None
-    key = (fn, _fingerprint(fn))
+    key = (fn, _fingerprint(fn) if fingerprint is None else fingerprint)
     if key not in _COMPILED:
         dev = _COMPILED[key] = device_function(fn)
         ident = _stable_id(fn)
@@ -375,9 +385,9 @@ def _fingerprint(fn):
 _STEPS = {}
 
 
-def _complex_step(score_mod):
+def _complex_step(score_mod, fingerprint=None):
     """``d score_mod / d score`` as a device function: ``Im score_mod(s + i t) / t``, ``t = 1e-30``."""
-    mod = _compiled(score_mod)
+    mod = _compiled(score_mod, fingerprint)
     if mod not in _STEPS:
         T, INV_T = COMPLEX_STEP, 1.0 / COMPLEX_STEP
 
