@@ -424,12 +424,13 @@ TC_DQ_FRAG_MAX_HEADDIM = 48
 # 1.185x / 1.150x -> 1.249x / 1.215x FlashAttention-2 at head dim 64 (causal after the slash), 1.294x / 1.278x ->
 # 1.386x / 1.360x at 128 (bfloat16 1.303x / 1.289x -> 1.387x / 1.353x); compute-sanitizer clean
 WGMMA_DQ = True
-# Q_i and dO_i by the copy engine in dense batches (``make_dkdv_tc(TMA=True)``: one block barrier an item instead of
-# two, no cp.async from every thread); built in the simulator on 2026-11-27 after the device time was
-# spent, so off until its GPU run: tests/kernels/test_kernel_forward_tc.py -k dq_by_wgmma (it turns the flag on),
-# compute-sanitizer on gpu_sanitize.py wgmma-bwd with it on, and python -m tools.plan_ab --settings
-# "WGMMA_BWD_TMA=0;WGMMA_BWD_TMA=1"
-WGMMA_BWD_TMA = False
+# Q_i and dO_i by the copy engine in dense batches (``make_dkdv_tc(TMA=True)``: two stages with full mbarriers, one
+# block barrier an item instead of two, no cp.async from every thread, dS^T in two buffers): measured on the H100
+# (bench/results/h100-bwd-tma-2026-11-28.md, call 1, python -m tools.plan_ab --settings
+# "WGMMA_BWD_TMA=0;WGMMA_BWD_TMA=1") forward+backward 1.222x / 1.210x -> 1.255x / 1.344x FlashAttention-2 at head
+# dim 64 (causal after the slash), 1.382x / 1.359x -> 1.464x / 1.455x at 128, 1.106x / 1.131x -> 1.151x / 1.231x
+# at 256 (bfloat16 d 128 1.354x / 1.376x -> 1.461x / 1.447x); compute-sanitizer clean.  Packed batches keep cp.async
+WGMMA_BWD_TMA = True
 # (S^T with dP^T, and dV with dK, each pair issued together and waited for once: measured no faster on the H100,
 # forward+backward 0-3.5% more time at head dims 64-256, bench/results/h100-bwd-dq-wgmma-2026-11-27.md call 4;
 # removed: the code is in commit 84b0d03)

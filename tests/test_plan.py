@@ -257,10 +257,11 @@ def test_the_hopper_backward_on_the_h100_where_enabled(device, monkeypatch, kw, 
         split = 2 if c.headdim > 128 else 1
         assert b.block_q == (64 if c.headdim <= 128 else 32) and b.dkdv.threads == 32 * split * b.block_k // 16
         assert built[-1].get("DQ_WGMMA", False) == (split == 1 and b.block_q == 64), "dQ by the warpgroups"
+        assert b.tma and built[-1].get("TMA"), "dense batches: Q_i, dO_i by the copy engine (WGMMA_BWD_TMA)"
+        monkeypatch.setattr(plan, "WGMMA_BWD_TMA", False)
+        b = plan.backward(c)
         assert not built[-1].get("TMA", False) and not b.tma, "the copy engine's backward without WGMMA_BWD_TMA"
         monkeypatch.setattr(plan, "WGMMA_BWD_TMA", True)
-        b = plan.backward(c)
-        assert b.tma and built[-1].get("TMA"), built[-1]
         assert not plan.backward(c._replace(total_q=4 * c.seqlen_q)).tma, "packed: cp.async"
         monkeypatch.setattr(plan, "WGMMA_BWD_TMA", False)
         assert plan.backward(c._replace(total_q=4 * c.seqlen_q)).dkdv is not None
