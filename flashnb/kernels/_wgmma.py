@@ -413,3 +413,63 @@ def fence_proxy_async():
     if "fence" not in _cache:
         _cache["fence"] = _sim_fence_proxy_async if SIMULATOR else _gpu_fence_proxy_async()
     return _cache["fence"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# float32 -> e4m3: the FP8 forward's P (issue 45)
+# ------------------------------------------------------------------------------------------------------------
+_E4M3_POSITIVE = None
+
+
+def e4m3_codes(x):
+    """``float8_e4m3fn`` codes of float values ``x``, as PTX's ``cvt.rn.satfinite.e4m3x2.f32`` makes them: the
+    nearest value, ties to the even code, magnitudes past 448 saturated to +-448, NaN to the NaN code 0x7F."""
+    global _E4M3_POSITIVE
+    if _E4M3_POSITIVE is None:
+        _E4M3_POSITIVE = e4m3_values(np.arange(0x7F))              # codes 0x00 .. 0x7E, increasing
+    x = np.asarray(x, np.float64)
+    mag = np.minimum(np.abs(x), 448.0)
+    hi = np.clip(np.searchsorted(_E4M3_POSITIVE, mag), 1, 0x7E)     # the first code at or above mag
+    lo = hi - 1
+    d_lo, d_hi = mag - _E4M3_POSITIVE[lo], _E4M3_POSITIVE[hi] - mag
+    code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    code = np.where(np.signbit(x), code | 0x80, code)
+    return np.where(np.isnan(x), 0x7F, code).astype(np.uint32)
+
+
+def _gpu_pack_e4m3x4():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+    ptx = ("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+           "mov.b32 $0, {lo, hi}; }")
+
+    @intrinsic
+    def pack_e4m3x4(typingctx, x0, x1, x2, x3):
+        """One uint32 of four e4m3 codes, ``x0`` in the lowest byte (PTX's cvt puts its first operand high)."""
+        sig = types.uint32(types.float32, types.float32, types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
+            fnty = ir.FunctionType(i32, [f32] * 4)
+            return builder.call(ir.InlineAsm(fnty, ptx, "=r,f,f,f,f"), vals)
+
+        return sig, codegen
+
+    return pack_e4m3x4
+
+
+@device_function
+def _sim_pack_e4m3x4(x0, x1, x2, x3):
+    c = e4m3_codes(np.array([x0, x1, x2, x3], np.float32))
+    return np.uint32(c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24))
+
+
+def pack_e4m3x4():
+    """``pack_e4m3x4(x0, x1, x2, x3)``: a uint32 of the four float32 values' e4m3 codes, ``x0`` in its lowest byte
+    (``cvt.rn.satfinite.e4m3x2.f32`` twice; the simulator's twin ``e4m3_codes``)."""
+    if "e4m3x4" not in _cache:
+        _cache["e4m3x4"] = _sim_pack_e4m3x4 if SIMULATOR else _gpu_pack_e4m3x4()
+    return _cache["e4m3x4"]

@@ -1,0 +1,284 @@
+"""The FP8 forward on Hopper: e4m3 Q, K, V with descaling factors, the output in float16 or bfloat16 (issue 45).
+
+FlashAttention-3's FP8 forward, as ``reference.fp8.fp8_flash_forward`` defines it:
+
+    S = Q K_j^T                              (e4m3 wgmma, float32 accumulators; the codes, undescaled)
+    m_new = max(m, rowmax S * c)             c = softmax_scale * q_descale * k_descale * log2(e)
+    P = exp2(S c - m_new)                    (<= 1)
+    l = l exp2(m - m_new) + rowsum P         (the unquantised P)
+    acc = acc exp2(m - m_new) + e4m3(P) V_j  (e4m3 wgmma, A = P from registers)
+
+then ``out = acc v_descale / l`` and ``lse = (m + log2 l) ln 2``.  P is quantised with descaling factor 1: its
+entries are at most 1, far inside e4m3's range.
+
+e4m3 wgmma reads both operands K-major: V_j must arrive as V_j^T, keys contiguous.  ``make_prepare_vt`` writes
+V^T once per call, its keys of each 32 relabelled so that P's A fragments are S's accumulators as they are: a
+thread's accumulators of a k-step (32 keys) are columns ``8 n + 2 t, 8 n + 2 t + 1`` of n-tiles ``n = 0 .. 3``,
+its A bytes are columns ``4 t .. 4 t + 3`` and ``16 + 4 t .. 16 + 4 t + 3``; position ``c`` of V^T holds key
+``key_at(c)`` and byte ``i`` of A's word is position ``4 t + i`` (``+ 16``).
+
+One block: 128 queries (two warpgroups of 64 rows), key tiles of 128 keys through two stages of the tensor-copy
+engine (K_j and V_j^T; Q once), one block barrier a tile (thread 0 refills the stage every thread has just
+finished reading).  Dense batches; causal (bottom-right aligned) or not; grouped-query heads.  A byte row of a
+head dim of 64, 128 or 256 is a 16-bit row of half as many values, so the copies, tensor maps and swizzled tiles
+are the 16-bit kernels' (``_tma``, ``_wgmma``) at half the width.
+"""
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from ._jit import SIMULATOR, device_function, kernel, kernel_factory
+from ._mma import memory_primitives, primitives
+from ._tiles import make_row_allreduce
+from ._tma import make_box_load, make_tile_load, tma_primitives
+from ._wgmma import (SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, pack_e4m3x4)
+from .forward import LN2, LOG2E
+
+BLOCK_Q = 128                     # two warpgroups of 64 query rows
+BLOCK_K = 128                     # keys of a tile: one 128-byte row of V_j^T, 4 k-steps of 32
+NTHREADS = 256
+HEAD_DIMS = (64, 128, 256)
+VT_KEYS = 32                      # V^T's keys are padded to (and relabelled within) groups of 32
+PREP_THREADS = 256
+
+
+def key_at(c):
+    """The key (of its group of 32) at V^T position ``c``: A's byte ``i`` of word ``4 t`` (columns ``16 h + 4 t
+    + i``) is P's accumulator of n-tile ``2 h + i // 2``, column ``2 t + i % 2``."""
+    h, r = c // 16, c % 16
+    return 16 * h + 8 * ((r % 4) // 2) + 2 * (r // 4) + r % 2
+
+
+key_at_d = device_function(key_at)
+
+
+def vt_keys(seqlen_k):
+    """V^T's row length: the keys padded to whole groups of 32."""
+    return -(-seqlen_k // VT_KEYS) * VT_KEYS
+
+
+def prepare_vt_grid(batch, seqlen_k, nheads_k, headdim):
+    return batch * nheads_k * (vt_keys(seqlen_k) // VT_KEYS) * (headdim // VT_KEYS)
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_prepare_vt(HEAD_DIM):
+    """``prepare(v, vt)``: V^T of e4m3 ``v`` (batch, seqlen_k, nheads_k, HEAD_DIM bytes) into ``vt`` (its (batch,
+    HEAD_DIM, nheads_k, ``vt_keys``) view, in memory (batch, nheads_k, HEAD_DIM, keys)): position ``p`` of row ``d``
+    holds key ``32 (p // 32) + key_at(p % 32)``'s byte ``d``, zero past the keys.  One block per (32 keys, 32 dims,
+    head, batch), through a shared tile."""
+    DBLK = HEAD_DIM // VT_KEYS
+    ROWS_PER_PASS = PREP_THREADS // VT_KEYS
+    B0 = np.uint8(0)
+
+    @kernel
+    def prepare(v, vt):
+        seqlen_k, nheads_k = v.shape[1], v.shape[2]
+        key_blocks = vt.shape[3] // VT_KEYS
+        blk = cuda.blockIdx.x
+        cb = blk % DBLK                                   # (dim block, key block, head, batch), dims fastest
+        blk //= DBLK
+        kb = blk % key_blocks
+        bh = blk // key_blocks
+        h = bh % nheads_k
+        b = bh // nheads_k
+        tile = cuda.shared.array((VT_KEYS, VT_KEYS + 4), np.uint8)     # [key][dim]
+        tx = cuda.threadIdx.x % VT_KEYS
+        for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V's rows, along the dims
+            key = kb * VT_KEYS + r
+            tile[r, tx] = v[b, key, h, cb * VT_KEYS + tx] if key < seqlen_k else B0
+        cuda.syncthreads()
+        for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V^T's rows, along the keys
+            vt[b, cb * VT_KEYS + r, h, kb * VT_KEYS + tx] = tile[key_at_d(tx), r]
+
+    return prepare
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
+    """``forward(q, k, vt, out, lse, descale, group, off, scale, maps)`` and its shared bytes: ``q``, ``k``
+    (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
+    nheads_k, keys / 4) word view, ``out`` (batch, seqlen_q, nheads, HEAD_DIM / 2) words of ``OUT_DTYPE``
+    (float16 or bfloat16) pairs, ``lse`` (batch, nheads, seqlen_q) float32, ``descale`` (3, batch, nheads_k)
+    float32 (q's, k's, v's), ``group`` query heads per key head, ``off = seqlen_k - seqlen_q``, ``maps`` the tensor
+    maps of q, k, vt (boxes of 128, 128, HEAD_DIM rows).  Grid: query tiles x heads x batch."""
+    assert HEAD_DIM in HEAD_DIMS
+    F32 = np.float32
+    U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
+    ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
+    NBLK = -(-HEAD_DIM // SWIZZLE_BYTES)             # 128-byte blocks of a row
+    HEAD_WORDS = HEAD_DIM // 4
+    KSTEPS_D = HEAD_DIM // 32                        # S's k-steps
+    N_ACC_S = BLOCK_K // 2                           # a thread's accumulators of S: 16 n-tiles x 4
+    N_ACC_O = HEAD_DIM // 2
+    Q_BYTES = BLOCK_Q * SWIZZLE_BYTES * NBLK
+    K_BYTES = BLOCK_K * SWIZZLE_BYTES * NBLK
+    VT_BYTES = HEAD_DIM * SWIZZLE_BYTES              # HEAD_DIM rows of 128 keys
+    STAGE_BYTES = K_BYTES + VT_BYTES
+    Q_OFF = 0
+    STAGE0 = Q_BYTES
+    FULL = STAGE0 + 2 * STAGE_BYTES                  # full[0], full[1], Q's barrier: 8 bytes each
+    Q_FULL = FULL + 16
+    SCRATCH = Q_FULL + 8                             # the quad reductions' scratch (simulator only)
+    SCRATCH_WORDS = 2 * NTHREADS if SIMULATOR else 0
+    SHARED_BYTES = SCRATCH + 4 * SCRATCH_WORDS
+    wgmma_s = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_K, KSTEPS_D))
+    wgmma_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32))
+    pack4 = pack_e4m3x4()
+    _, pack2, _ = primitives(OUT_DTYPE)
+    exp2 = memory_primitives()["exp2_ftz"]
+    tma = tma_primitives()
+    mbar_init, mbar_fence_init, mbar_expect, mbar_wait = (tma["mbar_init"], tma["mbar_fence_init"],
+                                                          tma["mbar_arrive_expect_tx"], tma["mbar_wait"])
+    load_q = make_tile_load(BLOCK_Q, HEAD_WORDS, NBLK)
+    load_k = make_tile_load(BLOCK_K, HEAD_WORDS, NBLK)
+    load_vt = make_box_load(HEAD_DIM, 1)
+    quad_max = make_row_allreduce(2, 4, NTHREADS, F32, is_max=True)
+    quad_sum = make_row_allreduce(2, 4, NTHREADS, F32, is_max=False)
+
+    @device_function
+    def block_coords(n_qt, nheads):
+        """(query tile, head, batch) of this block: tiles slowest, so every head's longest causal tiles (its last)
+        come first."""
+        per_tile = cuda.gridDim.x // n_qt                # heads x batch
+        bh = cuda.blockIdx.x % per_tile
+        rank = cuda.blockIdx.x // per_tile
+        return (n_qt - 1 - rank if CAUSAL else rank), bh % nheads, bh // nheads
+
+    @device_function
+    def load_stage(smem, maps, k, vt, j, seqlen_k, hk, b, s):
+        """K_j and V_j^T into stage ``s``, completing on full[s] (thread 0)."""
+        bar = FULL + 8 * s
+        mbar_expect(smem, bar, STAGE_BYTES)
+        dst = STAGE0 + s * STAGE_BYTES
+        k0 = j * BLOCK_K
+        load_k(smem, dst, maps, 1, k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0,
+               seqlen_k - k0, hk, b, bar)
+        load_vt(smem, dst + K_BYTES, maps, 2, vt, (b * vt.strides[0] + hk * vt.strides[2]) >> 2, vt.strides[1] >> 2,
+                0, HEAD_DIM, k0 // 4, vt.shape[3], hk, b, bar)
+
+    @device_function
+    def mask_tile(s_acc, k0, seqlen_k, row_g, off):
+        """Scores of keys past the sequence, or (``CAUSAL``) past row ``i``'s last key ``i + off``, <- -inf."""
+        t = cuda.threadIdx.x % 4
+        for n in range(BLOCK_K // 8):
+            for e in range(4):
+                j = k0 + 8 * n + 2 * t + e % 2
+                i = row_g + 8 * (e // 2)
+                if j >= seqlen_k or (CAUSAL and j > i + off):
+                    s_acc[4 * n + e] = NEG_INF
+
+    @device_function
+    def softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch):
+        """m_i, l_i, o_acc rescaled to the new row max (over the quad's lanes), S -> P = exp2(S c - m_new)."""
+        for r in range(2):
+            x = NEG_INF
+            for n in range(BLOCK_K // 8):
+                x = max(x, max(s_acc[4 * n + 2 * r], s_acc[4 * n + 2 * r + 1]))
+            row[r] = x * c
+        quad_max(row, scratch, cuda.threadIdx.x // 4, cuda.threadIdx.x % 4)
+        for r in range(2):
+            m_new = max(m_i[r], row[r])
+            m_use = m_new if m_new != NEG_INF else ZERO      # nothing seen yet: exp2(-inf) = 0, not NaN
+            alpha = exp2(m_i[r] - m_use)
+            m_i[r] = m_new
+            l_tile = ZERO
+            for n in range(BLOCK_K // 8):
+                for e in range(2 * r, 2 * r + 2):
+                    p = exp2(s_acc[4 * n + e] * c - m_use)
+                    l_tile += p
+                    s_acc[4 * n + e] = p
+            l_i[r] = l_i[r] * alpha + l_tile
+            for n in range(HEAD_DIM // 8):
+                o_acc[4 * n + 2 * r] *= alpha
+                o_acc[4 * n + 2 * r + 1] *= alpha
+
+    @device_function
+    def pack_p(s_acc, p_frag):
+        """P's A fragments, 4 words a k-step of 32 keys: rows g, g + 8 x n-tiles (4 kk, 4 kk + 1), (4 kk + 2, + 3)."""
+        for kk in range(BLOCK_K // 32):
+            a = 16 * kk
+            for r in range(2):
+                p_frag[4 * kk + r] = pack4(s_acc[a + 2 * r], s_acc[a + 2 * r + 1], s_acc[a + 4 + 2 * r],
+                                           s_acc[a + 5 + 2 * r])
+                p_frag[4 * kk + 2 + r] = pack4(s_acc[a + 8 + 2 * r], s_acc[a + 9 + 2 * r], s_acc[a + 12 + 2 * r],
+                                               s_acc[a + 13 + 2 * r])
+
+    @device_function
+    def store_out_lse(out, lse, o_acc, m_i, l_i, row_g, b, h, seqlen_q, v_descale, scratch):
+        """out = acc v_descale / l (l summed over the quad), lse = (m + log2 l) ln 2; a row that saw no key: 0,
+        -inf."""
+        t = cuda.threadIdx.x % 4
+        quad_sum(l_i, scratch, cuda.threadIdx.x // 4, t)
+        for r in range(2):
+            l = l_i[r]
+            i = row_g + 8 * r
+            if i < seqlen_q:
+                f = ZERO if l == ZERO else v_descale / l
+                for n in range(HEAD_DIM // 8):
+                    out[b, i, h, 4 * n + t] = pack2(o_acc[4 * n + 2 * r] * f, o_acc[4 * n + 2 * r + 1] * f)
+                if t == 0:
+                    lse[b, h, i] = NEG_INF if l == ZERO else (m_i[r] + math.log2(l)) * LN2_T
+
+    @kernel(min_blocks=1, threads=NTHREADS)
+    def forward(q, k, vt, out, lse, descale, group, off, scale, maps):
+        seqlen_q, seqlen_k, nheads = q.shape[1], k.shape[1], q.shape[2]
+        n_qt = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
+        qt, h, b = block_coords(n_qt, nheads)
+        hk = h // group
+        tid = cuda.threadIdx.x
+        wg = tid // 128
+        row_g = qt * BLOCK_Q + 64 * wg + 16 * ((tid // 32) % 4) + (tid % 32) // 4   # this thread's first row
+        c = F32(scale) * descale[0, b, hk] * descale[1, b, hk] * LOG2E_T
+        k_end = min(seqlen_k, qt * BLOCK_Q + BLOCK_Q + off) if CAUSAL else seqlen_k   # keys past it: seen by none
+        n_kt = (k_end + BLOCK_K - 1) // BLOCK_K if k_end > 0 else 0
+
+        smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)
+        scratch = cuda.shared.array(0, F32_DT)[SCRATCH // 4:SCRATCH // 4 + SCRATCH_WORDS]
+        if tid == 0:
+            for s in range(2):
+                mbar_init(smem, FULL + 8 * s, 1)
+            mbar_init(smem, Q_FULL, 1)
+            mbar_fence_init()
+        cuda.syncthreads()
+        if tid == 0:
+            mbar_expect(smem, Q_FULL, Q_BYTES)
+            load_q(smem, Q_OFF, maps, 0, q, (b * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2,
+                   qt * BLOCK_Q, seqlen_q - qt * BLOCK_Q, h, b, Q_FULL)
+            for j in range(min(n_kt, 2)):
+                load_stage(smem, maps, k, vt, j, seqlen_k, hk, b, j)
+        cuda.syncthreads()                               # (the simulator's copies are made by thread 0, at once)
+
+        s_acc = cuda.local.array(N_ACC_S, F32)
+        o_acc = cuda.local.array(N_ACC_O, F32)
+        p_frag = cuda.local.array(4 * (BLOCK_K // 32), U32_DT)
+        m_i = cuda.local.array(2, F32)
+        l_i = cuda.local.array(2, F32)
+        row = cuda.local.array(2, F32)
+        for r in range(2):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
+        for n in range(N_ACC_O):
+            o_acc[n] = ZERO
+        mbar_wait(smem, Q_FULL, 0)
+        for j in range(n_kt):
+            s = j % 2
+            base = STAGE0 + s * STAGE_BYTES
+            mbar_wait(smem, FULL + 8 * s, (j // 2) % 2)
+            wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, base, 0)          # S = Q K_j^T
+            k0 = j * BLOCK_K
+            if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
+                mask_tile(s_acc, k0, seqlen_k, row_g, off)
+            softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
+            pack_p(s_acc, p_frag)
+            wgmma_pv(o_acc, p_frag, smem, base + K_BYTES, 1)                         # acc += P V_j
+            cuda.syncthreads()                           # every thread is past its reads of stage s
+            if tid == 0 and j + 2 < n_kt:
+                load_stage(smem, maps, k, vt, j + 2, seqlen_k, hk, b, s)
+        store_out_lse(out, lse, o_acc, m_i, l_i, row_g, b, h, seqlen_q, descale[2, b, hk], scratch)
+
+    return forward, SHARED_BYTES
