@@ -173,16 +173,16 @@ _U32 = np.dtype(np.uint32)
 
 def word_view(d):
     """A ``uint32`` view of a 16-bit device array, two neighbours of the last axis per word (of a 32-bit one, each
-    value's bits); no copy.
+    value's bits; of a byte array, four neighbours: the FP8 forward's e4m3 codes); no copy.
 
     None where the layout does not allow it: an odd last axis (16-bit), a last axis that
     is not contiguous, a stride or base address that is not a multiple of 4 bytes.
     """
     shape, strides = tuple(d.shape), tuple(d.strides)
     item = np.dtype(d.dtype).itemsize
-    if item not in (2, 4):
+    if item not in (1, 2, 4):
         return None
-    per = 4 // item                                    # values per word: 2 or 1
+    per = 4 // item                                    # values per word: 4, 2 or 1
     words = shape[:-1] + (shape[-1] // per,)
     if 0 in shape and shape[-1] % per == 0:            # nothing is read from it (its strides may be anything)
         if SIMULATOR:

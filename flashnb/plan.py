@@ -27,6 +27,7 @@ from .kernels.backward import (CAST_THREADS, PREPROCESS_THREADS, cast_grid, make
 from .kernels.backward_tc import dq_frag_shape, make_cast_frag, make_cast_tc, make_dkdv_tc
 from .kernels.forward import LOG2E, make_forward, tile_threads
 from .kernels.forward_tc import make_forward_tc
+from .kernels import forward_fp8 as _fp8
 from .kernels.tf32_prepare import PREP_THREADS, make_prepare_tf32, prepare_tf32_grid, tf32_head_words
 from .kernels._tma import tensor_maps
 from .kernels import decode as _decode
@@ -1081,3 +1082,37 @@ def append_launch(batch, seqlen_new, nheads_k, head_words, paged, has_seqlens):
     per_seq = seqlen_new * nheads_k * head_words
     blocks_per_seq = max(1, min(-(-per_seq // APPEND_THREADS), 8192 // batch))
     return Launch(_decode.make_append(paged, has_seqlens), batch * blocks_per_seq, APPEND_THREADS, 0), blocks_per_seq
+
+
+# ------------------------------------------------------------------------------------------------ FP8 forward
+class FP8Plan(NamedTuple):
+    """The FP8 forward of one call (``flashnb.fp8``): V^T's pre-pass, then the forward."""
+    prepare: Launch
+    forward: Launch
+    vt_keys: int                    # V^T's row length (keys padded to groups of 32)
+
+    def forward_args(self, q, k, vt, out, lse, descale, group, off, scale, stream):
+        """The forward's arguments after its word views: the tensor maps of q, k, V^T last."""
+        maps = tensor_maps(((q, _fp8.BLOCK_Q), (k, _fp8.BLOCK_K), (vt, vt.shape[1])), False, stream)
+        return (q, k, vt, out, lse, descale, group, off, np.float32(scale), maps)
+
+
+@lru_cache(maxsize=256)
+def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, out_dtype):
+    """The launches of an FP8 forward of that shape (``kernels.forward_fp8``): Hopper only (compute capability
+    9.0, or the simulator), head dims 64, 128, 256, dense batches."""
+    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal))
+    check_shared(shared, f"the FP8 forward at head dim {headdim}")
+    grid = batch * nheads * -(-seqlen_q // _fp8.BLOCK_Q)
+    prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)
+    return FP8Plan(Launch(_fp8.make_prepare_vt(headdim), prep_grid, _fp8.PREP_THREADS, 0),
+                   Launch(kern, grid, _fp8.NTHREADS, shared), _fp8.vt_keys(seqlen_k))
+
+
+def fp8_refusal():
+    """Why this machine cannot run the FP8 forward, or None."""
+    if SIMULATOR or compute_capability() == (9, 0):
+        return None
+    return (f"the FP8 forward needs a Hopper GPU (compute capability 9.0: e4m3 wgmma), this one is "
+            f"{compute_capability()}")
+

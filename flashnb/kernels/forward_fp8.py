@@ -178,8 +178,8 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
         for r in range(2):
             x = NEG_INF
             for n in range(BLOCK_K // 8):
-                x = max(x, max(s_acc[4 * n + 2 * r], s_acc[4 * n + 2 * r + 1]))
-            row[r] = x * c
+                x = max(x, max(s_acc[4 * n + 2 * r] * c, s_acc[4 * n + 2 * r + 1] * c))
+            row[r] = x
         quad_max(row, scratch, cuda.threadIdx.x // 4, cuda.threadIdx.x % 4)
         for r in range(2):
             m_new = max(m_i[r], row[r])

@@ -1,0 +1,172 @@
+"""FP8 attention on Hopper: ``flash_attention_fp8``, FlashAttention-3's FP8 forward (issue 45).
+
+    out = flashnb.flash_attention_fp8(q8, k8, v8, q_descale, k_descale, v_descale, causal=True)
+
+``q8``, ``k8``, ``v8`` hold e4m3 codes: PyTorch ``float8_e4m3fn`` CUDA tensors, or NumPy / CuPy / Numba ``uint8``
+arrays (the codes as bytes), in flash-attn's layout (batch, seqlen, heads, headdim).  The values are
+``codes * descale``, FA3's convention: each descaling factor is a positive float, or an array of shape (batch,
+nheads_k) (one per batch and key/value head; a query head takes its key/value head's), or None (1).  What is
+computed is ``reference.fp8.fp8_flash_forward``: attention of the dequantised inputs, with the probabilities
+quantised to e4m3 for the ``P V`` product (their row sums from the unquantised ones).  The output is float16 or
+bfloat16 (``out_dtype``; PyTorch's default bfloat16, as FA3's, NumPy's float16).
+
+Layers as in ``api``: validate on the host (``_check``) -> plan (``plan.fp8_forward``: the V^T pre-pass and the
+forward, cached per shape) -> bind (word views of the codes, V^T's temporary, the tensor maps) -> launch.
+"""
+import math
+
+import numpy as np
+
+from . import _arrays, plan
+from .kernels._jit import launch
+from .kernels.forward_fp8 import HEAD_DIMS
+
+try:  # optional: PyTorch tensors in and out
+    import torch
+except ImportError:  # pragma: no cover - torch is an optional extra
+    torch = None
+
+OUT_DTYPES = ("float16", "bfloat16")
+
+
+def flash_attention_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None, *, causal=False,
+                        softmax_scale=None, out_dtype=None, return_lse=False, stream=None):
+    """FP8 attention's forward: ``out`` (batch, seqlen_q, nheads, headdim) in ``out_dtype``, and with
+    ``return_lse`` the log-sum-exp (batch, nheads, seqlen_q) in float32.
+
+    ``causal`` is bottom-right aligned (flash-attn's); ``softmax_scale`` defaults to ``1 / sqrt(headdim)`` and must
+    be positive; head dims 64, 128, 256; ``nheads`` a multiple of ``nheads_k`` (grouped-query attention).  Needs a
+    Hopper GPU (compute capability 9.0), or Numba's simulator."""
+    kind, dims = _check(q, k, v, softmax_scale)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = dims
+    out_dtype = _out_dtype(out_dtype, kind)
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+    refusal = plan.fp8_refusal()
+    if refusal is not None:
+        raise ValueError(refusal)
+    launch_stream = _arrays.resolve_stream(stream, kind, q)
+    with _arrays.stream_scope(launch_stream, kind, q):
+        descale = _descales(kind, q, (q_descale, k_descale, v_descale), batch, nheads_k, launch_stream)
+        out, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), out_dtype, q, launch_stream,
+                                             bits=True)
+        lse, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), "float32", q, launch_stream)
+        if batch and seqlen_q and nheads:
+            p = plan.fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, bool(causal), out_dtype)
+            qw, kw, vb = (_codes(x, name, launch_stream) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+            vt_w = _transposed_v(p, vb, kind, q, launch_stream)
+            args = p.forward_args(qw, kw, vt_w, _arrays.word_view(out_d), lse_d, descale,
+                                  nheads // nheads_k, seqlen_k - seqlen_q, scale, launch_stream.handle)
+            _run(p.forward, launch_stream, args)
+    out = _arrays.finish(kind, out, out_d, launch_stream)
+    if return_lse:
+        return out, _arrays.finish(kind, lse, lse_d, launch_stream)
+    return out
+
+
+def _check(q, k, v, softmax_scale):
+    """The call's kind and dims (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim); TypeError / ValueError
+    naming the argument."""
+    kinds = [_arrays.kind_of(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+    for x, kd, name in zip((q, k, v), kinds, ("q", "k", "v")):
+        if kd.dtype not in ("float8_e4m3fn", "uint8") or (kd.lib == "torch") != (kd.dtype == "float8_e4m3fn"):
+            raise TypeError(f"{name} must hold e4m3 codes: a torch.float8_e4m3fn CUDA tensor, or a uint8 NumPy, "
+                            f"CuPy or Numba array; got {kd.lib} {kd.dtype}")
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, headdim), got shape {tuple(x.shape)}")
+    if len({kd.lib == "torch" for kd in kinds}) > 1:
+        raise TypeError(f"q, k and v must all be PyTorch tensors or all be arrays, got {[kd.lib for kd in kinds]}")
+    for x, name in ((k, "k"), (v, "v")):
+        _arrays.check_same_device(x, name, q)
+    batch, seqlen_q, nheads, headdim = (int(n) for n in q.shape)
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if int(k.shape[0]) != batch or int(k.shape[3]) != headdim:
+        raise ValueError(f"k must be (batch, seqlen_k, nheads_k, headdim) with q's batch {batch} and headdim "
+                         f"{headdim}, got {tuple(k.shape)}")
+    nheads_k = int(k.shape[2])
+    if nheads_k < 1 or nheads % nheads_k:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's nheads_k ({nheads_k})")
+    if headdim not in HEAD_DIMS:
+        raise ValueError(f"headdim must be one of {HEAD_DIMS} for the FP8 forward, got {headdim}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and not isinstance(
+            softmax_scale, bool) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
+    return kinds[0], (batch, seqlen_q, int(k.shape[1]), nheads, nheads_k, headdim)
+
+
+def _out_dtype(out_dtype, kind):
+    if out_dtype is None:
+        return "bfloat16" if kind.lib == "torch" else "float16"
+    if torch is not None and isinstance(out_dtype, torch.dtype):
+        out_dtype = str(out_dtype).replace("torch.", "")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be float16 or bfloat16, got {out_dtype!r}")
+    if out_dtype == "bfloat16" and kind.lib != "torch":
+        raise TypeError("out_dtype bfloat16 needs PyTorch tensors (NumPy and CuPy have no bfloat16)")
+    return out_dtype
+
+
+def _descales(kind, q, descales, batch, nheads_k, stream):
+    """The (3, batch, nheads_k) float32 device array of q's, k's and v's descaling factors."""
+    names = ("q_descale", "k_descale", "v_descale")
+    if kind.lib == "torch" and any(isinstance(d, torch.Tensor) for d in descales):
+        rows = []
+        for d, name in zip(descales, names):
+            if not isinstance(d, torch.Tensor):
+                d = torch.tensor(_scalar(d, name), device=q.device)
+            elif d.device != q.device or tuple(d.shape) not in ((), (1,), (batch, nheads_k)):
+                raise ValueError(f"{name} must be a float or a tensor of shape (batch, nheads_k) = "
+                                 f"({batch}, {nheads_k}) on q's device, got shape {tuple(d.shape)} on {d.device}")
+            rows.append(d.to(torch.float32).reshape(-1 if d.dim() == 2 else 1).expand(batch * nheads_k))
+        return _arrays.to_device(torch.stack(rows).reshape(3, batch, nheads_k).contiguous(), stream)
+    host = np.empty((3, batch, nheads_k), np.float32)
+    for i, (d, name) in enumerate(zip(descales, names)):
+        if isinstance(d, np.ndarray):
+            if d.shape not in ((), (1,), (batch, nheads_k)):
+                raise ValueError(f"{name} must be a float or an array of shape (batch, nheads_k) = ({batch}, "
+                                 f"{nheads_k}), got shape {d.shape}")
+            if not (np.all(np.isfinite(d)) and np.all(d > 0)):
+                raise ValueError(f"{name} must be positive and finite")
+            host[i] = d.reshape(() if d.size == 1 else (batch, nheads_k))
+        else:
+            host[i] = _scalar(d, name)
+    return _arrays.to_device(host, stream)
+
+
+def _scalar(d, name):
+    if d is None:
+        return 1.0
+    if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d <= 0:
+        raise ValueError(f"{name} must be a positive finite float, an array of shape (batch, nheads_k), or None; "
+                         f"got {d!r}")
+    return float(d)
+
+
+def _codes(x, name, stream):
+    """The kernels' byte view of ``x``'s codes (a contiguous copy where its rows are not 16-byte aligned), as a
+    word view for q and k."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        x = x.view(torch.uint8)
+        d = _arrays.to_device(x, stream)
+        if not _arrays.rows_aligned16(d) or _arrays.word_view(d) is None:
+            d = _arrays.to_device(x.contiguous(), stream)
+    else:
+        d = _arrays.to_device(x, stream)
+        if not _arrays.rows_aligned16(d) or _arrays.word_view(d) is None:
+            raise ValueError(f"{name}'s rows must start on 16-byte boundaries (a contiguous last axis; strides "
+                             f"multiples of 16 bytes)")
+    return d if name == "v" else _arrays.word_view(d)
+
+
+def _transposed_v(p, vb, kind, like, stream):
+    """V^T's word view (batch, headdim, nheads_k, keys / 4), made by the pre-pass from ``vb`` (v's bytes)."""
+    batch, _, nheads_k, headdim = vb.shape
+    vt = _arrays.scratch((batch, nheads_k, headdim, p.vt_keys), np.uint8, kind, like, stream)
+    s = vt.strides
+    vt = _arrays.strided_view(vt, (batch, headdim, nheads_k, p.vt_keys), (s[0], s[2], s[1], s[3]))
+    _run(p.prepare, stream, (vb, vt))
+    return _arrays.word_view(vt)
+
+
+def _run(step, stream, args):
+    launch(step.kernel, step.grid, step.threads, stream, step.shared, args)
