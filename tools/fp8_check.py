@@ -1,0 +1,141 @@
+"""FP8 forward on a Hopper GPU: correctness against the oracle, and speed against flashnb's own 16-bit forward.
+
+    python -m tools.fp8_check check            # shapes x options against reference.fp8.fp8_flash_forward
+    python -m tools.fp8_check small            # one small call per head dim and causal (for compute-sanitizer)
+    python -m tools.fp8_check bench [--seqlens 4096,16384] [--headdims 128,256]
+
+``check``: torch float8_e4m3fn inputs (per-(batch, kv head) descales), the kernel's error against the float64
+oracle of the same algorithm (``fp8_flash_forward``, P quantised) within the output format's rounding, and the
+error of the FP8 output against float16 attention of the unquantised inputs reported beside the 16-bit
+kernel's.  ``bench``: CUDA events around each call (host time included: the call's launches, V^T's pre-pass
+among them), median of 20 after 3, batch x seqlen = 16k tokens, heads x headdim = 2048 (the bench's shapes),
+TFLOP/s = 4 B H N^2 d (halved when causal).
+"""
+import argparse
+import sys
+
+import numpy as np
+
+
+def _inputs(torch, b, sq, sk, h, hk, d, seed, outliers=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, h, d, device="cuda", generator=g)
+    k = torch.randn(b, sk, hk, d, device="cuda", generator=g)
+    v = torch.randn(b, sk, hk, d, device="cuda", generator=g)
+    if outliers:
+        k[:, :, :, 0] *= 20
+    return q, k, v
+
+
+def _quantise(torch, x):
+    """e4m3 codes and descales (batch, heads) of x: amax / 448 per (batch, head)."""
+    amax = x.abs().amax(dim=(1, 3)).clamp_min(1e-6)                  # (batch, heads)
+    descale = (amax / 448.0).float()
+    x8 = (x / descale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return x8, descale
+
+
+def check():
+    import torch
+    import flashnb
+    from reference import attention
+    from reference.fp8 import fp8_flash_forward
+    worst = 0.0
+    rows = []
+    for i, (b, sq, sk, h, hk, d, causal, outl) in enumerate([
+            (2, 200, 333, 4, 2, 64, False, False), (2, 200, 333, 4, 2, 64, True, False),
+            (1, 513, 513, 4, 4, 128, True, False), (2, 130, 700, 8, 2, 128, False, True),
+            (1, 300, 257, 2, 1, 256, True, False), (1, 384, 640, 4, 2, 256, False, True),
+            (3, 1, 999, 4, 1, 128, False, False), (1, 700, 300, 2, 2, 128, True, False)]):
+        q, k, v = _inputs(torch, b, sq, sk, h, hk, d, i, outl)
+        g = h // hk
+        qd = (q.abs().amax(dim=(1, 3)).reshape(b, hk, g).amax(-1).clamp_min(1e-6) / 448.0).float()  # per kv head
+        q8 = (q / qd.repeat_interleave(g, 1)[:, None, :, None]).to(torch.float8_e4m3fn)
+        k8, kd = _quantise(torch, k)
+        v8, vd = _quantise(torch, v)
+        for out_dtype in ((torch.bfloat16,) if i % 2 == 0 else (torch.float16,)):
+            out, lse = flashnb.flash_attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal, out_dtype=out_dtype,
+                                                   return_lse=True)
+            torch.cuda.synchronize()
+            codes = [x.view(torch.uint8).cpu().numpy() for x in (q8, k8, v8)]
+            ref, ref_lse = fp8_flash_forward(*codes, qd.cpu().numpy(), kd.cpu().numpy(), vd.cpu().numpy(),
+                                             block_k=128, causal=causal)
+            got = out.float().cpu().numpy()
+            unit = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -11
+            err = np.abs(got - ref)
+            bound = 4 * unit * np.abs(ref) + 1e-3 * np.abs(ref).max()    # output rounding, FP8 accumulation
+            ok = bool(np.all(err <= bound)) and np.all(np.isfinite(got))
+            lse_err = float(np.max(np.abs(np.where(np.isinf(ref_lse), 0, lse.cpu().numpy() - ref_lse))))
+            full, _ = attention(*(x.double().cpu().numpy() for x in (q, k, v)), causal=causal)
+            fp16 = flashnb.flash_attention(q.half(), k.half(), v.half(), causal=causal).float().cpu().numpy()
+            rows.append((b, sq, sk, h, hk, d, causal, outl, str(out_dtype)[6:], float(err.max()), float(err.max() / max(np.abs(ref).max(), 1e-30)),
+                         lse_err, float(np.abs(got - full).max()), float(np.abs(fp16 - full).max()), ok))
+            worst = max(worst, 0 if ok else 1)
+    print("| b | sq | sk | h | hk | d | causal | outliers | out | max err vs fp8 oracle | rel | lse err | FP8 out vs float64 attention | fp16 kernel vs float64 | ok |")
+    print("|" + "---|" * 15)
+    for r in rows:
+        print("| " + " | ".join(f"{x:.2e}" if isinstance(x, float) else str(x) for x in r) + " |")
+    print("ALL OK" if worst == 0 else "FAILED")
+    return worst
+
+
+def small():
+    import torch
+    import flashnb
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            q, k, v = _inputs(torch, 1, 133, 201, 2, 1, d, d)
+            q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+            out = flashnb.flash_attention_fp8(q8, k8, v8, causal=causal)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all()
+    print("6 configurations ran")
+    return 0
+
+
+def bench(seqlens, headdims):
+    import torch
+    import flashnb
+    print("| d | N | causal | fp16 ms | FP8 ms | fp16 TFLOP/s | FP8 TFLOP/s | FP8 / fp16 speed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d in headdims:
+        for n in seqlens:
+            b, h = 16384 // n, 2048 // d
+            q, k, v = (x.half() for x in _inputs(torch, b, n, n, h, h, d, 0))
+            q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+            for causal in (False, True):
+                times = {}
+                for name, fn in (("fp16", lambda: flashnb.flash_attention(q, k, v, causal=causal)),
+                                 ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal))):
+                    for _ in range(3):
+                        fn()
+                    ts = []
+                    for _ in range(20):
+                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        e0.record()
+                        fn()
+                        e1.record()
+                        torch.cuda.synchronize()
+                        ts.append(e0.elapsed_time(e1))
+                    times[name] = float(np.median(ts))
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                f16, f8 = times["fp16"], times["fp8"]
+                print(f"| {d} | {n} | {causal} | {f16:.3f} | {f8:.3f} | {flops / f16 / 1e9:.0f} | {flops / f8 / 1e9:.0f} | {f16 / f8:.2f}x |")
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=("check", "small", "bench"))
+    ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--headdims", default="64,128,256")
+    a = ap.parse_args(argv)
+    if a.what == "check":
+        return check()
+    if a.what == "small":
+        return small()
+    return bench([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
