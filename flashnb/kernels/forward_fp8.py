@@ -72,6 +72,7 @@ def make_prepare_vt(HEAD_DIM):
     head, batch), through a shared tile."""
     DBLK = HEAD_DIM // VT_KEYS
     ROWS_PER_PASS = PREP_THREADS // VT_KEYS
+    TILE_SHAPE = (VT_KEYS, VT_KEYS + 4)               # [key][dim]
     B0 = np.uint8(0)
 
     @kernel
@@ -85,7 +86,7 @@ def make_prepare_vt(HEAD_DIM):
         bh = blk // key_blocks
         h = bh % nheads_k
         b = bh // nheads_k
-        tile = cuda.shared.array((VT_KEYS, VT_KEYS + 4), np.uint8)     # [key][dim]
+        tile = cuda.shared.array(TILE_SHAPE, np.uint8)
         tx = cuda.threadIdx.x % VT_KEYS
         for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V's rows, along the dims
             key = kb * VT_KEYS + r
@@ -115,6 +116,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
     KSTEPS_D = HEAD_DIM // 32                        # S's k-steps
     N_ACC_S = BLOCK_K // 2                           # a thread's accumulators of S: 16 n-tiles x 4
     N_ACC_O = HEAD_DIM // 2
+    P_WORDS = 4 * (BLOCK_K // 32)                    # P's A fragments: 4 words a k-step
     Q_BYTES = BLOCK_Q * SWIZZLE_BYTES * NBLK
     K_BYTES = BLOCK_K * SWIZZLE_BYTES * NBLK
     VT_BYTES = HEAD_DIM * SWIZZLE_BYTES              # HEAD_DIM rows of 128 keys
@@ -255,7 +257,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
 
         s_acc = cuda.local.array(N_ACC_S, F32)
         o_acc = cuda.local.array(N_ACC_O, F32)
-        p_frag = cuda.local.array(4 * (BLOCK_K // 32), U32_DT)
+        p_frag = cuda.local.array(P_WORDS, U32_DT)
         m_i = cuda.local.array(2, F32)
         l_i = cuda.local.array(2, F32)
         row = cuda.local.array(2, F32)
