@@ -1,0 +1,139 @@
+"""The FP8 forward (``flashnb.flash_attention_fp8``, kernels/forward_fp8.py) against its oracle,
+``reference.fp8.fp8_flash_forward``: attention of the dequantised e4m3 inputs with P quantised to e4m3 for the
+``P V`` product, key tiles of 128 as the kernel's.
+
+Bound.  The oracle quantises P from float64 ``exp``, the kernel from float32 ``exp2``: the two round a P entry
+to different e4m3 codes only within float32's rounding (2^-24 relative) of a midpoint between codes, which
+random data does not hit; the products of e4m3 values are exact, their sums are float64 in the simulator's wgmma
+twin and float32 in the softmax.  So the kernel's output is the oracle's rounded to float16: ``|out - ref| <=
+2^-10 |ref| + 2^-14 max |ref|`` (twice the half-unit, and a floor for the float32 accumulation of ``l`` and
+``acc``).  A key relabelled wrongly in V^T (``key_at``) or a wrong fragment byte pairs a probability with
+another key's value, an error of the order of ``|ref|`` itself.  On a GPU Hopper's FP8 tensor cores are reported
+to accumulate with fewer bits than float32 (test_kernel_wgmma.py); tools/fp8_check.py measures that there.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import flashnb
+from flashnb.kernels import forward_fp8
+from flashnb.kernels._jit import SIMULATOR
+from flashnb.kernels._wgmma import e4m3_codes
+from reference.fp8 import fp8_flash_forward, quantize_e4m3
+
+
+def _codes(rng, shape, descale):
+    """e4m3 codes of normal data at scale ``descale`` (amax near 448 descale for unit data)."""
+    return quantize_e4m3(rng.standard_normal(shape) / descale).astype(np.uint8)
+
+
+def _descales(rng, per_head, batch, nheads_k):
+    if per_head:
+        return [rng.uniform(1 / 200, 1 / 50, (batch, nheads_k)).astype(np.float32) for _ in range(3)]
+    return [float(rng.uniform(1 / 200, 1 / 50)) for _ in range(3)]
+
+
+def _check(b, sq, sk, hk, group, d, causal, per_head, seed):
+    rng = np.random.default_rng(seed)
+    h = hk * group
+    qd, kd, vd = _descales(rng, per_head, b, hk)
+    q8 = _codes(rng, (b, sq, h, d), 1 / 100)
+    k8 = _codes(rng, (b, sk, hk, d), 1 / 100)
+    v8 = _codes(rng, (b, sk, hk, d), 1 / 100)
+    copies = [x.copy() for x in (q8, k8, v8)]
+    out, lse = flashnb.flash_attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal, return_lse=True)
+    for x, c in zip((q8, k8, v8), copies):
+        assert np.array_equal(x, c), "an input was modified"
+    ref, ref_lse = fp8_flash_forward(q8, k8, v8, qd, kd, vd, block_k=forward_fp8.BLOCK_K, causal=causal)
+    assert out.dtype == np.float16 and out.shape == (b, sq, h, d)
+    err = np.abs(out.astype(np.float64) - ref)
+    bound = 2.0 ** -10 * np.abs(ref) + 2.0 ** -14 * max(np.abs(ref).max(), 1e-30)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert np.all(err <= bound), f"out at {worst}: {out[worst]} against {ref[worst]} (bound {bound[worst]:.2e})"
+    seen = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), seen), "rows that see no key: lse -inf"
+    assert np.allclose(lse[seen], ref_lse[seen], rtol=1e-5, atol=1e-5)
+    assert np.all(out[~seen.transpose(0, 2, 1)] == 0), "rows that see no key: out 0"
+
+
+@pytest.mark.parametrize("d, causal, sq, sk", [(64, False, 70, 150), (128, True, 130, 200), (64, True, 150, 40)])
+def test_fp8_forward_matches_its_oracle(d, causal, sq, sk):
+    """Explicit cases: two query tiles over two key tiles (a refilled stage is not needed; the last tile partial),
+    causal with more queries than keys (the first rows see no key)."""
+    _check(1, sq, sk, 1, 2, d, causal, True, d + sq)
+
+
+@settings(max_examples=3, deadline=None)
+@given(b=st.integers(1, 2), sq=st.integers(1, 140), sk=st.integers(1, 300), hk=st.integers(1, 2),
+       group=st.sampled_from([1, 2]), causal=st.booleans(), per_head=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_fp8_forward_property(b, sq, sk, hk, group, causal, per_head, seed):
+    """Shapes (key tiles past the two stages: the copy engine refills a stage), grouped heads, descales per
+    tensor or per (batch, key head), causal or not, at head dim 64."""
+    _check(b, sq, sk, hk, group, 64, causal, per_head, seed)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="head dim 256 takes ~80 s in the simulator; tools/fp8_check.py runs it")
+def test_fp8_forward_head_dim_256():
+    _check(1, 130, 300, 1, 2, 256, True, True, 256)
+
+
+def test_key_at_pairs_p_fragments_with_their_keys():
+    """V^T's position ``c`` holds the key whose probability byte ``c`` of P's A fragment carries: A's columns
+    ``4 t .. 4 t + 3`` (``+ 16``) are the accumulators' columns ``2 t, 2 t + 1`` of n-tiles 0, 1 (2, 3)."""
+    keys = [forward_fp8.key_at(c) for c in range(32)]
+    assert sorted(keys) == list(range(32))
+    for t in range(4):
+        for h in range(2):
+            for i in range(4):
+                assert keys[16 * h + 4 * t + i] == 8 * (2 * h + i // 2) + 2 * t + i % 2
+
+
+def test_e4m3_codes_are_the_oracles_quantiser():
+    """The simulator's twin of ``cvt.rn.satfinite.e4m3x2.f32``: nearest, ties to even, saturating, signed zeros."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(20000) * np.logspace(-4, 3, 20000),
+                        [0.0, -0.0, 448, 460, 464, 1e9, -1e9, 2.0 ** -10, 3 * 2.0 ** -10, -2.0 ** -11, 1.0625]])
+    assert np.array_equal(e4m3_codes(x), quantize_e4m3(x, saturate=True))
+
+
+def _small(d=64):
+    rng = np.random.default_rng(0)
+    return [_codes(rng, s, 0.01) for s in ((1, 5, 2, d), (1, 7, 1, d), (1, 7, 1, d))]
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (lambda a: dict(q=a["q"].astype(np.float16)), TypeError, "q must hold e4m3 codes"),
+    (lambda a: dict(k=a["k"][0]), ValueError, "k must be 4-D"),
+    (lambda a: dict(v=a["v"][:, :6]), ValueError, "k and v must have the same shape"),
+    (lambda a: dict(q=np.concatenate([a["q"]] * 2, axis=2)[:, :, :3], k=np.concatenate([a["k"]] * 2, axis=2),
+                    v=np.concatenate([a["v"]] * 2, axis=2)), ValueError, "multiple of k's nheads_k"),
+    (lambda a: dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (lambda a: dict(q_descale=-0.5), ValueError, "q_descale"),
+    (lambda a: dict(v_descale=np.ones((2, 1), np.float32)), ValueError, "v_descale"),
+    (lambda a: dict(k_descale=np.array([[np.nan]], np.float32)), ValueError, "k_descale"),
+    (lambda a: dict(out_dtype="bfloat16"), TypeError, "out_dtype bfloat16"),
+    (lambda a: dict(out_dtype="float32"), ValueError, "out_dtype"),
+])
+def test_fp8_forward_refuses_bad_input(change, error, words):
+    q, k, v = _small()
+    args = dict(q=q, k=k, v=v)
+    args.update(change(args))
+    with pytest.raises(error, match=words):
+        flashnb.flash_attention_fp8(**args)
+
+
+def test_fp8_forward_refuses_other_head_dims():
+    rng = np.random.default_rng(1)
+    q, k, v = (_codes(rng, s, 0.01) for s in ((1, 5, 2, 96), (1, 7, 1, 96), (1, 7, 1, 96)))
+    with pytest.raises(ValueError, match="headdim must be one of"):
+        flashnb.flash_attention_fp8(q, k, v)
+
+
+def test_fp8_default_scale_is_one_over_sqrt_headdim():
+    """``softmax_scale=None`` is ``1 / sqrt(64)``: the same output as passing it (and lse)."""
+    q, k, v = _small()
+    a, la = flashnb.flash_attention_fp8(q, k, v, return_lse=True)
+    b, lb = flashnb.flash_attention_fp8(q, k, v, softmax_scale=1 / math.sqrt(64), return_lse=True)
+    assert np.array_equal(a, b) and np.array_equal(la, lb)
