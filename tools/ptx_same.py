@@ -79,14 +79,38 @@ for flags in FLAG_SETS:
     if want("tc dkdv"):
         k = make_dkdv_tc(bq, bk, 64, "float16", True, *flags, split, True, MTK=mtk, SHARE=share)[0]
         print("tc dkdv", flags, h(cuda.compile_ptx(k.py_func, (u4w,)*4 + (f3, f3, u4w, u4w, f4c, types.int64, types.int64) + opts + (types.Array(types.uint64, 2, "C"),), cc=(9,0))[0]))
-# the Hopper dK/dV kernel as plan.py builds it (16-bit, dense: DQ_FRAG; above head dim 128 two warpgroups, EXCHANGE)
+# the Hopper dK/dV kernel as plan.py builds it (16-bit, dense: DQ_FRAG and Q_i, dO_i by the copy engine (TMA); above
+# head dim 128 two warpgroups, EXCHANGE)
 for d in (64, 128, 256):
     for flags in FLAG_SETS:
         if want("wgmma dkdv %d %s" % (d, flags)):
             bq, bk = plan.wgmma_bwd_block_q(d), plan.default_tc_bwd_tiles(d, None, None, "float16")[1]
             k = make_dkdv_tc(bq, bk, d, "float16", True, *flags, plan.wgmma_bwd_dim_split(d), True, DEFER_DQ=False,
-                             WGMMA=True, **plan._exchange(d), DQ_FRAG=True, **plan._dq_wgmma(True, bq, d))[0]
+                             WGMMA=True, **plan._exchange(d), DQ_FRAG=True, **plan._dq_wgmma(True, bq, d),
+                             TMA=plan.WGMMA_BWD_TMA)[0]
             print("wgmma dkdv", d, flags, h(cuda.compile_ptx(k.py_func, (u4w,)*4 + (f3, f3, u4w, u4w, f4c, types.int64, types.int64) + opts + (types.Array(types.uint64, 2, "C"),), cc=(9,0,"a"))[0]))
+# dK/dV kernels as plan.backward builds them for other calls: float32 on tf32 (mma.sync), a packed 16-bit batch
+# (the Hopper kernel with cp.async), bfloat16 causal, a padded head dim
+PLAN_DKDV = [("float32", 64, {}), ("float32", 128, {}), ("float16", 128, {"total_q": 4000}),
+             ("bfloat16", 128, {"causal": True}), ("float16", 96, {})]
+for dt, d, extra in PLAN_DKDV:
+    label = "plan dkdv %s %d %s" % (dt, d, sorted(extra))
+    if want(label):
+        built = []
+        real = plan.make_dkdv_tc
+        plan.make_dkdv_tc = lambda *a, **kw: built.append((a, kw)) or real(*a, **kw)
+        flags = plan.Flags(*((True,) + (False,) * 6)) if extra.get("causal") else plan.Flags(*(False,) * 7)
+        c = plan.Call(dt, 2, 1000, 1500, 8, 2, d, flags, True, None, None,
+                      "tensorcore" if dt == "float32" else "auto", False, (None, True))
+        if "total_q" in extra:
+            c = c._replace(total_q=extra["total_q"], seqlen_q=1500)
+        plan.backward.cache_clear() if hasattr(plan.backward, "cache_clear") else None
+        plan.backward(c)
+        plan.make_dkdv_tc = real
+        a, kw = built[-1]
+        k = real(*a, **kw)[0]
+        arch = (9, 0, "a") if kw.get("WGMMA") else (9, 0)
+        print(label, h(cuda.compile_ptx(k.py_func, (u4w,)*4 + (f3, f3, u4w, u4w, f4c, types.int64, types.int64) + opts + (types.Array(types.uint64, 2, "C"),), cc=arch)[0]))
 # the decode kernel at kvcache's settings: (dtype, head dim, group, seqlen_q, vec16, PAGED, HAS_SEQLENS, split,
 # window, softcap, alibi, LEAN, leftpad, STAGES (None: kvcache's, fitted))
 i64, f32t = types.int64, types.float32

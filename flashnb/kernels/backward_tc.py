@@ -1016,6 +1016,41 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 red_add_f32x4(dq_accum, dq_row + 128 * n, dq_acc[p, 0] * scale32, dq_acc[p, 1] * scale32,
                               dq_acc[p, 2] * scale32, dq_acc[p, 3] * scale32)
 
+    @device_function
+    def products_t(smem, fsmem, qb, db, a_lane, b_lane, warp, wg_rows, fa, fb, fa_s, fb_s, s_reg, dp_reg):
+        """S^T = K_j Q_i^T and dP^T = V_j dO_i^T into ``s_reg``, ``dp_reg``: by mma.sync (tf32: 3 products a
+        term), or by the warpgroups (``EXCHANGE``: one product each, then swapped)."""
+        if TF32:
+            scores_t_tf32(smem, qb, db, a_lane, b_lane, fa, fb, fa_s, fb_s, s_reg, dp_reg)
+        elif WGMMA and EXCHANGE:
+            first_wg = warp < KW
+            a_off = 4 * (K_OFF if first_wg else V_OFF) + wg_rows          # K_j Q_i^T, or V_j dO_i^T
+            b_off = 4 * (qb if first_wg else db)
+            wgmma_t(s_reg, smem, a_off, b_off, 0)
+            exchange_products(fsmem, s_reg, dp_reg, first_wg)
+        elif WGMMA:
+            wgmma_t(s_reg, smem, 4 * K_OFF + wg_rows, 4 * qb, 0)
+            wgmma_t(dp_reg, smem, 4 * V_OFF + wg_rows, 4 * db, 0)
+        else:
+            scores_t(smem, qb, db, a_lane, b_lane, fa, fb, s_reg, dp_reg)
+
+    @device_function
+    def grads_t(s_reg, dp_reg, fsmem, lb, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, scale32,
+                scale_log2, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
+                drop_threshold, drop_scale, seed_lo, seed_hi):
+        """P_drop^T (in ``s_reg``) and dS^T = P^T (dP^T - delta) (in ``dp_reg``), element-wise: the plain form on
+        a tile with no option and no mask, the window's comparisons, or every option and mask in memory."""
+        if PLAIN and not need_mask:
+            plain_grad(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, 0, 0, 0, 0)
+        elif WINDOW_ONLY:
+            jb = k0 + 16 * MTK * kw + g              # this thread's first key
+            plain_grad_masked(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, jb - (q0 + qa + 2 * t) - off,
+                              -left if left >= 0 else -BIG, right if right >= 0 else BIG, seqlen_k - jb)
+        else:
+            option_grad(s_reg, dp_reg, fsmem, lb, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off,
+                        scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
+                        drop_threshold, drop_scale, seed_lo, seed_hi)
+
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
@@ -1157,32 +1192,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 split_smem(smem, qb, QS_OFF, 2 * QTILE)  # (QS_OFF last read by item w - 1's dV, dK: before the
                 cuda.syncthreads()                       # barrier above)
 
-            if TF32:                                                            # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
-                scores_t_tf32(smem, qb, db, a_lane, b_lane, fa, fb, fa_s, fb_s, s_reg, dp_reg)
-            elif WGMMA and EXCHANGE:                    # one product per warpgroup, then swapped
-                first_wg = warp < KW
-                a_off = 4 * (K_OFF if first_wg else V_OFF) + wg_rows          # K_j Q_i^T, or V_j dO_i^T
-                b_off = 4 * (qb if first_wg else db)
-                wgmma_t(s_reg, smem, a_off, b_off, 0)
-                exchange_products(fsmem, s_reg, dp_reg, first_wg)
-            elif WGMMA:
-                wgmma_t(s_reg, smem, 4 * K_OFF + wg_rows, 4 * qb, 0)
-                wgmma_t(dp_reg, smem, 4 * V_OFF + wg_rows, 4 * db, 0)
-            else:
-                scores_t(smem, qb, db, a_lane, b_lane, fa, fb, s_reg, dp_reg)
+            products_t(smem, fsmem, qb, db, a_lane, b_lane, warp, wg_rows, fa, fb, fa_s, fb_s, s_reg, dp_reg)
 
-            # P_drop^T and dS^T = P^T (dP^T - delta) element-wise
-            if PLAIN and not need_mask:                  # no options, no mask on this tile
-                plain_grad(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, 0, 0, 0, 0)
-            elif WINDOW_ONLY:                            # the mask from comparisons: window edges, last keys
-                jb = k0 + 16 * MTK * kw + g              # this thread's first key
-                plain_grad_masked(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, jb - (q0 + qa + 2 * t) - off,
-                                  -left if left >= 0 else -BIG, right if right >= 0 else BIG,
-                                  seqlen_k - jb)
-            else:                                        # score options, masks held in memory
-                option_grad(s_reg, dp_reg, fsmem, lb, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off,
-                            scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
-                            drop_threshold, drop_scale, seed_lo, seed_hi)
+            grads_t(s_reg, dp_reg, fsmem, lb, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, scale32,
+                    scale_log2, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
+                    drop_threshold, drop_scale, seed_lo, seed_hi)   # P_drop^T, dS^T = P^T (dP^T - delta)
 
             ds_buf = DS_OFF + (buf * DS_TILE if DEFER_DQ or TMA else 0)
             if SHARE:                                    # this warp's queries of P_drop^T and dS^T, for all
