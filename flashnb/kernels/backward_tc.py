@@ -1017,6 +1017,29 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                               dq_acc[p, 2] * scale32, dq_acc[p, 3] * scale32)
 
     @device_function
+    def dq_step(smem, fsmem, maps, q, dout, dq_accum, b, hk, group, h, q0, wn, gn, qn_i, n_work, nqt, qt_lo, k0,
+                seqlen_q, seqlen_k, off, left, right, block_mask, bm_q, bm_k, buf, ds_buf, dq_b, dq_row0, warp, g, t,
+                ds_lane, t_lane, scale32, l_row, d_row, dq_reg, dq_acc):
+        """The item's block barrier (dS^T complete; every warp past its reads of buffer ``buf``), then dQ_i += dS
+        K_j.  TMA: the next item's rows stored before it (the barrier publishes them) and stage ``buf`` refilled
+        after it with the item after next, returned as ``(w2, g2, q2_i)`` (else ``(wn, gn, qn_i)``)."""
+        w2, g2, q2_i = wn, gn, qn_i
+        if TMA and wn < n_work:
+            store_rows(fsmem, L_OFF + (1 - buf) * 2 * BLOCK_Q, l_row, d_row)
+        if DQ_WGMMA:
+            fence_async()                        # dS^T's stores, for the tensor cores
+        cuda.syncthreads()
+        if TMA:
+            w2, g2, q2_i = refill(smem, maps, q, dout, b, hk, group, wn, gn, qn_i, n_work, nqt, qt_lo, k0,
+                                  seqlen_q, seqlen_k, off, left, right, block_mask, bm_q, bm_k, buf)
+        if DQ_WGMMA:
+            dq_wgmma_phase(smem, dq_accum, ds_buf, b, h, q0, warp, g, t, scale32, dq_acc)
+        else:
+            dq_phase(smem, dq_accum, ds_buf, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
+                     t_lane, scale32, dq_reg)
+        return w2, g2, q2_i
+
+    @device_function
     def products_t(smem, fsmem, qb, db, a_lane, b_lane, warp, wg_rows, fa, fb, fa_s, fb_s, s_reg, dp_reg):
         """S^T = K_j Q_i^T and dP^T = V_j dO_i^T into ``s_reg``, ``dp_reg``: by mma.sync (tf32: 3 products a
         term), or by the warpgroups (``EXCHANGE``: one product each, then swapped)."""
@@ -1088,8 +1111,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
         smem = cuda.shared.array(0, U32_DT, alignment=WG_ALIGN if WGMMA else SMEM_ALIGN)
         fsmem = cuda.shared.array(0, F32_DT)
-        # ldmatrix rows of this lane: a fragments of this warp's 16 K/V rows; b fragments of Q/dO rows
-        # (plain: two n-tiles of 8 queries; .trans: k = 16 queries, two n-tiles of 8 dims); dS^T as a.trans
         a_lane = (16 * MTK * kw + 8 * (mi % 2) + lane % 8) * STRIDE + 4 * (mi // 2)
         b_lane = (qa + 8 * (mi // 2) + lane % 8) * STRIDE + 4 * (mi % 2)
         t_lane = (8 * (mi % 2) + lane % 8) * KD_STRIDE + 4 * (mi // 2)   # (KD_STRIDE = STRIDE but with WGMMA)
@@ -1120,7 +1141,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 for e in range(4):
                     dk_acc[m, n, e] = ZERO
                     dv_acc[m, n, e] = ZERO
-
         copy_kv(k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0, seqlen_k - k0, smem, K_OFF)
         copy_kv(v, (b * v.strides[0] + hk * v.strides[2]) >> 2, v.strides[1] >> 2, k0, seqlen_k - k0, smem, V_OFF)
         if WGMMA and not DQ_WGMMA:
@@ -1214,20 +1234,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 pending = True
                 ph = h
                 pq0 = q0
-            else:
-                if TMA and wn < n_work:                  # item w + 1's rows, published by the barrier below
-                    store_rows(fsmem, L_OFF + (1 - buf) * 2 * BLOCK_Q, l_row, d_row)
-                if DQ_WGMMA:
-                    fence_async()                        # dS^T's stores, for the tensor cores
-                cuda.syncthreads()      # dS^T is complete; every warp is past its reads of buffer buf
-                if TMA:                                  # stage buf is free: the item after next into it
-                    w2, g2, q2_i = refill(smem, maps, q, dout, b, hk, group, wn, gn, qn_i, n_work, nqt, qt_lo, k0,
-                                          seqlen_q, seqlen_k, off, left, right, block_mask, bm_q, bm_k, buf)
-                if DQ_WGMMA:
-                    dq_wgmma_phase(smem, dq_accum, ds_buf, b, h, q0, warp, g, t, scale32, dq_acc)
-                else:
-                    dq_phase(smem, dq_accum, ds_buf, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
-                             t_lane, scale32, dq_reg)
+            else:                                        # dQ_i += dS K_j, after the item's barrier
+                w2, g2, q2_i = dq_step(smem, fsmem, maps, q, dout, dq_accum, b, hk, group, h, q0, wn, gn, qn_i,
+                                       n_work, nqt, qt_lo, k0, seqlen_q, seqlen_k, off, left, right, block_mask,
+                                       bm_q, bm_k, buf, ds_buf, dq_b, dq_row0, warp, g, t, ds_lane, t_lane,
+                                       scale32, l_row, d_row, dq_reg, dq_acc)
             if wn < n_work and not TMA:
                 # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
                 # the next item's first barrier publishes them
