@@ -12,7 +12,7 @@ renumbered by first appearance, so equal hashes mean the same instructions.  Com
     python -m tools.ptx_same > new.txt; diff old.txt new.txt
 
 Arguments, if any, are label prefixes: only those lines are compiled and printed (``python -m tools.ptx_same decode``).
-``PTX_SAME_DUMP=DIR`` also writes each normalised PTX to ``DIR/NNN.ptx`` (in the printed order), for a diff, and
+The FP8 forward and its pre-pass too (``fp8``).  ``PTX_SAME_DUMP=DIR`` also writes each normalised PTX to ``DIR/NNN.ptx`` (in the printed order), for a diff, and
 the PTX as compiled to ``DIR/NNN.raw`` (for ptxas).
 """
 import os
@@ -111,6 +111,18 @@ for dt, d, extra in PLAN_DKDV:
         k = real(*a, **kw)[0]
         arch = (9, 0, "a") if kw.get("WGMMA") else (9, 0)
         print(label, h(cuda.compile_ptx(k.py_func, (u4w,)*4 + (f3, f3, u4w, u4w, f4c, types.int64, types.int64) + opts + (types.Array(types.uint64, 2, "C"),), cc=arch)[0]))
+# the FP8 forward (e4m3, Hopper) and its V^T pre-pass
+from flashnb.kernels import forward_fp8 as _fp8
+for d in (64, 128, 256):
+    for causal in (False, True):
+        if want("fp8 fwd %d %s" % (d, causal)):
+            k = _fp8.make_forward_fp8(d, "bfloat16", causal)[0]
+            sig = (u4w,) * 4 + (f3, f3, types.int64, types.int64, types.float32, types.Array(types.uint64, 2, "C"))
+            print("fp8 fwd", d, causal, h(cuda.compile_ptx(k.py_func, sig, cc=(9, 0, "a"),
+                                                           launch_bounds=k.targetoptions.get("launch_bounds"))[0]))
+if want("fp8 prepare"):
+    b8 = types.Array(types.uint8, 4, "A")
+    print("fp8 prepare", h(cuda.compile_ptx(_fp8.make_prepare_vt(128).py_func, (b8, b8), cc=(9, 0))[0]))
 # the decode kernel at kvcache's settings: (dtype, head dim, group, seqlen_q, vec16, PAGED, HAS_SEQLENS, split,
 # window, softcap, alibi, LEAN, leftpad, STAGES (None: kvcache's, fitted))
 i64, f32t = types.int64, types.float32
