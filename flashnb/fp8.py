@@ -12,6 +12,11 @@ bfloat16 (``out_dtype``; PyTorch's default bfloat16, as FA3's, NumPy's float16).
 
 Layers as in ``api``: validate on the host (``_check``) -> plan (``plan.fp8_forward``: the V^T pre-pass and the
 forward, cached per shape) -> bind (word views of the codes, V^T's temporary, the tensor maps) -> launch.
+
+For callers holding 16-bit or float32 tensors, ``quantize_fp8(x, per="tensor"|"head", rotation=None)`` gives the
+codes and descales (amax -> 448), and ``hadamard_rotation(headdim, seed)`` the random orthogonal matrix of FA3's
+incoherent processing: pass the same one for q and k (``q K^T`` is unchanged), none for v.  On Q and K with
+outlier channels it cuts the FP8 output's error about 3x (docs/notes/fp8.md step 3).
 """
 import math
 
@@ -20,6 +25,7 @@ import numpy as np
 from . import _arrays, plan
 from .kernels._jit import launch
 from .kernels.forward_fp8 import HEAD_DIMS
+from .kernels._wgmma import e4m3_codes
 
 try:  # optional: PyTorch tensors in and out
     import torch
@@ -27,6 +33,57 @@ except ImportError:  # pragma: no cover - torch is an optional extra
     torch = None
 
 OUT_DTYPES = ("float16", "bfloat16")
+E4M3_MAX = 448.0
+
+
+def hadamard_rotation(headdim, seed=0):
+    """A random orthogonal ``(headdim, headdim)`` float32 NumPy matrix: Sylvester's Hadamard matrix with random
+    column signs (from ``seed``), divided by ``sqrt(headdim)``; ``headdim`` a power of two.  ``x @ R`` for q and k
+    alike leaves ``q k^T`` as it was and spreads a channel's outliers over every channel."""
+    if isinstance(headdim, bool) or not isinstance(headdim, (int, np.integer)) or headdim < 1 or headdim & (headdim - 1):
+        raise ValueError(f"headdim must be a power of two, got {headdim!r}")
+    h = np.ones((1, 1))
+    while h.shape[0] < headdim:
+        h = np.block([[h, h], [h, -h]])
+    signs = np.random.default_rng(seed).choice([-1.0, 1.0], int(headdim))
+    return (h * signs[None, :] / math.sqrt(headdim)).astype(np.float32)
+
+
+def quantize_fp8(x, per="tensor", rotation=None, group=1):
+    """``(codes, descale)`` with ``x ~ codes * descale`` (after ``x @ rotation`` if given), for
+    ``flash_attention_fp8``: ``x`` (batch, seqlen, heads, headdim), a PyTorch tensor (codes ``float8_e4m3fn`` on its
+    device, descale a float32 tensor) or a NumPy array (codes ``uint8``, descale a float or a float32 array).
+    ``per="tensor"``: one descale, ``amax / 448``; ``"head"``: one per (batch, ``group`` consecutive heads), shape
+    (batch, heads / group): for q, ``group = nheads / nheads_k`` gives the one descale per key/value head the
+    kernel takes.  The codes round to the nearest e4m3 value (ties to even); an all-zero slice gets descale 1."""
+    is_torch = torch is not None and isinstance(x, torch.Tensor)
+    if not is_torch and not isinstance(x, np.ndarray):
+        raise TypeError(f"x must be a PyTorch tensor or a NumPy array, got {type(x).__name__}")
+    if per not in ("tensor", "head"):
+        raise ValueError(f"per must be 'tensor' or 'head', got {per!r}")
+    if len(x.shape) != 4:
+        raise ValueError(f"x must be 4-D (batch, seqlen, heads, headdim), got shape {tuple(x.shape)}")
+    b, n, h, d = (int(s) for s in x.shape)
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1 or h % group:
+        raise ValueError(f"group must be a positive int dividing the {h} heads, got {group!r}")
+    if rotation is not None and tuple(rotation.shape) != (d, d):
+        raise ValueError(f"rotation must be ({d}, {d}) for head dim {d}, got shape {tuple(rotation.shape)}")
+    if is_torch:
+        x = x.float()
+        if rotation is not None:
+            x = x @ torch.as_tensor(rotation, dtype=torch.float32, device=x.device)
+        amax = x.abs().amax(dim=(1, 3)).reshape(b, h // group, group).amax(-1) if per == "head" else x.abs().amax()
+        descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        scaled = x / (descale.repeat_interleave(group, 1)[:, None, :, None] if per == "head" else descale)
+        return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), descale.float()
+    x = np.asarray(x, np.float64)
+    if rotation is not None:
+        x = x @ np.asarray(rotation, np.float64)
+    amax = np.abs(x).max(axis=(1, 3)).reshape(b, h // group, group).max(-1) if per == "head" else np.abs(x).max()
+    descale = np.where(amax > 0, amax / E4M3_MAX, 1.0)
+    scaled = x / (np.repeat(descale, group, 1)[:, None, :, None] if per == "head" else descale)
+    codes = e4m3_codes(scaled).astype(np.uint8)
+    return codes, (descale.astype(np.float32) if per == "head" else float(descale))
 
 
 def flash_attention_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None, *, causal=False,
