@@ -1017,6 +1017,19 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                               dq_acc[p, 2] * scale32, dq_acc[p, 3] * scale32)
 
     @device_function
+    def dv_dk_and_ds(smem, fsmem, qb, db, ds_buf, qa, pa_lane, t_lane, nd0, part_bytes, warp, kw, g, t, s_reg, dp_reg,
+                     fa, fb, fa_s, fb_s, p_all, ds_all, dv_acc, dk_acc):
+        """dV += P_drop^T dO_i, dK += dS^T Q_i, and dS^T to shared memory as words for dQ (``ldmatrix.trans`` turns
+        its [key][query] rows into dS's a fragments; with DSPLIT = 2 the first warp of each pair writes it, both
+        holding the same dS^T; SHARE: every warp's queries of P_drop^T and dS^T shared first, for all)."""
+        if SHARE:
+            share_products(smem, fsmem, ds_buf, qa, s_reg, dp_reg, kw, g, t)
+        dv_dk_step(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, part_bytes, s_reg, dp_reg, fa, fb, fa_s, fb_s,
+                   p_all, ds_all, dv_acc, dk_acc)
+        if not SHARE and (DSPLIT == 1 or warp < KW):
+            store_ds(smem, fsmem, ds_buf, dp_reg, kw, g, t)
+
+    @device_function
     def dq_step(smem, fsmem, maps, q, dout, dq_accum, b, hk, group, h, q0, wn, gn, qn_i, n_work, nqt, qt_lo, k0,
                 seqlen_q, seqlen_k, off, left, right, block_mask, bm_q, bm_k, buf, ds_buf, dq_b, dq_row0, warp, g, t,
                 ds_lane, t_lane, scale32, l_row, d_row, dq_reg, dq_acc):
@@ -1219,17 +1232,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     drop_threshold, drop_scale, seed_lo, seed_hi)   # P_drop^T, dS^T = P^T (dP^T - delta)
 
             ds_buf = DS_OFF + (buf * DS_TILE if DEFER_DQ or TMA else 0)
-            if SHARE:                                    # this warp's queries of P_drop^T and dS^T, for all
-                share_products(smem, fsmem, ds_buf, qa, s_reg, dp_reg, kw, g, t)
-
-            dv_dk_step(smem, qb, db, ds_buf, pa_lane, t_lane, nd0, part_bytes, s_reg, dp_reg, fa, fb, fa_s, fb_s,
-                       p_all, ds_all, dv_acc, dk_acc)            # dV += P_drop^T dO_i, dK += dS^T Q_i
-
-            # dQ_i += dS K_j: dS^T to shared memory as words; ldmatrix.trans turns its [key][query]
-            # rows into dS's a fragments (rows = queries); K's b fragments by ldmatrix.trans.  With
-            # DSPLIT = 2 the first warp of each pair writes (both hold the same dS^T; SHARE: written above)
-            if not SHARE and (DSPLIT == 1 or warp < KW):
-                store_ds(smem, fsmem, ds_buf, dp_reg, kw, g, t)
+            dv_dk_and_ds(smem, fsmem, qb, db, ds_buf, qa, pa_lane, t_lane, nd0, part_bytes, warp, kw, g, t, s_reg,
+                         dp_reg, fa, fb, fa_s, fb_s, p_all, ds_all, dv_acc, dk_acc)
             if DEFER_DQ:                                 # added after the next item's barrier (or the last one)
                 pending = True
                 ph = h
