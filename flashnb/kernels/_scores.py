@@ -72,6 +72,18 @@ def make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, SCORE_MOD=None):
     return score
 
 
+@device_function
+def and_inside_window(ok, i, j, off, left, right):
+    """``ok`` and whether key ``j`` is inside query ``i``'s window ``i + off - left <= j <= i + off + right``
+    (bottom-right aligned; a side of ``-1`` is unbounded; causal is ``right = 0``)."""
+    rel = j - (i + off)
+    if left >= 0:
+        ok = ok and rel >= -left
+    if right >= 0:
+        ok = ok and rel <= right
+    return ok
+
+
 def make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_MOD=None, MASK_BLOCK=None):
     """``allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)``.
 
@@ -92,11 +104,7 @@ def make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_MOD=None, MA
             if ok:
                 ok = bool(MASK_MOD(b, h, i, j))
         if HAS_WINDOW:
-            rel = j - (i + off)
-            if left >= 0:
-                ok = ok and rel >= -left
-            if right >= 0:
-                ok = ok and rel <= right
+            ok = and_inside_window(ok, i, j, off, left, right)
         if HAS_ATTN_MASK:
             ok = ok and attn_mask[min(b, attn_mask.shape[0] - 1), min(h, attn_mask.shape[1] - 1),
                                   min(i, attn_mask.shape[2] - 1), min(j, attn_mask.shape[3] - 1)] != 0

@@ -50,6 +50,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, memory_primitives, primitives
+from ._scores import and_inside_window
 
 LOG2E = 1.4426950408889634   # 1 / ln(2): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453     # ln(2): log(l) = log2(l) * ln(2)
@@ -622,11 +623,7 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         """Whether query ``i`` sees key ``j``: inside ``[lo, hi)`` and (window) its sides."""
         ok = j >= lo and j < hi
         if HAS_WINDOW:
-            rel = j - (i + off)
-            if left >= 0:
-                ok = ok and rel >= -left
-            if right >= 0:
-                ok = ok and rel <= right
+            ok = and_inside_window(ok, i, j, off, left, right)
         return ok
 
     @device_function
