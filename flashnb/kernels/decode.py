@@ -597,11 +597,16 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
         return next_stage(p, row, page)
 
     @device_function
+    def row_floats(w, t, fv):
+        """This lane's dims of key ``t``'s row (its words in ``w``) as floats in ``fv``."""
+        for x in range(WPL):
+            to_floats(w, t * WPL + x, fv, x * EPW)
+
+    @device_function
     def scores(q_reg, kw, fv, s):
         """``s[r, t] = q_r . k_t`` over this lane's dims (``sum_key`` adds the LK lanes' parts)."""
         for t in range(T):
-            for x in range(WPL):
-                to_floats(kw, t * WPL + x, fv, x * EPW)
+            row_floats(kw, t, fv)
             for r in range(ROWS):
                 a = ZERO
                 for e in range(E):
@@ -667,8 +672,7 @@ def make_decode(DTYPE_NAME, HEAD_DIM, ROWS, LK, T, NWARPS, VEC16, PAGED, HAS_SEQ
     def add_pv(vw, s, fv, acc):
         """``acc += p v`` over this lane's dims."""
         for t in range(T):
-            for x in range(WPL):
-                to_floats(vw, t * WPL + x, fv, x * EPW)
+            row_floats(vw, t, fv)
             for r in range(ROWS):
                 p = s[r * T + t]
                 for e in range(E):
