@@ -5,7 +5,9 @@
 ``q8``, ``k8``, ``v8`` hold e4m3 codes: PyTorch ``float8_e4m3fn`` CUDA tensors, or NumPy / CuPy / Numba ``uint8``
 arrays (the codes as bytes), in flash-attn's layout (batch, seqlen, heads, headdim).  The values are
 ``codes * descale``, FA3's convention: each descaling factor is a positive float, or an array of shape (batch,
-nheads_k) (one per batch and key/value head; a query head takes its key/value head's), or None (1).  What is
+nheads_k) (one per batch and key/value head; a query head takes its key/value head's), or None (1).  Python and
+NumPy descales are checked positive and finite; PyTorch descale tensors are not (that would wait for the GPU):
+a zero or negative one gives NaN rows.  What is
 computed is ``reference.fp8.fp8_flash_forward``: attention of the dequantised inputs, with the probabilities
 quantised to e4m3 for the ``P V`` product (their row sums from the unquantised ones).  The output is float16 or
 bfloat16 (``out_dtype``; PyTorch's default bfloat16, as FA3's, NumPy's float16).
@@ -132,6 +134,7 @@ def _check(q, k, v, softmax_scale):
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, headdim), got shape {tuple(x.shape)}")
     if len({kd.lib == "torch" for kd in kinds}) > 1:
         raise TypeError(f"q, k and v must all be PyTorch tensors or all be arrays, got {[kd.lib for kd in kinds]}")
+    _arrays.check_device(q, "q")
     for x, name in ((k, "k"), (v, "v")):
         _arrays.check_same_device(x, name, q)
     batch, seqlen_q, nheads, headdim = (int(n) for n in q.shape)
@@ -193,26 +196,36 @@ def _descales(kind, q, descales, batch, nheads_k, stream):
 def _scalar(d, name):
     if d is None:
         return 1.0
-    if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d <= 0:
+    if isinstance(d, np.ndarray) and d.size == 1:
+        d = d.reshape(()).item()
+    if (isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, float, np.integer, np.floating))
+            or not math.isfinite(d) or d <= 0):
         raise ValueError(f"{name} must be a positive finite float, an array of shape (batch, nheads_k), or None; "
                          f"got {d!r}")
     return float(d)
 
 
 def _codes(x, name, stream):
-    """The kernels' byte view of ``x``'s codes (a contiguous copy where its rows are not 16-byte aligned), as a
-    word view for q and k."""
+    """The kernels' byte view of ``x``'s codes; for q and k (read by the copy engine in 16-byte-aligned rows) its
+    word view, from a fresh copy where a PyTorch tensor's rows are not aligned.  v is read byte by byte by the
+    V^T pre-pass, any strides."""
     if torch is not None and isinstance(x, torch.Tensor):
         x = x.view(torch.uint8)
         d = _arrays.to_device(x, stream)
-        if not _arrays.rows_aligned16(d) or _arrays.word_view(d) is None:
-            d = _arrays.to_device(x.contiguous(), stream)
+        if name != "v" and not _aligned(d):
+            d = _arrays.to_device(x.clone(memory_format=torch.contiguous_format), stream)
     else:
         d = _arrays.to_device(x, stream)
-        if not _arrays.rows_aligned16(d) or _arrays.word_view(d) is None:
-            raise ValueError(f"{name}'s rows must start on 16-byte boundaries (a contiguous last axis; strides "
-                             f"multiples of 16 bytes)")
-    return d if name == "v" else _arrays.word_view(d)
+    if name == "v":
+        return d
+    if not _aligned(d):
+        raise ValueError(f"{name}'s rows must start on 16-byte boundaries (a contiguous last axis, strides and "
+                         f"address multiples of 16 bytes)")
+    return _arrays.word_view(d)
+
+
+def _aligned(d):
+    return _arrays.word_view(d) is not None and _arrays.rows_aligned16(d)
 
 
 def _transposed_v(p, vb, kind, like, stream):
