@@ -7,16 +7,16 @@ arrays (the codes as bytes), in flash-attn's layout (batch, seqlen, heads, headd
 ``codes * descale``, FA3's convention: each descaling factor is a positive float, or an array of shape (batch,
 nheads_k) (one per batch and key/value head; a query head takes its key/value head's), or None (1).  Python and
 NumPy descales are checked positive and finite; PyTorch descale tensors are not (that would wait for the GPU):
-a zero or negative one gives NaN rows.  What is
-computed is ``reference.fp8.fp8_flash_forward``: attention of the dequantised inputs, with the probabilities
-quantised to e4m3 for the ``P V`` product (their row sums from the unquantised ones).  The output is float16 or
-bfloat16 (``out_dtype``; PyTorch's default bfloat16, as FA3's, NumPy's float16).
+a zero or negative one gives NaN rows.  What is computed is ``reference.fp8.fp8_flash_forward``: attention of
+the dequantised inputs, with the probabilities quantised to e4m3 for the ``P V`` product (their row sums from the
+unquantised ones).  The output is float16 or bfloat16 (``out_dtype``; PyTorch's default bfloat16, as FA3's,
+NumPy's float16).
 
 Layers as in ``api``: validate on the host (``_check``) -> plan (``plan.fp8_forward``: the V^T pre-pass and the
 forward, cached per shape) -> bind (word views of the codes, V^T's temporary, the tensor maps) -> launch.
 
-For callers holding 16-bit or float32 tensors, ``quantize_fp8(x, per="tensor"|"head", rotation=None)`` gives the
-codes and descales (amax -> 448), and ``hadamard_rotation(headdim, seed)`` the random orthogonal matrix of FA3's
+For callers holding 16-bit or float32 tensors, ``quantize_fp8(x, per="tensor"|"head", rotation=None, group=1)``
+gives the codes and descales (amax -> 448), and ``hadamard_rotation(headdim, seed)`` the random orthogonal matrix of FA3's
 incoherent processing: pass the same one for q and k (``q K^T`` is unchanged), none for v.  On Q and K with
 outlier channels it cuts the FP8 output's error about 3x (docs/notes/fp8.md step 3).
 """
