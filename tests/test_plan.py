@@ -380,3 +380,16 @@ def test_split_kv_decode_split_count_choice():
             assert p.split_len % 16 == 0 and p.n_splits * p.split_len >= n_max
             assert (p.n_splits - 1) * p.split_len < max(n_max, 1)       # no split starts past the keys
             assert p.rows == 4 and p.n_row_tiles == 1
+
+
+def test_fp8_forward_plan():
+    """The FP8 forward's launches: a block per (128 queries, head, batch), 256 threads; V^T's pre-pass a block per
+    (32 keys, 32 dims, key head, batch) over the keys padded to 32; one plan per shape (cached)."""
+    from flashnb.kernels import forward_fp8
+    p = plan.fp8_forward(2, 300, 500, 8, 2, 128, True, "bfloat16")
+    assert p.forward.grid == 2 * 8 * 3 and p.forward.threads == forward_fp8.NTHREADS == 256
+    assert p.vt_keys == 512 and p.prepare.grid == 2 * 2 * (512 // 32) * (128 // 32)
+    assert p.prepare.threads == forward_fp8.PREP_THREADS
+    assert p.forward.shared >= 128 * 128 + 2 * (128 * 128 + 128 * 128), "Q, then two stages of K_j and V_j^T"
+    assert plan.fp8_forward(2, 300, 500, 8, 2, 128, True, "bfloat16") is p
+    assert plan.fp8_forward(2, 300, 500, 8, 2, 128, False, "bfloat16").forward.kernel is not p.forward.kernel
