@@ -27,14 +27,6 @@ def _inputs(torch, b, sq, sk, h, hk, d, seed, outliers=False):
     return q, k, v
 
 
-def _quantise(torch, x):
-    """e4m3 codes and descales (batch, heads) of x: amax / 448 per (batch, head)."""
-    amax = x.abs().amax(dim=(1, 3)).clamp_min(1e-6)                  # (batch, heads)
-    descale = (amax / 448.0).float()
-    x8 = (x / descale[:, None, :, None]).to(torch.float8_e4m3fn)
-    return x8, descale
-
-
 def check():
     import torch
     import flashnb
@@ -48,11 +40,9 @@ def check():
             (1, 300, 257, 2, 1, 256, True, False), (1, 384, 640, 4, 2, 256, False, True),
             (3, 1, 999, 4, 1, 128, False, False), (1, 700, 300, 2, 2, 128, True, False)]):
         q, k, v = _inputs(torch, b, sq, sk, h, hk, d, i, outl)
-        g = h // hk
-        qd = (q.abs().amax(dim=(1, 3)).reshape(b, hk, g).amax(-1).clamp_min(1e-6) / 448.0).float()  # per kv head
-        q8 = (q / qd.repeat_interleave(g, 1)[:, None, :, None]).to(torch.float8_e4m3fn)
-        k8, kd = _quantise(torch, k)
-        v8, vd = _quantise(torch, v)
+        q8, qd = flashnb.quantize_fp8(q, "head", group=h // hk)           # one descale per key/value head
+        k8, kd = flashnb.quantize_fp8(k, "head")
+        v8, vd = flashnb.quantize_fp8(v, "head")
         for out_dtype in ((torch.bfloat16,) if i % 2 == 0 else (torch.float16,)):
             out, lse = flashnb.flash_attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal, out_dtype=out_dtype,
                                                    return_lse=True)

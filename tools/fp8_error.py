@@ -13,14 +13,9 @@ import argparse
 import numpy as np
 
 from reference import attention
-from reference.fp8 import fp8_flash_forward, quantize_e4m3
+from reference.fp8 import fp8_flash_forward
 
-
-def hadamard(d, rng):
-    h = np.array([[1.0]])
-    while h.shape[0] < d:
-        h = np.block([[h, h], [h, -h]])
-    return h * rng.choice([-1.0, 1.0], d)[None, :] / np.sqrt(d)
+import flashnb
 
 
 def data(kind, rng, b, sq, sk, h, d):
@@ -33,12 +28,6 @@ def data(kind, rng, b, sq, sk, h, d):
     elif kind == "peaked softmax":            # scores with a large spread: near one-hot rows
         q *= 4
     return q, k, v
-
-
-def quantise(x, per_head):
-    amax = np.abs(x).max(axis=(1, 3)) if per_head else np.full((x.shape[0], x.shape[2]), np.abs(x).max())
-    descale = amax / 448.0
-    return quantize_e4m3(x / descale[:, None, :, None]).astype(np.uint8), descale
 
 
 def errors(got, want):
@@ -64,10 +53,12 @@ def main(argv=None):
         h16 = [x.astype(np.float16).astype(np.float64) for x in (q, k, v)]
         f16 = attention(*h16, causal=a.causal)[0].astype(np.float16).astype(np.float64)
         cells = ["%.2e / %.2e" % errors(f16, want)]
-        rot = hadamard(a.headdim, rng)
+        rot = flashnb.hadamard_rotation(a.headdim, seed=0)
         for per_head, incoherent in ((False, False), (True, False), (True, True)):
-            qq, kk = (q @ rot, k @ rot) if incoherent else (q, k)
-            (q8, qd), (k8, kd), (v8, vd) = (quantise(x, per_head) for x in (qq, kk, v))
+            r = rot if incoherent else None
+            per = "head" if per_head else "tensor"
+            (q8, qd), (k8, kd), (v8, vd) = (flashnb.quantize_fp8(x, per, rotation) for x, rotation in
+                                            ((q, r), (k, r), (v, None)))
             out, _ = fp8_flash_forward(q8, k8, v8, qd, kd, vd, block_k=128, causal=a.causal)
             cells.append("%.2e / %.2e" % errors(out, want))
         print(f"| {kind} | " + " | ".join(cells) + " |")
