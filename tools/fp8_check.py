@@ -38,7 +38,8 @@ def check():
             (2, 200, 333, 4, 2, 64, False, False), (2, 200, 333, 4, 2, 64, True, False),
             (1, 513, 513, 4, 4, 128, True, False), (2, 130, 700, 8, 2, 128, False, True),
             (1, 300, 257, 2, 1, 256, True, False), (1, 384, 640, 4, 2, 256, False, True),
-            (3, 1, 999, 4, 1, 128, False, False), (1, 700, 300, 2, 2, 128, True, False)]):
+            (3, 1, 999, 4, 1, 128, False, False), (1, 700, 300, 2, 2, 128, True, False),
+            (1, 128, 4096, 2, 2, 128, False, False), (1, 128, 8192, 1, 1, 256, False, False)]):
         q, k, v = _inputs(torch, b, sq, sk, h, hk, d, i, outl)
         q8, qd = flashnb.quantize_fp8(q, "head", group=h // hk)           # one descale per key/value head
         k8, kd = flashnb.quantize_fp8(k, "head")
