@@ -1097,11 +1097,22 @@ class FP8Plan(NamedTuple):
         return (q, k, vt, out, lse, descale, group, off, np.float32(scale), maps)
 
 
+# The FP8 forward's scheduling (kernels.forward_fp8.make_forward_fp8's STAGES, OVERLAP, PINGPONG, MIN_BLOCKS; the
+# results are the same): stages of K_j / V_j^T, FA3's order of the products, the warpgroups' turns at the tensor
+# cores, and two blocks an SM at head dim 64.
+FP8_STAGES = 2
+FP8_OVERLAP = False
+FP8_PINGPONG = False
+FP8_TWO_BLOCKS = False
+
+
 @lru_cache(maxsize=256)
 def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, out_dtype):
     """The launches of an FP8 forward of that shape (``kernels.forward_fp8``): Hopper only (compute capability
     9.0, or the simulator), head dims 64, 128, 256, dense batches."""
-    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal))
+    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), int(FP8_STAGES), bool(FP8_OVERLAP),
+                                         bool(FP8_OVERLAP and FP8_PINGPONG),
+                                         2 if FP8_TWO_BLOCKS and headdim == 64 else 1)
     check_shared(shared, f"the FP8 forward at head dim {headdim}")
     grid = batch * nheads * -(-seqlen_q // _fp8.BLOCK_Q)
     prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)

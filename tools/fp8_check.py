@@ -10,11 +10,12 @@ quantised, float64 sums) plus the output's rounding (flash-attn's rule: Hopper's
 than float32, so S moves by ~1e-4 and P entries near a midpoint between codes flip); the distance to the oracle
 itself, and the FP8 output's error against float64 attention of the unquantised inputs beside the 16-bit
 kernel's, reported.  ``bench``: CUDA events around each call (host time included: the call's launches, V^T's pre-pass
-among them), median of 20 after 3, batch x seqlen = 16k tokens, heads x headdim = 2048 (the bench's shapes),
+among them), median of 20 after 3 (and the host's time inside the call, its launches being asynchronous), batch x seqlen = 16k tokens, heads x headdim = 2048 (the bench's shapes),
 TFLOP/s = 4 B H N^2 d (halved when causal).
 """
 import argparse
 import sys
+import time
 
 import numpy as np
 
@@ -93,11 +94,30 @@ def small():
     return 0
 
 
-def bench(seqlens, headdims):
+def _apply(setting):
+    """``NAME=INT ...`` assignments of ``flashnb.plan``'s FP8 constants (FP8_STAGES, FP8_OVERLAP, FP8_PINGPONG,
+    FP8_TWO_BLOCKS); the plan cache cleared."""
+    from flashnb import plan
+    for item in setting.split():
+        name, value = item.split("=")
+        assert name.startswith("FP8_") and hasattr(plan, name), name
+        setattr(plan, name, int(value))
+    plan.fp8_forward.cache_clear()
+
+
+def bench(seqlens, headdims, settings=("",)):
     import torch
     import flashnb
-    print("| d | N | causal | fp16 ms | FP8 ms | fp16 TFLOP/s | FP8 TFLOP/s | FP8 / fp16 speed |")
-    print("|---|---|---|---|---|---|---|---|")
+    for setting in settings:
+        _apply(setting)
+        print(f"setting: {setting or 'as shipped'}")
+        _bench(torch, flashnb, seqlens, headdims)
+    return 0
+
+
+def _bench(torch, flashnb, seqlens, headdims):
+    print("| d | N | causal | fp16 ms | FP8 ms | fp16 TFLOP/s | FP8 TFLOP/s | FP8 / fp16 speed | host us fp16 / FP8 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for d in headdims:
         for n in seqlens:
             b, h = 16384 // n, 2048 // d
@@ -109,19 +129,21 @@ def bench(seqlens, headdims):
                                  ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal))):
                     for _ in range(3):
                         fn()
-                    ts = []
+                    ts, host = [], []
                     for _ in range(20):
                         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         e0.record()
+                        t0 = time.perf_counter()
                         fn()
+                        host.append(time.perf_counter() - t0)
                         e1.record()
                         torch.cuda.synchronize()
                         ts.append(e0.elapsed_time(e1))
                     times[name] = float(np.median(ts))
+                    times[name + " host"] = float(np.median(host)) * 1e6
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
                 f16, f8 = times["fp16"], times["fp8"]
-                print(f"| {d} | {n} | {causal} | {f16:.3f} | {f8:.3f} | {flops / f16 / 1e9:.0f} | {flops / f8 / 1e9:.0f} | {f16 / f8:.2f}x |")
-    return 0
+                print(f"| {d} | {n} | {causal} | {f16:.3f} | {f8:.3f} | {flops / f16 / 1e9:.0f} | {flops / f8 / 1e9:.0f} | {f16 / f8:.2f}x | {times['fp16 host']:.0f} / {times['fp8 host']:.0f} |")
 
 
 def main(argv=None):
@@ -129,12 +151,17 @@ def main(argv=None):
     ap.add_argument("what", choices=("check", "small", "bench"))
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--headdims", default="64,128,256")
+    ap.add_argument("--settings", default="", help="bench: settings separated by ';', each NAME=INT assignments "
+                    "of flashnb.plan's FP8 constants (FP8_STAGES=3 FP8_OVERLAP=1 FP8_PINGPONG=1 FP8_TWO_BLOCKS=1)")
+    ap.add_argument("--setting", default="", help="check / small: one such setting")
     a = ap.parse_args(argv)
+    _apply(a.setting)
     if a.what == "check":
         return check()
     if a.what == "small":
         return small()
-    return bench([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")])
+    return bench([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")],
+                 a.settings.split(";"))
 
 
 if __name__ == "__main__":

@@ -359,6 +359,32 @@ def _sim_fence_proxy_async():
     pass
 
 
+def _gpu_named_barriers():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    def make(op):
+        @intrinsic
+        def barrier(typingctx, bar_id, nthreads):
+            """``bar.{op} bar_id, nthreads``: a named barrier shared by ``nthreads`` threads (a multiple of 32)."""
+            def codegen(context, builder, signature, args):
+                vals = [context.cast(builder, v, t, types.int32) for v, t in zip(args, signature.args)]
+                i32 = ir.IntType(32)
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i32]), f"bar.{op} $0, $1;", "r,r",
+                                          side_effect=True), vals)
+                return context.get_dummy_value()
+            return types.void(bar_id, nthreads), codegen
+        return barrier
+
+    return make("sync"), make("arrive")
+
+
+@device_function
+def _sim_named_barrier(bar_id, nthreads):
+    pass        # scheduling only: the simulator's kernels order their shared memory by block-wide barriers
+
+
 _cache = {}
 
 
@@ -473,3 +499,11 @@ def pack_e4m3x4():
     if "e4m3x4" not in _cache:
         _cache["e4m3x4"] = _sim_pack_e4m3x4 if SIMULATOR else _gpu_pack_e4m3x4()
     return _cache["e4m3x4"]
+
+
+def named_barriers():
+    """``(bar_sync, bar_arrive)``: named barriers ``1..15`` (``bar.sync`` waits, ``bar.arrive`` only counts), for
+    scheduling warpgroups against each other; no-ops in the simulator."""
+    if "bars" not in _cache:
+        _cache["bars"] = (_sim_named_barrier, _sim_named_barrier) if SIMULATOR else _gpu_named_barriers()
+    return _cache["bars"]

@@ -33,7 +33,7 @@ from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import memory_primitives, primitives
 from ._tiles import make_row_allreduce
 from ._tma import make_box_load, make_tile_load, tma_primitives
-from ._wgmma import (SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, pack_e4m3x4)
+from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, named_barriers, pack_e4m3x4
 from .forward import LN2, LOG2E
 
 BLOCK_Q = 128                     # two warpgroups of 64 query rows
@@ -100,14 +100,23 @@ def make_prepare_vt(HEAD_DIM):
 
 @lru_cache(maxsize=None)
 @kernel_factory
-def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGPONG=False, MIN_BLOCKS=1):
     """``forward(q, k, vt, out, lse, descale, group, off, scale, maps)`` and its shared bytes: ``q``, ``k``
     (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
     nheads_k, keys / 4) word view, ``out`` (batch, seqlen_q, nheads, HEAD_DIM / 2) words of ``OUT_DTYPE``
     (float16 or bfloat16) pairs, ``lse`` (batch, nheads, seqlen_q) float32, ``descale`` (3, batch, nheads_k)
     float32 (q's, k's, v's), ``group`` query heads per key head, ``off = seqlen_k - seqlen_q``, ``maps`` the tensor
-    maps of q, k, vt (boxes of 128, 128, HEAD_DIM rows).  Grid: query tiles x heads x batch."""
-    assert HEAD_DIM in HEAD_DIMS
+    maps of q, k, vt (boxes of 128, 128, HEAD_DIM rows).  Grid: query tiles x heads x batch.
+
+    Scheduling (the results are the same): ``STAGES`` K_j / V_j^T stages (2 or 3).  ``OVERLAP``: tile j's turn at
+    the tensor cores is ``S_j = Q K_j^T`` and then ``acc += P_{j-1} V_{j-1}``, the softmax of S_j after both (FA3's
+    order; acc's rescale by tile j's alpha comes after P_{j-1} V_{j-1} is in it).  ``PINGPONG`` (with
+    ``OVERLAP``): the two warpgroups take turns at the tensor cores through two named barriers, so one's softmax
+    runs under the other's products; a stage is then refilled by the last warpgroup done with it (a shared
+    counter a stage), with no block barrier in the loop.  ``MIN_BLOCKS``: launch bounds for that many blocks an
+    SM.  In the simulator every variant hands stages back at a block barrier (thread 0 refills; named barriers
+    and the copy engine's waits do nothing there)."""
+    assert HEAD_DIM in HEAD_DIMS and STAGES in (2, 3) and (OVERLAP or not PINGPONG)
     F32 = np.float32
     U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
@@ -123,9 +132,10 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
     STAGE_BYTES = K_BYTES + VT_BYTES
     Q_OFF = 0
     STAGE0 = Q_BYTES
-    FULL = STAGE0 + 2 * STAGE_BYTES                  # full[0], full[1], Q's barrier: 8 bytes each
-    Q_FULL = FULL + 16
-    SCRATCH = Q_FULL + 8                             # the quad reductions' scratch (simulator only)
+    FULL = STAGE0 + STAGES * STAGE_BYTES             # full[s], then Q's barrier: 8 bytes each
+    Q_FULL = FULL + 8 * STAGES
+    DONE = Q_FULL + 8                                # PINGPONG: warpgroups done with stage s (a counter each)
+    SCRATCH = DONE + 4 * STAGES                      # the quad reductions' scratch (simulator only)
     SCRATCH_WORDS = 2 * NTHREADS if SIMULATOR else 0
     SHARED_BYTES = SCRATCH + 4 * SCRATCH_WORDS
     wgmma_s = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_K, KSTEPS_D))
@@ -141,6 +151,9 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
     load_vt = make_box_load(HEAD_DIM, 1)
     quad_max = make_row_allreduce(2, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2, 4, NTHREADS, F32, is_max=False)
+    bar_sync, bar_arrive = named_barriers()
+    TURNS = PINGPONG and not SIMULATOR               # named barrier 1 + w: warpgroup w's turn
+    U32 = np.uint32
 
     @device_function
     def block_coords(n_qt, nheads):
@@ -226,7 +239,33 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
                 if t == 0:
                     lse[b, h, i] = NEG_INF if l == ZERO else (m_i[r] + math.log2(l)) * LN2_T
 
-    @kernel(min_blocks=1, threads=NTHREADS)
+    @device_function
+    def hand_back(smem, maps, k, vt, j, n_kt, seqlen_k, hk, b):
+        """This warpgroup is done with tile j's stage: refill it with tile ``j + STAGES``, by thread 0 after a block
+        barrier, or (``TURNS``) by the leader of the warpgroup done last with it."""
+        s = j % STAGES
+        if TURNS:
+            wg = cuda.threadIdx.x // 128
+            bar_sync(3 + wg, 128)                        # every warp of this warpgroup is past its products
+            if cuda.threadIdx.x % 128 == 0:
+                if cuda.atomic.add(smem, DONE // 4 + s, U32(1)) % 2 == 1 and j + STAGES < n_kt:
+                    load_stage(smem, maps, k, vt, j + STAGES, seqlen_k, hk, b, s)
+        else:
+            cuda.syncthreads()                           # every thread is past its reads of stage s
+            if cuda.threadIdx.x == 0 and j + STAGES < n_kt:
+                load_stage(smem, maps, k, vt, j + STAGES, seqlen_k, hk, b, s)
+
+    @device_function
+    def scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off):
+        """S = Q K_j^T (tile j's stage), masked past the keys or the diagonal."""
+        base = STAGE0 + (j % STAGES) * STAGE_BYTES
+        mbar_wait(smem, FULL + 8 * (j % STAGES), (j // STAGES) % 2)
+        wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, base, 0)
+        k0 = j * BLOCK_K
+        if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
+            mask_tile(s_acc, k0, seqlen_k, row_g, off)
+
+    @kernel(min_blocks=MIN_BLOCKS, threads=NTHREADS)
     def forward(q, k, vt, out, lse, descale, group, off, scale, maps):
         seqlen_q, seqlen_k, nheads = q.shape[1], k.shape[1], q.shape[2]
         n_qt = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
@@ -242,8 +281,9 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
         smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)
         scratch = cuda.shared.array(0, F32_DT)[SCRATCH // 4:SCRATCH // 4 + SCRATCH_WORDS]
         if tid == 0:
-            for s in range(2):
+            for s in range(STAGES):
                 mbar_init(smem, FULL + 8 * s, 1)
+                smem[DONE // 4 + s] = U32(0)
             mbar_init(smem, Q_FULL, 1)
             mbar_fence_init()
         cuda.syncthreads()
@@ -251,7 +291,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
             mbar_expect(smem, Q_FULL, Q_BYTES)
             load_q(smem, Q_OFF, maps, 0, q, (b * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2,
                    qt * BLOCK_Q, seqlen_q - qt * BLOCK_Q, h, b, Q_FULL)
-            for j in range(min(n_kt, 2)):
+            for j in range(min(n_kt, STAGES)):
                 load_stage(smem, maps, k, vt, j, seqlen_k, hk, b, j)
         cuda.syncthreads()                               # (the simulator's copies are made by thread 0, at once)
 
@@ -267,20 +307,30 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL):
         for n in range(N_ACC_O):
             o_acc[n] = ZERO
         mbar_wait(smem, Q_FULL, 0)
-        for j in range(n_kt):
-            s = j % 2
-            base = STAGE0 + s * STAGE_BYTES
-            mbar_wait(smem, FULL + 8 * s, (j // 2) % 2)
-            wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, base, 0)          # S = Q K_j^T
-            k0 = j * BLOCK_K
-            if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
-                mask_tile(s_acc, k0, seqlen_k, row_g, off)
-            softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
-            pack_p(s_acc, p_frag)
-            wgmma_pv(o_acc, p_frag, smem, base + K_BYTES, 1)                         # acc += P V_j
-            cuda.syncthreads()                           # every thread is past its reads of stage s
-            if tid == 0 and j + 2 < n_kt:
-                load_stage(smem, maps, k, vt, j + 2, seqlen_k, hk, b, s)
+        if OVERLAP:
+            if TURNS and wg == 1 and n_kt > 0:
+                bar_arrive(1, NTHREADS)                  # warpgroup 0 takes the first turn
+            for j in range(n_kt + 1 if n_kt > 0 else 0):  # turn j: S_j, then P_{j-1} V_{j-1}; the softmax of S_j
+                if TURNS:
+                    bar_sync(1 + wg, NTHREADS)
+                if j < n_kt:
+                    scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)
+                if j > 0:
+                    wgmma_pv(o_acc, p_frag, smem, STAGE0 + ((j - 1) % STAGES) * STAGE_BYTES + K_BYTES, 1)
+                if TURNS and (wg == 0 or j < n_kt):
+                    bar_arrive(2 - wg, NTHREADS)         # the other warpgroup's turn
+                if j > 0:
+                    hand_back(smem, maps, k, vt, j - 1, n_kt, seqlen_k, hk, b)
+                if j < n_kt:
+                    softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
+                    pack_p(s_acc, p_frag)
+        else:
+            for j in range(n_kt):
+                scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                 # S = Q K_j^T
+                softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
+                pack_p(s_acc, p_frag)
+                wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)   # acc += P V_j
+                hand_back(smem, maps, k, vt, j, n_kt, seqlen_k, hk, b)
         store_out_lse(out, lse, o_acc, m_i, l_i, row_g, b, h, seqlen_q, descale[2, b, hk], scratch)
 
     return forward, SHARED_BYTES
