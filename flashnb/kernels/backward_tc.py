@@ -971,6 +971,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         return w2, g2, q2_i
 
     @device_function
+    def item_buffers(buf):
+        """Where an item's tiles are in buffer ``buf``: Q_i, dO_i (``qb``, ``db``) and its lse2, delta rows (``lb``)."""
+        qb = Q_OFF + buf * 2 * QTILE
+        return qb, qb + QTILE, L_OFF + buf * 2 * BLOCK_Q
+
+    @device_function
     def products_t(smem, fsmem, qb, db, a_lane, b_lane, warp, wg_rows, fa, fb, fa_s, fb_s, s_reg, dp_reg):
         """S^T = K_j Q_i^T and dP^T = V_j dO_i^T into ``s_reg``, ``dp_reg``: by mma.sync (tf32: 3 products a
         term), or by the warpgroups (``EXCHANGE``: one product each, then swapped)."""
@@ -1024,8 +1030,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         else:
             kt, hk, b = tile_order((k.shape[1] + BLOCK_K - 1) // BLOCK_K, k.shape[2])
             dq_b, dq_row0 = b, 0
-        seqlen_q = q.shape[1]
-        seqlen_k = k.shape[1]
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         k0 = kt * BLOCK_K
         k_last = min(k0 + BLOCK_K, seqlen_k) - 1
         tid = cuda.threadIdx.x
@@ -1133,9 +1138,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             else:
                 await_item(wn < n_work)                  # item w's Q, dO, lse2, delta have landed for everyone
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-            qb = Q_OFF + buf * 2 * QTILE
-            db = qb + QTILE
-            lb = L_OFF + buf * 2 * BLOCK_Q
+            qb, db, lb = item_buffers(buf)
             if SPLIT:                                    # K_j (once), Q_i, dO_i -> big parts, small parts
                 if first:
                     split_smem(smem, K_OFF, K_SMALL, BLOCK_K * STRIDE)
@@ -1153,9 +1156,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             dv_dk_and_ds(smem, fsmem, qb, db, ds_buf, qa, pa_lane, t_lane, nd0, part_bytes, warp, kw, g, t, s_reg,
                          dp_reg, fa, fb, fa_s, fb_s, p_all, ds_all, dv_acc, dk_acc)
             if DEFER_DQ:                                 # added after the next item's barrier (or the last one)
-                pending = True
-                ph = h
-                pq0 = q0
+                pending, ph, pq0 = True, h, q0
             else:                                        # dQ_i += dS K_j, after the item's barrier
                 w2, g2, q2_i = dq_step(smem, fsmem, maps, q, dout, dq_accum, b, hk, group, h, q0, wn, gn, qn_i,
                                        n_work, nqt, qt_lo, k0, seqlen_q, seqlen_k, off, left, right, block_mask,
