@@ -37,23 +37,26 @@ part and a tf32 residual, three products per k-step into a zeroed partial added 
 ``make_dkdv_tc``); without it (``"high"``) one product.  ``preprocess_tf32`` and ``cast_tc`` handle the
 float32 words of dO, O and dQ.
 
+Hopper's form of the dK/dV kernel (``WGMMA``: warpgroup MMA from swizzled tiles, ``EXCHANGE``, ``DQ_WGMMA``, the
+tensor-copy engine) shares this kernel body; its steps are built in ``backward_wgmma``.
+
 The deterministic (atomic-free) dQ pass exists only on the SIMT backend.
 """
 from functools import lru_cache
+from types import SimpleNamespace
 
 import numpy as np
 from numba import cuda
 
+from ._copy import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
 from ._scores import mask_block
 from ._tiles import U, make_tile_order, packed_tile_head_batch, sequence_span
+from ._wgmma import ATOM_BYTES, SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
+from .backward_wgmma import make_dkdv_wgmma_steps
 from .forward import LOG2E, make_mask_bounds, make_window_helpers
-from .forward_tc import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
-from ._wgmma import (ATOM_BYTES, SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps,
-                     make_pack_a, make_wgmma, mn_major_steps)
-from ._tma import make_tile_load, tma_primitives
 
 F32 = np.float32
 U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
@@ -432,22 +435,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         copy_kv = make_swizzled_tile_copy(BLOCK_K, D_WORDS, HEAD_WORDS, NTHREADS)
         copy_q = make_swizzled_tile_copy(BLOCK_Q, D_WORDS, HEAD_WORDS, NTHREADS)
         copy_kd = make_async_tile_copy(BLOCK_K, D_WORDS, KD_STRIDE, HEAD_WORDS, CW, NTHREADS)
-        # S^T, dP^T: A = this warpgroup's 64 rows of K_j / V_j, B = Q_i / dO_i (both K-major, N = BLOCK_Q);
-        # dV, dK: A = P_drop^T / dS^T (registers), B = dO_i / Q_i MN-major (k = 16 queries, N = the head dim)
-        wgmma_t = make_wgmma("ss", DTYPE_NAME, BLOCK_Q, k_major_steps(BLOCK_K, KSTEPS_D),
-                             k_major_steps(BLOCK_Q, KSTEPS_D))
-        wgmma_acc = make_wgmma("rs", DTYPE_NAME, D_PAD // DSPLIT, (), mn_major_steps(KSTEPS_Q),
-                               b_lbo=BLOCK_Q * SWIZZLE_BYTES, trans_b=1)
         PART_BYTES = D_PAD // DSPLIT // 64 * BLOCK_Q * SWIZZLE_BYTES   # dO_i's, Q_i's blocks of one part of dims
-        fence_async = fence_proxy_async()
-        pack_a = make_pack_a(DTYPE_NAME, KSTEPS_Q)     # P_drop^T's, dS^T's a fragments (16 queries a k-step)
-        tma = tma_primitives()
-        mbar_init, mbar_fence_init, mbar_wait, mbar_expect = (
-            tma[name] for name in ("mbar_init", "mbar_fence_init", "mbar_wait", "mbar_arrive_expect_tx"))
-        load_q_box = make_tile_load(BLOCK_Q, HEAD_WORDS, D_WORDS // 32)     # TMA: Q_i's or dO_i's tile
-        # DQ_WGMMA: dQ_i = dS K_j, A = dS^T's [key][query] rows, B = K_j's rows (both MN-major, k = 16 keys)
-        wgmma_dq = make_wgmma("ss", DTYPE_NAME, DQ_N, mn_major_steps(KSTEPS_K), mn_major_steps(KSTEPS_K),
-                              a_lbo=BLOCK_K * SWIZZLE_BYTES, b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1, trans_a=1)
     else:
         copy_kv = make_async_tile_copy(BLOCK_K, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
         copy_q = make_async_tile_copy(BLOCK_Q, D_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS)
@@ -507,6 +495,14 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     gi += 1
         return w, gi, qi
 
+    if WGMMA:   # the warpgroup products, the copy engine's stages, dQ by the warpgroups (backward_wgmma)
+        hopper = make_dkdv_wgmma_steps(SimpleNamespace(**{n: v for n, v in locals().items() if n.isupper()}),
+                                       next_work)
+        wgmma_t, fence_async, mbar_wait = hopper.wgmma_t, hopper.fence_async, hopper.mbar_wait
+        exchange_products, dv_dk_tile_wgmma, dq_wgmma_phase = (
+            hopper.exchange_products, hopper.dv_dk_tile_wgmma, hopper.dq_wgmma_phase)
+        start_stages, refill = hopper.start_stages, hopper.refill
+
     @device_function
     def start_q_copy(q, dout, b, h, q0, seqlen_q, smem, base):
         """cp.async Q_i, dO_i into the buffer at ``base`` (rows past the queries zero-filled), one commit group."""
@@ -515,41 +511,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         copy_q(dout, (b * dout.strides[0] + h * dout.strides[2]) >> 2, dout.strides[1] >> 2, q0, seqlen_q - q0,
                smem, base + QTILE)
         cp_async_commit()
-
-    @device_function
-    def start_q_load(smem, maps, q, dout, b, h, q0, seqlen_q, s):
-        """TMA: the copy engine's Q_i, dO_i (rows from ``q0``) into stage ``s``, completing on full[s] (thread 0)."""
-        bar = FULL + 8 * s
-        mbar_expect(smem, bar, QDO_BYTES)
-        qb = 4 * (Q_OFF + s * 2 * QTILE)
-        load_q_box(smem, qb, maps, 0, q, (b * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2, q0,
-                   seqlen_q - q0, h, b, bar)
-        load_q_box(smem, qb + 4 * QTILE, maps, 1, dout, (b * dout.strides[0] + h * dout.strides[2]) >> 2,
-                   dout.strides[1] >> 2, q0, seqlen_q - q0, h, b, bar)
-
-    @device_function
-    def refill(smem, maps, q, dout, b, hk, group, wn, gn, qn_i, n_work, nqt, qt_lo, k0, seqlen_q, seqlen_k, off, left,
-               right, block_mask, bm_q, bm_k, s):
-        """TMA, after the item's dQ barrier (every thread is past its reads of stage ``s``): the item after next,
-        ``(w2, g2, q2_i)`` after ``wn``, into stage ``s`` (thread 0)."""
-        w2, g2, q2_i = next_work(wn, gn, qn_i, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
-                                 right, block_mask, bm_q, bm_k)
-        if cuda.threadIdx.x == 0 and w2 < n_work:
-            start_q_load(smem, maps, q, dout, b, hk * group + g2, (qt_lo + q2_i) * BLOCK_Q, seqlen_q, s)
-        return w2, g2, q2_i
-
-    @device_function
-    def start_stages(smem, maps, q, dout, b, h0, qt_lo, w, gi, qi, wn, gn, qn_i, n_work, seqlen_q):
-        """TMA: the stages' barriers set up, and items ``w`` and ``wn`` in flight into stages 0 and 1 (thread 0;
-        the caller's next block barrier orders the barriers' set-up before any wait)."""
-        if cuda.threadIdx.x == 0:
-            for s in range(2):
-                mbar_init(smem, FULL + 8 * s, 1)
-            mbar_fence_init()
-            if w < n_work:
-                start_q_load(smem, maps, q, dout, b, h0 + gi, (qt_lo + qi) * BLOCK_Q, seqlen_q, 0)
-            if wn < n_work:
-                start_q_load(smem, maps, q, dout, b, h0 + gn, (qt_lo + qn_i) * BLOCK_Q, seqlen_q, 1)
 
     @device_function
     def load_rows(lse2, delta, b, h, q0, seqlen_q, l_row, d_row):
@@ -717,35 +678,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, U(qb + 16 * kq * STRIDE + 4 * (nd0 + n) + t_lane))
                 for m in range(MTK):
                     mma_pair(fb, m, b0, b1, b2, b3, dk_acc, n)
-
-    @device_function
-    def exchange_products(fsmem, s_reg, dp_reg, first):
-        """EXCHANGE: this thread's product (S^T in the first warpgroup, dP^T in the second, both in ``s_reg``) to
-        shared memory, a barrier, and the other warpgroup's product from the thread with the same fragments:
-        then ``s_reg`` holds S^T and ``dp_reg`` dP^T in both.  (The slots are next written after the item's dQ
-        barrier, so the next item's stores cannot overtake these loads.)"""
-        lane128 = cuda.threadIdx.x % 128
-        mine = X_OFF + lane128 + (0 if first else X_WORDS)
-        theirs = X_OFF + lane128 + (X_WORDS if first else 0)
-        for n in range(NT_QA):
-            for e in range(4):
-                fsmem[U(mine + 128 * (4 * n + e))] = s_reg[0, n, e]
-        cuda.syncthreads()
-        for n in range(NT_QA):
-            for e in range(4):
-                x = fsmem[U(theirs + 128 * (4 * n + e))]
-                own = s_reg[0, n, e]
-                s_reg[0, n, e] = own if first else x
-                dp_reg[0, n, e] = x if first else own
-
-    @device_function
-    def dv_dk_tile_wgmma(smem, qb, db, part_bytes, s_reg, dp_reg, p_all, ds_all, dv_acc, dk_acc):
-        """WGMMA: dV += P_drop^T dO_i, dK += dS^T Q_i by the warpgroup, A from the accumulators; B the blocks of
-        this warp's part of the dims (``DSPLIT``), ``part_bytes`` into dO_i's and Q_i's tiles."""
-        pack_a(s_reg, p_all)
-        pack_a(dp_reg, ds_all)
-        wgmma_acc(dv_acc, p_all, smem, 4 * db + part_bytes, 1)
-        wgmma_acc(dk_acc, ds_all, smem, 4 * qb + part_bytes, 1)
 
     @device_function
     def store_dk_dv(dk, dv, dk_acc, dv_acc, b, hk, k0, kw, nd0, g, t, seqlen_k, scale32):
@@ -1003,20 +935,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             store_words(smem, ds_buf, dp_reg, kw, g, t)
 
     @device_function
-    def dq_wgmma_phase(smem, dq_accum, ds_buf, b, h, q0, warp, g, t, scale32, dq_acc):
-        """DQ_WGMMA: dQ_i += dS K_j for this warpgroup's ``DQ_N`` dims (dS^T at ``ds_buf``, K_j at ``K_OFF``), each
-        lane's four floats of an n-tile added to ``dq_frag_shape``'s blocks (its warp: the 16-row slab
-        ``warp % 4``)."""
-        c0 = (warp // 4) * DQ_N                          # this warpgroup's first dim
-        wgmma_dq(dq_acc, smem, 4 * ds_buf, 4 * K_OFF + (c0 // 64) * BLOCK_K * SWIZZLE_BYTES + 2 * (c0 % 64), 0)
-        dq_row = ((b * dq_accum.shape[1] + h) * dq_accum.shape[2] + q0 + 16 * (warp % 4)) * D_PAD + 4 * (4 * g + t)
-        for p in range(DQ_NT_WG):
-            n = c0 // 8 + p
-            if D_PAD == HEAD_DIM or 8 * n < HEAD_DIM:       # (n-tiles of padding: nothing to add)
-                red_add_f32x4(dq_accum, dq_row + 128 * n, dq_acc[p, 0] * scale32, dq_acc[p, 1] * scale32,
-                              dq_acc[p, 2] * scale32, dq_acc[p, 3] * scale32)
-
-    @device_function
     def dv_dk_and_ds(smem, fsmem, qb, db, ds_buf, qa, pa_lane, t_lane, nd0, part_bytes, warp, kw, g, t, s_reg, dp_reg,
                      fa, fb, fa_s, fb_s, p_all, ds_all, dv_acc, dk_acc):
         """dV += P_drop^T dO_i, dK += dS^T Q_i, and dS^T to shared memory as words for dQ (``ldmatrix.trans`` turns
@@ -1051,6 +969,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             dq_phase(smem, dq_accum, ds_buf, dq_b, h, dq_row0 + q0, dq_row0 + seqlen_q, warp, g, t, ds_lane,
                      t_lane, scale32, dq_reg)
         return w2, g2, q2_i
+
+    @device_function
+    def item_buffers(buf):
+        """Where an item's tiles are in buffer ``buf``: Q_i, dO_i (``qb``, ``db``) and its lse2, delta rows (``lb``)."""
+        qb = Q_OFF + buf * 2 * QTILE
+        return qb, qb + QTILE, L_OFF + buf * 2 * BLOCK_Q
 
     @device_function
     def products_t(smem, fsmem, qb, db, a_lane, b_lane, warp, wg_rows, fa, fb, fa_s, fb_s, s_reg, dp_reg):
@@ -1106,8 +1030,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         else:
             kt, hk, b = tile_order((k.shape[1] + BLOCK_K - 1) // BLOCK_K, k.shape[2])
             dq_b, dq_row0 = b, 0
-        seqlen_q = q.shape[1]
-        seqlen_k = k.shape[1]
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         k0 = kt * BLOCK_K
         k_last = min(k0 + BLOCK_K, seqlen_k) - 1
         tid = cuda.threadIdx.x
@@ -1215,9 +1138,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             else:
                 await_item(wn < n_work)                  # item w's Q, dO, lse2, delta have landed for everyone
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-            qb = Q_OFF + buf * 2 * QTILE
-            db = qb + QTILE
-            lb = L_OFF + buf * 2 * BLOCK_Q
+            qb, db, lb = item_buffers(buf)
             if SPLIT:                                    # K_j (once), Q_i, dO_i -> big parts, small parts
                 if first:
                     split_smem(smem, K_OFF, K_SMALL, BLOCK_K * STRIDE)
@@ -1235,9 +1156,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             dv_dk_and_ds(smem, fsmem, qb, db, ds_buf, qa, pa_lane, t_lane, nd0, part_bytes, warp, kw, g, t, s_reg,
                          dp_reg, fa, fb, fa_s, fb_s, p_all, ds_all, dv_acc, dk_acc)
             if DEFER_DQ:                                 # added after the next item's barrier (or the last one)
-                pending = True
-                ph = h
-                pq0 = q0
+                pending, ph, pq0 = True, h, q0
             else:                                        # dQ_i += dS K_j, after the item's barrier
                 w2, g2, q2_i = dq_step(smem, fsmem, maps, q, dout, dq_accum, b, hk, group, h, q0, wn, gn, qn_i,
                                        n_work, nqt, qt_lo, k0, seqlen_q, seqlen_k, off, left, right, block_mask,

@@ -24,110 +24,26 @@ tile j is computed.  Both stay row-major; ``ldmatrix.x4`` reads K's ``b``
 fragments and ``ldmatrix.x4.trans`` V's (keys become the k dimension).  Row
 strides are padded to 4 (mod 8) words: the 8 rows of 16 bytes that one
 ``ldmatrix`` phase reads fall in 32 different banks.  A head dim that is not a
-multiple of 16 is padded with zeros (cp.async's zero fill) in shared memory.
+multiple of 16 is padded with zeros (cp.async's zero fill) in shared memory (the copies: ``_copy``).
+
+Hopper's form of the same kernel (``WGMMA``: warpgroup MMA from swizzled tiles, the tensor-copy engine, tf32
+``wgmma``) shares this kernel body; its steps are built in ``forward_wgmma``.
 """
 import math
 from functools import lru_cache
+from types import SimpleNamespace
 
 import numpy as np
 from numba import cuda
 
+from ._copy import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
 from ._scores import Mods, make_allowed_fn, make_score_fn, mask_block, philox_keep
 from ._tiles import U, make_row_allreduce, make_tile_order, packed_tile_head_batch, sequence_span
-from ._tma import make_box_load, make_tile_load, tma_primitives
-from ._wgmma import (SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES, fence_proxy_async, k_major_steps, make_pack_a,
-                     make_wgmma, mn_major_steps, swizzled_offset)
+from ._wgmma import SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES
 from .forward import LN2, LOG2E, make_mask_bounds, make_next_tile, make_window_helpers
-
-
-def tc_padded_words(n_words):
-    """Row stride (in 32-bit words) of a shared tile: 4 (mod 8), conflict-free for 8-row x 4-word fragment reads."""
-    return n_words + (4 - n_words % 8) % 8
-
-
-@lru_cache(maxsize=None)
-def make_async_tile_copy(NROWS, ROW_WORDS, STRIDE, HEAD_WORDS, CW, NTHREADS):
-    """``copy(src, src_base, src_row, row0, nrows, smem, dst)``: cp.async ``NROWS`` rows into ``smem[dst:]``.
-
-    Rows ``row0 ..`` of ``src`` (a word view; ``src_base`` the word offset of its row 0 in this
-    (batch, head), ``src_row`` words per row), ``CW`` words per copy, ``ROW_WORDS`` words per row
-    (the head dim padded to 16), rows ``STRIDE`` words apart in shared memory.  Rows at or past
-    ``nrows`` and words past ``HEAD_WORDS`` are zero-filled: the padding must be 0, not stale
-    shared memory (0 x NaN is NaN in an mma).  The caller commits.
-    """
-    CHUNKS = ROW_WORDS // CW
-    cp_async = memory_primitives()["cp_async16" if CW == 4 else "cp_async4"]
-    # a whole tile of unpadded rows: a compile-time trip count, no bounds, the source offset stepped by one
-    # add per copy.  Threads take chunk columns, ROW_STEP rows per pass; where the chunks of a row do not
-    # divide the threads (head dims 80, 96, 112: 10, 12, 14 chunks) the last NTHREADS % CHUNKS threads idle,
-    # and where the passes do not divide the rows the last pass is bounded
-    FAST = ROW_WORDS == HEAD_WORDS and CHUNKS <= NTHREADS
-    ROW_STEP = NTHREADS // CHUNKS if FAST else 0
-    ITERS = -(-NROWS // ROW_STEP) if FAST else 0
-    ALL_ACTIVE = NTHREADS % CHUNKS == 0
-    LAST_FULL = FAST and NROWS % ROW_STEP == 0
-
-    @device_function
-    def copy(src, src_base, src_row, row0, nrows, smem, dst):
-        if FAST and nrows >= NROWS:
-            r0 = cuda.threadIdx.x // CHUNKS
-            c = (cuda.threadIdx.x - r0 * CHUNKS) * CW
-            d = U(dst + r0 * STRIDE + c)
-            s = src_base + (row0 + r0) * src_row + c
-            if ALL_ACTIVE or r0 < ROW_STEP:
-                for it in range(ITERS):
-                    if LAST_FULL or it < ITERS - 1 or r0 + it * ROW_STEP < NROWS:
-                        cp_async(smem, d + U(it * ROW_STEP * STRIDE), src, s, 4 * CW)
-                    s += ROW_STEP * src_row
-            return
-        for idx in range(cuda.threadIdx.x, NROWS * CHUNKS, NTHREADS):
-            r = idx // CHUNKS
-            c = (idx - r * CHUNKS) * CW
-            ok = r < nrows and c < HEAD_WORDS
-            row = row0 + r if ok else row0             # a zero fill still names a valid source address
-            col = c if ok else 0
-            cp_async(smem, U(dst + r * STRIDE + c), src, src_base + row * src_row + col, 4 * CW if ok else 0)
-
-    return copy
-
-
-@lru_cache(maxsize=None)
-def make_swizzled_tile_copy(NROWS, ROW_WORDS, HEAD_WORDS, NTHREADS):
-    """``make_async_tile_copy``'s ``copy`` into a 128-byte-swizzled tile (``_wgmma``: blocks of 64 columns,
-    ``NROWS`` rows of 128 bytes each, chunk ``j`` of row ``r`` at chunk ``j ^ (r % 8)``), 16 bytes per cp.async.
-    A whole tile of unpadded rows: thread ``tid`` copies chunk ``tid % CHUNKS`` of rows ``tid // CHUNKS + i
-    ROW_STEP``; ``ROW_STEP`` a multiple of 8, so the chunk's swizzled place is the same in every row it copies
-    and its shared offset steps by ``ROW_STEP`` rows."""
-    CHUNKS = ROW_WORDS // 4
-    cp_async = memory_primitives()["cp_async16"]
-    ROW_STEP = NTHREADS // CHUNKS
-    FAST = ROW_WORDS == HEAD_WORDS and NTHREADS % CHUNKS == 0 and ROW_STEP % 8 == 0 and NROWS % ROW_STEP == 0
-    ITERS = NROWS // ROW_STEP if FAST else 0
-    ROW_WORDS_SMEM = SWIZZLE_BYTES // 4
-
-    @device_function
-    def copy(src, src_base, src_row, row0, nrows, smem, dst):
-        if FAST and nrows >= NROWS:
-            r0 = cuda.threadIdx.x // CHUNKS
-            c = cuda.threadIdx.x - r0 * CHUNKS
-            d = U(dst + swizzled_offset(NROWS, r0, 8 * c) // 4)
-            s = src_base + (row0 + r0) * src_row + 4 * c
-            for it in range(ITERS):
-                cp_async(smem, d + U(it * ROW_STEP * ROW_WORDS_SMEM), src, s, 16)
-                s += ROW_STEP * src_row
-            return
-        for idx in range(cuda.threadIdx.x, NROWS * CHUNKS, NTHREADS):
-            r = idx // CHUNKS
-            c = idx - r * CHUNKS
-            ok = r < nrows and 4 * c < HEAD_WORDS
-            row = row0 + r if ok else row0             # a zero fill still names a valid source address
-            col = 4 * c if ok else 0
-            cp_async(smem, U(dst + swizzled_offset(NROWS, r, 8 * c) // 4), src, src_base + row * src_row + col,
-                     16 if ok else 0)
-
-    return copy
+from .forward_wgmma import make_forward_wgmma_steps
 
 
 @lru_cache(maxsize=None)
@@ -193,7 +109,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
 
     The kernel body is FA2's Algorithm 1; each step of a key tile is one helper below (``score_tile``,
     ``mask_tile``, ``online_softmax``, ``pv_step``), the epilogue ``store_out_lse``; the stages' hand-offs
-    (``init_barriers``, ``prepare_stage``, ``release_stage``) are helpers too.
+    (``release_stage``; ``forward_wgmma``'s ``init_barriers``, ``prepare_stage``) are helpers too.
     """
     TF32 = DTYPE_NAME == "float32"
     SPLIT = TF32 and TF32X3                  # 3xTF32: big and small parts of every operand
@@ -274,29 +190,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
     exp2 = mem["exp2_ftz"]
-    if WGMMA:   # S = Q K_j^T: both K-major; P V_j: V_j MN-major (its 64-column blocks BLOCK_K rows apart)
-        wgmma_qk = make_wgmma("ss", DTYPE_NAME, BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D),
-                              k_major_steps(BLOCK_K, KSTEPS_D))
-        fence_async = fence_proxy_async()
-    if WGMMA and not TF32:
-        wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), mn_major_steps(KSTEPS_K),
-                              b_lbo=BLOCK_K * SWIZZLE_BYTES, trans_b=1)
-        pack_p = make_pack_a(DTYPE_NAME, KSTEPS_K)
-    if WG_TF32:   # tf32: P V_j from V_j^T, K-major (keys contiguous: D_PAD rows of BLOCK_K values)
-        wgmma_pv = make_wgmma("rs", DTYPE_NAME, NT_D * 8, (), k_major_steps(NT_D * 8, KSTEPS_K))
-    if QS_REG:    # S's small-part product with Q's small parts as register a fragments; P V_j by halves of the dims
-        wgmma_qk_rs = make_wgmma("rs", DTYPE_NAME, BLOCK_K, (), k_major_steps(BLOCK_K, KSTEPS_D))
-        wgmma_pv_half = make_wgmma("rs", DTYPE_NAME, HALF_D, (), k_major_steps(NT_D * 8, KSTEPS_K))
-    if TMA:
-        tma = tma_primitives()
-        mbar_init, mbar_fence_init, mbar_wait, mbar_arrive = (
-            tma[name] for name in ("mbar_init", "mbar_fence_init", "mbar_wait", "mbar_arrive"))
-        mbar_expect = tma["mbar_arrive_expect_tx"]
-        load_q_box = make_tile_load(BLOCK_Q, HEAD_WORDS, D_WORDS // 32)
-        load_kv_box = make_tile_load(BLOCK_K, HEAD_WORDS, D_WORDS // 32)
-    if WG_TF32:   # K_j's big and small parts: columns of kk's rows; V_j^T's: D_PAD rows of vt from key k0
-        load_k_part = make_box_load(BLOCK_K, D_WORDS // 32)
-        load_vt_part = make_box_load(D_PAD, -(-BLOCK_K // 32))
     # a query row's 4 values per n-tile live in the 4 lanes of a quad: reduce over them
     quad_max = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2 * MT, 4, NTHREADS, F32, is_max=False)
@@ -399,54 +292,15 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     next_tile = make_next_tile(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_BLOCK)
     key_bounds, _ = make_mask_bounds(BLOCK_Q, BLOCK_K, MASK_BLOCK)
 
-    # ---- TMA: the copy engine's loads, issued by one thread; tensor maps 0, 1, 2 of ``maps`` are Q's, K's, V's
-    # (rows counted in the tensor: a packed batch's from its first row, the tensor's ``rows`` rows long)
-    @device_function
-    def load_q_tile(smem, maps, q, q_base, q_row, row0, rows, h, b):
-        """The Q tile (its rows from ``row0``), completing on Q's barrier."""
-        mbar_expect(smem, Q_FULL, Q_BYTES)
-        load_q_box(smem, 4 * Q_OFF, maps, 0, q, q_base, q_row, row0, rows - row0, h, b, Q_FULL)
-
-    @device_function
-    def load_kv_stage(smem, maps, k, v, k_base, v_base, k_row, v_row, row0, rows, hk, b, s):
-        """K_j, V_j (keys from ``row0``) into stage ``s``, completing on full[s]; ``WG_TF32``: K_j's and V_j^T's
-        parts from the pre-pass's ``kk`` and ``vt`` (``v_base``: vt's row 0, ``v_row`` its words per row)."""
-        mbar_expect(smem, FULL + 8 * s, KV_BYTES)
-        dst = 4 * s * STAGE_WORDS
-        bar = FULL + 8 * s
-        if WG_TF32:
-            n = rows - row0
-            load_k_part(smem, dst, maps, 1, k, k_base, k_row, row0, n, 0, D_WORDS, hk, b, bar)
-            load_vt_part(smem, dst + 4 * V_OFF, maps, 2, v, v_base, v_row, 0, D_PAD, row0, v_row, hk, b, bar)
-            if SPLIT:
-                load_k_part(smem, dst + 4 * K_SMALL, maps, 1, k, k_base, k_row, row0, n, D_WORDS, 2 * D_WORDS,
-                            hk, b, bar)
-                load_vt_part(smem, dst + 4 * VT_SMALL, maps, 2, v, v_base, v_row, D_PAD, D_PAD, row0, v_row,
-                             hk, b, bar)
-        else:
-            load_kv_box(smem, dst, maps, 1, k, k_base, k_row, row0, rows - row0, hk, b, bar)
-            load_kv_box(smem, dst + 4 * V_OFF, maps, 2, v, v_base, v_row, row0, rows - row0, hk, b, bar)
-
-    @device_function
-    def init_barriers(smem, tid):
-        """The stages' barriers (full[s]: the copy thread's arrive and the bytes; empty[s]: every reader's) and Q's,
-        set up by thread 0 before any thread uses them."""
-        if tid == 0:
-            for s in range(STAGES):
-                mbar_init(smem, FULL + 8 * s, 1)
-                mbar_init(smem, EMPTY + 8 * s, NTHREADS)
-            mbar_init(smem, Q_FULL, 1)
-            mbar_fence_init()
-        cuda.syncthreads()
-
-    @device_function
-    def zero_rows_past(smem, tile, n, tid):
-        """Rows ``n ..`` of the swizzled K or V tile at word ``tile`` (a row: 32 words of each 64-column block,
-        the blocks ``BLOCK_K`` rows apart) <- 0."""
-        for i in range(-(-TILE // NTHREADS)):
-            w = i * NTHREADS + tid                           # word w % 32 of row (w // 32) % BLOCK_K
-            if w < TILE and (w // 32) % BLOCK_K >= n:
-                smem[tile + w] = W0
+    if WGMMA:   # the warpgroup products, the copy engine's stages, the float32 form (forward_wgmma)
+        hopper = make_forward_wgmma_steps(SimpleNamespace(**{n: v for n, v in locals().items() if n.isupper()}),
+                                          split_smem)
+        wgmma_qk, fence_async, pv_tile_wgmma = hopper.wgmma_qk, hopper.fence_async, hopper.pv_tile_wgmma
+        score_tile_wgmma_tf32, pv_tile_wgmma_tf32 = hopper.score_tile_wgmma_tf32, hopper.pv_tile_wgmma_tf32
+    if TMA:
+        mbar_wait, mbar_arrive, load_q_tile, load_kv_stage = (
+            hopper.mbar_wait, hopper.mbar_arrive, hopper.load_q_tile, hopper.load_kv_stage)
+        init_barriers, prepare_stage = hopper.init_barriers, hopper.prepare_stage
 
     # ---- the steps of one key tile, on this thread's fragments: element e of (m-tile m, n-tile n) is query
     # row0 + 16 m + 8 (e >> 1) and key k0 + 8 n + 2 t + (e & 1) (m16n8k16's accumulator layout)
@@ -660,103 +514,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     mma_pair(p_reg, m, b0, b1, b2, b3, acc, n)
 
     @device_function
-    def pv_tile_wgmma(smem, base, s_reg, p_all, acc):
-        """acc += P V_j by the warpgroup: P's a fragments of every k-step (16 keys: S's n-tiles 2 kk, 2 kk + 1,
-        packed as in ``pv_tile``) in registers, V_j from its swizzled shared tile."""
-        pack_p(s_reg, p_all)
-        wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
-
-    # ---- WG_TF32: float32 on tf32 wgmma.  K-major only: V_j^T comes from the pre-pass
-    # (``tf32_prepare.make_prepare_tf32``), its keys relabelled within each 8 (key 2t at k index t, 2t + 1 at
-    # t + 4) so that P's a fragments are S's accumulators as they are (a0..a3 = S[g, 2t], S[g+8, 2t], S[g, 2t+1],
-    # S[g+8, 2t+1]), as ``pv_tile_tf32`` does with V's rows
-    @device_function
-    def prepare_q_tf32(smem, tid):
-        """Q's tile -> tf32 big parts in place and (``SPLIT``) small parts at ``SMALL_Q``, or rounded to tf32; by
-        the whole block, between the caller's barriers, once."""
-        if SPLIT:
-            split_smem(smem, Q_OFF, SMALL_Q, Q_WORDS)
-        else:
-            for i in range(tid, Q_WORDS, NTHREADS):
-                smem[Q_OFF + i] = round_bits(smem[Q_OFF + i])
-
-    @device_function
-    def split_q_fragments(smem, warp, g, t, q_small_a):
-        """``QS_REG``: this thread's a-fragment words of Q (rows ``16 warp + g (+ 8)``, columns ``8 ks + t (+ 4)``;
-        each word of the tile is one thread's) -> their big parts in place, their small parts into
-        ``q_small_a`` (4 a k-step); the caller's fence and barrier hand the big parts to the tensor cores.
-        In the 128-byte swizzle (``swizzled_offset``, 32 words a row, 4 a chunk) column ``8 ks + t + 4 h`` of row
-        ``r`` is word ``t`` of chunk ``(2 ks + h) % 8 ^ r % 8`` of block ``ks // 4``; rows ``r``, ``r + 8`` share
-        ``r % 8``."""
-        r = 16 * warp + g
-        row_word = Q_OFF + 32 * r + t
-        for ks in range(KSTEPS_D):
-            for h in range(2):
-                i = row_word + (ks // 4) * (32 * BLOCK_Q) + 4 * (((2 * ks + h) % 8) ^ (r % 8))
-                smem[i], q_small_a[4 * ks + 2 * h] = split_bits(smem[i])
-                j = i + 8 * 32                                   # (row r + 8)
-                smem[j], q_small_a[4 * ks + 2 * h + 1] = split_bits(smem[j])
-
-    @device_function
-    def score_tile_wgmma_tf32(smem, base, q_bytes, s_reg, q_small_a):
-        """S = Q K_j^T on tf32 wgmma; SPLIT: the small parts' products first, then the big parts'."""
-        if QS_REG:
-            wgmma_qk_rs(s_reg, q_small_a, smem, 4 * base, 0)
-            wgmma_qk(s_reg, smem, q_bytes, 4 * (base + K_SMALL), 1)
-            wgmma_qk(s_reg, smem, q_bytes, 4 * base, 1)
-        elif SPLIT:
-            wgmma_qk(s_reg, smem, q_bytes + 4 * (SMALL_Q - Q_OFF), 4 * base, 0)
-            wgmma_qk(s_reg, smem, q_bytes, 4 * (base + K_SMALL), 1)
-            wgmma_qk(s_reg, smem, q_bytes, 4 * base, 1)
-        else:
-            wgmma_qk(s_reg, smem, q_bytes, 4 * base, 0)
-
-    @device_function
-    def split_p(s_reg, p_all, which):
-        """``QS_REG``: P's a fragments from S's accumulators (keys relabelled as V_j^T's): part ``which`` of each
-        value's split (0 big, 1 small)."""
-        for kk in range(KSTEPS_K):
-            for e in range(4):
-                p_all[4 * kk + e] = split_value(s_reg[0, kk, (e % 2) * 2 + e // 2])[which]
-
-    @device_function
-    def pv_tile_wgmma_tf32(smem, base, s_reg, p_all, p_small, acc, part):
-        """acc += P V_j on tf32 wgmma, P's a fragments from S's accumulators (keys relabelled as V_j^T's), rounded
-        or split; SPLIT: the three products into a zeroed partial added to ``acc`` by round-to-nearest adds (as
-        ``pv_tile_tf32``'s per k-step; here per tile); ``QS_REG``: P's small and then big parts in one register
-        set (``p_all``), the three products into a partial of half the dims at a time, each half added to ``acc``
-        by round-to-nearest adds (the tensor cores' accumulation truncates: accumulated into ``acc`` itself the
-        error measured 8-16x the SIMT kernels')."""
-        if QS_REG:
-            for half in range(2):                # (a partial of half the dims: its registers are Q's)
-                dims = half * HALF_D * SWIZZLE_BYTES             # V_j^T's rows of these dims
-                split_p(s_reg, p_all, 1)
-                wgmma_pv_half(part, p_all, smem, 4 * (base + V_OFF) + dims, 0)
-                split_p(s_reg, p_all, 0)
-                wgmma_pv_half(part, p_all, smem, 4 * (base + VT_SMALL) + dims, 1)
-                wgmma_pv_half(part, p_all, smem, 4 * (base + V_OFF) + dims, 1)
-                for n in range(NT_D // 2):
-                    for e in range(4):
-                        acc[0, half * (NT_D // 2) + n, e] += part[0, n, e]
-            return
-        for kk in range(KSTEPS_K):
-            for e in range(4):
-                x = s_reg[0, kk, (e % 2) * 2 + e // 2]
-                if SPLIT:
-                    p_all[4 * kk + e], p_small[4 * kk + e] = split_value(x)
-                else:
-                    p_all[4 * kk + e] = round_value(x)
-        if SPLIT:
-            wgmma_pv(part, p_small, smem, 4 * (base + V_OFF), 0)
-            wgmma_pv(part, p_all, smem, 4 * (base + VT_SMALL), 1)
-            wgmma_pv(part, p_all, smem, 4 * (base + V_OFF), 1)
-            for n in range(NT_D):
-                for e in range(4):
-                    acc[0, n, e] += part[0, n, e]
-        else:
-            wgmma_pv(acc, p_all, smem, 4 * (base + V_OFF), 1)
-
-    @device_function
     def release_stage(smem, buf, i):
         """This thread is done with stage ``buf`` (TMA: arrives on its ``empty`` barrier; cp.async: the block
         synchronises); the next tile's (stage, number)."""
@@ -767,21 +524,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             return buf, i + 1
         cuda.syncthreads()
         return 1 - buf, i
-
-    @device_function
-    def prepare_stage(smem, i, buf, k0, seqlen_k, tid, warp, g, t, q_small_a):
-        """The landed tiles made ready for the tensor cores: ``WG_TF32``, Q's tf32 parts once (``QS_REG``: the
-        small ones kept in registers); ``VARLEN``, the next sequence's values past this one's end zeroed.  These
-        generic-proxy writes are fenced for the tensor cores."""
-        if QS_REG and i == 0:
-            split_q_fragments(smem, warp, g, t, q_small_a)
-        elif WG_TF32 and i == 0:
-            prepare_q_tf32(smem, tid)
-        if VARLEN and k0 + BLOCK_K > seqlen_k:
-            zero_rows_past(smem, buf * STAGE_WORDS + V_OFF, seqlen_k - k0, tid)
-        if (WG_TF32 and i == 0) or (VARLEN and k0 + BLOCK_K > seqlen_k):
-            fence_async()
-            cuda.syncthreads()
 
     @device_function
     def pv_step(smem, base, v_lane, v_word, s_reg, p_reg, p_small, p_all, p_all_s, part, wpart, acc):
