@@ -240,6 +240,17 @@ def strided_view(d, shape, strides):
     return View(d.ptr, tuple(shape), tuple(strides), d.dtype, d.owner)
 
 
+def any_layout(d):
+    """``d`` as a kernel argument of Numba's layout "A" whatever its strides, so contiguous and broadcast views
+    share one compiled specialisation (the simulator types arrays itself)."""
+    if SIMULATOR:
+        return d
+    d = d if type(d) is View else View.of(d)
+    v = View(d.ptr, d.shape, d.strides, d.dtype, d.owner)
+    v.key = (d.dtype, len(d.shape), False)
+    return v
+
+
 def rows_aligned16(w):
     """True iff every row (last axis) of the device array ``w`` starts on a 16-byte boundary and fills 16-byte chunks."""
     shape, strides = tuple(w.shape), tuple(w.strides)

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, plan
+from . import _arrays, _dispatch, plan
 from .kernels._jit import launch
 from .kernels.forward_fp8 import HEAD_DIMS
 from .kernels._wgmma import e4m3_codes
@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - torch is an optional extra
 
 OUT_DTYPES = ("float16", "bfloat16")
 E4M3_MAX = 448.0
-_SCALAR_DESCALES = {}     # (values, batch, nheads_k, device, context) -> their (3, batch, nheads_k) device array
+_SCALAR_DESCALES = {}     # (value, device, context) -> its one-value float32 device array, kept for the process
 
 
 def hadamard_rotation(headdim, seed=0):
@@ -96,7 +96,25 @@ def flash_attention_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
 
     ``causal`` is bottom-right aligned (flash-attn's); ``softmax_scale`` defaults to ``1 / sqrt(headdim)`` and must
     be positive; head dims 64, 128, 256; ``nheads`` a multiple of ``nheads_k`` (grouped-query attention).  Needs a
-    Hopper GPU (compute capability 9.0), or Numba's simulator."""
+    Hopper GPU (compute capability 9.0), or Numba's simulator.
+
+    A call is replayed from the dispatch cache (``_dispatch``) when one with the same signature has run: PyTorch
+    or Numba device arrays, descales floats, None or float32 device arrays, no ``stream``."""
+    descales = (q_descale, k_descale, v_descale)
+    held = tuple(d if _is_array(d) else None for d in descales)
+    values = tuple(None if _is_array(d) else d for d in descales)
+    return _dispatch.cached_call(
+        "fp8_forward", (q, k, v) + held, values + (causal, softmax_scale, str(out_dtype), return_lse),
+        _full_forward, cacheable=stream is None,
+        args=(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, out_dtype, return_lse, stream))
+
+
+def _is_array(d):
+    return d is not None and not isinstance(d, (int, float, np.integer, np.floating))
+
+
+def _full_forward(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, out_dtype, return_lse, stream):
+    """``flash_attention_fp8``'s full path: validate, plan, bind, launch."""
     kind, dims = _check(q, k, v, softmax_scale)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = dims
     out_dtype = _out_dtype(out_dtype, kind)
@@ -106,7 +124,8 @@ def flash_attention_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
         raise ValueError(refusal)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
-        descale = _descales(kind, q, (q_descale, k_descale, v_descale), batch, nheads_k, launch_stream)
+        descale = [_descale(d, name, kind, q, batch, nheads_k, launch_stream)
+                   for d, name in zip((q_descale, k_descale, v_descale), ("q_descale", "k_descale", "v_descale"))]
         out, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), out_dtype, q, launch_stream,
                                              bits=True)
         lse, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), "float32", q, launch_stream)
@@ -114,7 +133,7 @@ def flash_attention_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
             p = plan.fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, bool(causal), out_dtype)
             qw, kw, vb = (_codes(x, name, launch_stream) for x, name in ((q, "q"), (k, "k"), (v, "v")))
             vt_w = _transposed_v(p, vb, kind, q, launch_stream)
-            args = p.forward_args(qw, kw, vt_w, _arrays.word_view(out_d), lse_d, descale,
+            args = p.forward_args(qw, kw, vt_w, _arrays.word_view(out_d), lse_d, *descale,
                                   nheads // nheads_k, seqlen_k - seqlen_q, scale, launch_stream.handle)
             _run(p.forward, launch_stream, args)
     out = _arrays.finish(kind, out, out_d, launch_stream)
@@ -167,43 +186,50 @@ def _out_dtype(out_dtype, kind):
     return out_dtype
 
 
-def _descales(kind, q, descales, batch, nheads_k, stream):
-    """The (3, batch, nheads_k) float32 device array of q's, k's and v's descaling factors."""
-    names = ("q_descale", "k_descale", "v_descale")
-    if kind.lib == "torch" and any(isinstance(d, torch.Tensor) for d in descales):
-        rows = []
-        for d, name in zip(descales, names):
-            if not isinstance(d, torch.Tensor):
-                d = torch.tensor(_scalar(d, name), device=q.device)
-            elif d.device != q.device or tuple(d.shape) not in ((), (1,), (batch, nheads_k)):
-                raise ValueError(f"{name} must be a float or a tensor of shape (batch, nheads_k) = "
-                                 f"({batch}, {nheads_k}) on q's device, got shape {tuple(d.shape)} on {d.device}")
-            rows.append(d.to(torch.float32).reshape(-1 if d.dim() == 2 else 1).expand(batch * nheads_k))
-        return _arrays.to_device(torch.stack(rows).reshape(3, batch, nheads_k).contiguous(), stream)
-    if not any(isinstance(d, np.ndarray) for d in descales):        # floats: one device array per set, kept
-        key = (tuple(_scalar(d, name) for d, name in zip(descales, names)), batch, nheads_k,
-               _arrays.device_of(q), None if _arrays.SIMULATOR else _arrays.current_context())
-        arr = _SCALAR_DESCALES.get(key)
-        if arr is None:
-            if len(_SCALAR_DESCALES) >= 64:
-                _SCALAR_DESCALES.clear()
-            host = np.broadcast_to(np.array(key[0], np.float32)[:, None, None], (3, batch, nheads_k))
-            arr = _arrays.to_device(np.ascontiguousarray(host), stream)
-            stream.numba.synchronize()       # (once a set: a later call on another stream reads it landed)
+def _descale(d, name, kind, q, batch, nheads_k, stream):
+    """A descaling factor as the kernel reads it: a (batch, nheads_k) float32 device view (a stride-0 one for a
+    single value), of the caller's tensor where it is float32 on q's device, else of a copy; a float's (or None's)
+    one-value device array is kept for the process (a replay of the dispatch cache launches with it)."""
+    if torch is not None and isinstance(d, torch.Tensor):
+        if d.device != q.device or tuple(d.shape) not in ((), (1,), (batch, nheads_k)):
+            raise ValueError(f"{name} must be a float or a tensor of shape (batch, nheads_k) = ({batch}, {nheads_k}) "
+                             f"on q's device, got shape {tuple(d.shape)} on {d.device}")
+        dev = _arrays.to_device(d.to(torch.float32), stream)
+    elif isinstance(d, np.ndarray) and d.size != 1:
+        if d.shape != (batch, nheads_k):
+            raise ValueError(f"{name} must be a float or an array of shape (batch, nheads_k) = ({batch}, "
+                             f"{nheads_k}), got shape {d.shape}")
+        if not (np.all(np.isfinite(d)) and np.all(d > 0)):
+            raise ValueError(f"{name} must be positive and finite")
+        dev = _arrays.to_device(np.ascontiguousarray(d, np.float32), stream)
+    elif _arrays._is_numba_device_array(d) or hasattr(d, "__cuda_array_interface__"):   # CuPy, Numba
+        if np.dtype(d.dtype) != np.float32 or tuple(d.shape) not in ((), (1,), (batch, nheads_k)):
+            raise ValueError(f"{name} must be a float32 device array of shape (batch, nheads_k) = ({batch}, "
+                             f"{nheads_k}) or one value, got {np.dtype(d.dtype)} {tuple(d.shape)}")
+        _arrays.check_same_device(d, name, q)
+        dev = _arrays.to_device(d, stream)
+    elif _is_array(d) and not isinstance(d, (np.ndarray, np.generic)):
+        raise TypeError(f"{name} must be a float, None, a (batch, nheads_k) array or PyTorch tensor, got "
+                        f"{type(d).__name__}")
+    else:
+        dev = _one_value(_scalar(d, name), q, stream)
+    if tuple(dev.shape) != (batch, nheads_k):                         # one value for every (batch, key head)
+        dev = _arrays.strided_view(dev, (batch, nheads_k), (0, 0))
+    return _arrays.any_layout(dev)
+
+
+def _one_value(value, q, stream):
+    """A one-value float32 device array of ``value`` on q's device, kept (64 values at most; past them a fresh
+    one, which leaves the call out of the dispatch cache)."""
+    key = (value, _arrays.device_of(q), None if _arrays.SIMULATOR else _arrays.current_context())
+    arr = _SCALAR_DESCALES.get(key)
+    if arr is None:
+        arr = _arrays.to_device(np.array([value], np.float32), stream)
+        stream.numba.synchronize()       # (once a value: a later call on another stream reads it landed)
+        if len(_SCALAR_DESCALES) < 64:
             _SCALAR_DESCALES[key] = arr
-        return arr
-    host = np.empty((3, batch, nheads_k), np.float32)
-    for i, (d, name) in enumerate(zip(descales, names)):
-        if isinstance(d, np.ndarray):
-            if d.shape not in ((), (1,), (batch, nheads_k)):
-                raise ValueError(f"{name} must be a float or an array of shape (batch, nheads_k) = ({batch}, "
-                                 f"{nheads_k}), got shape {d.shape}")
-            if not (np.all(np.isfinite(d)) and np.all(d > 0)):
-                raise ValueError(f"{name} must be positive and finite")
-            host[i] = d.reshape(() if d.size == 1 else (batch, nheads_k))
-        else:
-            host[i] = _scalar(d, name)
-    return _arrays.to_device(host, stream)
+            _dispatch.CONSTANT_PTRS.add(_dispatch._ptr(arr))
+    return arr
 
 
 def _scalar(d, name):

@@ -1091,19 +1091,20 @@ class FP8Plan(NamedTuple):
     forward: Launch
     vt_keys: int                    # V^T's row length (keys padded to groups of 32)
 
-    def forward_args(self, q, k, vt, out, lse, descale, group, off, scale, stream):
+    def forward_args(self, q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, stream):
         """The forward's arguments after its word views: the tensor maps of q, k, V^T last."""
         maps = tensor_maps(((q, _fp8.BLOCK_Q), (k, _fp8.BLOCK_K), (vt, vt.shape[1])), False, stream)
-        return (q, k, vt, out, lse, descale, group, off, np.float32(scale), maps)
+        return (q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, np.float32(scale), maps)
 
 
-# The FP8 forward's scheduling (kernels.forward_fp8.make_forward_fp8's STAGES, OVERLAP, PINGPONG, MIN_BLOCKS; the
-# results are the same): stages of K_j / V_j^T, FA3's order of the products, the warpgroups' turns at the tensor
-# cores, and two blocks an SM at head dim 64.
+# The FP8 forward's scheduling (kernels.forward_fp8.make_forward_fp8's STAGES, OVERLAP, PINGPONG, MIN_BLOCKS,
+# PREFETCH; the results are the same): stages of K_j / V_j^T, FA3's order of the products, the warpgroups' turns
+# at the tensor cores, two blocks an SM at head dim 64, S_{j+1} in flight under the softmax of S_j.
 FP8_STAGES = 2
 FP8_OVERLAP = False
 FP8_PINGPONG = False
 FP8_TWO_BLOCKS = False
+FP8_PREFETCH = False
 
 
 @lru_cache(maxsize=256)
@@ -1112,7 +1113,8 @@ def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, ou
     9.0, or the simulator), head dims 64, 128, 256, dense batches."""
     kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), int(FP8_STAGES), bool(FP8_OVERLAP),
                                          bool(FP8_OVERLAP and FP8_PINGPONG),
-                                         2 if FP8_TWO_BLOCKS and headdim == 64 else 1)
+                                         2 if FP8_TWO_BLOCKS and headdim == 64 else 1,
+                                         bool(FP8_PREFETCH and not FP8_OVERLAP and headdim <= 128))   # (d 256: spills)
     check_shared(shared, f"the FP8 forward at head dim {headdim}")
     grid = batch * nheads * -(-seqlen_q // _fp8.BLOCK_Q)
     prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)

@@ -486,3 +486,37 @@ def test_a_padded_batchs_decoding_steps_over_growing_caches_take_the_step(dtype)
         assert _dispatch.stats["steps"] == 0
         for name, a, b in zip(("out", "lse"), got, want):
             assert_bitwise_equal(a, b, f"{name} at {n} keys")
+
+
+def _fp8_arrays(seed, batch=1, seqlen_q=9, seqlen_k=40, nheads=2, nheads_k=1, headdim=64):
+    from reference.fp8 import quantize_e4m3
+    rng = np.random.default_rng(seed)
+    return [cuda.to_device(quantize_e4m3(rng.standard_normal(s) * 100).astype(np.uint8)) for s in
+            ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim),
+             (batch, seqlen_k, nheads_k, headdim))]
+
+
+def test_the_fp8_forward_replays():
+    """``flash_attention_fp8`` (V^T's pre-pass into a scratch array, then the forward with the tensor maps of q, k
+    and V^T) is recorded once and replayed, computing what the full path computes from its own inputs: float
+    descales through the one-value device arrays it keeps, or a (batch, nheads_k) device array held as an input
+    (replayed with other values)."""
+    def descales(seed):
+        rng = np.random.default_rng(seed)
+        return (0.01, cuda.to_device(rng.uniform(0.01, 0.03, (1, 1)).astype(np.float32)), 0.03)
+
+    def call(arrays, ds):
+        out, lse = flashnb.flash_attention_fp8(*arrays, *ds, causal=True, return_lse=True)
+        return host(out, lse)
+
+    call(_fp8_arrays(0), descales(0))
+    assert _dispatch.stats["recorded"] == 1
+    new, new_ds = _fp8_arrays(1), descales(1)
+    replayed = call(new, new_ds)
+    assert _dispatch.stats["hits"] == 1
+    _dispatch.clear()
+    full = call(new, new_ds)
+    assert _dispatch.stats["hits"] == 0
+    for name, a, b in zip(("out", "lse"), replayed, full):
+        assert_bitwise_equal(a, b, f"replayed {name}")
+    assert not np.allclose(replayed[0], call(_fp8_arrays(0), descales(0))[0]), "the replay ignored its inputs"

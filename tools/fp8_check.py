@@ -2,7 +2,8 @@
 
     python -m tools.fp8_check check            # shapes x options against reference.fp8.fp8_flash_forward
     python -m tools.fp8_check small            # one small call per head dim and causal (for compute-sanitizer)
-    python -m tools.fp8_check bench [--seqlens 4096,16384] [--headdims 128,256]
+    python -m tools.fp8_check bench [--seqlens 4096,16384] [--headdims 128,256] [--settings "A=1;B=1"]
+    python -m tools.fp8_check profile --headdims 128 --seqlens 4096   # one call, for ncu --profile-from-start off
 
 ``check``: torch float8_e4m3fn inputs (per-(batch, kv head) descales); the kernel's error against the exact
 answer (float64 attention of the dequantised inputs) at most twice the oracle's (``fp8_flash_forward``: P
@@ -77,7 +78,7 @@ def check():
     for r in rows:
         print("| " + " | ".join(f"{x:.2e}" if isinstance(x, float) else str(x) for x in r) + " |")
     print("ALL OK" if worst == 0 else "FAILED")
-    return worst
+    return int(worst)
 
 
 def small():
@@ -91,6 +92,22 @@ def small():
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()
     print("6 configurations ran")
+    return 0
+
+
+def profile(d=128, n=4096, causal=False):
+    """One FP8 call (batch x seqlen = 16k tokens, heads x headdim = 2048) between the profiler's start and stop, after
+    a warm-up: ``ncu --profile-from-start off ... python -m tools.fp8_check profile``."""
+    import torch
+    import flashnb
+    b, h = 16384 // n, 2048 // d
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in _inputs(torch, b, n, n, h, h, d, 0))
+    flashnb.flash_attention_fp8(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    flashnb.flash_attention_fp8(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
     return 0
 
 
@@ -148,7 +165,7 @@ def _bench(torch, flashnb, seqlens, headdims):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("check", "small", "bench"))
+    ap.add_argument("what", choices=("check", "small", "bench", "profile"))
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--headdims", default="64,128,256")
     ap.add_argument("--settings", default="", help="bench: settings separated by ';', each NAME=INT assignments "
@@ -160,6 +177,8 @@ def main(argv=None):
         return check()
     if a.what == "small":
         return small()
+    if a.what == "profile":
+        return profile(int(a.headdims.split(",")[0]), int(a.seqlens.split(",")[0]))
     return bench([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")],
                  a.settings.split(";"))
 

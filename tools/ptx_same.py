@@ -117,7 +117,9 @@ for d in (64, 128, 256):
     for causal in (False, True):
         if want("fp8 fwd %d %s" % (d, causal)):
             k = _fp8.make_forward_fp8(d, "bfloat16", causal)[0]
-            sig = (u4w,) * 4 + (f3, f3, types.int64, types.int64, types.float32, types.Array(types.uint64, 2, "C"))
+            f2a = types.Array(types.float32, 2, "A")
+            sig = (u4w,) * 4 + (f3, f2a, f2a, f2a, types.int64, types.int64, types.float32,
+                                types.Array(types.uint64, 2, "C"))
             print("fp8 fwd", d, causal, h(cuda.compile_ptx(k.py_func, sig, cc=(9, 0, "a"),
                                                            launch_bounds=k.targetoptions.get("launch_bounds"))[0]))
 if want("fp8 prepare"):

@@ -33,7 +33,8 @@ from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import memory_primitives, primitives
 from ._tiles import make_row_allreduce
 from ._tma import make_box_load, make_tile_load, tma_primitives
-from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, named_barriers, pack_e4m3x4
+from ._wgmma import (SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, make_wgmma_wait, named_barriers,
+                     pack_e4m3x4)
 from .forward import LN2, LOG2E
 
 BLOCK_Q = 128                     # two warpgroups of 64 query rows
@@ -100,12 +101,14 @@ def make_prepare_vt(HEAD_DIM):
 
 @lru_cache(maxsize=None)
 @kernel_factory
-def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGPONG=False, MIN_BLOCKS=1):
-    """``forward(q, k, vt, out, lse, descale, group, off, scale, maps)`` and its shared bytes: ``q``, ``k``
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGPONG=False, MIN_BLOCKS=1,
+                     PREFETCH=False):
+    """``forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps)`` and its shared
+    bytes: ``q``, ``k``
     (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
     nheads_k, keys / 4) word view, ``out`` (batch, seqlen_q, nheads, HEAD_DIM / 2) words of ``OUT_DTYPE``
-    (float16 or bfloat16) pairs, ``lse`` (batch, nheads, seqlen_q) float32, ``descale`` (3, batch, nheads_k)
-    float32 (q's, k's, v's), ``group`` query heads per key head, ``off = seqlen_k - seqlen_q``, ``maps`` the tensor
+    (float16 or bfloat16) pairs, ``lse`` (batch, nheads, seqlen_q) float32, the descales (batch, nheads_k)
+    float32 views (stride 0 for one value), ``group`` query heads per key head, ``off = seqlen_k - seqlen_q``, ``maps`` the tensor
     maps of q, k, vt (boxes of 128, 128, HEAD_DIM rows).  Grid: query tiles x heads x batch.
 
     Scheduling (the results are the same): ``STAGES`` K_j / V_j^T stages (2 or 3).  ``OVERLAP``: tile j's turn at
@@ -113,10 +116,11 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
     order; acc's rescale by tile j's alpha comes after P_{j-1} V_{j-1} is in it).  ``PINGPONG`` (with
     ``OVERLAP``): the two warpgroups take turns at the tensor cores through two named barriers, so one's softmax
     runs under the other's products; a stage is then refilled by the last warpgroup done with it (a shared
-    counter a stage), with no block barrier in the loop.  ``MIN_BLOCKS``: launch bounds for that many blocks an
-    SM.  In the simulator every variant hands stages back at a block barrier (thread 0 refills; named barriers
+    counter a stage), with no block barrier in the loop.  ``PREFETCH``: S_{j+1} is issued before the softmax of
+    S_j and runs under it (FA3's intra-warpgroup overlap; at the last tile S_j once more, as ptxas will not leave a
+    product in flight under a branch).  ``MIN_BLOCKS``: launch bounds for that many blocks an SM.  In the simulator every variant hands stages back at a block barrier (thread 0 refills; named barriers
     and the copy engine's waits do nothing there)."""
-    assert HEAD_DIM in HEAD_DIMS and STAGES in (2, 3) and (OVERLAP or not PINGPONG)
+    assert HEAD_DIM in HEAD_DIMS and STAGES in (2, 3) and (OVERLAP or not PINGPONG) and not (OVERLAP and PREFETCH)
     F32 = np.float32
     U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
@@ -139,6 +143,9 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
     SCRATCH_WORDS = 2 * NTHREADS if SIMULATOR else 0
     SHARED_BYTES = SCRATCH + 4 * SCRATCH_WORDS
     wgmma_s = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_K, KSTEPS_D))
+    wgmma_s_issue = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D),
+                               k_major_steps(BLOCK_K, KSTEPS_D), wait=False)
+    wgmma_wait = make_wgmma_wait(N_ACC_S)
     wgmma_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32))
     pack4 = pack_e4m3x4()
     _, pack2, _ = primitives(OUT_DTYPE)
@@ -189,28 +196,32 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
 
     @device_function
     def softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch):
-        """m_i, l_i, o_acc rescaled to the new row max (over the quad's lanes), S -> P = exp2(S c - m_new)."""
+        """m_i, l_i, o_acc rescaled to the new row max (over the quad's lanes), S -> P = exp2(S c - m_new).  The
+        max is taken of S and then scaled (c > 0), so each exponent is one fused multiply-add; o_acc is rescaled
+        only where the max moved."""
         for r in range(2):
             x = NEG_INF
             for n in range(BLOCK_K // 8):
-                x = max(x, max(s_acc[4 * n + 2 * r] * c, s_acc[4 * n + 2 * r + 1] * c))
-            row[r] = x
+                x = max(x, max(s_acc[4 * n + 2 * r], s_acc[4 * n + 2 * r + 1]))
+            row[r] = x * c
         quad_max(row, scratch, cuda.threadIdx.x // 4, cuda.threadIdx.x % 4)
         for r in range(2):
             m_new = max(m_i[r], row[r])
             m_use = m_new if m_new != NEG_INF else ZERO      # nothing seen yet: exp2(-inf) = 0, not NaN
-            alpha = exp2(m_i[r] - m_use)
-            m_i[r] = m_new
             l_tile = ZERO
             for n in range(BLOCK_K // 8):
                 for e in range(2 * r, 2 * r + 2):
                     p = exp2(s_acc[4 * n + e] * c - m_use)
                     l_tile += p
                     s_acc[4 * n + e] = p
-            l_i[r] = l_i[r] * alpha + l_tile
-            for n in range(HEAD_DIM // 8):
-                o_acc[4 * n + 2 * r] *= alpha
-                o_acc[4 * n + 2 * r + 1] *= alpha
+            if m_new > m_i[r]:
+                alpha = exp2(m_i[r] - m_use)
+                l_i[r] *= alpha
+                for n in range(HEAD_DIM // 8):
+                    o_acc[4 * n + 2 * r] *= alpha
+                    o_acc[4 * n + 2 * r + 1] *= alpha
+            m_i[r] = m_new
+            l_i[r] += l_tile
 
     @device_function
     def pack_p(s_acc, p_frag):
@@ -254,19 +265,44 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
             cuda.syncthreads()                           # every thread is past its reads of stage s
             if cuda.threadIdx.x == 0 and j + STAGES < n_kt:
                 load_stage(smem, maps, k, vt, j + STAGES, seqlen_k, hk, b, s)
+            if SIMULATOR:
+                cuda.syncthreads()                       # (its copies are thread 0's, done here: the GPU's wait on
+                                                         # full[s] is a no-op there, and PREFETCH reads the next tile)
 
     @device_function
-    def scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off):
-        """S = Q K_j^T (tile j's stage), masked past the keys or the diagonal."""
-        base = STAGE0 + (j % STAGES) * STAGE_BYTES
-        mbar_wait(smem, FULL + 8 * (j % STAGES), (j // STAGES) % 2)
-        wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, base, 0)
+    def mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off):
+        """Tile j's scores masked if it reaches past the keys or the diagonal."""
         k0 = j * BLOCK_K
         if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
             mask_tile(s_acc, k0, seqlen_k, row_g, off)
 
+    @device_function
+    def scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off):
+        """S = Q K_j^T (tile j's stage), masked past the keys or the diagonal."""
+        mbar_wait(smem, FULL + 8 * (j % STAGES), (j // STAGES) % 2)
+        wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
+        mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off)
+
+    @device_function
+    def issue_scores(s_acc, smem, wg, j):
+        """S = Q K_j^T issued, not waited for (``wgmma_wait(s_acc)``)."""
+        mbar_wait(smem, FULL + 8 * (j % STAGES), (j // STAGES) % 2)
+        wgmma_s_issue(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
+
+    @device_function
+    def prefetched_tile(s_cur, s_next, j, n_kt, smem, maps, k, vt, m_i, l_i, o_acc, p_frag, c, row, scratch, wg,
+                        qt, seqlen_k, row_g, off, hk, b):
+        """Tile j with S_j in ``s_cur``: S_{j+1} issued into ``s_next``, then tile j's softmax and P V_j."""
+        issue_scores(s_next, smem, wg, min(j + 1, n_kt - 1))
+        mask_edge(s_cur, wg, j, qt, seqlen_k, row_g, off)
+        softmax_step(s_cur, m_i, l_i, o_acc, c, row, scratch)
+        pack_p(s_cur, p_frag)
+        wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)        # acc += P V_j
+        wgmma_wait(s_next)
+        hand_back(smem, maps, k, vt, j, n_kt, seqlen_k, hk, b)
+
     @kernel(min_blocks=MIN_BLOCKS, threads=NTHREADS)
-    def forward(q, k, vt, out, lse, descale, group, off, scale, maps):
+    def forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps):
         seqlen_q, seqlen_k, nheads = q.shape[1], k.shape[1], q.shape[2]
         n_qt = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
         qt, h, b = block_coords(n_qt, nheads)
@@ -274,7 +310,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
         tid = cuda.threadIdx.x
         wg = tid // 128
         row_g = qt * BLOCK_Q + 64 * wg + 16 * ((tid // 32) % 4) + (tid % 32) // 4   # this thread's first row
-        c = F32(scale) * descale[0, b, hk] * descale[1, b, hk] * LOG2E_T
+        c = F32(scale) * q_descale[b, hk] * k_descale[b, hk] * LOG2E_T
         k_end = min(seqlen_k, qt * BLOCK_Q + BLOCK_Q + off) if CAUSAL else seqlen_k   # keys past it: seen by none
         n_kt = (k_end + BLOCK_K - 1) // BLOCK_K if k_end > 0 else 0
 
@@ -296,6 +332,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
         cuda.syncthreads()                               # (the simulator's copies are made by thread 0, at once)
 
         s_acc = cuda.local.array(N_ACC_S, F32)
+        s_nxt = cuda.local.array(N_ACC_S, F32)          # (PREFETCH)
         o_acc = cuda.local.array(N_ACC_O, F32)
         p_frag = cuda.local.array(P_WORDS, U32_DT)
         m_i = cuda.local.array(2, F32)
@@ -324,6 +361,16 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
                 if j < n_kt:
                     softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
                     pack_p(s_acc, p_frag)
+        elif PREFETCH:
+            if n_kt > 0:
+                issue_scores(s_acc, smem, wg, 0)
+                wgmma_wait(s_acc)
+            for j in range(0, n_kt, 2):                  # two tiles a pass: S_j and S_{j+1} in fixed registers
+                prefetched_tile(s_acc, s_nxt, j, n_kt, smem, maps, k, vt, m_i, l_i, o_acc, p_frag, c, row, scratch,
+                                wg, qt, seqlen_k, row_g, off, hk, b)
+                if j + 1 < n_kt:
+                    prefetched_tile(s_nxt, s_acc, j + 1, n_kt, smem, maps, k, vt, m_i, l_i, o_acc, p_frag, c, row,
+                                    scratch, wg, qt, seqlen_k, row_g, off, hk, b)
         else:
             for j in range(n_kt):
                 scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                 # S = Q K_j^T
@@ -331,6 +378,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
                 pack_p(s_acc, p_frag)
                 wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)   # acc += P V_j
                 hand_back(smem, maps, k, vt, j, n_kt, seqlen_k, hk, b)
-        store_out_lse(out, lse, o_acc, m_i, l_i, row_g, b, h, seqlen_q, descale[2, b, hk], scratch)
+        store_out_lse(out, lse, o_acc, m_i, l_i, row_g, b, h, seqlen_q, v_descale[b, hk], scratch)
 
     return forward, SHARED_BYTES

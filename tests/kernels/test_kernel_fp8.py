@@ -125,6 +125,34 @@ def test_fp8_forward_head_dim_256():
     _check(1, 130, 300, 1, 2, 256, True, True, 256)
 
 
+@pytest.mark.skipif(SIMULATOR, reason="PyTorch CUDA tensors (tests/test_dispatch.py replays Numba arrays there)")
+def test_fp8_forward_replays_torch_tensors_and_their_descales():
+    """PyTorch float8_e4m3fn inputs with (batch, nheads_k) float32 descale tensors, FA3's convention: the second
+    call with other tensors of the same signature is a replay of the dispatch cache, equal to the full path's
+    output bit for bit, and reads its own descales."""
+    torch = pytest.importorskip("torch")
+    from flashnb import _dispatch
+
+    def inputs(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        xs = [torch.randn(2, s, h, 128, device="cuda", generator=g) for s, h in ((300, 4), (500, 2), (500, 2))]
+        return [flashnb.quantize_fp8(x, "head", group=g_) for x, g_ in zip(xs, (2, 1, 1))]
+
+    _dispatch.clear()
+    first = inputs(0)
+    flashnb.flash_attention_fp8(*(c for c, _ in first), *(d for _, d in first), causal=True)
+    assert _dispatch.stats["recorded"] == 1
+    new = inputs(1)
+    args = [c for c, _ in new] + [d for _, d in new]
+    replayed = flashnb.flash_attention_fp8(*args, causal=True)
+    assert _dispatch.stats["hits"] == 1
+    _dispatch.clear()
+    full = flashnb.flash_attention_fp8(*args, causal=True)
+    assert torch.equal(replayed, full), "a replayed call differs from the full path's"
+    twice = flashnb.flash_attention_fp8(*args[:5], args[5] * 2, causal=True)       # v's descales doubled
+    assert torch.allclose(twice.float(), 2 * full.float(), rtol=2 ** -7, atol=0), "the replay ignored v_descale"
+
+
 def test_key_at_pairs_p_fragments_with_their_keys():
     """V^T's position ``c`` holds the key whose probability byte ``c`` of P's A fragment carries: A's columns
     ``4 t .. 4 t + 3`` (``+ 16``) are the accumulators' columns ``2 t, 2 t + 1`` of n-tiles 0, 1 (2, 3)."""
