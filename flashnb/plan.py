@@ -1097,24 +1097,17 @@ class FP8Plan(NamedTuple):
         return (q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, np.float32(scale), maps)
 
 
-# The FP8 forward's scheduling (kernels.forward_fp8.make_forward_fp8's STAGES, OVERLAP, PINGPONG, MIN_BLOCKS,
-# PREFETCH; the results are the same): stages of K_j / V_j^T, FA3's order of the products, the warpgroups' turns
-# at the tensor cores, two blocks an SM at head dim 64, S_{j+1} in flight under the softmax of S_j.
-FP8_STAGES = 2
-FP8_OVERLAP = False
-FP8_PINGPONG = False
-FP8_TWO_BLOCKS = False
-FP8_PREFETCH = False
+# The FP8 forward at head dim 64 with launch bounds for two blocks an SM (kernels.forward_fp8's MIN_BLOCKS=2: 16
+# warps an SM; 128 registers, 44 bytes of spill): 1.10-1.13x one block (H200, bench/results/h200-fp8-2026-11-28.md)
+FP8_TWO_BLOCKS = True
 
 
 @lru_cache(maxsize=256)
 def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, out_dtype):
     """The launches of an FP8 forward of that shape (``kernels.forward_fp8``): Hopper only (compute capability
     9.0, or the simulator), head dims 64, 128, 256, dense batches."""
-    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), int(FP8_STAGES), bool(FP8_OVERLAP),
-                                         bool(FP8_OVERLAP and FP8_PINGPONG),
-                                         2 if FP8_TWO_BLOCKS and headdim == 64 else 1,
-                                         bool(FP8_PREFETCH and not FP8_OVERLAP and headdim <= 128))   # (d 256: spills)
+    min_blocks = 2 if FP8_TWO_BLOCKS and headdim == 64 else 1
+    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), min_blocks)
     check_shared(shared, f"the FP8 forward at head dim {headdim}")
     grid = batch * nheads * -(-seqlen_q // _fp8.BLOCK_Q)
     prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)

@@ -112,14 +112,15 @@ def profile(d=128, n=4096, causal=False):
 
 
 def _apply(setting):
-    """``NAME=INT ...`` assignments of ``flashnb.plan``'s FP8 constants (FP8_STAGES, FP8_OVERLAP, FP8_PINGPONG,
-    FP8_TWO_BLOCKS); the plan cache cleared."""
-    from flashnb import plan
+    """``NAME=INT ...`` assignments of ``flashnb.plan``'s FP8 constants (``FP8_TWO_BLOCKS``); the plan cache and
+    the dispatch cache cleared."""
+    from flashnb import _dispatch, plan
     for item in setting.split():
         name, value = item.split("=")
         assert name.startswith("FP8_") and hasattr(plan, name), name
         setattr(plan, name, int(value))
     plan.fp8_forward.cache_clear()
+    _dispatch.clear()
 
 
 def bench(seqlens, headdims, settings=("",)):
@@ -169,7 +170,7 @@ def main(argv=None):
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--headdims", default="64,128,256")
     ap.add_argument("--settings", default="", help="bench: settings separated by ';', each NAME=INT assignments "
-                    "of flashnb.plan's FP8 constants (FP8_STAGES=3 FP8_OVERLAP=1 FP8_PINGPONG=1 FP8_TWO_BLOCKS=1)")
+                    "of flashnb.plan's FP8 constants (FP8_TWO_BLOCKS=0)")
     ap.add_argument("--setting", default="", help="check / small: one such setting")
     a = ap.parse_args(argv)
     _apply(a.setting)

@@ -122,7 +122,7 @@ def _descriptor_bits(lbo, sbo):
     return ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62)
 
 
-def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, wait=True):
+def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -154,7 +154,7 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, w
             trans = "" if fmt == "tf32" or fmt in EIGHT_BIT else f", {trans_b}"
             lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, {{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, "
                          f"db, {scale_d}, 1, 1{trans};")
-    lines += ["wgmma.commit_group.sync.aligned;"] + (["wgmma.wait_group.sync.aligned 0;"] if wait else []) + ["}"]
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     ptx = " ".join(lines)
     a_bits, b_bits = _descriptor_bits(a_lbo, 1024), _descriptor_bits(b_lbo, 1024)
 
@@ -359,36 +359,10 @@ def _sim_fence_proxy_async():
     pass
 
 
-def _gpu_named_barriers():
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    def make(op):
-        @intrinsic
-        def barrier(typingctx, bar_id, nthreads):
-            """``bar.{op} bar_id, nthreads``: a named barrier shared by ``nthreads`` threads (a multiple of 32)."""
-            def codegen(context, builder, signature, args):
-                vals = [context.cast(builder, v, t, types.int32) for v, t in zip(args, signature.args)]
-                i32 = ir.IntType(32)
-                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i32]), f"bar.{op} $0, $1;", "r,r",
-                                          side_effect=True), vals)
-                return context.get_dummy_value()
-            return types.void(bar_id, nthreads), codegen
-        return barrier
-
-    return make("sync"), make("arrive")
-
-
-@device_function
-def _sim_named_barrier(bar_id, nthreads):
-    pass        # scheduling only: the simulator's kernels order their shared memory by block-wide barriers
-
-
 _cache = {}
 
 
-def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0, trans_a=0, wait=True):
+def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0, trans_a=0):
     """``wgmma_ss(acc, smem, a_off, b_off, accumulate)`` (``kind="ss"``) or ``wgmma_rs(acc, a_regs, smem, b_off,
     accumulate)`` (``"rs"``) for one product shape: ``m64nNk16`` on ``dtype_name`` operands (``"float16"``,
     ``"bfloat16"``; ``m64nNk8`` for ``"tf32"`` or ``"float32"``: tf32 operands, K-major only), the k-steps' start
@@ -404,54 +378,11 @@ def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=
         raise ValueError(f"trans_b must be 0 for {fmt} operands: PTX has no transpose for them (B K-major only)")
     if trans_a and (fmt == "tf32" or fmt in EIGHT_BIT or kind != "ss"):
         raise ValueError("trans_a needs 16-bit operands and A in shared memory (kind 'ss')")
-    key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, trans_a, wait)
+    key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, trans_a)
     if key not in _cache:
-        if SIMULATOR:       # the simulator's product is complete when it returns: nothing to wait for
-            _cache[key] = _sim_wgmma(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt)
-        else:
-            _cache[key] = _gpu_wgmma(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt,
-                                     wait)
+        make = _sim_wgmma if SIMULATOR else _gpu_wgmma
+        _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt)
     return _cache[key]
-
-
-def make_wgmma_wait(NACC):
-    """``wgmma_wait(acc)``: ``wgmma.wait_group 0`` with this thread's ``NACC`` accumulators of a product issued by
-    ``make_wgmma(..., wait=False)`` as its operands, so nothing reads them before the tensor cores have written them
-    (ptxas tracks them from the issue, and waits itself where it must touch them earlier).  A no-op in the
-    simulator."""
-    key = ("wait", NACC)
-    if key not in _cache:
-        _cache[key] = _sim_wgmma_wait if SIMULATOR else _gpu_wgmma_wait(NACC)
-    return _cache[key]
-
-
-@device_function
-def _sim_wgmma_wait(acc):
-    pass
-
-
-def _gpu_wgmma_wait(NACC):
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    f32, i64 = ir.FloatType(), ir.IntType(64)
-    cons = ",".join(["=f"] * NACC + [str(i) for i in range(NACC)])
-
-    @intrinsic
-    def wgmma_wait(typingctx, acc):
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            ptrs = [builder.gep(ary.data, [ir.Constant(i64, i)]) for i in range(NACC)]
-            fnty = ir.FunctionType(ir.LiteralStructType([f32] * NACC), [f32] * NACC)
-            res = builder.call(ir.InlineAsm(fnty, "wgmma.wait_group.sync.aligned 0;", cons, side_effect=True),
-                               [builder.load(p) for p in ptrs])
-            for i, p in enumerate(ptrs):
-                builder.store(builder.extract_value(res, i), p)
-            return context.get_dummy_value()
-        return types.void(acc), codegen
-
-    return wgmma_wait
 
 
 def make_pack_a(dtype_name, ksteps):
@@ -542,11 +473,3 @@ def pack_e4m3x4():
     if "e4m3x4" not in _cache:
         _cache["e4m3x4"] = _sim_pack_e4m3x4 if SIMULATOR else _gpu_pack_e4m3x4()
     return _cache["e4m3x4"]
-
-
-def named_barriers():
-    """``(bar_sync, bar_arrive)``: named barriers ``1..15`` (``bar.sync`` waits, ``bar.arrive`` only counts), for
-    scheduling warpgroups against each other; no-ops in the simulator."""
-    if "bars" not in _cache:
-        _cache["bars"] = (_sim_named_barrier, _sim_named_barrier) if SIMULATOR else _gpu_named_barriers()
-    return _cache["bars"]

@@ -33,13 +33,13 @@ from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import memory_primitives, primitives
 from ._tiles import make_row_allreduce
 from ._tma import make_box_load, make_tile_load, tma_primitives
-from ._wgmma import (SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, make_wgmma_wait, named_barriers,
-                     pack_e4m3x4)
+from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, pack_e4m3x4
 from .forward import LN2, LOG2E
 
 BLOCK_Q = 128                     # two warpgroups of 64 query rows
 BLOCK_K = 128                     # keys of a tile: one 128-byte row of V_j^T, 4 k-steps of 32
 NTHREADS = 256
+STAGES = 2                        # K_j / V_j^T stages of the copy engine
 HEAD_DIMS = (64, 128, 256)
 VT_KEYS = 32                      # V^T's keys are padded to (and relabelled within) groups of 32
 PREP_THREADS = 256
@@ -101,26 +101,20 @@ def make_prepare_vt(HEAD_DIM):
 
 @lru_cache(maxsize=None)
 @kernel_factory
-def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGPONG=False, MIN_BLOCKS=1,
-                     PREFETCH=False):
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1):
     """``forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps)`` and its shared
     bytes: ``q``, ``k``
     (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
     nheads_k, keys / 4) word view, ``out`` (batch, seqlen_q, nheads, HEAD_DIM / 2) words of ``OUT_DTYPE``
     (float16 or bfloat16) pairs, ``lse`` (batch, nheads, seqlen_q) float32, the descales (batch, nheads_k)
-    float32 views (stride 0 for one value), ``group`` query heads per key head, ``off = seqlen_k - seqlen_q``, ``maps`` the tensor
-    maps of q, k, vt (boxes of 128, 128, HEAD_DIM rows).  Grid: query tiles x heads x batch.
+    float32 views (stride 0 for one value), ``group`` query heads per key head, ``off = seqlen_k - seqlen_q``,
+    ``maps`` the tensor maps of q, k, vt (boxes of 128, 128, HEAD_DIM rows).  Grid: query tiles x heads x batch.
 
-    Scheduling (the results are the same): ``STAGES`` K_j / V_j^T stages (2 or 3).  ``OVERLAP``: tile j's turn at
-    the tensor cores is ``S_j = Q K_j^T`` and then ``acc += P_{j-1} V_{j-1}``, the softmax of S_j after both (FA3's
-    order; acc's rescale by tile j's alpha comes after P_{j-1} V_{j-1} is in it).  ``PINGPONG`` (with
-    ``OVERLAP``): the two warpgroups take turns at the tensor cores through two named barriers, so one's softmax
-    runs under the other's products; a stage is then refilled by the last warpgroup done with it (a shared
-    counter a stage), with no block barrier in the loop.  ``PREFETCH``: S_{j+1} is issued before the softmax of
-    S_j and runs under it (FA3's intra-warpgroup overlap; at the last tile S_j once more, as ptxas will not leave a
-    product in flight under a branch).  ``MIN_BLOCKS``: launch bounds for that many blocks an SM.  In the simulator every variant hands stages back at a block barrier (thread 0 refills; named barriers
-    and the copy engine's waits do nothing there)."""
-    assert HEAD_DIM in HEAD_DIMS and STAGES in (2, 3) and (OVERLAP or not PINGPONG) and not (OVERLAP and PREFETCH)
+    ``MIN_BLOCKS``: launch bounds for that many blocks an SM (2 at head dim 64: 16 warps an SM instead of 8).
+    Measured no faster on an H200 and removed (docs/notes/fp8.md step 4; the code is in commit 8bbdd68): three
+    stages, FA3's order of the products, the warpgroups' turns by named barriers, S_{j+1} in flight under the
+    softmax of S_j."""
+    assert HEAD_DIM in HEAD_DIMS
     F32 = np.float32
     U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
@@ -138,14 +132,10 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
     STAGE0 = Q_BYTES
     FULL = STAGE0 + STAGES * STAGE_BYTES             # full[s], then Q's barrier: 8 bytes each
     Q_FULL = FULL + 8 * STAGES
-    DONE = Q_FULL + 8                                # PINGPONG: warpgroups done with stage s (a counter each)
-    SCRATCH = DONE + 4 * STAGES                      # the quad reductions' scratch (simulator only)
+    SCRATCH = Q_FULL + 8                             # the quad reductions' scratch (simulator only)
     SCRATCH_WORDS = 2 * NTHREADS if SIMULATOR else 0
     SHARED_BYTES = SCRATCH + 4 * SCRATCH_WORDS
     wgmma_s = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_K, KSTEPS_D))
-    wgmma_s_issue = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D),
-                               k_major_steps(BLOCK_K, KSTEPS_D), wait=False)
-    wgmma_wait = make_wgmma_wait(N_ACC_S)
     wgmma_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32))
     pack4 = pack_e4m3x4()
     _, pack2, _ = primitives(OUT_DTYPE)
@@ -158,9 +148,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
     load_vt = make_box_load(HEAD_DIM, 1)
     quad_max = make_row_allreduce(2, 4, NTHREADS, F32, is_max=True)
     quad_sum = make_row_allreduce(2, 4, NTHREADS, F32, is_max=False)
-    bar_sync, bar_arrive = named_barriers()
-    TURNS = PINGPONG and not SIMULATOR               # named barrier 1 + w: warpgroup w's turn
-    U32 = np.uint32
 
     @device_function
     def block_coords(n_qt, nheads):
@@ -252,22 +239,10 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
 
     @device_function
     def hand_back(smem, maps, k, vt, j, n_kt, seqlen_k, hk, b):
-        """This warpgroup is done with tile j's stage: refill it with tile ``j + STAGES``, by thread 0 after a block
-        barrier, or (``TURNS``) by the leader of the warpgroup done last with it."""
-        s = j % STAGES
-        if TURNS:
-            wg = cuda.threadIdx.x // 128
-            bar_sync(3 + wg, 128)                        # every warp of this warpgroup is past its products
-            if cuda.threadIdx.x % 128 == 0:
-                if cuda.atomic.add(smem, DONE // 4 + s, U32(1)) % 2 == 1 and j + STAGES < n_kt:
-                    load_stage(smem, maps, k, vt, j + STAGES, seqlen_k, hk, b, s)
-        else:
-            cuda.syncthreads()                           # every thread is past its reads of stage s
-            if cuda.threadIdx.x == 0 and j + STAGES < n_kt:
-                load_stage(smem, maps, k, vt, j + STAGES, seqlen_k, hk, b, s)
-            if SIMULATOR:
-                cuda.syncthreads()                       # (its copies are thread 0's, done here: the GPU's wait on
-                                                         # full[s] is a no-op there, and PREFETCH reads the next tile)
+        """Every thread is done with tile j's stage: thread 0 refills it with tile ``j + STAGES``."""
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0 and j + STAGES < n_kt:
+            load_stage(smem, maps, k, vt, j + STAGES, seqlen_k, hk, b, j % STAGES)
 
     @device_function
     def mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off):
@@ -282,24 +257,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
         mbar_wait(smem, FULL + 8 * (j % STAGES), (j // STAGES) % 2)
         wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
         mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off)
-
-    @device_function
-    def issue_scores(s_acc, smem, wg, j):
-        """S = Q K_j^T issued, not waited for (``wgmma_wait(s_acc)``)."""
-        mbar_wait(smem, FULL + 8 * (j % STAGES), (j // STAGES) % 2)
-        wgmma_s_issue(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
-
-    @device_function
-    def prefetched_tile(s_cur, s_next, j, n_kt, smem, maps, k, vt, m_i, l_i, o_acc, p_frag, c, row, scratch, wg,
-                        qt, seqlen_k, row_g, off, hk, b):
-        """Tile j with S_j in ``s_cur``: S_{j+1} issued into ``s_next``, then tile j's softmax and P V_j."""
-        issue_scores(s_next, smem, wg, min(j + 1, n_kt - 1))
-        mask_edge(s_cur, wg, j, qt, seqlen_k, row_g, off)
-        softmax_step(s_cur, m_i, l_i, o_acc, c, row, scratch)
-        pack_p(s_cur, p_frag)
-        wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)        # acc += P V_j
-        wgmma_wait(s_next)
-        hand_back(smem, maps, k, vt, j, n_kt, seqlen_k, hk, b)
 
     @kernel(min_blocks=MIN_BLOCKS, threads=NTHREADS)
     def forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps):
@@ -319,7 +276,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
         if tid == 0:
             for s in range(STAGES):
                 mbar_init(smem, FULL + 8 * s, 1)
-                smem[DONE // 4 + s] = U32(0)
             mbar_init(smem, Q_FULL, 1)
             mbar_fence_init()
         cuda.syncthreads()
@@ -332,7 +288,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
         cuda.syncthreads()                               # (the simulator's copies are made by thread 0, at once)
 
         s_acc = cuda.local.array(N_ACC_S, F32)
-        s_nxt = cuda.local.array(N_ACC_S, F32)          # (PREFETCH)
         o_acc = cuda.local.array(N_ACC_O, F32)
         p_frag = cuda.local.array(P_WORDS, U32_DT)
         m_i = cuda.local.array(2, F32)
@@ -344,40 +299,12 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, STAGES=2, OVERLAP=False, PINGP
         for n in range(N_ACC_O):
             o_acc[n] = ZERO
         mbar_wait(smem, Q_FULL, 0)
-        if OVERLAP:
-            if TURNS and wg == 1 and n_kt > 0:
-                bar_arrive(1, NTHREADS)                  # warpgroup 0 takes the first turn
-            for j in range(n_kt + 1 if n_kt > 0 else 0):  # turn j: S_j, then P_{j-1} V_{j-1}; the softmax of S_j
-                if TURNS:
-                    bar_sync(1 + wg, NTHREADS)
-                if j < n_kt:
-                    scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)
-                if j > 0:
-                    wgmma_pv(o_acc, p_frag, smem, STAGE0 + ((j - 1) % STAGES) * STAGE_BYTES + K_BYTES, 1)
-                if TURNS and (wg == 0 or j < n_kt):
-                    bar_arrive(2 - wg, NTHREADS)         # the other warpgroup's turn
-                if j > 0:
-                    hand_back(smem, maps, k, vt, j - 1, n_kt, seqlen_k, hk, b)
-                if j < n_kt:
-                    softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
-                    pack_p(s_acc, p_frag)
-        elif PREFETCH:
-            if n_kt > 0:
-                issue_scores(s_acc, smem, wg, 0)
-                wgmma_wait(s_acc)
-            for j in range(0, n_kt, 2):                  # two tiles a pass: S_j and S_{j+1} in fixed registers
-                prefetched_tile(s_acc, s_nxt, j, n_kt, smem, maps, k, vt, m_i, l_i, o_acc, p_frag, c, row, scratch,
-                                wg, qt, seqlen_k, row_g, off, hk, b)
-                if j + 1 < n_kt:
-                    prefetched_tile(s_nxt, s_acc, j + 1, n_kt, smem, maps, k, vt, m_i, l_i, o_acc, p_frag, c, row,
-                                    scratch, wg, qt, seqlen_k, row_g, off, hk, b)
-        else:
-            for j in range(n_kt):
-                scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                 # S = Q K_j^T
-                softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
-                pack_p(s_acc, p_frag)
-                wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)   # acc += P V_j
-                hand_back(smem, maps, k, vt, j, n_kt, seqlen_k, hk, b)
+        for j in range(n_kt):
+            scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                     # S = Q K_j^T
+            softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
+            pack_p(s_acc, p_frag)
+            wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)       # acc += P V_j
+            hand_back(smem, maps, k, vt, j, n_kt, seqlen_k, hk, b)
         store_out_lse(out, lse, o_acc, m_i, l_i, row_g, b, h, seqlen_q, v_descale[b, hk], scratch)
 
     return forward, SHARED_BYTES
