@@ -213,9 +213,10 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
     mods = None
     if score_mod is not None or mask_mod is not None:
         fp = prints.get
-        mods = Mods(_compiled(score_mod, fp(id(score_mod))), _compiled(mask_mod, fp(id(mask_mod))),
-                    _compiled(grad, fp(id(grad))) if grad is not None
-                    else _complex_step(score_mod, fp(id(score_mod))) if backward and score_mod else None,
+        f32 = _arrays.kind_of(query, "query").dtype != "float64"        # the kernels accumulate in float32
+        mods = Mods(_compiled(score_mod, f32, fp(id(score_mod))), _compiled(mask_mod, f32, fp(id(mask_mod))),
+                    _compiled(grad, f32, fp(id(grad))) if grad is not None
+                    else _complex_step(score_mod, f32, fp(id(score_mod))) if backward and score_mod else None,
                     None if mask_mod is None else block_mask.block_size)
     options = dict(softmax_scale=scale, causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None,
                    alibi_slopes=None, softcap=0.0,
@@ -336,19 +337,60 @@ def _check_complex_step(score_mod):
 _COMPILED = {}
 
 
-def _compiled(fn, fingerprint=None):
+def _compiled(fn, float32=False, fingerprint=None):
     """``fn`` as a device function: one per function and values it captures (Numba freezes a captured array or
     number into the kernel, so a changed value must mean a new compile, never the old kernel); ``fingerprint``:
-    ``_fingerprint(fn)`` where the caller has it."""
+    ``_fingerprint(fn)`` where the caller has it.  ``float32``: for kernels that accumulate in float32 (16-bit and
+    float32 inputs), its Python float constants as float32 (``_float32_constants``)."""
     if fn is None:
         return None
-    key = (fn, _fingerprint(fn) if fingerprint is None else fingerprint)
+    key = (fn, _fingerprint(fn) if fingerprint is None else fingerprint, float32)
     if key not in _COMPILED:
-        dev = _COMPILED[key] = device_function(fn)
-        ident = _stable_id(fn)
+        src = _float32_constants(fn) if float32 else fn
+        dev = _COMPILED[key] = device_function(src, FLOAT32_FASTMATH if float32 else None)
+        ident = _stable_id(src)
         if ident is not None:
-            dev.flashnb_id = ident
+            dev.flashnb_id = ident + (" float32" if src is not fn else "")
     return _COMPILED[key]
+
+
+# the float32 functions' division by a constant as a product with its reciprocal (``arcp``: ``score / 30`` is
+# otherwise IEEE division, whose slow path kept the tile loop from unrolling and S in local memory: ptxas), and
+# a * b + c fused (``contract``); no flag that assumes finite values (a mod may return -inf)
+FLOAT32_FASTMATH = frozenset({"arcp", "contract"})
+
+
+def _float32_constants(fn):
+    """``fn`` with its Python float constants (literals, closure cells, module globals it reads) as
+    ``np.float32``, so that a mod like ``30 * math.tanh(score / 30)`` computes in float32, as the kernel's scores
+    do, and not in float64 (measured in ptxas on the Hopper forward: 150 DFMA and S pushed to local memory).
+    PyTorch's FlexAttention computes a score_mod in the scores' dtype likewise; the oracle stays float64.  A
+    function with no float constant comes back as it is."""
+    code = getattr(fn, "__code__", None)
+    if not isinstance(fn, types.FunctionType) or code is None:
+        return fn
+    cells = fn.__closure__ or ()
+    floats = [i for i, c in enumerate(cells) if _cell_float(c)]
+    glob_floats = [n for n in code.co_names if type(fn.__globals__.get(n)) is float]
+    if not (any(type(c) is float for c in code.co_consts) or floats or glob_floats):
+        return fn
+    consts = tuple(np.float32(c) if type(c) is float else c for c in code.co_consts)
+    glob = fn.__globals__
+    if glob_floats:
+        glob = dict(glob)
+        for n in glob_floats:
+            glob[n] = np.float32(glob[n])
+    closure = tuple(types.CellType(np.float32(c.cell_contents)) if i in floats else c for i, c in enumerate(cells))
+    new = types.FunctionType(code.replace(co_consts=consts), glob, fn.__name__, fn.__defaults__, closure or None)
+    new.__qualname__, new.__module__ = fn.__qualname__, fn.__module__
+    return new
+
+
+def _cell_float(cell):
+    try:
+        return type(cell.cell_contents) is float
+    except ValueError:                     # an empty cell
+        return False
 
 
 _STABLE = (numbers.Number, str, bytes, tuple, type(None), np.ndarray, types.ModuleType, types.FunctionType)
@@ -385,9 +427,9 @@ def _fingerprint(fn):
 _STEPS = {}
 
 
-def _complex_step(score_mod, fingerprint=None):
+def _complex_step(score_mod, float32=False, fingerprint=None):
     """``d score_mod / d score`` as a device function: ``Im score_mod(s + i t) / t``, ``t = 1e-30``."""
-    mod = _compiled(score_mod, fingerprint)
+    mod = _compiled(score_mod, float32, fingerprint)
     if mod not in _STEPS:
         T, INV_T = COMPLEX_STEP, 1.0 / COMPLEX_STEP
 
