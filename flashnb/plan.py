@@ -1098,7 +1098,7 @@ class FP8Plan(NamedTuple):
 
 
 # The FP8 forward at head dim 64 with launch bounds for two blocks an SM (kernels.forward_fp8's MIN_BLOCKS=2: 16
-# warps an SM; 128 registers, 44 bytes of spill): 1.10-1.13x one block (H200, bench/results/h200-fp8-2026-11-28.md)
+# warps an SM; 128 registers, 44 bytes of spill): 1.19-1.36x one block (H200, bench/results/h200-fp8-2026-11-28.md)
 FP8_TWO_BLOCKS = True
 
 
