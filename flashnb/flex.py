@@ -34,7 +34,7 @@ import weakref
 
 import numpy as np
 
-from . import _arrays, _options, api
+from . import _arrays, _dispatch, _options, api
 from .kernels import _jit
 from .kernels._jit import device_function
 from .kernels._scores import Mods
@@ -65,11 +65,15 @@ class BlockMask:
         """``kernel_states`` as an array of ``like``'s kind and device (the kernels' block mask: they load no
         empty block, and run the mask_mod on a tile unless every block under it is full)."""
         torch = _arrays.torch
-        key = (str(like.device) if torch is not None and isinstance(like, torch.Tensor) else type(like).__name__)
+        key = (str(like.device) if torch is not None and isinstance(like, torch.Tensor)
+               else (type(like).__name__, _arrays.device_of(like)))
         if key not in self._as:
             states = kernel_states(self.states)
             if torch is not None and isinstance(like, torch.Tensor):
                 states = torch.as_tensor(states, device=like.device)
+            elif _arrays._is_numba_device_array(like):
+                from numba import cuda
+                states = cuda.to_device(states)
             self._as[key] = states
         return self._as[key]
 
@@ -128,12 +132,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     """Attention with ``score_mod`` and ``block_mask``'s ``mask_mod`` (the module's docstring), FlexAttention's
     layout: query ``(B, Hq, L, E)``, key and value ``(B, Hkv, S, E)`` (``Hkv != Hq`` needs ``enable_gqa``).
     Returns ``out`` ``(B, Hq, L, E)`` of the query's kind and dtype, or ``(out, lse)`` with ``lse`` ``(B, Hq, L)``
-    (float32; float64 for float64 inputs).  NumPy, PyTorch (CUDA) and CuPy arrays.  ``backend`` as
+    (float32; float64 for float64 inputs).  NumPy, PyTorch (CUDA), CuPy and Numba device arrays.  ``backend`` as
     ``flash_attention``'s: "auto" runs 16-bit inputs on the tensor cores (the Hopper forward on compute
     capability 9.0), float64 on the SIMT kernels, float32 on the SIMT kernels except the forward on compute
     capability 9.0 (the 3xTF32 Hopper forward, as ``flash_attention``'s)."""
     q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, None, False)
-    out, lse = api._forward(q, k, v, options, True, None, None, stream, backend)
+    out, lse = _dispatch.cached_call(
+        ("flex_forward", options["mods"], options["block_mask_size"]), (q, k, v, options["block_mask"]),
+        (scale, backend), api._forward, cacheable=stream is None,
+        args=(q, k, v, options, True, None, None, stream, backend))
     out = _swap(out)
     return (out, lse) if return_lse else out
 
@@ -147,7 +154,12 @@ def flex_attention_backward(dout, query, key, value, out, lse, score_mod=None, b
     complex step (the score_mod must then take a complex score).  ``backend``, ``deterministic`` as
     ``flash_attention_backward``'s."""
     q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, True)
-    grads = api._backward(_swap(dout), q, k, v, _swap(out), lse, options, None, None, deterministic, stream, backend)
+    dout, out = _swap(dout), _swap(out)
+    grads = _dispatch.cached_call(
+        ("flex_backward", options["mods"], options["block_mask_size"]),
+        (dout, q, k, v, out, lse, options["block_mask"]), (scale, deterministic, backend), api._backward,
+        cacheable=stream is None,
+        args=(dout, q, k, v, out, lse, options, None, None, deterministic, stream, backend))
     return tuple(_swap(g) for g in grads)
 
 
@@ -449,7 +461,14 @@ def _swap(x):
     torch = _arrays.torch
     if torch is not None and isinstance(x, torch.Tensor):
         return x.transpose(1, 2)
+    if _arrays._is_numba_device_array(x):               # (its swapaxes would copy to the host)
+        shape = (x.shape[0], x.shape[2], x.shape[1]) + tuple(x.shape[3:])
+        strides = (x.strides[0], x.strides[2], x.strides[1]) + tuple(x.strides[3:])
+        if _arrays.SIMULATOR:
+            return _arrays.strided_view(x, shape, strides)
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        return DeviceNDArray(shape, strides, x.dtype, stream=x.stream, gpu_data=x.gpu_data)
     if hasattr(x, "swapaxes"):
         return x.swapaxes(1, 2)
-    raise TypeError(f"flex_attention takes NumPy, PyTorch and CuPy arrays, got {type(x).__name__}")
+    raise TypeError(f"flex_attention takes NumPy, PyTorch, CuPy and Numba device arrays, got {type(x).__name__}")
 

@@ -520,3 +520,43 @@ def test_the_fp8_forward_replays():
     for name, a, b in zip(("out", "lse"), replayed, full):
         assert_bitwise_equal(a, b, f"replayed {name}")
     assert not np.allclose(replayed[0], call(_fp8_arrays(0), descales(0))[0]), "the replay ignored its inputs"
+
+
+def test_flex_attention_replays_forward_and_backward():
+    """``flex_attention`` / ``flex_attention_backward`` with a score_mod and a block mask: validated every call
+    (``flex._call``), then replayed, keyed by the compiled functions (a function and what it captures) and the
+    block mask's states; a replay computes what the full path computes from its own inputs, and another score_mod
+    is a miss."""
+    slopes = np.array([0.5, 0.25], np.float32)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    block_mask = flashnb.create_block_mask(causal, None, None, 9, 11, BLOCK_SIZE=16)
+
+    def call(seed, score_mod=alibi):
+        rng = np.random.default_rng(seed)
+        q, k, v, dout = (cuda.to_device(rng.standard_normal((1, 2, n, 8)).astype(np.float16))
+                         for n in (9, 11, 11, 9))
+        opts = dict(score_mod=score_mod, block_mask=block_mask, backend="tensorcore")
+        out, lse = flashnb.flex_attention(q, k, v, return_lse=True, **opts)
+        grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, **opts)
+        return [np.array(x.copy_to_host() if hasattr(x, "copy_to_host") else x) for x in (out, lse, *grads)]
+
+    call(0)
+    assert _dispatch.stats["recorded"] == 2
+    replayed = call(1)
+    assert _dispatch.stats["hits"] == 2
+    _dispatch.clear()
+    full = call(1)
+    assert _dispatch.stats["hits"] == 0
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, full):
+        assert_bitwise_equal(a, b, f"replayed {name}")
+    assert not np.allclose(replayed[0], call(0)[0]), "the replay ignored its inputs"
+    hits = _dispatch.stats["hits"]
+    other = call(1, lambda score, b, h, q_idx, kv_idx: score * np.float32(0.5))
+    assert _dispatch.stats["hits"] == hits, "another score_mod replayed the first one's kernels"
+    assert not np.allclose(other[0], full[0])

@@ -398,6 +398,40 @@ def test_a_padded_batchs_decoding_steps_take_the_length_generic_step():
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"the step differs at {n} keys"
 
 
+def test_dispatch_cache_replays_flex_attention():
+    """flex_attention and its backward with an ALiBi score_mod (complex step) and a causal document mask on
+    bfloat16 tensors: the second call with other tensors is a replay, equal to the full path's bit for bit (dq to
+    float32 rounding: summed by atomics in any order)."""
+    import numpy as np
+    slopes = np.float32(2.0) ** -np.arange(1, 5, dtype=np.float32)
+    doc = np.repeat(np.arange(3, dtype=np.int32), 100)[:300]
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    mask = flashnb.create_block_mask(document, None, None, 300, 300)
+
+    def call(seed):
+        torch.manual_seed(seed)
+        q, k, v, do = (_randn(2, 4, 300, 64, dtype=torch.bfloat16) for _ in range(4))
+        out, lse = flashnb.flex_attention(q, k, v, alibi, mask, return_lse=True)
+        return (out, lse) + tuple(flashnb.flex_attention_backward(do, q, k, v, out, lse, alibi, mask))
+
+    _dispatch.clear()
+    call(0)
+    assert _dispatch.stats["recorded"] == 2
+    replayed = call(1)
+    assert _dispatch.stats["hits"] == 2
+    _dispatch.clear()
+    full = call(1)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, full):
+        same = torch.equal(a, b) if name != "dq" else torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+        assert same, f"replayed {name} differs from the full path's"
+
+
 @pytest.mark.parametrize("replay_maps", [False, True])
 def test_dispatch_cache_and_the_hopper_forwards_tensor_maps(monkeypatch, replay_maps):
     """backend="wgmma" (compute capability 9.0): the tensor maps hold the inputs' addresses; unrecorded without
