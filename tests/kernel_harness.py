@@ -477,3 +477,18 @@ def check_forward_bf16(p: S.Problem, out, lse):
     bound = 2 * err_bf16 + (HALF_ULP_BF16 + exp.rel) * exp.mags["out"]
     assert err <= bound, f"out: max |kernel - oracle| = {err:.3g} > {bound:.3g} (2 * bfloat16-oracle error {err_bf16:.3g} + floor)"
     assert_lse_matches(lse, exp)
+
+
+def recorded_then_replayed(call, recordings):
+    """A dispatch-cache test's three calls: ``call(0)`` recorded (``recordings`` recordings), ``call(1)`` replayed
+    from them, and ``call(1)`` again on the full path (the cache emptied); returns the last two's results."""
+    from flashnb import _dispatch
+    _dispatch.clear()
+    call(0)
+    assert _dispatch.stats["recorded"] == recordings
+    replayed = call(1)
+    assert _dispatch.stats["hits"] == recordings
+    _dispatch.clear()
+    full = call(1)
+    assert _dispatch.stats["hits"] == 0
+    return replayed, full

@@ -12,7 +12,7 @@ from numba import cuda
 import flashnb
 from flashnb import _dispatch, plan
 from flashnb.kernels import _tma
-from kernel_harness import assert_bitwise_equal, poison_outputs  # noqa: F401 (autouse fixture)
+from kernel_harness import assert_bitwise_equal, poison_outputs, recorded_then_replayed  # noqa: F401 (autouse)
 
 OPTS = dict(causal=True, softcap=4.0)
 
@@ -509,14 +509,7 @@ def test_the_fp8_forward_replays():
         out, lse = flashnb.flash_attention_fp8(*arrays, *ds, causal=True, return_lse=True)
         return host(out, lse)
 
-    call(_fp8_arrays(0), descales(0))
-    assert _dispatch.stats["recorded"] == 1
-    new, new_ds = _fp8_arrays(1), descales(1)
-    replayed = call(new, new_ds)
-    assert _dispatch.stats["hits"] == 1
-    _dispatch.clear()
-    full = call(new, new_ds)
-    assert _dispatch.stats["hits"] == 0
+    replayed, full = recorded_then_replayed(lambda seed: call(_fp8_arrays(seed), descales(seed)), 1)
     for name, a, b in zip(("out", "lse"), replayed, full):
         assert_bitwise_equal(a, b, f"replayed {name}")
     assert not np.allclose(replayed[0], call(_fp8_arrays(0), descales(0))[0]), "the replay ignored its inputs"
@@ -546,13 +539,7 @@ def test_flex_attention_replays_forward_and_backward():
         grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, **opts)
         return [np.array(x.copy_to_host() if hasattr(x, "copy_to_host") else x) for x in (out, lse, *grads)]
 
-    call(0)
-    assert _dispatch.stats["recorded"] == 2
-    replayed = call(1)
-    assert _dispatch.stats["hits"] == 2
-    _dispatch.clear()
-    full = call(1)
-    assert _dispatch.stats["hits"] == 0
+    replayed, full = recorded_then_replayed(call, 2)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, full):
         assert_bitwise_equal(a, b, f"replayed {name}")
     assert not np.allclose(replayed[0], call(0)[0]), "the replay ignored its inputs"

@@ -15,6 +15,16 @@ import flashnb
 from flashnb import _dispatch
 
 
+def _per_call(f, calls=200):
+    """Microseconds a call of ``f`` over ``calls`` calls between two synchronisations."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def main():
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -36,14 +46,7 @@ def main():
         _dispatch.lookup = patched
         for name, f in calls:
             f()
-            times = []
-            for _ in range(7):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(200):
-                    f()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t) / 200 * 1e6)
+            times = [_per_call(f) for _ in range(7)]
             print(f"flex {name} {label}: median {statistics.median(times):.1f} us (min {min(times):.1f})", flush=True)
     _dispatch.lookup = lookup
     print("dispatch stats", _dispatch.stats)

@@ -11,7 +11,8 @@ quantised, float64 sums) plus the output's rounding (flash-attn's rule: Hopper's
 than float32, so S moves by ~1e-4 and P entries near a midpoint between codes flip); the distance to the oracle
 itself, and the FP8 output's error against float64 attention of the unquantised inputs beside the 16-bit
 kernel's, reported.  ``bench``: CUDA events around each call (host time included: the call's launches, V^T's pre-pass
-among them), median of 20 after 3 (and the host's time inside the call, its launches being asynchronous), batch x seqlen = 16k tokens, heads x headdim = 2048 (the bench's shapes),
+among them), median of 20 after 3 (and the host's time inside the call, its launches being asynchronous),
+batch x seqlen = 16k tokens, heads x headdim = 2048 (the bench's shapes),
 TFLOP/s = 4 B H N^2 d (halved when causal).
 """
 import argparse
@@ -161,7 +162,8 @@ def _bench(torch, flashnb, seqlens, headdims):
                     times[name + " host"] = float(np.median(host)) * 1e6
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
                 f16, f8 = times["fp16"], times["fp8"]
-                print(f"| {d} | {n} | {causal} | {f16:.3f} | {f8:.3f} | {flops / f16 / 1e9:.0f} | {flops / f8 / 1e9:.0f} | {f16 / f8:.2f}x | {times['fp16 host']:.0f} / {times['fp8 host']:.0f} |")
+                print(f"| {d} | {n} | {causal} | {f16:.3f} | {f8:.3f} | {flops / f16 / 1e9:.0f} | "
+                      f"{flops / f8 / 1e9:.0f} | {f16 / f8:.2f}x | {times['fp16 host']:.0f} / {times['fp8 host']:.0f} |")
 
 
 def main(argv=None):

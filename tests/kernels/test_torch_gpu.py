@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 ft = pytest.importorskip("flashnb.torch")
 import flashnb  # noqa: E402
 from flashnb import _dispatch  # noqa: E402
+from kernel_harness import recorded_then_replayed  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 F = torch.nn.functional
@@ -420,13 +421,7 @@ def test_dispatch_cache_replays_flex_attention():
         out, lse = flashnb.flex_attention(q, k, v, alibi, mask, return_lse=True)
         return (out, lse) + tuple(flashnb.flex_attention_backward(do, q, k, v, out, lse, alibi, mask))
 
-    _dispatch.clear()
-    call(0)
-    assert _dispatch.stats["recorded"] == 2
-    replayed = call(1)
-    assert _dispatch.stats["hits"] == 2
-    _dispatch.clear()
-    full = call(1)
+    replayed, full = recorded_then_replayed(call, 2)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, full):
         same = torch.equal(a, b) if name != "dq" else torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
         assert same, f"replayed {name} differs from the full path's"
