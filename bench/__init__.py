@@ -17,8 +17,8 @@ Modules, in the order a run uses them:
 * ``decode``, ``varlen``, ``flex``, ``model`` -- the sections of ``--decode``, ``--varlen``, ``--flex`` and
   ``--model llama``, each its own table.
 
-The developer tools (tile sweeps, the decode kernels' A/B, profiler targets and readers, SASS) are in ``tools/``
-(``python -m tools.X``; tools/README.md).
+The developer tools (tile sweeps, the decode kernels' A/B, the model step's bound, profiler targets and readers,
+SASS) are in ``tools/`` (``python -m tools.X``; tools/README.md).
 
 This file imports nothing: ``python -m bench`` must be able to switch numba to
 its simulator before numba is first imported.

@@ -15,11 +15,12 @@ padding ignored): padded prefill, training and decoding steps, as a batch of pro
 Implementations (``--impl``): ``sdpa`` (transformers' SDPA attention with PyTorch's default backend choice),
 ``sdpa-cudnn`` and ``sdpa-flash`` (the same with SDPA restricted to one backend by ``torch.nn.attention.
 sdpa_kernel``) and ``numba_attention`` (``import flashnb.transformers``; ``attn_implementation=
-"numba_attention"``).  ``no-attention`` is a bound, not an implementation: each attention layer returns its
-query (transposed, made contiguous: one copy, differentiable) and computes nothing else, so its step is the
-model's without attention; ``(time with SDPA) / (time with no-attention)`` is the most any attention kernel could
-gain over SDPA in that step.  The greedy tokens of every implementation are compared with the first's (a mismatch is
+"numba_attention"``).  The greedy tokens of every implementation are compared with the first's (a mismatch is
 reported: bfloat16 rounding can flip a near tie).
+
+The bound ``no-attention`` (the step with attention doing nothing) and ``--profile`` (the attention kernels' GPU
+time a step) are ``python -m tools.model_bound``, which runs this table with them; the records made before they
+moved there name them ``python -m bench --model llama --impl ...,no-attention`` and ``... --profile``.
 """
 from __future__ import annotations
 
@@ -30,13 +31,6 @@ import sys
 import time
 
 IMPLS = ("sdpa", "sdpa-cudnn", "sdpa-flash", "numba_attention")
-NO_ATTENTION = "no-attention"
-
-
-def no_attention(module, query, key, value, attention_mask, **kwargs):
-    """An attention layer that attends to nothing: ``query`` as the output (``(batch, seqlen, heads, head_dim)``,
-    one copy), for the bound ``no-attention``."""
-    return query.transpose(1, 2).contiguous(), None
 
 
 def parse_args(argv=None):
@@ -57,8 +51,6 @@ def parse_args(argv=None):
     p.add_argument("--impl", default=",".join(IMPLS))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--pad", type=int, default=0, help="left padding (tokens) of every other sequence; 0: none")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile 2 training steps: GPU ms a step in attention kernels and in all kernels")
     return p.parse_args(argv)
 
 
@@ -76,14 +68,14 @@ def batch_of(n, length, pad, vocab, seed, torch, device="cuda"):
 
 
 def build(args, impl, torch, transformers):
+    """The randomly initialised model (seed 0) with ``impl``'s attention (any name registered with transformers'
+    ``AttentionInterface``; ``sdpa-*``: transformers' SDPA, restricted by ``backend_scope``)."""
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 4,
                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
                                    num_key_value_heads=args.kv_heads, max_position_embeddings=args.seqlen
                                    + args.prompt + args.new_tokens)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to("cuda", getattr(torch, args.dtype))
-    if impl == NO_ATTENTION:
-        transformers.AttentionInterface.register(NO_ATTENTION, no_attention)
     model.set_attn_implementation("sdpa" if impl.startswith("sdpa") else impl)
     return model
 
@@ -115,34 +107,6 @@ def train_ms(model, args, torch):
     return statistics.median(times), losses
 
 
-ATTENTION_KERNELS = ("flashnb::", "flash", "fmha", "cudnn", "attention", "sdpa")
-
-
-def attention_kernel_ms(model, args, torch, steps=2):
-    """``(attention ms, all kernels ms)`` of the GPU a training step, from torch.profiler over ``steps`` steps:
-    kernels whose names hold one of ``ATTENTION_KERNELS`` (flashnb's, FlashAttention's, cuDNN's), and every
-    kernel."""
-    from torch.profiler import ProfilerActivity, profile
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids, mask = batch_of(args.batch, args.seqlen, args.pad, model.config.vocab_size, 1, torch)
-    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-    attention = total = 0.0
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        if e.key.startswith("Memcpy") or e.key.startswith("Memset") or t <= 0 or e.count == 0:
-            continue
-        total += t
-        if any(n in e.key.lower() for n in ATTENTION_KERNELS):
-            attention += t
-    return attention / steps / 1e3, total / steps / 1e3
-
-
 def generate_once(model, args, torch, new_tokens=None):
     """(tokens/s, the new tokens) of one greedy ``generate()``."""
     n = new_tokens or args.new_tokens
@@ -156,7 +120,26 @@ def generate_once(model, args, torch, new_tokens=None):
     return n * args.gen_batch / (time.perf_counter() - t0), out[:, args.prompt:]
 
 
-def main(argv=None) -> int:
+def table(rows) -> list[str]:
+    """The markdown table's lines: the columns the rows have (after ``train ms``, any that ``main``'s ``extra``
+    added), and each row's speed against the first row's."""
+    base = rows[0]
+    known = ("impl", "train ms", "gen tok/s", "loss 1st/last", "tokens = 1st impl")
+    extra = [c for c in base if c not in known]
+    cols = [c for c in ("train ms", *extra, "gen tok/s", "loss 1st/last", "tokens = 1st impl") if c in base]
+    lines = ["| impl | " + " | ".join(cols) + f" | train vs {base['impl']} | generate vs {base['impl']} |",
+             "|---" * (len(cols) + 3) + "|"]
+    for r in rows:
+        vs_t = f"{base['train ms'] / r['train ms']:.3f}x" if "train ms" in r else ""
+        vs_g = f"{r['gen tok/s'] / base['gen tok/s']:.3f}x" if "gen tok/s" in r else ""
+        cells = [f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+        lines.append(f"| {r['impl']} | " + " | ".join(cells) + f" | {vs_t} | {vs_g} |")
+    return lines
+
+
+def main(argv=None, extra=None) -> int:
+    """``python -m bench --model llama``.  ``extra(model, args, torch) -> dict``: more columns of a row, measured
+    after its training step on the same model (``tools.model_bound``'s profile)."""
     args = parse_args(argv)
     import torch
     import transformers
@@ -174,8 +157,8 @@ def main(argv=None) -> int:
             with backend_scope(row["impl"], torch):
                 model.train()
                 row["train ms"], losses = train_ms(model, args, torch)
-                if args.profile:
-                    row["attn GPU ms"], row["GPU ms"] = attention_kernel_ms(model, args, torch)
+                if extra is not None:
+                    row.update(extra(model, args, torch))
             row["loss 1st/last"] = f"{losses[0]:.4f}/{losses[-1]:.4f}"
             del model
             torch.cuda.empty_cache()
@@ -197,16 +180,8 @@ def main(argv=None) -> int:
             row["tokens = 1st impl"] = f"{(tokens[row['impl']] == first).float().mean().item():.3f}"
             print(row, file=sys.stderr, flush=True)
         del models
-    base = rows[0]
-    cols = [c for c in ("train ms", "attn GPU ms", "GPU ms", "gen tok/s", "loss 1st/last", "tokens = 1st impl")
-            if c in base]
-    print("| impl | " + " | ".join(cols) + f" | train vs {base['impl']} | generate vs {base['impl']} |")
-    print("|---" * (len(cols) + 3) + "|")
-    for r in rows:
-        vs_t = f"{base['train ms'] / r['train ms']:.3f}x" if "train ms" in r else ""
-        vs_g = f"{r['gen tok/s'] / base['gen tok/s']:.3f}x" if "gen tok/s" in r else ""
-        cells = [f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
-        print(f"| {r['impl']} | " + " | ".join(cells) + f" | {vs_t} | {vs_g} |")
+    for line in table(rows):
+        print(line)
     return 0
 
 

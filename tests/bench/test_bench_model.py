@@ -20,20 +20,22 @@ def test_pad_left_pads_every_other_sequence():
     assert model.parse_args(["--pad", "64"]).pad == 64 and model.parse_args([]).pad == 0
 
 
-def test_no_attention_is_a_bound_that_attends_to_nothing():
-    """``--impl no-attention``: each layer's output is its query (no key or value read), differentiable, in the
-    layout the attention layers expect."""
-    transformers = pytest.importorskip("transformers")
-    q = torch.randn(2, 4, 5, 8, requires_grad=True)          # (batch, heads, seqlen, head_dim)
-    out, weights = model.no_attention(None, q, torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8), None)
-    assert weights is None and out.shape == (2, 5, 4, 8) and out.is_contiguous()
-    assert torch.equal(out, q.transpose(1, 2))
-    out.sum().backward()
-    assert torch.equal(q.grad, torch.ones_like(q))
-    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2)
-    transformers.AttentionInterface.register(model.NO_ATTENTION, model.no_attention)
-    llama = transformers.LlamaForCausalLM(cfg)
-    llama.set_attn_implementation(model.NO_ATTENTION)
-    ids = torch.randint(0, 50, (2, 6))
-    llama(input_ids=ids, labels=ids).loss.backward()
+def test_table_columns_and_speeds():
+    """The markdown table: the measured columns (``main``'s ``extra`` ones after ``train ms``), speeds against the first
+    row's; without ``extra`` exactly the columns it always had."""
+    rows = [{"impl": "sdpa", "train ms": 20.0, "loss 1st/last": "10.4/10.3", "gen tok/s": 1300.0,
+             "tokens = 1st impl": "1.000"},
+            {"impl": "numba_attention", "train ms": 19.0, "loss 1st/last": "10.4/10.3", "gen tok/s": 1235.0,
+             "tokens = 1st impl": "0.996"}]
+    lines = model.table(rows)
+    assert lines[0] == ("| impl | train ms | gen tok/s | loss 1st/last | tokens = 1st impl | train vs sdpa | "
+                        "generate vs sdpa |")
+    assert lines[1] == "|---|---|---|---|---|---|---|"
+    assert lines[3] == "| numba_attention | 19.00 | 1235.00 | 10.4/10.3 | 0.996 | 1.053x | 0.950x |"
+    extra = [{"impl": r["impl"], "train ms": r["train ms"], "attn GPU ms": 3.0, "GPU ms": 19.5,
+              "loss 1st/last": r["loss 1st/last"]} for r in rows]
+    assert model.table(extra)[0] == ("| impl | train ms | attn GPU ms | GPU ms | loss 1st/last | train vs sdpa | "
+                                     "generate vs sdpa |")
+    assert model.table(extra)[2] == "| sdpa | 20.00 | 3.00 | 19.50 | 10.4/10.3 | 1.000x |  |"
+    with pytest.raises(SystemExit):                 # the bound's profile is tools.model_bound's option now
+        model.parse_args(["--profile"])
