@@ -66,7 +66,8 @@ class BlockMask:
         empty block, and run the mask_mod on a tile unless every block under it is full)."""
         torch = _arrays.torch
         key = (str(like.device) if torch is not None and isinstance(like, torch.Tensor)
-               else (type(like).__name__, _arrays.device_of(like)))
+               else (type(like).__name__, _arrays.device_of(like),
+                     _jit.current_context() if _arrays._is_numba_device_array(like) and not _jit.SIMULATOR else None))
         if key not in self._as:
             states = kernel_states(self.states)
             if torch is not None and isinstance(like, torch.Tensor):
@@ -226,7 +227,9 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
     if score_mod is not None or mask_mod is not None:
         fp = prints.get
         f32 = _arrays.kind_of(query, "query").dtype != "float64"        # the kernels accumulate in float32
-        mods = Mods(_compiled(score_mod, f32, fp(id(score_mod))), _compiled(mask_mod, f32, fp(id(mask_mod))),
+        # (a mask_mod keeps its float64 constants: it returns a bool, and create_block_mask and the oracle
+        # decide its blocks in float64)
+        mods = Mods(_compiled(score_mod, f32, fp(id(score_mod))), _compiled(mask_mod, False, fp(id(mask_mod))),
                     _compiled(grad, f32, fp(id(grad))) if grad is not None
                     else _complex_step(score_mod, f32, fp(id(score_mod))) if backward and score_mod else None,
                     None if mask_mod is None else block_mask.block_size)
@@ -359,17 +362,11 @@ def _compiled(fn, float32=False, fingerprint=None):
     key = (fn, _fingerprint(fn) if fingerprint is None else fingerprint, float32)
     if key not in _COMPILED:
         src = _float32_constants(fn) if float32 else fn
-        dev = _COMPILED[key] = device_function(src, FLOAT32_FASTMATH if float32 else None)
+        dev = _COMPILED[key] = device_function(src)
         ident = _stable_id(src)
         if ident is not None:
-            dev.flashnb_id = ident + (" float32" if src is not fn else "")
+            dev.flashnb_id = ident + (" float32-ieee" if src is not fn else "")   # (not a6e01ca's fast-math one)
     return _COMPILED[key]
-
-
-# the float32 functions' division by a constant as a product with its reciprocal (``arcp``: ``score / 30`` is
-# otherwise IEEE division, whose slow path kept the tile loop from unrolling and S in local memory: ptxas), and
-# a * b + c fused (``contract``); no flag that assumes finite values (a mod may return -inf)
-FLOAT32_FASTMATH = frozenset({"arcp", "contract"})
 
 
 def _float32_constants(fn):
@@ -387,6 +384,7 @@ def _float32_constants(fn):
     if not (any(type(c) is float for c in code.co_consts) or floats or glob_floats):
         return fn
     consts = tuple(np.float32(c) if type(c) is float else c for c in code.co_consts)
+    code, consts = _reciprocal_divisions(code, consts)
     glob = fn.__globals__
     if glob_floats:
         glob = dict(glob)
@@ -396,6 +394,34 @@ def _float32_constants(fn):
     new = types.FunctionType(code.replace(co_consts=consts), glob, fn.__name__, fn.__defaults__, closure or None)
     new.__qualname__, new.__module__ = fn.__qualname__, fn.__module__
     return new
+
+
+_LOAD_CONST, _BINARY_OP = dis.opmap["LOAD_CONST"], dis.opmap.get("BINARY_OP")
+_NB = {name: i for i, (name, _) in enumerate(getattr(dis, "_nb_ops", ()))}
+
+
+def _reciprocal_divisions(code, consts):
+    """``x / c`` with ``c`` a float literal rewritten as ``x * (1 / c)`` (``c`` in ``consts``, already float32):
+    IEEE division's slow path keeps ptxas from unrolling the kernels' tile loops around a mod (S then lives in
+    local memory), and the product is within an ulp of the quotient.  Python 3.11's ``LOAD_CONST i; BINARY_OP /``
+    pairs only; other code comes back as it is."""
+    if _BINARY_OP is None or "NB_TRUE_DIVIDE" not in _NB:
+        return code, consts
+    raw, consts = bytearray(code.co_code), list(consts)
+    ops = [(i, raw[i], raw[i + 1]) for i in range(0, len(raw), 2)]
+    changed = False
+    for (i, op, arg), (j, op2, arg2) in zip(ops, ops[1:]):
+        if (op == _LOAD_CONST and op2 == _BINARY_OP and arg2 == _NB["NB_TRUE_DIVIDE"]
+                and (i == 0 or raw[i - 2] != dis.EXTENDED_ARG) and type(consts[arg]) is np.float32
+                and consts[arg] != 0):
+            consts.append(np.float32(1) / consts[arg])
+            if len(consts) > 255:
+                return code, tuple(consts[:-1])
+            raw[i + 1], raw[j + 1] = len(consts) - 1, _NB["NB_MULTIPLY"]
+            changed = True
+    if not changed:
+        return code, tuple(consts)
+    return code.replace(co_code=bytes(raw)), tuple(consts)
 
 
 def _cell_float(cell):

@@ -7,10 +7,10 @@ arrays (the codes as bytes), in flash-attn's layout (batch, seqlen, heads, headd
 ``codes * descale``, FA3's convention: each descaling factor is a positive float, or an array of shape (batch,
 nheads_k) (one per batch and key/value head; a query head takes its key/value head's), or None (1).  Python and
 NumPy descales are checked positive and finite; PyTorch descale tensors are not (that would wait for the GPU):
-a zero or negative one gives NaN rows.  What is computed is ``reference.fp8.fp8_flash_forward``: attention of
-the dequantised inputs, with the probabilities quantised to e4m3 for the ``P V`` product (their row sums from the
-unquantised ones).  The output is float16 or bfloat16 (``out_dtype``; PyTorch's default bfloat16, as FA3's,
-NumPy's float16).
+a zero, negative or non-finite one gives meaningless rows.  What is computed is
+``reference.fp8.fp8_flash_forward``: attention of the dequantised inputs, with the probabilities quantised to
+e4m3 for the ``P V`` product (their row sums from the unquantised ones).  The output is float16 or bfloat16
+(``out_dtype``; PyTorch's default bfloat16, as FA3's, NumPy's float16).
 
 Layers as in ``api``: validate on the host (``_check``) -> plan (``plan.fp8_forward``: the V^T pre-pass and the
 forward, cached per shape) -> bind (word views of the codes, V^T's temporary, the tensor maps) -> launch.
@@ -21,6 +21,7 @@ incoherent processing: pass the same one for q and k (``q K^T`` is unchanged), n
 outlier channels it cuts the FP8 output's mean error about 3.5x (docs/notes/fp8.md step 3).
 """
 import math
+import threading
 
 import numpy as np
 
@@ -37,6 +38,7 @@ except ImportError:  # pragma: no cover - torch is an optional extra
 OUT_DTYPES = ("float16", "bfloat16")
 E4M3_MAX = 448.0
 _SCALAR_DESCALES = {}     # (value, device, context) -> its one-value float32 device array, kept for the process
+_SCALAR_LOCK = threading.Lock()
 
 
 def hadamard_rotation(headdim, seed=0):
@@ -122,6 +124,11 @@ def _full_forward(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
     refusal = plan.fp8_refusal()
     if refusal is not None:
         raise ValueError(refusal)
+    if not (_is_array(q_descale) or _is_array(k_descale)):
+        c = np.float32(scale) * np.float32(_scalar(q_descale, "q_descale")) * np.float32(
+            _scalar(k_descale, "k_descale"))
+        if not (np.isfinite(c) and c > 0):
+            raise ValueError(f"softmax_scale * q_descale * k_descale must be positive and finite in float32, got {c}")
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
         descale = [_descale(d, name, kind, q, batch, nheads_k, launch_stream)
@@ -191,6 +198,8 @@ def _descale(d, name, kind, q, batch, nheads_k, stream):
     single value), of the caller's tensor where it is float32 on q's device, else of a copy; a float's (or None's)
     one-value device array is kept for the process (a replay of the dispatch cache launches with it)."""
     if torch is not None and isinstance(d, torch.Tensor):
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"{name} is a PyTorch tensor but q is not: pass a float or an array of q's library")
         if d.device != q.device or tuple(d.shape) not in ((), (1,), (batch, nheads_k)):
             raise ValueError(f"{name} must be a float or a tensor of shape (batch, nheads_k) = ({batch}, {nheads_k}) "
                              f"on q's device, got shape {tuple(d.shape)} on {d.device}")
@@ -199,9 +208,10 @@ def _descale(d, name, kind, q, batch, nheads_k, stream):
         if d.shape != (batch, nheads_k):
             raise ValueError(f"{name} must be a float or an array of shape (batch, nheads_k) = ({batch}, "
                              f"{nheads_k}), got shape {d.shape}")
-        if not (np.all(np.isfinite(d)) and np.all(d > 0)):
-            raise ValueError(f"{name} must be positive and finite")
-        dev = _arrays.to_device(np.ascontiguousarray(d, np.float32), stream)
+        d32 = np.ascontiguousarray(d, np.float32)
+        if not (np.all(np.isfinite(d32)) and np.all(d32 > 0)):
+            raise ValueError(f"{name} must be positive and finite in float32")
+        dev = _arrays.to_device(d32, stream)
     elif _arrays._is_numba_device_array(d) or hasattr(d, "__cuda_array_interface__"):   # CuPy, Numba
         if np.dtype(d.dtype) != np.float32 or tuple(d.shape) not in ((), (1,), (batch, nheads_k)):
             raise ValueError(f"{name} must be a float32 device array of shape (batch, nheads_k) = ({batch}, "
@@ -219,17 +229,23 @@ def _descale(d, name, kind, q, batch, nheads_k, stream):
 
 
 def _one_value(value, q, stream):
-    """A one-value float32 device array of ``value`` on q's device, kept (64 values at most; past them a fresh
-    one, which leaves the call out of the dispatch cache)."""
+    """A one-value float32 device array of ``value`` on q's device, kept for the process (a replay of the dispatch
+    cache launches with it; 256 values at most, past them a fresh one each call, which leaves the call out of the
+    cache: its address is never a constant's)."""
     key = (value, _arrays.device_of(q), None if _arrays.SIMULATOR else _arrays.current_context())
     arr = _SCALAR_DESCALES.get(key)
-    if arr is None:
-        arr = _arrays.to_device(np.array([value], np.float32), stream)
-        stream.numba.synchronize()       # (once a value: a later call on another stream reads it landed)
-        if len(_SCALAR_DESCALES) < 64:
-            _SCALAR_DESCALES[key] = arr
+    if arr is not None:
+        return arr
+    arr = _arrays.to_device(np.array([value], np.float32), stream)
+    with _SCALAR_LOCK:
+        if len(_SCALAR_DESCALES) >= 256:
+            _dispatch.unfit()
+            return arr
+        kept = _SCALAR_DESCALES.setdefault(key, arr)     # (another thread's, if it got there first)
+        if kept is arr:
+            stream.numba.synchronize()   # (once a value: a later call on another stream reads it landed)
             _dispatch.CONSTANT_PTRS.add(_dispatch._ptr(arr))
-    return arr
+    return kept
 
 
 def _scalar(d, name):
@@ -241,6 +257,8 @@ def _scalar(d, name):
             or not math.isfinite(d) or d <= 0):
         raise ValueError(f"{name} must be a positive finite float, an array of shape (batch, nheads_k), or None; "
                          f"got {d!r}")
+    if not (np.isfinite(np.float32(d)) and np.float32(d) > 0):
+        raise ValueError(f"{name} must be positive and finite in float32 (the kernel's), got {d!r}")
     return float(d)
 
 

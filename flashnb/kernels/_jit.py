@@ -42,13 +42,10 @@ from . import _cache
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 
 
-def device_function(fn, fastmath=None):
-    """A device helper, inlined into its caller on the GPU (its local arrays then stay in registers).
-    ``fastmath``: LLVM's fast-math flags for its arithmetic (a set, e.g. ``{"arcp"}``), none by default."""
+def device_function(fn):
+    """A device helper, inlined into its caller on the GPU (its local arrays then stay in registers)."""
     if SIMULATOR:
         return cuda.jit(device=True)(fn)
-    if fastmath:
-        return cuda.jit(device=True, forceinline=True, fastmath=set(fastmath))(fn)
     return cuda.jit(device=True, forceinline=True)(fn)
 
 

@@ -451,3 +451,31 @@ def test_kernel_states_pad_each_block_row_and_column_with_its_kept_range(seed, s
             for j in range(nkb):
                 kept = [i for i in range(nqb) if states[b, h, i, j]]
                 assert tuple(got[b, h, nqb:, j]) == ((kept[0], kept[-1] + 1) if kept else (nqb, 0))
+
+
+def test_float32_kernels_compile_float_constants_as_float32_and_divisions_as_products():
+    """A score_mod's Python floats become float32 for the float32-accumulating kernels, ``x / c`` (c a literal)
+    the product with float32 ``1 / c`` (within an ulp of the quotient); a mask_mod keeps float64 (a bool decided
+    as create_block_mask and the oracle decide it: ``q * 0.3 <= k`` differs at q = 50 in float32)."""
+    import math
+    from flashnb import flex
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * math.tanh(score / 30.0)
+
+    f32 = flex._float32_constants(softcap)
+    assert f32 is not softcap and "/" not in [i.argrepr for i in __import__("dis").get_instructions(f32)]
+    s = np.linspace(-40, 40, 101).astype(np.float32)
+    got = np.array([f32(x, 0, 0, 0, 0) for x in s])
+    assert got.dtype == np.float32
+    assert np.allclose(got, 30 * np.tanh(s.astype(np.float64) / 30), rtol=4 * 2.0 ** -24 * 4, atol=1e-6)
+
+    def band(b, h, q_idx, kv_idx):
+        return q_idx * 0.3 <= kv_idx
+
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 1, 64, 8)).astype(np.float32) for _ in range(3))
+    mask = flashnb.create_block_mask(band, None, None, 64, 64, BLOCK_SIZE=16)
+    out = flashnb.flex_attention(q, k, v, block_mask=mask, backend="simt")
+    ref = rf.flex_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask_mod=band)
+    assert np.allclose(out, ref, rtol=1e-4, atol=1e-5), np.abs(out - ref).max()

@@ -187,6 +187,9 @@ def _small(d=64):
     (lambda a: dict(q_descale=-0.5), ValueError, "q_descale"),
     (lambda a: dict(v_descale=np.ones((2, 1), np.float32)), ValueError, "v_descale"),
     (lambda a: dict(k_descale=np.array([[np.nan]], np.float32)), ValueError, "k_descale"),
+    (lambda a: dict(q_descale=1e-50), ValueError, "q_descale must be positive and finite in float32"),
+    (lambda a: dict(v_descale=np.full((1, 1), 1e39)), ValueError, "v_descale must be positive and finite in float32"),
+    (lambda a: dict(q_descale=1e20, k_descale=1e20), ValueError, "softmax_scale \\* q_descale \\* k_descale"),
     (lambda a: dict(out_dtype="bfloat16"), TypeError, "out_dtype bfloat16"),
     (lambda a: dict(out_dtype="float32"), ValueError, "out_dtype"),
 ])
