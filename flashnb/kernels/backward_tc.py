@@ -1011,6 +1011,17 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
                         drop_threshold, drop_scale, seed_lo, seed_hi)
 
+    @device_function
+    def sequence_views(cu_seqlens_q, b, k_start, n_k, q, dout, lse2, delta, k, v, dk, dv):
+        """VARLEN: sequence ``b``'s rows of every array (its keys from ``k_start``, ``n_k`` of them), as a dense
+        batch's; its bottom-right offset n_k - n_q; its first query's row in the packed dQ."""
+        q_start, n_q = sequence_span(cu_seqlens_q, b)
+        q, dout = q[:, q_start:q_start + n_q], dout[:, q_start:q_start + n_q]
+        lse2, delta = lse2[:, :, q_start:q_start + n_q], delta[:, :, q_start:q_start + n_q]
+        k, v = k[:, k_start:k_start + n_k], v[:, k_start:k_start + n_k]
+        dk, dv = dk[:, k_start:k_start + n_k], dv[:, k_start:k_start + n_k]
+        return q, dout, lse2, delta, k, v, dk, dv, n_k - n_q, q_start
+
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
@@ -1020,13 +1031,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             k_start, n_k = sequence_span(cu_seqlens_k, b)
             if kt * BLOCK_K >= n_k:
                 return                                    # a key tile past its sequence: nothing to do
-            q_start, n_q = sequence_span(cu_seqlens_q, b)
-            q, dout = q[:, q_start:q_start + n_q], dout[:, q_start:q_start + n_q]
-            lse2, delta = lse2[:, :, q_start:q_start + n_q], delta[:, :, q_start:q_start + n_q]
-            k, v = k[:, k_start:k_start + n_k], v[:, k_start:k_start + n_k]
-            dk, dv = dk[:, k_start:k_start + n_k], dv[:, k_start:k_start + n_k]
-            off = n_k - n_q                               # bottom-right alignment per sequence
-            dq_b, dq_row0 = 0, q_start                    # where query row i's dQ accumulates: [dq_b, dq_row0 + i]
+            q, dout, lse2, delta, k, v, dk, dv, off, dq_row0 = sequence_views(
+                cu_seqlens_q, b, k_start, n_k, q, dout, lse2, delta, k, v, dk, dv)
+            dq_b = 0                                      # where query row i's dQ accumulates: [dq_b, dq_row0 + i]
         else:
             kt, hk, b = tile_order((k.shape[1] + BLOCK_K - 1) // BLOCK_K, k.shape[2])
             dq_b, dq_row0 = b, 0
@@ -1102,9 +1109,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             load_rows(lse2, delta, b, hk * group + gi, q0, seqlen_q, l_row, d_row)
             store_rows(fsmem, L_OFF, l_row, d_row)
         if TMA:                                           # K_j, V_j and item w's rows landed, for everyone
-            wait_all()
-            fence_async()
-            cuda.syncthreads()
+            await_item(False)
         it = 0                                           # TMA: the item's number, for its stage's phase
         buf = 0
         pending = False                                  # DEFER_DQ: the previous item's dQ is still to add
@@ -1118,11 +1123,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             if not TMA:
                 wn, gn, qn_i = next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off,
                                          left, right, block_mask, bm_q, bm_k)
-            if DEFER_DQ:
-                wait_all()
-                # item w's Q, dO, lse2, delta have landed for everyone; every warp is done with item w - 1
-                # (buffers 1 - buf free, its dS^T complete)
-                cuda.syncthreads()
+            if DEFER_DQ:      # item w's Q, dO, lse2, delta landed for everyone; every warp done with item w - 1
+                await_item(False)                        # (buffers 1 - buf free, its dS^T complete)
             if wn < n_work:
                 # buffer 1 - buf was last read before this barrier (DEFER_DQ) or the previous item's dQ barrier
                 qn = (qt_lo + qn_i) * BLOCK_Q
@@ -1166,9 +1168,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
                 # the next item's first barrier publishes them
                 store_rows(fsmem, L_OFF + (1 - buf) * 2 * BLOCK_Q, l_row, d_row)
-            buf = 1 - buf
-            it += 1
-            w, gi, qi = wn, gn, qn_i
+            buf, it, w, gi, qi = 1 - buf, it + 1, wn, gn, qn_i   # the next item
             if TMA:
                 wn, gn, qn_i = w2, g2, q2_i
 
