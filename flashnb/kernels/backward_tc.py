@@ -1022,6 +1022,15 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         dk, dv = dk[:, k_start:k_start + n_k], dv[:, k_start:k_start + n_k]
         return q, dout, lse2, delta, k, v, dk, dv, n_k - n_q, q_start
 
+    @device_function
+    def await_stage(smem, buf, it, more):
+        """Item ``it``'s Q_i, dO_i (in buffer ``buf``) have landed: TMA: its stage's full barrier, at the item's
+        phase; else ``await_item(more)`` (and its lse2, delta rows, for every thread)."""
+        if TMA:
+            mbar_wait(smem, FULL + 8 * buf, (it // 2) % 2)
+        else:
+            await_item(more)
+
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
@@ -1065,20 +1074,17 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
         s_reg = cuda.local.array((MTK, NT_QA, 4), F32)     # S^T, then P_drop^T (m-tile of keys, n-tile of queries)
         dp_reg = cuda.local.array((MTK, NT_QA, 4), F32)    # dP^T, then dS^T
-        dk_acc = cuda.local.array((MTK, NT_DW, 4), F32)
-        dv_acc = cuda.local.array((MTK, NT_DW, 4), F32)
+        dk_acc, dv_acc = cuda.local.array((MTK, NT_DW, 4), F32), cuda.local.array((MTK, NT_DW, 4), F32)
         fa = cuda.local.array((MTK, 4), U32_DT)            # a fragments of the m-tiles (K, P^T)
         fb = cuda.local.array((MTK, 4), U32_DT)            # (V, dS^T)
         fa_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)   # SPLIT: their small parts
         fb_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)
         dq_reg = cuda.local.array((DQ_NT, 4), F32)
         dq_acc = cuda.local.array((DQ_NT_WG, 4), F32)    # DQ_WGMMA: this thread's dQ fragments
-        p_all = cuda.local.array(A_ALL, U32_DT)           # WGMMA: P_drop^T's a fragments of every k-step
-        ds_all = cuda.local.array(A_ALL, U32_DT)          # and dS^T's
+        p_all, ds_all = cuda.local.array(A_ALL, U32_DT), cuda.local.array(A_ALL, U32_DT)   # WGMMA: P_drop^T's, dS^T's
         wg_rows = (kw // 4) * 64 * SWIZZLE_BYTES                         # WGMMA: this warpgroup's K / V rows
         part_bytes = (warp // KW) * PART_BYTES if DSPLIT > 1 else 0        # and its part of the dims (DSPLIT)
-        l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
-        d_row = cuda.local.array(LROWS, F32)
+        l_row, d_row = cuda.local.array(LROWS, F32), cuda.local.array(LROWS, F32)   # the next item's lse2, delta rows
         for m in range(MTK):
             for n in range(NT_DW):
                 for e in range(4):
@@ -1110,12 +1116,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             store_rows(fsmem, L_OFF, l_row, d_row)
         if TMA:                                           # K_j, V_j and item w's rows landed, for everyone
             await_item(False)
-        it = 0                                           # TMA: the item's number, for its stage's phase
-        buf = 0
-        pending = False                                  # DEFER_DQ: the previous item's dQ is still to add
+        it, buf = 0, 0                                   # the item's number (TMA: its stage's phase), its buffer
         first = True                                     # SPLIT: K_j is split with the first item's Q_i, dO_i
-        ph = 0                                           # its query head and first query
-        pq0 = 0
+        pending, ph, pq0 = False, 0, 0                   # DEFER_DQ: the previous item's dQ, its head, first query
         while w < n_work:
             h = hk * group + gi
             q0 = (qt_lo + qi) * BLOCK_Q
@@ -1135,10 +1138,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 if pending:
                     dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0,
                              dq_row0 + seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg)
-            elif TMA:
-                mbar_wait(smem, FULL + 8 * buf, (it // 2) % 2)   # item w's Q_i, dO_i have landed in stage buf
             else:
-                await_item(wn < n_work)                  # item w's Q, dO, lse2, delta have landed for everyone
+                await_stage(smem, buf, it, wn < n_work)  # item w's Q_i, dO_i (no TMA: lse2, delta) have landed
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             qb, db, lb = item_buffers(buf)
             if SPLIT:                                    # K_j (once), Q_i, dO_i -> big parts, small parts
@@ -1164,9 +1165,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                                        n_work, nqt, qt_lo, k0, seqlen_q, seqlen_k, off, left, right, block_mask,
                                        bm_q, bm_k, buf, ds_buf, dq_b, dq_row0, warp, g, t, ds_lane, t_lane,
                                        scale32, l_row, d_row, dq_reg, dq_acc)
-            if wn < n_work and not TMA:
-                # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
-                # the next item's first barrier publishes them
+            if wn < n_work and not TMA:                  # item w + 1's rows, published by its first barrier, into
+                # buffer 1 - buf (last read before the previous item's dQ barrier)
                 store_rows(fsmem, L_OFF + (1 - buf) * 2 * BLOCK_Q, l_row, d_row)
             buf, it, w, gi, qi = 1 - buf, it + 1, wn, gn, qn_i   # the next item
             if TMA:
