@@ -1023,6 +1023,13 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         return q, dout, lse2, delta, k, v, dk, dv, n_k - n_q, q_start
 
     @device_function
+    def work_items(qt_lo, qt_hi, b, h0, group, k0, k_last, block_mask, bm_q, bm_k):
+        """The key tile's query tiles from ``qt_lo`` narrowed by the block mask, ``nqt`` of them (at least 1), and
+        its ``n_work`` items (query head of the group, query tile): ``(qt_lo, nqt, n_work)``."""
+        qt_lo, qt_hi = query_bounds(qt_lo, qt_hi, b, h0, group, k0, k_last, block_mask, bm_q, bm_k)
+        return qt_lo, max(qt_hi - qt_lo, 1), group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
+
+    @device_function
     def await_stage(smem, buf, it, more):
         """Item ``it``'s Q_i, dO_i (in buffer ``buf``) have landed: TMA: its stage's full barrier, at the item's
         phase; else ``await_item(more)`` (and its lse2, delta rows, for every thread)."""
@@ -1099,9 +1106,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # work items w = (query head gi of the group, query tile qt_lo + w % nqt), in order; double-buffered:
         # item w + 1's Q, dO (cp.async) and lse2, delta (registers) are in flight while item w computes
         qt_lo, qt_hi = query_tile_range(k0, k_last, off, left, right, seqlen_q)
-        qt_lo, qt_hi = query_bounds(qt_lo, qt_hi, b, hk * group, group, k0, k_last, block_mask, bm_q, bm_k)
-        nqt = max(qt_hi - qt_lo, 1)
-        n_work = group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
+        qt_lo, nqt, n_work = work_items(qt_lo, qt_hi, b, hk * group, group, k0, k_last, block_mask, bm_q, bm_k)
         w, gi, qi = next_work(-1, 0, -1, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
                               right, block_mask, bm_q, bm_k)
         if TMA:                                           # stage 0: item w, stage 1: item wn, in flight
