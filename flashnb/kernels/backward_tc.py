@@ -1030,6 +1030,14 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         return qt_lo, max(qt_hi - qt_lo, 1), group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
 
     @device_function
+    def load_item(q, dout, lse2, delta, b, h, q0, seqlen_q, smem, base, l_row, d_row):
+        """An item's (query head ``h``, first query ``q0``) Q_i, dO_i by cp.async to words ``base`` on (TMA: by the
+        copy engine, issued elsewhere) and its lse2, delta rows into registers ``l_row``, ``d_row``."""
+        if not TMA:
+            start_q_copy(q, dout, b, h, q0, seqlen_q, smem, base)
+        load_rows(lse2, delta, b, h, q0, seqlen_q, l_row, d_row)
+
+    @device_function
     def await_stage(smem, buf, it, more):
         """Item ``it``'s Q_i, dO_i (in buffer ``buf``) have landed: TMA: its stage's full barrier, at the item's
         phase; else ``await_item(more)`` (and its lse2, delta rows, for every thread)."""
@@ -1065,8 +1073,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         g = lane // 4
         t = lane - 4 * g
         mi = lane // 8
-        scale32 = F32(scale)
-        scale_log2 = scale32 * LOG2E_T
+        scale32, scale_log2 = F32(scale), F32(scale) * LOG2E_T
 
         smem = cuda.shared.array(0, U32_DT, alignment=WG_ALIGN if WGMMA else SMEM_ALIGN)
         fsmem = cuda.shared.array(0, F32_DT)
@@ -1082,8 +1089,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         s_reg = cuda.local.array((MTK, NT_QA, 4), F32)     # S^T, then P_drop^T (m-tile of keys, n-tile of queries)
         dp_reg = cuda.local.array((MTK, NT_QA, 4), F32)    # dP^T, then dS^T
         dk_acc, dv_acc = cuda.local.array((MTK, NT_DW, 4), F32), cuda.local.array((MTK, NT_DW, 4), F32)
-        fa = cuda.local.array((MTK, 4), U32_DT)            # a fragments of the m-tiles (K, P^T)
-        fb = cuda.local.array((MTK, 4), U32_DT)            # (V, dS^T)
+        fa, fb = cuda.local.array((MTK, 4), U32_DT), cuda.local.array((MTK, 4), U32_DT)   # a fragments: K, P^T; V, dS^T
         fa_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)   # SPLIT: their small parts
         fb_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)
         dq_reg = cuda.local.array((DQ_NT, 4), F32)
@@ -1136,9 +1142,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             if wn < n_work:
                 # buffer 1 - buf was last read before this barrier (DEFER_DQ) or the previous item's dQ barrier
                 qn = (qt_lo + qn_i) * BLOCK_Q
-                if not TMA:
-                    start_q_copy(q, dout, b, hk * group + gn, qn, seqlen_q, smem, Q_OFF + (1 - buf) * 2 * QTILE)
-                load_rows(lse2, delta, b, hk * group + gn, qn, seqlen_q, l_row, d_row)
+                load_item(q, dout, lse2, delta, b, hk * group + gn, qn, seqlen_q, smem, Q_OFF + (1 - buf) * 2 * QTILE,
+                          l_row, d_row)
             if DEFER_DQ:
                 if pending:
                     dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0,
