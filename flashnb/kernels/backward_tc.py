@@ -1011,6 +1011,41 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
                         drop_threshold, drop_scale, seed_lo, seed_hi)
 
+    @device_function
+    def sequence_views(cu_seqlens_q, b, k_start, n_k, q, dout, lse2, delta, k, v, dk, dv):
+        """VARLEN: sequence ``b``'s rows of every array (its keys from ``k_start``, ``n_k`` of them), as a dense
+        batch's; its bottom-right offset n_k - n_q; its first query's row in the packed dQ."""
+        q_start, n_q = sequence_span(cu_seqlens_q, b)
+        q, dout = q[:, q_start:q_start + n_q], dout[:, q_start:q_start + n_q]
+        lse2, delta = lse2[:, :, q_start:q_start + n_q], delta[:, :, q_start:q_start + n_q]
+        k, v = k[:, k_start:k_start + n_k], v[:, k_start:k_start + n_k]
+        dk, dv = dk[:, k_start:k_start + n_k], dv[:, k_start:k_start + n_k]
+        return q, dout, lse2, delta, k, v, dk, dv, n_k - n_q, q_start
+
+    @device_function
+    def work_items(qt_lo, qt_hi, b, h0, group, k0, k_last, block_mask, bm_q, bm_k):
+        """The key tile's query tiles from ``qt_lo`` narrowed by the block mask, ``nqt`` of them (at least 1), and
+        its ``n_work`` items (query head of the group, query tile): ``(qt_lo, nqt, n_work)``."""
+        qt_lo, qt_hi = query_bounds(qt_lo, qt_hi, b, h0, group, k0, k_last, block_mask, bm_q, bm_k)
+        return qt_lo, max(qt_hi - qt_lo, 1), group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
+
+    @device_function
+    def load_item(q, dout, lse2, delta, b, h, q0, seqlen_q, smem, base, l_row, d_row):
+        """An item's (query head ``h``, first query ``q0``) Q_i, dO_i by cp.async to words ``base`` on (TMA: by the
+        copy engine, issued elsewhere) and its lse2, delta rows into registers ``l_row``, ``d_row``."""
+        if not TMA:
+            start_q_copy(q, dout, b, h, q0, seqlen_q, smem, base)
+        load_rows(lse2, delta, b, h, q0, seqlen_q, l_row, d_row)
+
+    @device_function
+    def await_stage(smem, buf, it, more):
+        """Item ``it``'s Q_i, dO_i (in buffer ``buf``) have landed: TMA: its stage's full barrier, at the item's
+        phase; else ``await_item(more)`` (and its lse2, delta rows, for every thread)."""
+        if TMA:
+            mbar_wait(smem, FULL + 8 * buf, (it // 2) % 2)
+        else:
+            await_item(more)
+
     @kernel
     def flash_dkdv_tc(q, k, v, dout, lse2, delta, dk, dv, dq_accum, group, off, scale, softcap, left, right,
                       attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
@@ -1020,13 +1055,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             k_start, n_k = sequence_span(cu_seqlens_k, b)
             if kt * BLOCK_K >= n_k:
                 return                                    # a key tile past its sequence: nothing to do
-            q_start, n_q = sequence_span(cu_seqlens_q, b)
-            q, dout = q[:, q_start:q_start + n_q], dout[:, q_start:q_start + n_q]
-            lse2, delta = lse2[:, :, q_start:q_start + n_q], delta[:, :, q_start:q_start + n_q]
-            k, v = k[:, k_start:k_start + n_k], v[:, k_start:k_start + n_k]
-            dk, dv = dk[:, k_start:k_start + n_k], dv[:, k_start:k_start + n_k]
-            off = n_k - n_q                               # bottom-right alignment per sequence
-            dq_b, dq_row0 = 0, q_start                    # where query row i's dQ accumulates: [dq_b, dq_row0 + i]
+            q, dout, lse2, delta, k, v, dk, dv, off, dq_row0 = sequence_views(
+                cu_seqlens_q, b, k_start, n_k, q, dout, lse2, delta, k, v, dk, dv)
+            dq_b = 0                                      # where query row i's dQ accumulates: [dq_b, dq_row0 + i]
         else:
             kt, hk, b = tile_order((k.shape[1] + BLOCK_K - 1) // BLOCK_K, k.shape[2])
             dq_b, dq_row0 = b, 0
@@ -1042,8 +1073,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         g = lane // 4
         t = lane - 4 * g
         mi = lane // 8
-        scale32 = F32(scale)
-        scale_log2 = scale32 * LOG2E_T
+        scale32, scale_log2 = F32(scale), F32(scale) * LOG2E_T
 
         smem = cuda.shared.array(0, U32_DT, alignment=WG_ALIGN if WGMMA else SMEM_ALIGN)
         fsmem = cuda.shared.array(0, F32_DT)
@@ -1058,20 +1088,16 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
         s_reg = cuda.local.array((MTK, NT_QA, 4), F32)     # S^T, then P_drop^T (m-tile of keys, n-tile of queries)
         dp_reg = cuda.local.array((MTK, NT_QA, 4), F32)    # dP^T, then dS^T
-        dk_acc = cuda.local.array((MTK, NT_DW, 4), F32)
-        dv_acc = cuda.local.array((MTK, NT_DW, 4), F32)
-        fa = cuda.local.array((MTK, 4), U32_DT)            # a fragments of the m-tiles (K, P^T)
-        fb = cuda.local.array((MTK, 4), U32_DT)            # (V, dS^T)
+        dk_acc, dv_acc = cuda.local.array((MTK, NT_DW, 4), F32), cuda.local.array((MTK, NT_DW, 4), F32)
+        fa, fb = cuda.local.array((MTK, 4), U32_DT), cuda.local.array((MTK, 4), U32_DT)   # a fragments: K, P^T; V, dS^T
         fa_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)   # SPLIT: their small parts
         fb_s = cuda.local.array((MTK if SPLIT else 1, 4), U32_DT)
         dq_reg = cuda.local.array((DQ_NT, 4), F32)
         dq_acc = cuda.local.array((DQ_NT_WG, 4), F32)    # DQ_WGMMA: this thread's dQ fragments
-        p_all = cuda.local.array(A_ALL, U32_DT)           # WGMMA: P_drop^T's a fragments of every k-step
-        ds_all = cuda.local.array(A_ALL, U32_DT)          # and dS^T's
+        p_all, ds_all = cuda.local.array(A_ALL, U32_DT), cuda.local.array(A_ALL, U32_DT)   # WGMMA: P_drop^T's, dS^T's
         wg_rows = (kw // 4) * 64 * SWIZZLE_BYTES                         # WGMMA: this warpgroup's K / V rows
         part_bytes = (warp // KW) * PART_BYTES if DSPLIT > 1 else 0        # and its part of the dims (DSPLIT)
-        l_row = cuda.local.array(LROWS, F32)           # the next tile's lse2, delta rows, in flight
-        d_row = cuda.local.array(LROWS, F32)
+        l_row, d_row = cuda.local.array(LROWS, F32), cuda.local.array(LROWS, F32)   # the next item's lse2, delta rows
         for m in range(MTK):
             for n in range(NT_DW):
                 for e in range(4):
@@ -1086,9 +1112,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         # work items w = (query head gi of the group, query tile qt_lo + w % nqt), in order; double-buffered:
         # item w + 1's Q, dO (cp.async) and lse2, delta (registers) are in flight while item w computes
         qt_lo, qt_hi = query_tile_range(k0, k_last, off, left, right, seqlen_q)
-        qt_lo, qt_hi = query_bounds(qt_lo, qt_hi, b, hk * group, group, k0, k_last, block_mask, bm_q, bm_k)
-        nqt = max(qt_hi - qt_lo, 1)
-        n_work = group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
+        qt_lo, nqt, n_work = work_items(qt_lo, qt_hi, b, hk * group, group, k0, k_last, block_mask, bm_q, bm_k)
         w, gi, qi = next_work(-1, 0, -1, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left,
                               right, block_mask, bm_q, bm_k)
         if TMA:                                           # stage 0: item w, stage 1: item wn, in flight
@@ -1102,15 +1126,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             load_rows(lse2, delta, b, hk * group + gi, q0, seqlen_q, l_row, d_row)
             store_rows(fsmem, L_OFF, l_row, d_row)
         if TMA:                                           # K_j, V_j and item w's rows landed, for everyone
-            wait_all()
-            fence_async()
-            cuda.syncthreads()
-        it = 0                                           # TMA: the item's number, for its stage's phase
-        buf = 0
-        pending = False                                  # DEFER_DQ: the previous item's dQ is still to add
+            await_item(False)
+        it, buf = 0, 0                                   # the item's number (TMA: its stage's phase), its buffer
         first = True                                     # SPLIT: K_j is split with the first item's Q_i, dO_i
-        ph = 0                                           # its query head and first query
-        pq0 = 0
+        pending, ph, pq0 = False, 0, 0                   # DEFER_DQ: the previous item's dQ, its head, first query
         while w < n_work:
             h = hk * group + gi
             q0 = (qt_lo + qi) * BLOCK_Q
@@ -1118,25 +1137,19 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             if not TMA:
                 wn, gn, qn_i = next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off,
                                          left, right, block_mask, bm_q, bm_k)
-            if DEFER_DQ:
-                wait_all()
-                # item w's Q, dO, lse2, delta have landed for everyone; every warp is done with item w - 1
-                # (buffers 1 - buf free, its dS^T complete)
-                cuda.syncthreads()
+            if DEFER_DQ:      # item w's Q, dO, lse2, delta landed for everyone; every warp done with item w - 1
+                await_item(False)                        # (buffers 1 - buf free, its dS^T complete)
             if wn < n_work:
                 # buffer 1 - buf was last read before this barrier (DEFER_DQ) or the previous item's dQ barrier
                 qn = (qt_lo + qn_i) * BLOCK_Q
-                if not TMA:
-                    start_q_copy(q, dout, b, hk * group + gn, qn, seqlen_q, smem, Q_OFF + (1 - buf) * 2 * QTILE)
-                load_rows(lse2, delta, b, hk * group + gn, qn, seqlen_q, l_row, d_row)
+                load_item(q, dout, lse2, delta, b, hk * group + gn, qn, seqlen_q, smem, Q_OFF + (1 - buf) * 2 * QTILE,
+                          l_row, d_row)
             if DEFER_DQ:
                 if pending:
                     dq_phase(smem, dq_accum, DS_OFF + (1 - buf) * DS_TILE, dq_b, ph, dq_row0 + pq0,
                              dq_row0 + seqlen_q, warp, g, t, ds_lane, t_lane, scale32, dq_reg)
-            elif TMA:
-                mbar_wait(smem, FULL + 8 * buf, (it // 2) % 2)   # item w's Q_i, dO_i have landed in stage buf
             else:
-                await_item(wn < n_work)                  # item w's Q, dO, lse2, delta have landed for everyone
+                await_stage(smem, buf, it, wn < n_work)  # item w's Q_i, dO_i (no TMA: lse2, delta) have landed
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
             qb, db, lb = item_buffers(buf)
             if SPLIT:                                    # K_j (once), Q_i, dO_i -> big parts, small parts
@@ -1162,13 +1175,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                                        n_work, nqt, qt_lo, k0, seqlen_q, seqlen_k, off, left, right, block_mask,
                                        bm_q, bm_k, buf, ds_buf, dq_b, dq_row0, warp, g, t, ds_lane, t_lane,
                                        scale32, l_row, d_row, dq_reg, dq_acc)
-            if wn < n_work and not TMA:
-                # item w + 1's rows into buffer 1 - buf (last read before the previous item's dQ barrier);
-                # the next item's first barrier publishes them
+            if wn < n_work and not TMA:                  # item w + 1's rows, published by its first barrier, into
+                # buffer 1 - buf (last read before the previous item's dQ barrier)
                 store_rows(fsmem, L_OFF + (1 - buf) * 2 * BLOCK_Q, l_row, d_row)
-            buf = 1 - buf
-            it += 1
-            w, gi, qi = wn, gn, qn_i
+            buf, it, w, gi, qi = 1 - buf, it + 1, wn, gn, qn_i   # the next item
             if TMA:
                 wn, gn, qn_i = w2, g2, q2_i
 
