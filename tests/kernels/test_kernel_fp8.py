@@ -216,6 +216,20 @@ def test_fp8_default_scale_is_one_over_sqrt_headdim():
     assert np.array_equal(a, b) and np.array_equal(la, lb)
 
 
+def test_fp8_descales_as_device_arrays_equal_floats():
+    """A one-value float32 device array (a stride-0 view in the kernel) and a (batch, nheads_k) one give the output
+    of the same values passed as floats, bit for bit; a float64 device array is refused."""
+    from numba import cuda
+    q, k, v = _small()
+    want = flashnb.flash_attention_fp8(q, k, v, 0.01, 0.02, 0.03)
+    one = cuda.to_device(np.array([0.02], np.float32))
+    per_head = cuda.to_device(np.full((1, 1), 0.03, np.float32))
+    got = flashnb.flash_attention_fp8(q, k, v, 0.01, one, per_head)
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="k_descale must be a float32 device array"):
+        flashnb.flash_attention_fp8(q, k, v, 0.01, cuda.to_device(np.array([0.02])), 0.03)
+
+
 # ---- the quantiser and the incoherent rotation (flashnb.quantize_fp8, flashnb.hadamard_rotation) ----
 
 @pytest.mark.parametrize("per", ["tensor", "head"])
