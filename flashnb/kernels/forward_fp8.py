@@ -245,18 +245,13 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1):
             load_stage(smem, maps, k, vt, j + STAGES, seqlen_k, hk, b, j % STAGES)
 
     @device_function
-    def mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off):
-        """Tile j's scores masked if it reaches past the keys or the diagonal."""
+    def scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off):
+        """S = Q K_j^T (tile j's stage), masked where the tile reaches past the keys or the diagonal."""
+        mbar_wait(smem, FULL + 8 * (j % STAGES), (j // STAGES) % 2)
+        wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
         k0 = j * BLOCK_K
         if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
             mask_tile(s_acc, k0, seqlen_k, row_g, off)
-
-    @device_function
-    def scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off):
-        """S = Q K_j^T (tile j's stage), masked past the keys or the diagonal."""
-        mbar_wait(smem, FULL + 8 * (j % STAGES), (j // STAGES) % 2)
-        wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
-        mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off)
 
     @kernel(min_blocks=MIN_BLOCKS, threads=NTHREADS)
     def forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps):
