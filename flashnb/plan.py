@@ -284,7 +284,9 @@ def _section(call, section):
     window, causal among them) in a dense batch; none elsewhere (the factories' ``lru_cache`` as in ``_varlen``).
     The kernels take causal's direction (the forward's last query tiles longest, the dK/dV kernel's first key
     tiles); for a window bounded on the left only it is the reverse, which costs speed, not results."""
-    return {"SECTION": section} if section and call.flags.has_window and call.total_q is None else {}
+    ordered = call.flags.has_window or (FLEX_SECTION and call.flags.mods is not None
+                                        and call.flags.mods.mask_mod is not None)
+    return {"SECTION": section} if section and ordered and call.total_q is None else {}
 
 
 def _rows(call):
@@ -625,12 +627,27 @@ WGMMA_THREE_WARPGROUPS = False   # (the suites switch it on where they test it)
 WGMMA_FWD_TWO_BLOCKS = True
 
 
+# flex_attention with a mask_mod and no score_mod: the Hopper forward launch-bounded to two blocks an SM as the
+# dense one (``_two_blocks``; ptxas: 154 registers -> 128 with 40 / 40 bytes of spills, causal, d 64), and its
+# blocks in ``SECTION`` order (the last query tiles first: causal-like masks keep more keys for later queries)
+FLEX_TWO_BLOCKS = False
+FLEX_SECTION = False
+
+
+def _mask_only(call):
+    """A flex_attention call with a mask_mod and no score_mod, no option but its states (the block mask)."""
+    mods = call.flags.mods
+    return (mods is not None and mods.mask_mod is not None and mods.score_mod is None
+            and not any(_flag_args(call.flags)[3:]) and not any(_flag_args(call.flags)[:2]))
+
+
 def _two_blocks(call, block_q):
     """The Hopper forward's ``MIN_BLOCKS`` keyword: 2 with ``WGMMA_FWD_TWO_BLOCKS`` for 16-bit inputs up to head
-    dim 64 at 128 query rows, dense, with no option but a window (causal); none elsewhere."""
+    dim 64 at 128 query rows, dense, with no option but a window (causal), or (``FLEX_TWO_BLOCKS``) a flex call's
+    mask_mod alone; none elsewhere."""
+    plain = not any(_flag_args(call.flags)[1:]) and call.flags.mods is None
     two = (WGMMA_FWD_TWO_BLOCKS and call.dtype in ("float16", "bfloat16") and call.headdim <= 64
-           and block_q == 128 and not any(_flag_args(call.flags)[1:]) and call.flags.mods is None
-           and call.total_q is None)
+           and block_q == 128 and (plain or FLEX_TWO_BLOCKS and _mask_only(call)) and call.total_q is None)
     return {"MIN_BLOCKS": 2} if two else {}
 
 

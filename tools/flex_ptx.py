@@ -68,7 +68,7 @@ def _ptxas(ptx, cc):
 def main():
     f4a, f4c = types.Array(types.float32, 4, "A"), types.Array(types.float32, 4, "C")
     f3 = types.Array(types.float32, 3, "C")
-    u4, b4 = types.Array(types.uint8, 4, "C"), types.Array(types.boolean, 4, "C")
+    u4, b4 = types.Array(types.uint8, 4, "C"), types.Array(types.int32, 4, "C")   # (b4: the padded states)
     options = (types.float32, types.float32, types.int64, types.int64, u4, f4c, types.Array(types.float32, 2, "C"),
                b4, types.int64, types.int64, types.int64, types.float32, types.int64, types.int64,
                types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"))

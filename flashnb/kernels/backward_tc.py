@@ -51,7 +51,7 @@ from numba import cuda
 from ._copy import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
-from ._scores import mask_block
+from ._scores import make_allowed_fn, mask_block
 from ._tiles import U, make_tile_order, packed_tile_head_batch, sequence_span
 from ._wgmma import ATOM_BYTES, SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
@@ -425,6 +425,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     exp2, red_add_f32x2, red_add_f32x4 = mem["exp2_ftz"], mem["red_add_f32x2"], mem["red_add_f32x4"]
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS and MODS.mask_mod, mask_block(MODS))
+    MASK_WORDS = (MTK * NT_QA * 4 + 31) // 32        # a mask_mod's bits of one thread's S^T (``mask_words_t``)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                                         mask_block(MODS))
     query_tile_range = make_query_tile_range(BLOCK_Q)
@@ -633,20 +635,57 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     mma_pair(fb, m, b0, b1, b2, b3, dp_reg, n)
 
     @device_function
+    def mask_words_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
+                     block_mask, bm_q, bm_k):
+        """``words``: one bit per S^T element of this thread (element ``(m * NT_QA + n) * 4 + e``), set where the
+        pair is allowed (the mask_mod and the bounds): apart from S^T, as ``forward_tc.mask_words``, so that this
+        loop (too long to unroll) does not index S^T and keep it in local memory."""
+        for w in range(MASK_WORDS):
+            words[w] = np.uint32(0)
+        for m in range(MTK):
+            for n in range(NT_QA):
+                for e in range(4):
+                    if allowed(q0 + qa + 8 * n + 2 * t + (e % 2), k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2), b, h,
+                               seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
+                        x = (m * NT_QA + n) * 4 + e
+                        words[x >> 5] |= np.uint32(1) << np.uint32(x & 31)
+
+    @device_function
+    def zero_masked(s_reg, dp_reg, words):
+        """P^T, dS^T = 0 where ``words`` (``mask_words_t``) has the element's bit clear (an exp2 of a masked
+        score, computed and then dropped, may be inf: it never reaches the products)."""
+        for m in range(MTK):
+            for n in range(NT_QA):
+                for e in range(4):
+                    bit = (m * NT_QA + n) * 4 + e
+                    if (words[bit >> 5] >> np.uint32(bit & 31)) & np.uint32(1) == 0:
+                        s_reg[m, n, e] = ZERO
+                        dp_reg[m, n, e] = ZERO
+
+    @device_function
     def option_grad(s_reg, dp_reg, fsmem, lb, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off,
                     scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
                     drop_threshold, drop_scale, seed_lo, seed_hi):
         """P_drop^T and dS^T element-wise with the score options and masks (``backward.make_element_grad``):
-        element e of (m, n) is key k0 + 16 (MTK kw + m) + g + 8 (e >> 1), query q0 + qa + 8n + 2t + (e & 1)."""
+        element e of (m, n) is key k0 + 16 (MTK kw + m) + g + 8 (e >> 1), query q0 + qa + 8n + 2t + (e & 1).
+        With a mask_mod, the mask first as bits (``mask_words_t``); a masked element's P and dS are 0."""
+        words = cuda.local.array(MASK_WORDS, np.uint32)
+        if HAS_MASK_MOD and need_mask:
+            mask_words_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
+                         block_mask, bm_q, bm_k)
         for m in range(MTK):
             for n in range(NT_QA):
                 for e in range(4):
                     j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
                     il = qa + 8 * n + 2 * t + (e % 2)
-                    p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
-                                      fsmem[U(lb + BLOCK_Q + il)], need_mask, seqlen_q, seqlen_k, off,
-                                      scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask,
-                                      bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
+                    bit = (m * NT_QA + n) * 4 + e
+                    if HAS_MASK_MOD and need_mask and (words[bit >> 5] >> np.uint32(bit & 31)) & np.uint32(1) == 0:
+                        p_drop, ds = ZERO, ZERO                  # masked: P = 0, so dS = 0
+                    else:
+                        p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
+                                          fsmem[U(lb + BLOCK_Q + il)], need_mask and not HAS_MASK_MOD, seqlen_q,
+                                          seqlen_k, off, scale32, softcap, left, right, attn_mask, attn_bias, alibi,
+                                          block_mask, bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
                     s_reg[m, n, e] = p_drop
                     dp_reg[m, n, e] = ds
 
@@ -1002,6 +1041,12 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         a tile with no option and no mask, the window's comparisons, or every option and mask in memory."""
         if PLAIN and not need_mask:
             plain_grad(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, 0, 0, 0, 0)
+        elif PLAIN and HAS_MASK_MOD:                 # the plain form, then P, dS = 0 where the mask's bit is not set
+            words = cuda.local.array(MASK_WORDS, np.uint32)
+            mask_words_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
+                         block_mask, bm_q, bm_k)
+            plain_grad(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, 0, 0, 0, 0)
+            zero_masked(s_reg, dp_reg, words)
         elif WINDOW_ONLY:
             jb = k0 + 16 * MTK * kw + g              # this thread's first key
             plain_grad_masked(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, jb - (q0 + qa + 2 * t) - off,

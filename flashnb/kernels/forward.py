@@ -54,6 +54,7 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
     FULL_STATE = 2
     HAS_MASK_MOD = MASK_BLOCK is not None
     BMQ, BMK = MASK_BLOCK if HAS_MASK_MOD else (1, 1)
+    ONE_BLOCK = HAS_MASK_MOD and BMQ % BLOCK_Q == 0 and BMK % BLOCK_K == 0   # every tile inside one mask block
     assert HAS_BLOCK_MASK or not HAS_MASK_MOD, "a mask_mod comes with its block states"
 
     @device_function
@@ -82,6 +83,10 @@ def make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_M
     def block_mask_cover(b, h, q_first, q_last, k_first, k_last, block_mask, bm_q, bm_k):
         """(any, all): whether any / every block-mask block under the tile is allowed (``HAS_MASK_MOD``: all
         full, so that the tile needs no ``mask_mod``)."""
+        if ONE_BLOCK:                    # the tile's one block: one read (tiles start on their size's multiples)
+            state = block_mask[min(b, block_mask.shape[0] - 1), min(h, block_mask.shape[1] - 1), q_first // BMQ,
+                               k_first // BMK]
+            return state != 0, state == FULL_STATE
         any_on = False
         all_on = True
         if HAS_MASK_MOD:                 # compile-time divisors: shifts for the usual powers of two

@@ -1,0 +1,96 @@
+"""Plan settings of the flex_attention kernels against each other, in one process: ``bench --flex``'s cases
+(bfloat16, one sequence of 16384 tokens, 2048 / d heads), ``flashnb.torch.flex_attention`` forward and
+forward+backward under each setting, and flashnb's dense call where the case is a built-in option.
+
+    python -m tools.flex_ab --settings "FLEX_TWO_BLOCKS=0 FLEX_SECTION=0;FLEX_TWO_BLOCKS=1 FLEX_SECTION=1"
+                            [--cases causal,document] [--headdims 64] [--rounds 4]
+
+(a setting: space-separated ``NAME=INT`` of ``flashnb.plan``'s module constants, as ``tools.plan_ab``.)  Times:
+``bench.flex._gpu_ms`` (CUDA events around one call, host time included, median of its repetitions); each round
+times every setting in turn, in the given order in even rounds and the reverse in odd ones; a cell is the median
+over rounds.  Each setting's output is compared with the first setting's (``max |diff|``): the plan changes
+launch bounds and block order, never results beyond float32 rounding.
+"""
+import argparse
+import statistics
+
+from bench import flex as bf
+from tools.plan_ab import _apply
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", required=True)
+    ap.add_argument("--cases", default=",".join(bf.CASES))
+    ap.add_argument("--headdims", default="64")
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args(argv)
+    import torch
+    import flashnb
+    import flashnb.torch as ft
+    settings = [x.strip() for x in args.settings.split(";")]
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.rounds} rounds; settings:")
+    for i, setting in enumerate(settings):
+        print(f"* {chr(65 + i)}: `{setting}`")
+    print()
+    print("| d | case | pass | " + " | ".join(f"{chr(65 + i)} ms" for i in range(len(settings)))
+          + " | dense ms | max diff |")
+    print("|---|---|---|" + "---|" * len(settings) + "---|---|")
+    ids = bf.document_ids()
+    for d in (int(x) for x in args.headdims.split(",")):
+        h = bf.HIDDEN // d
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(1, h, bf.SEQLEN, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   .requires_grad_() for _ in range(3))
+        dout = torch.randn_like(q)
+        for case in args.cases.split(","):
+            score_mod, mask_mod, grad = bf.flashnb_mods(case, h, ids)
+            mask = None if mask_mod is None else flashnb.create_block_mask(mask_mod, None, None, bf.SEQLEN, bf.SEQLEN,
+                                                                           BLOCK_SIZE=bf.BLOCK)
+
+            def fwd():
+                return ft.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, score_mod_grad=grad)
+
+            def fwdbwd():
+                return torch.autograd.grad(fwd(), (q, k, v), dout)
+
+            outs = []
+            for setting in settings:
+                _apply(setting)
+                with torch.no_grad():
+                    outs.append(fwd().float())
+            diff = max(float((o - outs[0]).abs().max()) for o in outs)
+            dense = bf.dense_options(case, h)
+            for name, fn in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
+                got = [[] for _ in settings]
+                for r in range(args.rounds):
+                    order = list(enumerate(settings))
+                    for i, setting in (order if r % 2 == 0 else order[::-1]):
+                        _apply(setting)
+                        if name == "fwd":
+                            with torch.no_grad():
+                                got[i].append(bf._gpu_ms(torch, fn))
+                        else:
+                            got[i].append(bf._gpu_ms(torch, fn))
+                cells = [f"{statistics.median(x):.3f}" for x in got]
+                dense_ms = "-"
+                if dense is not None:
+                    _apply(settings[0])
+                    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+                    def dfwd():
+                        return ft.flash_attn_func(qt, kt, vt, **dense)
+
+                    def dfwdbwd():
+                        return torch.autograd.grad(dfwd(), (q, k, v), dout.transpose(1, 2))
+
+                    if name == "fwd":
+                        with torch.no_grad():
+                            dense_ms = f"{bf._gpu_ms(torch, dfwd):.3f}"
+                    else:
+                        dense_ms = f"{bf._gpu_ms(torch, dfwdbwd):.3f}"
+                print(f"| {d} | {case} | {name} | " + " | ".join(cells) + f" | {dense_ms} | {diff:.2g} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
