@@ -49,7 +49,7 @@ import numpy as np
 from numba import cuda
 
 from ._copy import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
-from ._jit import SIMULATOR, device_function, kernel, kernel_factory
+from ._jit import SIMULATOR, device_function, kernel, kernel_factory, unrolled
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
 from ._scores import make_allowed_fn, mask_block
 from ._tiles import U, make_tile_order, packed_tile_head_batch, sequence_span
@@ -427,6 +427,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                              HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS and MODS.mask_mod, mask_block(MODS))
     MASK_WORDS = (MTK * NT_QA * 4 + 31) // 32        # a mask_mod's bits of one thread's S^T (``mask_words_t``)
+    PLAIN_MASK_MOD = PLAIN and HAS_MASK_MOD
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                                         mask_block(MODS))
     query_tile_range = make_query_tile_range(BLOCK_Q)
@@ -663,29 +664,58 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                         dp_reg[m, n, e] = ZERO
 
     @device_function
+    def grad_element(m, n, e, s_reg, dp_reg, fsmem, lb, words, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q,
+                     seqlen_k, off, scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
+                     drop_threshold, drop_scale, seed_lo, seed_hi):
+        """Element ``(m, n, e)`` of P_drop^T and dS^T (``option_grad``); with a mask_mod, 0 where its bit in
+        ``words`` is clear (P = 0, so dS = 0)."""
+        j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
+        il = qa + 8 * n + 2 * t + (e % 2)
+        if HAS_MASK_MOD:
+            bit = (m * NT_QA + n) * 4 + e
+            if need_mask and (words[bit >> 5] >> np.uint32(bit & 31)) & np.uint32(1) == 0:
+                p_drop, ds = ZERO, ZERO
+            else:
+                p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
+                                  fsmem[U(lb + BLOCK_Q + il)], False, seqlen_q, seqlen_k, off, scale32, softcap,
+                                  left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold,
+                                  drop_scale, seed_lo, seed_hi)
+        else:
+            p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
+                              fsmem[U(lb + BLOCK_Q + il)], need_mask, seqlen_q, seqlen_k, off, scale32, softcap,
+                              left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold,
+                              drop_scale, seed_lo, seed_hi)
+        s_reg[m, n, e] = p_drop
+        dp_reg[m, n, e] = ds
+
+    grad_each = unrolled(grad_element, (MTK, NT_QA, 4)) if HAS_SCORE_MOD else None
+
+    @device_function
     def option_grad(s_reg, dp_reg, fsmem, lb, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off,
                     scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
                     drop_threshold, drop_scale, seed_lo, seed_hi):
         """P_drop^T and dS^T element-wise with the score options and masks (``backward.make_element_grad``):
         element e of (m, n) is key k0 + 16 (MTK kw + m) + g + 8 (e >> 1), query q0 + qa + 8n + 2t + (e & 1).
-        With a mask_mod, the mask first as bits (``mask_words_t``); a masked element's P and dS are 0."""
-        words = cuda.local.array(MASK_WORDS, np.uint32)
-        if HAS_MASK_MOD and need_mask:
-            mask_words_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
-                         block_mask, bm_q, bm_k)
+        With a score_mod, written out (``grad_element``: its code is too long for a loop to unroll), a mask_mod
+        first as bits (``mask_words_t``)."""
+        if HAS_SCORE_MOD:
+            words = cuda.local.array(MASK_WORDS, np.uint32)
+            if HAS_MASK_MOD and need_mask:
+                mask_words_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
+                             block_mask, bm_q, bm_k)
+            grad_each(s_reg, dp_reg, fsmem, lb, words, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off,
+                      scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
+                      drop_threshold, drop_scale, seed_lo, seed_hi)
+            return
         for m in range(MTK):
             for n in range(NT_QA):
                 for e in range(4):
                     j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
                     il = qa + 8 * n + 2 * t + (e % 2)
-                    bit = (m * NT_QA + n) * 4 + e
-                    if HAS_MASK_MOD and need_mask and (words[bit >> 5] >> np.uint32(bit & 31)) & np.uint32(1) == 0:
-                        p_drop, ds = ZERO, ZERO                  # masked: P = 0, so dS = 0
-                    else:
-                        p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
-                                          fsmem[U(lb + BLOCK_Q + il)], need_mask and not HAS_MASK_MOD, seqlen_q,
-                                          seqlen_k, off, scale32, softcap, left, right, attn_mask, attn_bias, alibi,
-                                          block_mask, bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
+                    p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
+                                      fsmem[U(lb + BLOCK_Q + il)], need_mask, seqlen_q, seqlen_k, off,
+                                      scale32, softcap, left, right, attn_mask, attn_bias, alibi, block_mask,
+                                      bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
                     s_reg[m, n, e] = p_drop
                     dp_reg[m, n, e] = ds
 
@@ -1041,7 +1071,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         a tile with no option and no mask, the window's comparisons, or every option and mask in memory."""
         if PLAIN and not need_mask:
             plain_grad(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, 0, 0, 0, 0)
-        elif PLAIN and HAS_MASK_MOD:                 # the plain form, then P, dS = 0 where the mask's bit is not set
+        elif PLAIN_MASK_MOD:                         # the plain form, then P, dS = 0 where the mask's bit is not set
             words = cuda.local.array(MASK_WORDS, np.uint32)
             mask_words_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
                          block_mask, bm_q, bm_k)

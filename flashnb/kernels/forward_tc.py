@@ -37,7 +37,7 @@ import numpy as np
 from numba import cuda
 
 from ._copy import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
-from ._jit import SIMULATOR, device_function, kernel, kernel_factory
+from ._jit import SIMULATOR, device_function, kernel, kernel_factory, unrolled
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
 from ._scores import Mods, make_allowed_fn, make_score_fn, mask_block, philox_keep
 from ._tiles import U, make_row_allreduce, make_tile_order, packed_tile_head_batch, sequence_span
@@ -374,6 +374,34 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                         words[x >> 5] |= np.uint32(1) << np.uint32(x & 31)
 
     @device_function
+    def modify_element(m, n, e, s_reg, words, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right,
+                       scale, scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k):
+        """Element ``(m, n, e)`` of S <- its score modifiers, and -inf where the masks cut it (``need_mask``;
+        with a mask_mod, its bit in ``words`` clear); log2 units (raw under FOLD)."""
+        i = row0 + 16 * m + 8 * (e // 2)
+        j = k0 + 8 * n + 2 * t + (e % 2)
+        if HAS_SCORE_MOD:       # the user's function sees only indices inside the sequences
+            x = score(s_reg[m, n, e], min(i, seqlen_q - 1), min(j, seqlen_k - 1), b, h, off, scale,
+                      softcap, attn_bias, alibi) * LOG2E_T
+        elif HAS_MODS:
+            x = score(s_reg[m, n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
+        elif FOLD:
+            x = s_reg[m, n, e]
+        else:
+            x = s_reg[m, n, e] * scale_log2
+        if need_mask:
+            if HAS_MASK_MOD:
+                bit = (m * NT_K + n) * 4 + e
+                if (words[bit >> 5] >> np.uint32(bit & 31)) & np.uint32(1) == 0:
+                    x = NEG_INF
+            elif not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
+                             attn_mask, block_mask, bm_q, bm_k):
+                x = NEG_INF
+        s_reg[m, n, e] = x
+
+    modify_each = unrolled(modify_element, (MT, NT_K, 4)) if HAS_SCORE_MOD else None
+
+    @device_function
     def modify_mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
                          scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k):
         """S <- score modifiers (softcap, bias, ALiBi) and, on a tile the masks cut, -inf where a score is not
@@ -382,29 +410,16 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         if HAS_MASK_MOD and need_mask:
             mask_words(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q,
                        bm_k)
-        for m in range(MT):
-            for n in range(NT_K):
-                for e in range(4):
-                    i = row0 + 16 * m + 8 * (e // 2)
-                    j = k0 + 8 * n + 2 * t + (e % 2)
-                    if HAS_SCORE_MOD:       # the user's function sees only indices inside the sequences
-                        x = score(s_reg[m, n, e], min(i, seqlen_q - 1), min(j, seqlen_k - 1), b, h, off, scale,
-                                  softcap, attn_bias, alibi) * LOG2E_T
-                    elif HAS_MODS:
-                        x = score(s_reg[m, n, e], i, j, b, h, off, scale, softcap, attn_bias, alibi) * LOG2E_T
-                    elif FOLD:
-                        x = s_reg[m, n, e]
-                    else:
-                        x = s_reg[m, n, e] * scale_log2
-                    if need_mask:
-                        if HAS_MASK_MOD:
-                            bit = (m * NT_K + n) * 4 + e
-                            if (words[bit >> 5] >> np.uint32(bit & 31)) & np.uint32(1) == 0:
-                                x = NEG_INF
-                        elif not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right,
-                                         attn_mask, block_mask, bm_q, bm_k):
-                            x = NEG_INF
-                    s_reg[m, n, e] = x
+        if HAS_SCORE_MOD:                # written out: a score_mod's code is too long for a loop to unroll
+            modify_each(s_reg, words, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
+                        scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k)
+        else:
+            for m in range(MT):
+                for n in range(NT_K):
+                    for e in range(4):
+                        modify_element(m, n, e, s_reg, words, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off,
+                                       left, right, scale, scale_log2, softcap, attn_bias, alibi, attn_mask,
+                                       block_mask, bm_q, bm_k)
 
     @device_function
     def scale_tile(s_reg, scale_log2):
