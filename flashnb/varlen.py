@@ -25,7 +25,7 @@ import numbers
 import numpy as np
 from numba import cuda
 
-from . import _arrays, _options, api, plan
+from . import _arrays, _dispatch, _options, api, plan
 from .kernels._jit import memset_zero
 
 _REFUSED = ("attn_mask", "attn_bias", "block_mask")
@@ -79,6 +79,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     kind, total_q, total_k, nheads, nheads_k, headdim = check_packed(q, k, v)
     plan.check_backend(backend)
     cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    if type(window_size) is not tuple:
+        window_size = _options.window_pair(window_size)
+    return _dispatch.cached_call(       # checked every call (above); planned, bound and launched once a signature
+        "varlen_forward", (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes),
+        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, return_lse, block_q, block_k,
+         backend), _full_forward, cacheable=stream is None,
+        args=(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+              window_size, softcap, alibi_slopes, return_lse, block_q, block_k, stream, backend))
+
+
+def _full_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, return_lse, block_q, block_k, stream, backend):
+    """The packed forward's full path (checked arguments; ``cu_q``, ``cu_k``: the host copies of ``cu_seqlens``)."""
+    kind, total_q, _, nheads, nheads_k, headdim = check_packed(q, k, v)
     batch = cu_q.shape[0] - 1
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
@@ -99,6 +113,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         else:
             qd, kd, vd = api._prepare((q, k, v), kind, launch_stream)
             out_ret, out_d = _arrays.empty_like_kind(kind, out_shape, kind.dtype, q, launch_stream)
+            if kind.dtype == "bfloat16":
+                _dispatch.unfit()              # float32 copies made and read back by torch
             out_k = out_d if kind.dtype != "bfloat16" else _arrays.scratch(out_shape, np.float32, kind, q,
                                                                              launch_stream)
             api._forward_launch(p, *(_packed(x, batch) for x in (qd, kd, vd, out_k)), _packed(lse_d, batch), opts,
@@ -125,6 +141,22 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     cu_q, cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    if type(window_size) is not tuple:
+        window_size = _options.window_pair(window_size)
+    return _dispatch.cached_call(
+        "varlen_backward", (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes),
+        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, block_q, block_k,
+         bool(deterministic), backend), _full_backward, cacheable=stream is None,
+        args=(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, causal, window_size, alibi_slopes, softcap, block_q, block_k, bool(deterministic),
+              stream, backend))
+
+
+def _full_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, causal, window_size, alibi_slopes, softcap, block_q, block_k, deterministic, stream,
+                   backend):
+    """The packed backward's full path (checked arguments, as ``_full_forward``)."""
+    kind, total_q, total_k, nheads, nheads_k, headdim = check_packed(q, k, v)
     batch = cu_q.shape[0] - 1
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
@@ -142,6 +174,8 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
             _backward_launches(p, *words, lse_d, *(_arrays.word_view(view) for _, view in grads), opts,
                                launch_stream, kind, q, batch)
             return tuple(_arrays.finish(kind, ret, view, launch_stream) for ret, view in grads)
+        if kind.dtype == "bfloat16":
+            _dispatch.unfit()                  # float32 copies made and read back by torch
         arrays = api._prepare((dout, q, k, v, out), kind, launch_stream)
         grads = []
         for shape in shapes:
@@ -195,14 +229,20 @@ def _setup(kind, q, dims, total_q, cu_q, cu_k, stream, block_q, block_k, backend
 
 
 def _on_device(given, checked, kind, like, stream):
-    """The kernels' int32 view of checked ``cu_seqlens``: the caller's own array where it is a contiguous CUDA
-    tensor on q's device (the values just checked), else a copy of the checked host values -- through PyTorch's
-    caching allocator for PyTorch calls (no cudaMalloc / cudaFree per call), else Numba's."""
-    torch = _arrays.torch
+    """The kernels' int32 view of checked ``cu_seqlens``: the caller's own array where it is a contiguous device
+    array of q's kind on q's device (the values just checked; so a replay of the dispatch cache binds the new
+    call's array), else a copy of the checked host values -- through PyTorch's caching allocator for PyTorch calls
+    (no cudaMalloc / cudaFree per call), else Numba's (and such a call is not recorded: ``_dispatch``)."""
+    torch, cupy = _arrays.torch, _arrays.cupy
     if torch is not None and isinstance(given, torch.Tensor) and kind.lib == "torch":
         if given.is_cuda and given.is_contiguous() and given.device == like.device:
             return _arrays.to_device(given, stream)
         return _arrays.to_device(torch.from_numpy(checked).to(like.device, non_blocking=True), stream)
+    if cupy is not None and isinstance(given, cupy.ndarray) and kind.lib == "cupy":
+        if given.flags.c_contiguous and given.device.id == like.device.id:
+            return _arrays.to_device(given, stream)
+    if _arrays._is_numba_device_array(given) and kind.lib == "numba" and given.is_c_contiguous():
+        return _arrays.to_device(given, stream)
     return _arrays.to_device(checked, stream)
 
 

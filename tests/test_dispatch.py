@@ -547,3 +547,36 @@ def test_flex_attention_replays_forward_and_backward():
     other = call(1, lambda score, b, h, q_idx, kv_idx: score * np.float32(0.5))
     assert _dispatch.stats["hits"] == hits, "another score_mod replayed the first one's kernels"
     assert not np.allclose(other[0], full[0])
+
+
+@pytest.mark.parametrize("dtype, backend", [(np.float32, "simt"), (np.float16, "tensorcore")])
+def test_varlen_replays_forward_and_backward(dtype, backend):
+    """``flash_attn_varlen_func`` / ``flash_attn_varlen_backward``: ``cu_seqlens`` checked every call (a replay
+    with lengths that break the rules still raises), then replayed, the device ``cu_seqlens`` inputs of the
+    kernels; another cut of the same totals computes, replayed, what the full path computes from it."""
+    def cuts(seed):
+        rng = np.random.default_rng(seed)       # 3 sequences of 17 query rows, 19 key rows: other cuts each seed
+        q_cut, k_cut = np.sort(rng.choice(np.arange(1, 17), 2, replace=False)), np.sort(rng.choice(19, 2))
+        return (np.concatenate([[0], q_cut, [17]]).astype(np.int32), np.concatenate([[0], k_cut, [19]]).astype(np.int32))
+
+    def call(seed):
+        rng = np.random.default_rng(seed)
+        q, k, v, dout = (cuda.to_device(rng.standard_normal((n, h, 8)).astype(dtype))
+                         for n, h in ((17, 2), (19, 1), (19, 1), (17, 2)))
+        cu_q, cu_k = (cuda.to_device(c) for c in cuts(seed))
+        opts = dict(causal=True, softcap=4.0, backend=backend)
+        out, lse = flashnb.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 19, return_lse=True, **opts)
+        grads = flashnb.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 17, 19, **opts)
+        return host(out, lse, *grads)
+
+    replayed, full = recorded_then_replayed(call, 2)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, full):
+        assert_bitwise_equal(a, b, f"replayed {name}")
+    assert not np.allclose(replayed[0], call(0)[0]), "the replay ignored its inputs"
+    rng = np.random.default_rng(1)
+    q, k, v = (cuda.to_device(rng.standard_normal((n, h, 8)).astype(dtype)) for n, h in ((17, 2), (19, 1), (19, 1)))
+    hits = _dispatch.stats["hits"]
+    with pytest.raises(ValueError, match="max_seqlen_q"):        # a sequence longer than max_seqlen_q: checked
+        flashnb.flash_attn_varlen_func(q, k, v, cuda.to_device(np.array([0, 1, 2, 17], np.int32)),
+                                       cuda.to_device(cuts(0)[1]), 12, 19, causal=True, softcap=4.0, backend=backend)
+    assert _dispatch.stats["hits"] == hits
