@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key/value heads, for grouped-query attention (default: = nheads)")
     s.add_argument("--tokens", type=_positive(int), default=None, help=f"batch * seqlen (default {DEFAULT_TOKENS})")
     s.add_argument("--hidden", type=_positive(int), default=None, help=f"nheads * headdim (default {DEFAULT_HIDDEN})")
+    s.add_argument("--cases", default=None, metavar="CASE,...",
+                   help="--flex: only these of its cases (causal, document, sliding 1024, alibi, softcap 30, none)")
     s.add_argument("--causal", type=_causal, default=None, metavar="{both,true,false}",
                    help="causal masking (default both)")
     s.add_argument("--window", type=_window, default=None, metavar="LEFT,RIGHT",

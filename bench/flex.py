@@ -240,7 +240,13 @@ def main(argv=None) -> int:
     headdims = HEADDIMS
     if "--headdims" in argv:                       # e.g. --headdims 64 (one run per head dim fits a time limit)
         headdims = tuple(int(d) for d in argv[argv.index("--headdims") + 1].split(","))
-    records = run(torch, headdims=headdims, log=lambda s: print("# " + s, flush=True))
+    cases = CASES
+    if "--cases" in argv:                          # e.g. --cases "causal,sliding 1024"
+        cases = tuple(argv[argv.index("--cases") + 1].split(","))
+        for case in cases:
+            if case not in CASES:
+                raise SystemExit(f"--cases: {case!r} is not one of {', '.join(CASES)}")
+    records = run(torch, headdims=headdims, cases=cases, log=lambda s: print("# " + s, flush=True))
     print(table(records))
     return 0
 

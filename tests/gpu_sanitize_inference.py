@@ -244,6 +244,9 @@ def clients(rng):
             print(f"ok varlen block_table {dtype} causal={causal}", flush=True)
 
 
+HEADDIMS_FLEX = (64, 128)        # (FLEX_HEADDIMS=64 in the environment: head dim 64 only)
+
+
 def flex(rng):
     """flex_attention forward and backward with a score_mod (ALiBi, differentiated by the complex step) and a
     block mask (causal within captured documents; block 64 x 64, so empty, partial and full blocks), every
@@ -260,28 +263,41 @@ def flex(rng):
     def doc_causal(b, h, q_idx, kv_idx):
         return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
 
-    mask = flashnb.create_block_mask(doc_causal, None, None, L, S, BLOCK_SIZE=64)
-    for d in (64, 128):
-        q = rng.standard_normal((2, 4, L, d))
-        k, v = (rng.standard_normal((2, 2, S, d)) for _ in range(2))
-        dout = rng.standard_normal(q.shape)
-        ref = rf.flex_attention(q, k, v, score_mod=alibi, mask_mod=doc_causal, enable_gqa=True)
-        want = rf.flex_attention_backward(dout, q, k, v, score_mod=alibi, mask_mod=doc_causal, enable_gqa=True)
-        for dtype, backend in ((F16, "auto"), (F16, "tensorcore"), (F16, "simt"), (torch.float32, "auto")):
-            t = [torch.as_tensor(x, device="cuda", dtype=dtype) for x in (q, k, v, dout)]
-            out, lse = flashnb.flex_attention(*t[:3], score_mod=alibi, block_mask=mask, enable_gqa=True,
-                                              return_lse=True, backend=backend)
-            err = float((out.double().cpu() - torch.as_tensor(ref)).abs().max())
-            assert err < 0.05, f"flex d={d} {dtype} {backend}: forward error {err}"
-            grads = flashnb.flex_attention_backward(t[3], *t[:3], out, lse, score_mod=alibi, block_mask=mask,
-                                                    enable_gqa=True, backend=backend)
-            for name, g, w in zip(("dq", "dk", "dv"), grads, want):
-                err = float((g.double().cpu() - torch.as_tensor(w)).abs().max())
-                assert err < 0.1 * (1 + float(np.abs(w).max())), f"flex d={d} {dtype} {backend}: {name} error {err}"
-            print(f"ok flex d={d} {dtype} {backend}", flush=True)
+    # block 64: smaller than the tensor-core tiles (a tile's states in a loop); block 128: a tile inside one block
+    # (one read), and with no score_mod the mask-only kernels (the Hopper forward at two blocks an SM, the dK/dV
+    # kernel's plain form with the mask's bits)
+    runs = [(64, alibi, d, dtype, backend) for d in HEADDIMS_FLEX
+            for dtype, backend in ((F16, "auto"), (F16, "tensorcore"), (F16, "simt"), (torch.float32, "auto"))]
+    runs += [(128, score_mod, 64, F16, backend) for score_mod in (None, alibi) for backend in ("auto", "tensorcore")]
+    problems = {}                                  # (score_mod, d) -> inputs and the oracle's results
+    for block, score_mod, d, dtype, backend in runs:
+        mask = flashnb.create_block_mask(doc_causal, None, None, L, S, BLOCK_SIZE=block)
+        if (score_mod, d) not in problems:
+            q = rng.standard_normal((2, 4, L, d))
+            k, v = (rng.standard_normal((2, 2, S, d)) for _ in range(2))
+            dout = rng.standard_normal(q.shape)
+            mods = dict(score_mod=score_mod, mask_mod=doc_causal, enable_gqa=True)
+            problems[score_mod, d] = (q, k, v, dout, rf.flex_attention(q, k, v, **mods),
+                                      rf.flex_attention_backward(dout, q, k, v, **mods))
+        q, k, v, dout, ref, want = problems[score_mod, d]
+        what = f"flex block {block} {'alibi' if score_mod else 'mask only'} d={d} {dtype} {backend}"
+        t = [torch.as_tensor(x, device="cuda", dtype=dtype) for x in (q, k, v, dout)]
+        out, lse = flashnb.flex_attention(*t[:3], score_mod=score_mod, block_mask=mask, enable_gqa=True,
+                                          return_lse=True, backend=backend)
+        err = float((out.double().cpu() - torch.as_tensor(ref)).abs().max())
+        assert err < 0.05, f"{what}: forward error {err}"
+        grads = flashnb.flex_attention_backward(t[3], *t[:3], out, lse, score_mod=score_mod, block_mask=mask,
+                                                enable_gqa=True, backend=backend)
+        for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+            err = float((g.double().cpu() - torch.as_tensor(w)).abs().max())
+            assert err < 0.1 * (1 + float(np.abs(w).max())), f"{what}: {name} error {err}"
+        print(f"ok {what}", flush=True)
 
 
 if __name__ == "__main__":
+    import os
+    if os.environ.get("FLEX_HEADDIMS"):
+        HEADDIMS_FLEX = tuple(int(d) for d in os.environ["FLEX_HEADDIMS"].split(","))
     parts = sys.argv[1:] or ["varlen", "kvcache", "routed", "rotary", "clients", "flex"]
     rng = np.random.default_rng(0)
     if "varlen" in parts:

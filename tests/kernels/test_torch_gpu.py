@@ -427,6 +427,30 @@ def test_dispatch_cache_replays_flex_attention():
         assert same, f"replayed {name} differs from the full path's"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dispatch_cache_replays_varlen(dtype):
+    """flash_attn_varlen_func and its backward on CUDA tensors with CUDA cu_seqlens (the Hopper forward's tensor
+    maps of the packed arrays on compute capability 9.0): the second call, other tensors and other cuts of the
+    same totals, is a replay equal to the full path's bit for bit (dq to float32 rounding: atomics)."""
+    def call(seed):
+        torch.manual_seed(seed)
+        q, do = (_randn(700, 8, 128, dtype=dtype) for _ in range(2))
+        k, v = (_randn(900, 2, 128, dtype=dtype) for _ in range(2))
+        g = torch.Generator().manual_seed(seed)
+        cuts = [torch.sort(torch.randperm(n - 1, generator=g)[:3] + 1).values for n in (700, 900)]
+        cu_q, cu_k = (torch.cat([torch.zeros(1, dtype=torch.int64), c, torch.tensor([n])]).int().cuda()
+                      for c, n in zip(cuts, (700, 900)))
+        opts = dict(causal=True, max_seqlen_q=700, max_seqlen_k=900)
+        out, lse = flashnb.flash_attn_varlen_func(q, k, v, cu_q, cu_k, return_lse=True, **opts)
+        return (out, lse) + tuple(flashnb.flash_attn_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, **opts))
+
+    replayed, full = recorded_then_replayed(call, 2)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), replayed, full):
+        same = torch.equal(a, b) if name != "dq" else torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+        assert same, f"replayed {name} differs from the full path's"
+    assert not torch.equal(replayed[0], call(0)[0])
+
+
 @pytest.mark.parametrize("replay_maps", [False, True])
 def test_dispatch_cache_and_the_hopper_forwards_tensor_maps(monkeypatch, replay_maps):
     """backend="wgmma" (compute capability 9.0): the tensor maps hold the inputs' addresses; unrecorded without
