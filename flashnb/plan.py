@@ -635,22 +635,32 @@ WGMMA_FWD_TWO_BLOCKS = True
 # 4.48, sliding 1024 1.24 / 3.13 -> 0.92 / 2.80; the section order on top moved each by -3% to +3% (off)
 FLEX_TWO_BLOCKS = True
 FLEX_SECTION = False
+# the same launch bounds for a flex call with a score_mod (ptxas, ALiBi + causal, d 64: 166 registers -> 128 with
+# 172 / 172 bytes of spills); not measured yet (python -m tools.flex_ab --settings "FLEX_TWO_BLOCKS_SCORE=0;...=1")
+FLEX_TWO_BLOCKS_SCORE = False
+
+
+def _flex_only(call):
+    """A flex_attention call: its functions, and no option but its states (the block mask)."""
+    return (call.flags.mods is not None and not any(_flag_args(call.flags)[3:])
+            and not any(_flag_args(call.flags)[:2]))
 
 
 def _mask_only(call):
     """A flex_attention call with a mask_mod and no score_mod, no option but its states (the block mask)."""
     mods = call.flags.mods
-    return (mods is not None and mods.mask_mod is not None and mods.score_mod is None
-            and not any(_flag_args(call.flags)[3:]) and not any(_flag_args(call.flags)[:2]))
+    return _flex_only(call) and mods.mask_mod is not None and mods.score_mod is None
 
 
 def _two_blocks(call, block_q):
     """The Hopper forward's ``MIN_BLOCKS`` keyword: 2 with ``WGMMA_FWD_TWO_BLOCKS`` for 16-bit inputs up to head
     dim 64 at 128 query rows, dense, with no option but a window (causal), or (``FLEX_TWO_BLOCKS``) a flex call's
-    mask_mod alone; none elsewhere."""
+    mask_mod alone (``FLEX_TWO_BLOCKS_SCORE``: with a score_mod); none elsewhere."""
     plain = not any(_flag_args(call.flags)[1:]) and call.flags.mods is None
+    flex = (FLEX_TWO_BLOCKS and _mask_only(call)
+            or FLEX_TWO_BLOCKS_SCORE and _flex_only(call) and call.flags.mods.score_mod is not None)
     two = (WGMMA_FWD_TWO_BLOCKS and call.dtype in ("float16", "bfloat16") and call.headdim <= 64
-           and block_q == 128 and (plain or FLEX_TWO_BLOCKS and _mask_only(call)) and call.total_q is None)
+           and block_q == 128 and (plain or flex) and call.total_q is None)
     return {"MIN_BLOCKS": 2} if two else {}
 
 

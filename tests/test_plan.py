@@ -393,3 +393,28 @@ def test_fp8_forward_plan():
     assert p.forward.shared >= 128 * 128 + 2 * (128 * 128 + 128 * 128), "Q, then two stages of K_j and V_j^T"
     assert plan.fp8_forward(2, 300, 500, 8, 2, 128, True, "bfloat16") is p
     assert plan.fp8_forward(2, 300, 500, 8, 2, 128, False, "bfloat16").forward.kernel is not p.forward.kernel
+
+
+@pytest.mark.parametrize("score, setting, two_blocks", [
+    (False, {}, True),                                       # the mask alone: FLEX_TWO_BLOCKS (on, measured)
+    (True, {}, False),                                       # a score_mod keeps its registers ...
+    (True, {"FLEX_TWO_BLOCKS_SCORE": True}, True),           # ... unless asked
+    (False, {"FLEX_TWO_BLOCKS": False}, False)])
+def test_flex_launch_bounds(device, monkeypatch, score, setting, two_blocks):
+    """A flex_attention call's Hopper forward at head dim 64: two blocks an SM for a mask_mod alone
+    (``FLEX_TWO_BLOCKS``), with a score_mod only under ``FLEX_TWO_BLOCKS_SCORE``; no section order
+    (``FLEX_SECTION`` off)."""
+    from flashnb import flex
+    from flashnb.kernels._scores import Mods
+    device(**H100)
+    for name, value in setting.items():
+        monkeypatch.setattr(plan, name, value)
+    mods = Mods(flex._compiled(lambda score, b, h, q_idx, kv_idx: score * 0.5) if score else None,
+                flex._compiled(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx), None, (128, 128))
+    flags = _options.Flags(False, False, True, False, False, False, False, mods)
+    built = {}
+    real = plan.make_forward_tc
+    monkeypatch.setattr(plan, "make_forward_tc", lambda *a, **k: (built.update(k), real(*a, **k))[1])
+    plan.forward(call(dtype="bfloat16", flags=flags))
+    assert built.get("WGMMA") and built.get("MIN_BLOCKS") == (2 if two_blocks else None), built
+    assert "SECTION" not in built, built
