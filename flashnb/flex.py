@@ -108,10 +108,10 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128):
     for value, name in ((Q_LEN, "Q_LEN"), (KV_LEN, "KV_LEN")):
         if not _options._is_int(value) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    _check_mod(mask_mod, "mask_mod", 4, probe=Q_LEN > 0 and KV_LEN > 0)
     for value, name in ((B, "B"), (H, "H")):
         if value is not None and (not _options._is_int(value) or value < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+    _check_mod(mask_mod, "mask_mod", 4, (B or 1, H or 1, Q_LEN, KV_LEN) if Q_LEN > 0 and KV_LEN > 0 else None)
     pair = (BLOCK_SIZE, BLOCK_SIZE) if _options._is_int(BLOCK_SIZE) else tuple(BLOCK_SIZE)
     if len(pair) != 2 or not all(_options._is_int(s) and s > 0 for s in pair):
         raise ValueError(f"BLOCK_SIZE must be a positive int or a pair of them, got {BLOCK_SIZE!r}")
@@ -179,6 +179,7 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
     q, k, v = (_swap(x) for x in (query, key, value))
     L, S = int(query.shape[2]), int(key.shape[2])
     probe = L > 0 and S > 0
+    dims = (int(query.shape[0]), hq, L, S) if probe and int(query.shape[0]) > 0 else None   # the probes' corners
     prints = {}                               # each function's captures hashed once a call (``_fingerprint``)
 
     def checked(fn, what, check):
@@ -187,12 +188,12 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
         return _checked(fn, what, check, prints[id(fn)])
 
     if score_mod is not None:
-        checked(score_mod, ("score_mod", 5, probe), lambda: _check_mod(score_mod, "score_mod", 5, probe))
+        checked(score_mod, ("score_mod", 5, dims), lambda: _check_mod(score_mod, "score_mod", 5, dims))
     grad = None
     if backward and score_mod is not None:
         if score_mod_grad is not None:
-            checked(score_mod_grad, ("score_mod_grad", 5, probe),
-                    lambda: _check_mod(score_mod_grad, "score_mod_grad", 5, probe))
+            checked(score_mod_grad, ("score_mod_grad", 5, dims),
+                    lambda: _check_mod(score_mod_grad, "score_mod_grad", 5, dims))
             grad = score_mod_grad
         elif probe:
             checked(score_mod, ("complex step",), lambda: _check_complex_step(score_mod))
@@ -215,8 +216,8 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
         if block_mask.mask_mod is None:
             raise ValueError("block_mask has no mask_mod (make it with flashnb.create_block_mask)")
         mask_mod = block_mask.mask_mod
-        checked(mask_mod, ("block_mask's mask_mod", 4, probe),
-                lambda: _check_mod(mask_mod, "block_mask's mask_mod", 4, probe))
+        checked(mask_mod, ("block_mask's mask_mod", 4, dims),
+                lambda: _check_mod(mask_mod, "block_mask's mask_mod", 4, dims))
     captured = sum(checked(fn, ("constant bytes",), lambda fn=fn: _constant_bytes(fn))
                    for fn in (score_mod, mask_mod, grad) if fn is not None)
     if captured > MAX_CAPTURED_BYTES:
@@ -260,10 +261,15 @@ def _checked(fn, what, check, fingerprint):
     return _CHECKED[key]
 
 
-def _check_mod(fn, name, nargs, probe=True):
+def _check_mod(fn, name, nargs, dims=None):
     """A callable that takes ``nargs`` positional arguments, captures no device array (nor a NumPy array past
-    constant memory), and returns what its kind must (probed once on the host at index 0 and a score of 0.5):
-    a real number (score_mod, score_mod_grad) or a bool (mask_mod)."""
+    constant memory), and returns what its kind must: a real number (score_mod, score_mod_grad) or a bool
+    (mask_mod).  Probed on the host (a score of 0.5) at the corners of the call's index space ``dims`` =
+    ``(B, H, Q_LEN, KV_LEN)``: first index 0, then every combination of the first and last ``b``, ``h``, ``q_idx``,
+    ``kv_idx`` (16 calls), so that a captured table too short for the indices (``doc[q_idx]`` with fewer ids than
+    queries, ``bias[q_idx - kv_idx + n]`` with the wrong ``n``) raises here, naming the indices, instead of being
+    read past its end in a kernel (which no GPU reports: the values are wrong); ``dims`` None: not probed (an
+    empty sequence)."""
     if not callable(fn):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
     for var, value in _captured(fn):
@@ -281,16 +287,20 @@ def _check_mod(fn, name, nargs, probe=True):
         raise ValueError(f"{name} captures {nbytes} bytes of NumPy arrays (counted once per place its code reads "
                          "an array: Numba freezes a copy for each); they are frozen into the kernel's constant memory "
                          f"({MAX_CAPTURED_BYTES} bytes at most)")
-    if not probe:                              # (an empty sequence: no index 0 to call it at)
+    if dims is None:                           # (an empty sequence: no index to call it at)
         return
-    try:
-        got = fn(*((0.5,) if nargs == 5 else ()), 0, 0, 0, 0)
-    except Exception as e:                     # noqa: BLE001 (any failure of the caller's function, named)
-        raise ValueError(f"{name} failed on (b, h, q_idx, kv_idx) = (0, 0, 0, 0): {type(e).__name__}: {e}") from e
-    if nargs == 4 and not isinstance(got, (bool, np.bool_)):
-        raise TypeError(f"mask_mod must return a bool, got {type(got).__name__}")
-    if nargs == 5 and (not isinstance(got, numbers.Real) or isinstance(got, (bool, np.bool_))):
-        raise TypeError(f"{name} must return a real number, got {type(got).__name__}")
+    corners = [(0, 0, 0, 0)] + sorted(set(itertools.product(*((0, int(n) - 1) for n in dims))) - {(0, 0, 0, 0)})
+    for index in corners:
+        try:
+            got = fn(*((0.5,) if nargs == 5 else ()), *index)
+        except Exception as e:                 # noqa: BLE001 (any failure of the caller's function, named)
+            raise ValueError(f"{name} failed on (b, h, q_idx, kv_idx) = {index}: {type(e).__name__}: {e}") from e
+        if nargs == 4 and not isinstance(got, (bool, np.bool_)):
+            raise TypeError(f"mask_mod must return a bool, got {type(got).__name__} at (b, h, q_idx, kv_idx) = "
+                            f"{index}")
+        if nargs == 5 and (not isinstance(got, numbers.Real) or isinstance(got, (bool, np.bool_))):
+            raise TypeError(f"{name} must return a real number, got {type(got).__name__} at (b, h, q_idx, kv_idx) "
+                            f"= {index}")
 
 
 def _constant_bytes(fn):

@@ -413,6 +413,28 @@ def test_the_host_checks_run_again_when_a_capture_changes():
         flashnb.flex_attention(q, k, v, score_mod=mod)
 
 
+def test_a_table_too_short_for_the_indices_is_refused_before_any_launch():
+    """The host probes a function at the corners of the call's index space (first and last b, h, q_idx, kv_idx),
+    so a captured table that the last query or the widest offset would read past its end raises there, naming
+    the indices, for a mask_mod (in create_block_mask and again in the call) and a score_mod; a table that fits
+    passes."""
+    q, k, v = _qkv()                                            # (B, H, L, E) = (1, 2, 5, 4), S = 5
+    B, H, L, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    short_ids = np.zeros(L - 1, np.int32)
+    with pytest.raises(ValueError, match=rf"mask_mod failed on \(b, h, q_idx, kv_idx\) = \(0, 0, 0, {S - 1}\): "
+                                         "IndexError"):
+        flashnb.create_block_mask(lambda b, h, i, j: short_ids[j] >= 0, None, None, L, S)
+    bias = np.zeros(L + S - 2)                                  # q - kv + S - 1 runs over 0 .. L + S - 2: one short
+    with pytest.raises(ValueError, match=rf"score_mod failed on \(b, h, q_idx, kv_idx\) = \(0, 0, {L - 1}, 0\)"):
+        flashnb.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[i - j + S - 1])
+    slopes = np.ones(H - 1)                                     # a per-head table one short
+    with pytest.raises(ValueError, match=rf"= \(0, {H - 1}, 0, 0\)"):
+        flashnb.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * slopes[h])
+    fits = np.zeros(L + S - 1)
+    out = flashnb.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + fits[i - j + S - 1])
+    assert out.shape == q.shape
+
+
 def test_a_hand_made_block_mask_is_checked():
     q, k, v = _qkv()
     good = flashnb.create_block_mask(lambda b, h, i, j: i >= j, None, None, 5, 5, BLOCK_SIZE=2)
