@@ -74,8 +74,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``cu_seqlens_k``); ``max_seqlen_q``, ``max_seqlen_k``: ints at least every sequence's length.  causal and
     window_size are aligned to each sequence's bottom-right corner; alibi_slopes ``(nheads,)`` or ``(batch,
     nheads)``.  dropout_p must be 0 (packed dropout is not defined: ValueError).  ``cu_seqlens`` are read on
-    the host before the launch (``flashnb.varlen``): a synchronisation where they live on the GPU, once per tensor
-    and version (the layers of a model sharing one tensor pay it once).
+    the host before the launch (``flashnb.varlen``): a synchronisation where they live on the GPU.
 
     Returns ``out`` like q; with ``return_attn_probs``, ``(out, softmax_lse, None)`` (lse ``(nheads, total_q)``).
     """

@@ -15,14 +15,12 @@ tile starts past its sequence's end returns at once.  The backward's per-row ste
 the packed rows as one sequence of ``total_q`` rows.
 
 ``cu_seqlens`` are checked on the host before anything is launched (int32, 1-D, from 0, never decreasing, the
-last entry the total, ``max_seqlen`` no shorter than any sequence): device arrays are copied to the host for that
-(a synchronisation with their stream), a CUDA tensor once per tensor and version (``_host_copy``: a model's
-layers share one).  The kernels read the checked values: the caller's
+last entry the total, ``max_seqlen`` no shorter than any sequence): device arrays are copied to the host once
+per call for that (a synchronisation with their stream).  The kernels read the checked values: the caller's
 own CUDA tensor where it is a contiguous one on q's device, else a device copy of the host values; so no
 block ever indexes outside its arrays.
 """
 import numbers
-import weakref
 
 import numpy as np
 from numba import cuda
@@ -333,7 +331,7 @@ def _gather_pages(k, v, block_table, cu_seqlens_k):
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
     """The checked ``cu_seqlens_q``, ``cu_seqlens_k`` as host int32 arrays, before any launch: int32, 1-D, one
     batch for both, starting at 0, never decreasing, ending at the total rows, and ``max_seqlen_*`` an int at
-    least every sequence's length.  Device arrays are copied to the host (a CUDA tensor once per version)."""
+    least every sequence's length.  Device arrays are copied to the host (once; they are small)."""
     cus = []
     for cu, name, total, max_len, max_name in ((cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q, "max_seqlen_q"),
                                                (cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k, "max_seqlen_k")):
@@ -360,15 +358,14 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
 
 
 def _on_host(cu, name):
-    """A host NumPy copy of ``cu`` (any supported array kind, a CPU torch tensor too).  A CUDA tensor's copy is
-    kept for the tensor while its version stays (``_host_copy``)."""
+    """A host NumPy copy of ``cu`` (any supported array kind, a CPU torch tensor too)."""
     if isinstance(cu, np.ndarray):
         return cu
     torch = _arrays.torch
     if torch is not None and isinstance(cu, torch.Tensor):
         if cu.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {cu.dtype}")
-        return _host_copy(cu) if cu.is_cuda else cu.detach().numpy()
+        return cu.detach().cpu().numpy()
     if _arrays.cupy is not None and isinstance(cu, _arrays.cupy.ndarray):
         return _arrays.cupy.asnumpy(cu)
     if _arrays._is_numba_device_array(cu):
@@ -376,32 +373,6 @@ def _on_host(cu, name):
     if hasattr(cu, "__cuda_array_interface__"):
         return cuda.as_cuda_array(cu).copy_to_host()
     raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch or Numba int32 array, got {type(cu).__name__}")
-
-
-_HOST_COPIES = {}          # id(tensor) -> (weak reference to it, its version, address, read-only host copy)
-_MAX_HOST_COPIES = 64
-
-
-def _host_copy(cu):
-    """The host copy of the CUDA tensor ``cu``, made once per tensor and version: the model's layers pass one
-    ``cu_seqlens`` tensor to every layer's call, forward and backward, and each copy to the host waits for the
-    tensor's stream (a synchronisation of the host with the GPU's queue).  A tensor changed by torch's operations
-    has a new version (in-place writes count) and is copied again; a new tensor is another key even at the same
-    address.  Memory written behind torch's back (a kernel through the CUDA array interface) keeps its version:
-    pass a new tensor then.  Inference tensors (``torch.inference_mode``) have no version: copied every call."""
-    try:
-        version = cu._version
-    except RuntimeError:                   # an inference tensor tracks no version
-        return cu.detach().cpu().numpy()
-    seen = _HOST_COPIES.get(id(cu))
-    if seen is not None and seen[0]() is cu and seen[1] == version and seen[2] == cu.data_ptr():
-        return seen[3]
-    host = cu.detach().cpu().numpy()
-    host.flags.writeable = False
-    if len(_HOST_COPIES) >= _MAX_HOST_COPIES:
-        _HOST_COPIES.pop(next(iter(_HOST_COPIES)))
-    _HOST_COPIES[id(cu)] = (weakref.ref(cu), version, cu.data_ptr(), host)
-    return host
 
 
 def _shown(cu):

@@ -246,25 +246,3 @@ def test_has_word_view_answers_as_word_view_does(monkeypatch):
         want = _arrays.word_view(_arrays.to_device_bits(x, None)) is not None
         assert _arrays.has_word_view(x, None) == want, (i, tuple(x.shape), x.stride(), x.data_ptr() % 4)
     assert {_arrays.has_word_view(x, None) for x in cases} == {True, False}      # both answers drawn
-
-
-def test_cu_seqlens_copied_to_the_host_once_per_tensor_and_version():
-    """``varlen._host_copy`` (what a CUDA ``cu_seqlens`` goes through before the check: one synchronisation per
-    tensor and version, not one per layer's call): the same tensor and version give the kept copy; an in-place
-    write, a new tensor of the same values, and an inference tensor (no version) are copied anew."""
-    from flashnb import varlen
-    cu = torch.tensor([0, 3, 7, 12], dtype=torch.int32)
-    first = varlen._host_copy(cu)
-    assert varlen._host_copy(cu) is first and not first.flags.writeable
-    cu[1] = 5                                                   # in place: a new version
-    again = varlen._host_copy(cu)
-    assert again is not first and again.tolist() == [0, 5, 7, 12]
-    same_values = cu.clone()
-    assert varlen._host_copy(same_values) is not again
-    with torch.inference_mode():
-        frozen = torch.tensor([0, 1, 2], dtype=torch.int32)
-    assert varlen._host_copy(frozen).tolist() == [0, 1, 2] and varlen._host_copy(frozen) is not \
-        varlen._host_copy(frozen)
-    for _ in range(2 * varlen._MAX_HOST_COPIES):               # bounded
-        varlen._host_copy(torch.tensor([0, 1], dtype=torch.int32))
-    assert len(varlen._HOST_COPIES) <= varlen._MAX_HOST_COPIES
