@@ -17,8 +17,9 @@ the packed rows as one sequence of ``total_q`` rows.
 ``cu_seqlens`` are checked on the host before anything is launched (int32, 1-D, from 0, never decreasing, the
 last entry the total, ``max_seqlen`` no shorter than any sequence): device arrays are copied to the host once
 per call for that (a synchronisation with their stream).  The kernels read the checked values: the caller's
-own CUDA tensor where it is a contiguous one on q's device, else a device copy of the host values; so no
-block ever indexes outside its arrays.
+own device array where it is a contiguous one of q's kind on q's device (``_on_device``), else a device copy of
+the host values; so no block ever indexes outside its arrays.  After the checks, a call goes through the dispatch
+cache (``_dispatch.cached_call``): a replay binds the new call's arrays, ``cu_seqlens`` among them.
 """
 import numbers
 
@@ -230,9 +231,10 @@ def _setup(kind, q, dims, total_q, cu_q, cu_k, stream, block_q, block_k, backend
 
 def _on_device(given, checked, kind, like, stream):
     """The kernels' int32 view of checked ``cu_seqlens``: the caller's own array where it is a contiguous device
-    array of q's kind on q's device (the values just checked; so a replay of the dispatch cache binds the new
-    call's array), else a copy of the checked host values -- through PyTorch's caching allocator for PyTorch calls
-    (no cudaMalloc / cudaFree per call), else Numba's (and such a call is not recorded: ``_dispatch``)."""
+    array of q's kind on q's device (a Numba array: on the current context's, as q) -- the values just checked,
+    so a replay of the dispatch cache binds the new call's array -- else a copy of the checked host values,
+    through PyTorch's caching allocator for PyTorch calls (no cudaMalloc / cudaFree per call), else Numba's.  A
+    call with a copy is not recorded (the copy's address comes from no input or allocation the recorder knows)."""
     torch, cupy = _arrays.torch, _arrays.cupy
     if torch is not None and isinstance(given, torch.Tensor) and kind.lib == "torch":
         if given.is_cuda and given.is_contiguous() and given.device == like.device:

@@ -18,14 +18,15 @@ the very function a kernel compiles is the one the oracle runs.  ``block_states`
 """
 from __future__ import annotations
 
+import types
 import warnings
 
 import numpy as np
 
 from .standard import _softmax
 
-__all__ = ["flex_attention", "flex_attention_backward", "score_mod_derivative", "mod_grid", "block_states", "EMPTY",
-           "PARTIAL", "FULL"]
+__all__ = ["flex_attention", "flex_attention_backward", "score_mod_derivative", "captured_derivative", "mod_grid",
+           "block_states", "EMPTY", "PARTIAL", "FULL"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -131,11 +132,16 @@ def score_mod_derivative(score_mod, score, b, h, i, j):
 
 
 def flex_attention_backward(dout, query, key, value, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
-                            score_mod_grad=None, dtype=None):
+                            score_mod_grad=None, dtype=None, captured_grads=()):
     """``(dq, dk, dv)`` of ``sum(flex_attention(...) * dout)``: the recompute backward with the score_mod's chain
     rule, ``dS_raw = dS * score_mod'(s_raw)`` (``score_mod_grad(s, b, h, i, j)`` where given, else
     ``score_mod_derivative``); ``dk``, ``dv`` summed over the query heads of a key/value head.  In ``dtype``
-    (float64 by default; the derivative evaluated in float64 and rounded to it)."""
+    (float64 by default; the derivative evaluated in float64 and rounded to it).
+
+    ``captured_grads``: names of NumPy arrays the score_mod captures (its closure's variables or the globals it
+    reads; a learned bias table, per-head slopes): then ``(dq, dk, dv, grads)`` with ``grads[name]`` the gradient
+    of the same sum in that array, ``sum over (b, h, i, j) of dS * d score_mod / d array[t]`` at every entry ``t``
+    (``captured_derivative``: the complex step in each entry)."""
     q, kr, vr, group, scale = _prepare(query, key, value, scale, enable_gqa, dtype)
     do = np.asarray(dout).astype(q.dtype)
     B, Hq, L, _ = q.shape
@@ -147,6 +153,12 @@ def flex_attention_backward(dout, query, key, value, score_mod=None, mask_mod=No
     dv = np.swapaxes(p, -1, -2) @ do
     dp = do @ np.swapaxes(vr, -1, -2)
     ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+    grads = {}
+    if captured_grads:
+        if score_mod is None:
+            raise ValueError("captured_grads needs a score_mod (the arrays it captures)")
+        for name in captured_grads:                  # (ds: d sum / d the score_mod's result, before its chain rule)
+            grads[name] = captured_derivative(score_mod, name, raw.astype(np.float64), ds.astype(np.float64))
     if score_mod is not None:
         raw64 = raw.astype(np.float64)
         grad = (mod_grid(score_mod_grad, raw.shape, raw64) if score_mod_grad is not None
@@ -155,7 +167,58 @@ def flex_attention_backward(dout, query, key, value, score_mod=None, mask_mod=No
     dq = scale * ds @ kr
     dk = scale * np.swapaxes(ds, -1, -2) @ q
     fold = lambda x: x.reshape(B, Hkv, group, S, -1).sum(axis=2)     # noqa: E731
-    return dq, fold(dk), fold(dv)
+    return (dq, fold(dk), fold(dv)) + ((grads,) if captured_grads else ())
+
+
+def _with_capture(fn, name, value):
+    """``fn`` with its captured ``name`` (a closure variable, else a global it reads) bound to ``value``."""
+    code = fn.__code__
+    if name in code.co_freevars:
+        cells = tuple(types.CellType(value) if var == name else cell
+                      for var, cell in zip(code.co_freevars, fn.__closure__))
+        return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    if name in fn.__globals__:
+        return types.FunctionType(code, {**fn.__globals__, name: value}, fn.__name__, fn.__defaults__,
+                                  fn.__closure__)
+    raise ValueError(f"{getattr(fn, '__name__', fn)!r} captures no variable {name!r}")
+
+
+def captured_array(fn, name):
+    """The NumPy array ``fn`` captures as ``name`` (closure variable or global)."""
+    code = fn.__code__
+    if name in code.co_freevars:
+        value = fn.__closure__[code.co_freevars.index(name)].cell_contents
+    elif name in fn.__globals__:
+        value = fn.__globals__[name]
+    else:
+        raise ValueError(f"{getattr(fn, '__name__', fn)!r} captures no variable {name!r}")
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"the captured {name!r} is a {type(value).__name__}, not a NumPy array")
+    return value
+
+
+def captured_derivative(score_mod, name, score, weight):
+    """``sum over (b, h, i, j) of weight * d score_mod(score, b, h, i, j) / d table[t]`` for every entry ``t`` of
+    the array ``table`` that ``score_mod`` captures as ``name``, shaped like it: the complex step in one entry at a
+    time (``table + i 1e-30 e_t``; the function must take a complex table: arithmetic and indexing do), the
+    score and indices over the grid of ``score``'s shape ``(B, H, L, S)``."""
+    table = captured_array(score_mod, name)
+    t = 1e-30
+    out = np.zeros(table.shape, np.float64)
+    grids = _grids(*score.shape)
+    for entry in np.ndindex(*table.shape):
+        stepped = table.astype(np.complex128)
+        stepped[entry] += 1j * t
+        fn = _with_capture(score_mod, name, stepped)
+        with np.errstate(all="ignore"):
+            try:
+                got = np.broadcast_to(np.asarray(fn(score, *grids)), score.shape)
+            except (TypeError, ValueError):     # ``if`` on the indices: one element at a time, as ``mod_grid``
+                got = np.empty(score.shape, complex)
+                for idx in np.ndindex(*score.shape):
+                    got[idx] = fn(score[idx], *idx)
+        out[entry] = np.sum(weight * (np.imag(got) / t))
+    return out
 
 
 def block_states(mask_mod, B, H, L, S, block_size=(128, 128)):

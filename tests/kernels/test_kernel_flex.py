@@ -501,3 +501,51 @@ def test_float32_kernels_compile_float_constants_as_float32_and_divisions_as_pro
     out = flashnb.flex_attention(q, k, v, block_mask=mask, backend="simt")
     ref = rf.flex_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask_mod=band)
     assert np.allclose(out, ref, rtol=1e-4, atol=1e-5), np.abs(out - ref).max()
+
+
+@pytest.mark.parametrize("block, with_score", [((128, 128), False), ((16, 16), True)])
+def test_the_hopper_kernels_with_mods(monkeypatch, block, with_score):
+    """``backend="wgmma"``: the Hopper forward and, with the simulator's tensor-core key tiles widened to 64 (whole
+    warpgroups), the Hopper dK/dV kernel, with a causal document mask alone (the backward's plain form with the
+    mask's bits, partial tiles holding masked scores far above the row's: their exp2 overflows and is dropped) or
+    with ALiBi (the written-out step), float16 by flash-attn's rule; block 16: tiles over several blocks (the
+    loop), block 128: a tile inside one block (one state read)."""
+    from flashnb import plan
+    monkeypatch.setattr(plan, "_TC_SIM_TILES", (16, 64))
+    built = []                                          # the factories' keywords: the Hopper kernels, both passes
+    for name in ("make_forward_tc", "make_dkdv_tc"):
+        real = getattr(plan, name)
+        monkeypatch.setattr(plan, name, lambda *a, _real=real, _name=name, **kw: (built.append((_name, kw)),
+                                                                                _real(*a, **kw))[1])
+    rng = np.random.default_rng(11)
+    L, S, E = 40, 72, 16
+    q = (rng.standard_normal((1, 1, L, E)) * 2.0).astype(np.float16)
+    k = (rng.standard_normal((1, 1, S, E)) * 2.0).astype(np.float16)
+    k[:, :, 30:36] = 6.0 * q[:, :, 20:26]              # keys the mask hides from rows 20-25, scores far above theirs
+    v, dout = rng.standard_normal((1, 1, S, E)).astype(np.float16), rng.standard_normal((1, 1, L, E)).astype(np.float16)
+    doc = np.repeat(np.arange(4), 20)[:S]
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx + 10 >= kv_idx)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - 0.25 * (h + 1) * abs(q_idx - kv_idx)
+
+    score_mod = alibi if with_score else None
+    mask = flashnb.create_block_mask(doc_causal, None, None, L, S, BLOCK_SIZE=block)
+    mods = dict(score_mod=score_mod, mask_mod=doc_causal)
+    out, lse = flashnb.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, return_lse=True,
+                                      backend="wgmma")
+    ref, ref_lse = rf.flex_attention(q, k, v, return_lse=True, **mods)
+    with np.errstate(all="ignore"):
+        low, low_lse = rf.flex_attention(q, k, v, return_lse=True, dtype=np.float16, **mods)
+        lows = rf.flex_attention_backward(dout, q, k, v, dtype=np.float16, **mods)
+    _close(out, ref, np.float16, "out", low)
+    _close(lse, ref_lse, np.float16, "lse", low_lse)
+    grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=score_mod, block_mask=mask,
+                                            backend="wgmma")
+    want = rf.flex_attention_backward(dout, q, k, v, **mods)
+    for name, g, w, lo in zip(("dq", "dk", "dv"), grads, want, lows):
+        assert np.all(np.isfinite(g)), name
+        _close(g, w, np.float16, name, lo)
+    assert {name for name, kw in built if kw.get("WGMMA") and kw.get("MODS")} == {"make_forward_tc", "make_dkdv_tc"}

@@ -274,3 +274,84 @@ def test_a_mod_that_drops_the_imaginary_part_is_refused():
     want = flex.flex_attention_backward(dout, q, k, v, score_mod=lambda s, b, h, i, j: np.sqrt(s * s + 1e-300))
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
+
+
+BIAS_TABLE = np.linspace(-1.0, 1.0, 17)               # a global a score_mod reads (captured_grads finds it there)
+
+
+def _global_bias_mod(s, b, h, i, j):
+    return s + BIAS_TABLE[np.abs(i - j)]
+
+
+@settings(max_examples=20, deadline=None)
+@given(p=problems())
+def test_gradients_into_captured_arrays_match_finite_differences(p):
+    """``captured_grads``: the gradient of ``sum(out * dout)`` in arrays the score_mod captures -- a learned
+    relative bias per head (closure) scaled by per-head slopes (closure, used nonlinearly with the score), and a
+    table read from the module's globals -- against central differences of the forward in single entries (float64;
+    step 1e-6), with a document mask; the gradients in q, k, v unchanged by asking."""
+    q, k, v, scale = p
+    rng = np.random.default_rng(2)
+    H, L, S = q.shape[1], q.shape[2], k.shape[2]
+    dout = rng.standard_normal(q.shape)
+    bias = rng.standard_normal((H, L + S - 1))
+    slopes = rng.uniform(0.5, 1.5, H)
+    mod = lambda s, b, h, i, j: slopes[h] * s + bias[h, i - j + S - 1]           # noqa: E731
+    mask = lambda b, h, i, j: (i // 3 == j // 3) | (j == 0)                       # noqa: E731
+    *qkv, grads = flex.flex_attention_backward(dout, q, k, v, mod, mask, scale, True,
+                                               captured_grads=("bias", "slopes"))
+    for a, b in zip(qkv, flex.flex_attention_backward(dout, q, k, v, mod, mask, scale, True)):
+        np.testing.assert_array_equal(a, b)
+    assert grads["bias"].shape == bias.shape and grads["slopes"].shape == slopes.shape
+
+    def loss(bias_, slopes_):
+        m = lambda s, b, h, i, j: slopes_[h] * s + bias_[h, i - j + S - 1]       # noqa: E731
+        return float(np.sum(flex.flex_attention(q, k, v, m, mask, scale, True) * dout))
+
+    for name, table in (("bias", bias), ("slopes", slopes)):
+        for _ in range(3):
+            idx = tuple(rng.integers(0, m) for m in table.shape)
+            tp, tm = table.copy(), table.copy()
+            tp[idx] += 1e-6
+            tm[idx] -= 1e-6
+            fd = ((loss(tp, slopes) - loss(tm, slopes)) if name == "bias"
+                  else (loss(bias, tp) - loss(bias, tm))) / 2e-6
+            assert abs(fd - grads[name][idx]) <= 1e-5 * (1 + abs(fd)), (name, idx, fd, grads[name][idx])
+    *_, g = flex.flex_attention_backward(dout, q, k, v, _global_bias_mod, None, scale, True,
+                                         captured_grads=("BIAS_TABLE",))
+    table = BIAS_TABLE.copy()
+    for d in range(min(L, S, 3)):
+        tp, tm = table.copy(), table.copy()
+        tp[d] += 1e-6
+        tm[d] -= 1e-6
+        lp, lm = (float(np.sum(flex.flex_attention(q, k, v, lambda s, b, h, i, j, t=t: s + t[np.abs(i - j)], None,
+                                                   scale, True) * dout)) for t in (tp, tm))
+        assert abs((lp - lm) / 2e-6 - g["BIAS_TABLE"][d]) <= 1e-5 * (1 + abs(g["BIAS_TABLE"][d]))
+
+
+def test_an_additive_bias_gets_the_score_gradient_summed_where_it_is_read():
+    """For ``s + bias[h, i - j + S - 1]`` the gradient in ``bias`` is dS summed over each diagonal (the
+    definition written out); a name the function does not capture, or one that is not an array, is refused."""
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((2, 3, 5, 4)) for _ in range(4))
+    S = 5
+    bias = rng.standard_normal((3, 2 * S - 1))
+    mod = lambda s, b, h, i, j: s + bias[h, i - j + S - 1]                       # noqa: E731
+    *_, grads = flex.flex_attention_backward(dout, q, k, v, mod, captured_grads=("bias",))
+    scale = 1 / np.sqrt(4)
+    s = mod(scale * q @ np.swapaxes(k, -1, -2), *flex._grids(2, 3, 5, S))
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = dout @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - np.sum(p * dp, -1, keepdims=True))
+    want = np.zeros_like(bias)
+    for i in range(5):
+        for j in range(S):
+            want[:, i - j + S - 1] += ds[:, :, i, j].sum(axis=0)
+    np.testing.assert_allclose(grads["bias"], want, rtol=1e-10, atol=1e-12)
+    import pytest
+    with pytest.raises(ValueError, match="captures no variable 'table'"):
+        flex.flex_attention_backward(dout, q, k, v, mod, captured_grads=("table",))
+    offset = 4
+    with pytest.raises(TypeError, match="not a NumPy array"):
+        flex.flex_attention_backward(dout, q, k, v, lambda s, b, h, i, j: s + offset, captured_grads=("offset",))
