@@ -18,6 +18,9 @@ head).
   - ``saturate=False`` is PyTorch's ``tensor.to(torch.float8_e4m3fn)``: magnitudes above 464 (half-way to the
     next binade's first step) become NaN.
 * ``dequantize_e4m3(codes, descale)``: the values, in float64.
+* ``quantize_blocks_e4m3(x, block)``: FA3's block quantisation, a descaling factor per (batch, head, block of
+  rows), each the block's largest magnitude over 448; ``fp8_attention`` and ``input_quantization_bound`` take
+  such descales with ``block_q`` / ``block_k``.
 * ``fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, **opts)``: what an FP8 kernel computes, defined
   as attention, in float64, of the dequantised inputs (``reference.attention``, every option of it). The
   kernel's own error is measured against this; the inputs' quantisation error is not the kernel's.
@@ -40,8 +43,8 @@ import numpy as np
 from .standard import attention, attention_probs
 
 __all__ = ["E4M3_MAX", "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_HALF_STEP", "e4m3_table", "quantize_e4m3",
-           "dequantize_e4m3", "fp8_attention", "fp8_flash_forward", "rounding_bound", "input_quantization_bound",
-           "p_quantization_bound"]
+           "dequantize_e4m3", "quantize_blocks_e4m3", "fp8_attention", "fp8_flash_forward", "rounding_bound",
+           "input_quantization_bound", "p_quantization_bound"]
 
 E4M3_MAX = 448.0
 E4M3_UNIT_ROUNDOFF = 2.0 ** -4         # half a unit in the last place, relative, for normal values
@@ -97,40 +100,74 @@ def dequantize_e4m3(codes, descale=None):
     return _TABLE[codes] * _descale(descale)
 
 
-def _per_head(descale, batch, nheads, nheads_k):
-    """A descaling factor per tensor, or per (batch, key/value head), as a ``(batch, 1, nheads, 1)`` array over
-    the query (or key/value) heads ``nheads`` (query head ``h`` uses key/value head ``h // (nheads / nheads_k)``)."""
+def _per_head(descale, batch, nheads, nheads_k, seqlen=None, block=None):
+    """A descaling factor per tensor, per (batch, key/value head), or (``block`` rows a block, FA3's block
+    quantisation) per (batch, key/value head, block of rows), as an array that broadcasts over ``(batch, seqlen,
+    nheads, headdim)``: the query (or key/value) heads ``nheads``, query head ``h`` using key/value head
+    ``h // (nheads / nheads_k)``'s."""
     d = _descale(descale)
     if d.ndim == 0:
         return d
+    if block is not None:
+        blocks = -(-seqlen // block)
+        if d.shape != (batch, nheads_k, blocks):
+            raise ValueError(f"a block descaling factor must be of shape (batch, nheads_k, ceil(seqlen / block)) = "
+                             f"{(batch, nheads_k, blocks)}, got {d.shape}")
+        rows = np.repeat(d, block, axis=2)[:, :, :seqlen]                  # (batch, nheads_k, seqlen)
+        return np.repeat(rows, nheads // nheads_k, axis=1).transpose(0, 2, 1)[..., None]
     if d.shape != (batch, nheads_k):
         raise ValueError(f"a descaling factor must be a scalar or of shape (batch, nheads_k) = {(batch, nheads_k)}, "
                          f"got {d.shape}")
     return np.repeat(d, nheads // nheads_k, axis=1)[:, None, :, None]
 
 
-def _dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale):
+def quantize_blocks_e4m3(x, block, saturate=True):
+    """FA3's block quantisation of ``x`` ``(batch, seqlen, nheads, headdim)``: ``(codes, descale)`` with a
+    descaling factor per (batch, head, block of ``block`` rows), ``descale`` ``(batch, nheads, ceil(seqlen /
+    block))``, each the block's largest magnitude over 448 (a block of zeros: 1), so every block uses e4m3's whole
+    range and an outlier costs only its own block's precision."""
+    x = np.asarray(x, np.float64)
+    if x.ndim != 4:
+        raise ValueError(f"x must have 4 dimensions (batch, seqlen, nheads, headdim), got {x.shape}")
+    if not isinstance(block, (int, np.integer)) or block < 1:
+        raise ValueError(f"block must be an int >= 1, got {block!r}")
+    batch, seqlen, nheads, d = x.shape
+    blocks = -(-seqlen // block)
+    padded = np.zeros((batch, blocks * block, nheads, d))
+    padded[:, :seqlen] = np.abs(x)
+    amax = padded.reshape(batch, blocks, block, nheads, d).max(axis=(2, 4)).transpose(0, 2, 1)
+    descale = np.where(amax > 0, amax / E4M3_MAX, 1.0)
+    if not np.all(np.isfinite(descale)):
+        raise ValueError("x must be finite")
+    return quantize_e4m3(x, _per_head(descale, batch, nheads, nheads, seqlen, block), saturate), descale
+
+
+def _dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale, block_q=None, block_k=None):
     q8, k8, v8 = (np.asarray(x) for x in (q8, k8, v8))
     if q8.ndim != 4 or k8.ndim != 4 or v8.ndim != 4:
         raise ValueError("q8, k8 and v8 must have 4 dimensions (batch, seqlen, nheads, headdim)")
     batch, nheads, nheads_k = q8.shape[0], q8.shape[2], k8.shape[2]
     if nheads_k == 0 or nheads % nheads_k:
         raise ValueError(f"nheads_k ({nheads_k}) must divide nheads ({nheads})")
-    q = dequantize_e4m3(q8) * _per_head(q_descale, batch, nheads, nheads_k)
-    k = dequantize_e4m3(k8) * _per_head(k_descale, batch, nheads_k, nheads_k)
-    v = dequantize_e4m3(v8) * _per_head(v_descale, batch, nheads_k, nheads_k)
+    q = dequantize_e4m3(q8) * (_per_head(q_descale, batch, nheads, nheads_k) if block_q is None   # (blocks of a
+                               else _per_head(q_descale, batch, nheads, nheads, q8.shape[1], block_q))  # query head)
+    k = dequantize_e4m3(k8) * _per_head(k_descale, batch, nheads_k, nheads_k, k8.shape[1], block_k)
+    v = dequantize_e4m3(v8) * _per_head(v_descale, batch, nheads_k, nheads_k, v8.shape[1], block_k)
     return q, k, v
 
 
-def fp8_attention(q8, k8, v8, q_descale=None, k_descale=None, v_descale=None, **opts):
+def fp8_attention(q8, k8, v8, q_descale=None, k_descale=None, v_descale=None, *, block_q=None, block_k=None,
+                  **opts):
     """``(out, lse)`` of attention over FP8 inputs: ``reference.attention`` of the dequantised inputs, in
     float64.
 
     q8 ``(batch, seqlen_q, nheads, headdim)``, k8 and v8 ``(batch, seqlen_k, nheads_k, headdim)``: uint8 e4m3
     codes.  Each descaling factor is None (1), a scalar, or ``(batch, nheads_k)`` (FA3's); query head ``h``
-    uses key/value head ``h // (nheads / nheads_k)``'s.  ``opts``: ``reference.attention``'s options
+    uses key/value head ``h // (nheads / nheads_k)``'s.  Block quantisation (``quantize_blocks_e4m3``):
+    ``block_q`` rows a block of q, ``q_descale`` ``(batch, nheads, ceil(seqlen_q / block_q))`` (a query head's
+    own); ``block_k`` likewise for k and v, over the key/value heads.  ``opts``: ``reference.attention``'s options
     (``causal``, ``softmax_scale``, windows, ...)."""
-    return attention(*_dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale), **opts)
+    return attention(*_dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale, block_q, block_k), **opts)
 
 
 def rounding_bound(x, descale=None):
@@ -142,11 +179,12 @@ def rounding_bound(x, descale=None):
     return np.where(x > E4M3_MAX * d, x - E4M3_MAX * d, inside)
 
 
-def input_quantization_bound(q, k, v, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None):
+def input_quantization_bound(q, k, v, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, *,
+                             block_q=None, block_k=None):
     """A bound, per element of ``out`` ``(batch, seqlen_q, nheads, headdim)``, on
     ``|attention(deq(quant(q)), deq(quant(k)), deq(quant(v))) - attention(q, k, v)|``.  It holds for every
     mask: a mask only removes keys from the maxima below.  Inputs are float, laid out as ``attention``'s.
-    Descaling factors are as in ``fp8_attention``.
+    Descaling factors (and ``block_q``, ``block_k``) are as in ``fp8_attention``.
 
     The derivation, for one query row ``i`` and head:
     1. The elementwise errors ``|dq| <= eq``, ``|dk| <= ek``, ``|dv| <= ev`` come from ``rounding_bound``.
@@ -169,9 +207,10 @@ def input_quantization_bound(q, k, v, q_descale=None, k_descale=None, v_descale=
     nheads_k = k.shape[2]
     group = nheads // nheads_k
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    eq = rounding_bound(q, _per_head(q_descale, batch, nheads, nheads_k))
-    ek = rounding_bound(k, _per_head(k_descale, batch, nheads_k, nheads_k))
-    ev = rounding_bound(v, _per_head(v_descale, batch, nheads_k, nheads_k))
+    eq = rounding_bound(q, _per_head(q_descale, batch, nheads, nheads_k) if block_q is None
+                        else _per_head(q_descale, batch, nheads, nheads, seqlen_q, block_q))
+    ek = rounding_bound(k, _per_head(k_descale, batch, nheads_k, nheads_k, k.shape[1], block_k))
+    ev = rounding_bound(v, _per_head(v_descale, batch, nheads_k, nheads_k, v.shape[1], block_k))
     k_r, ek_r, v_r, ev_r = (np.repeat(x, group, axis=2) for x in (k, ek, v, ev))   # to the query heads
     qa, ka = np.abs(q), np.abs(k_r)
     moved = (np.einsum("bihd,bjhd->bhij", qa, ek_r) + np.einsum("bihd,bjhd->bhij", eq, ka)

@@ -522,7 +522,8 @@ def test_the_hopper_kernels_with_mods(monkeypatch, block, with_score):
     q = (rng.standard_normal((1, 1, L, E)) * 2.0).astype(np.float16)
     k = (rng.standard_normal((1, 1, S, E)) * 2.0).astype(np.float16)
     k[:, :, 30:36] = 6.0 * q[:, :, 20:26]              # keys the mask hides from rows 20-25, scores far above theirs
-    v, dout = rng.standard_normal((1, 1, S, E)).astype(np.float16), rng.standard_normal((1, 1, L, E)).astype(np.float16)
+    v = rng.standard_normal((1, 1, S, E)).astype(np.float16)
+    dout = rng.standard_normal((1, 1, L, E)).astype(np.float16)
     doc = np.repeat(np.arange(4), 20)[:S]
 
     def doc_causal(b, h, q_idx, kv_idx):
