@@ -179,7 +179,8 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
     q, k, v = (_swap(x) for x in (query, key, value))
     L, S = int(query.shape[2]), int(key.shape[2])
     probe = L > 0 and S > 0
-    dims = (int(query.shape[0]), hq, L, S) if probe and int(query.shape[0]) > 0 else None   # the probes' corners
+    dims = (int(query.shape[0]), hq, L, S)                # the probes' corners (none where an axis is empty)
+    dims = dims if min(dims) > 0 else None
     prints = {}                               # each function's captures hashed once a call (``_fingerprint``)
 
     def checked(fn, what, check):
@@ -267,9 +268,10 @@ def _check_mod(fn, name, nargs, dims=None):
     (mask_mod).  Probed on the host (a score of 0.5) at the corners of the call's index space ``dims`` =
     ``(B, H, Q_LEN, KV_LEN)``: first index 0, then every combination of the first and last ``b``, ``h``, ``q_idx``,
     ``kv_idx`` (16 calls), so that a captured table too short for the indices (``doc[q_idx]`` with fewer ids than
-    queries, ``bias[q_idx - kv_idx + n]`` with the wrong ``n``) raises here, naming the indices, instead of being
-    read past its end in a kernel (which no GPU reports: the values are wrong); ``dims`` None: not probed (an
-    empty sequence)."""
+    queries, ``bias[q_idx - kv_idx + n]`` with too large an ``n``) raises here, naming the indices, instead of
+    being read past its end in a kernel (which no GPU reports: the values are wrong).  A negative index wraps
+    around, on the host as in the kernels (too small an ``n`` reads the table's other end, alike in both: not
+    caught).  ``dims`` None: not probed (an empty axis)."""
     if not callable(fn):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
     for var, value in _captured(fn):

@@ -170,38 +170,69 @@ def flex_attention_backward(dout, query, key, value, score_mod=None, mask_mod=No
     return (dq, fold(dk), fold(dv)) + ((grads,) if captured_grads else ())
 
 
-def _with_capture(fn, name, value):
-    """``fn`` with its captured ``name`` (a closure variable, else a global it reads) bound to ``value``."""
+def _capture_place(fn, name):
+    """Where ``fn`` captures ``name``: "closure" or "global"; ValueError where it does not (an argument or local
+    variable of that name shadows any, and a global must be read by ``fn``'s own code: helpers it calls are not
+    followed)."""
     code = fn.__code__
+    label = getattr(fn, "__name__", fn)
+    if name in code.co_varnames:
+        raise ValueError(f"{label!r} has an argument or local variable {name!r}, not a capture (a default argument "
+                         "is evaluated once: capture the array from the enclosing scope instead)")
     if name in code.co_freevars:
+        return "closure"
+    if name in code.co_names and name in fn.__globals__:
+        return "global"
+    raise ValueError(f"{label!r} captures no variable {name!r} in its own code (helpers it calls are not followed)")
+
+
+def _with_capture(fn, name, value):
+    """``fn`` with its captured ``name`` (a closure variable, or a global its code reads) bound to ``value``."""
+    code = fn.__code__
+    if _capture_place(fn, name) == "closure":
         cells = tuple(types.CellType(value) if var == name else cell
                       for var, cell in zip(code.co_freevars, fn.__closure__))
-        return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, cells)
-    if name in fn.__globals__:
-        return types.FunctionType(code, {**fn.__globals__, name: value}, fn.__name__, fn.__defaults__,
-                                  fn.__closure__)
-    raise ValueError(f"{getattr(fn, '__name__', fn)!r} captures no variable {name!r}")
+        new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    else:
+        new = types.FunctionType(code, {**fn.__globals__, name: value}, fn.__name__, fn.__defaults__,
+                                 fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new
 
 
 def captured_array(fn, name):
-    """The NumPy array ``fn`` captures as ``name`` (closure variable or global)."""
+    """The NumPy array ``fn`` captures as ``name`` (closure variable, or a global its code reads)."""
     code = fn.__code__
-    if name in code.co_freevars:
+    if _capture_place(fn, name) == "closure":
         value = fn.__closure__[code.co_freevars.index(name)].cell_contents
-    elif name in fn.__globals__:
-        value = fn.__globals__[name]
     else:
-        raise ValueError(f"{getattr(fn, '__name__', fn)!r} captures no variable {name!r}")
+        value = fn.__globals__[name]
     if not isinstance(value, np.ndarray):
         raise TypeError(f"the captured {name!r} is a {type(value).__name__}, not a NumPy array")
     return value
+
+
+def _mod_over(fn, score, grids):
+    """``fn`` over the grid, as complex values; a ComplexWarning (a cast that drops the imaginary part) raises."""
+    lost = np.exceptions.ComplexWarning
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("error", lost)
+        try:
+            return np.broadcast_to(np.asarray(fn(score, *grids)), score.shape)
+        except (TypeError, ValueError):     # ``if`` on the indices: one element at a time, as ``mod_grid``
+            got = np.empty(score.shape, complex)
+            for idx in np.ndindex(*score.shape):
+                got[idx] = fn(score[idx], *idx)
+            return got
 
 
 def captured_derivative(score_mod, name, score, weight):
     """``sum over (b, h, i, j) of weight * d score_mod(score, b, h, i, j) / d table[t]`` for every entry ``t`` of
     the array ``table`` that ``score_mod`` captures as ``name``, shaped like it: the complex step in one entry at a
     time (``table + i 1e-30 e_t``; the function must take a complex table: arithmetic and indexing do), the
-    score and indices over the grid of ``score``'s shape ``(B, H, L, S)``."""
+    score and indices over the grid of ``score``'s shape ``(B, H, L, S)``.  A function that drops the imaginary
+    part (``abs`` of the entry, a cast to a real type) would give 0 silently: every entry's step is checked
+    against a central difference, and a disagreement raises ``TypeError``."""
     table = captured_array(score_mod, name)
     t = 1e-30
     out = np.zeros(table.shape, np.float64)
@@ -209,15 +240,22 @@ def captured_derivative(score_mod, name, score, weight):
     for entry in np.ndindex(*table.shape):
         stepped = table.astype(np.complex128)
         stepped[entry] += 1j * t
-        fn = _with_capture(score_mod, name, stepped)
-        with np.errstate(all="ignore"):
-            try:
-                got = np.broadcast_to(np.asarray(fn(score, *grids)), score.shape)
-            except (TypeError, ValueError):     # ``if`` on the indices: one element at a time, as ``mod_grid``
-                got = np.empty(score.shape, complex)
-                for idx in np.ndindex(*score.shape):
-                    got[idx] = fn(score[idx], *idx)
-        out[entry] = np.sum(weight * (np.imag(got) / t))
+        try:
+            step = np.imag(_mod_over(_with_capture(score_mod, name, stepped), score, grids)) / t
+        except np.exceptions.ComplexWarning as e:
+            raise TypeError(f"score_mod drops the imaginary part of {name!r} (a cast to a real type): its gradient "
+                            "in that array cannot be taken by the complex step") from e
+        h = 1e-6 * (1.0 + abs(float(table[entry])))
+        ends = []
+        for sign in (1, -1):
+            moved = table.astype(np.float64)
+            moved[entry] += sign * h
+            ends.append(np.real(_mod_over(_with_capture(score_mod, name, moved), score, grids)))
+        fd = (ends[0] - ends[1]) / (2 * h)
+        if not np.all(np.abs(step - fd) <= 1e-4 * (1.0 + np.abs(fd))):
+            raise TypeError(f"score_mod's complex step in {name!r} disagrees with its central difference (abs of an "
+                            "entry, or a part of it taken as real?): its gradient in that array is not defined here")
+        out[entry] = np.sum(weight * step)
     return out
 
 

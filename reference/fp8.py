@@ -131,14 +131,14 @@ def quantize_blocks_e4m3(x, block, saturate=True):
         raise ValueError(f"x must have 4 dimensions (batch, seqlen, nheads, headdim), got {x.shape}")
     if not isinstance(block, (int, np.integer)) or block < 1:
         raise ValueError(f"block must be an int >= 1, got {block!r}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("x must be finite")
     batch, seqlen, nheads, d = x.shape
     blocks = -(-seqlen // block)
     padded = np.zeros((batch, blocks * block, nheads, d))
     padded[:, :seqlen] = np.abs(x)
-    amax = padded.reshape(batch, blocks, block, nheads, d).max(axis=(2, 4)).transpose(0, 2, 1)
+    amax = padded.reshape(batch, blocks, block, nheads, d).max(axis=(2, 4), initial=0.0).transpose(0, 2, 1)
     descale = np.where(amax > 0, amax / E4M3_MAX, 1.0)
-    if not np.all(np.isfinite(descale)):
-        raise ValueError("x must be finite")
     return quantize_e4m3(x, _per_head(descale, batch, nheads, nheads, seqlen, block), saturate), descale
 
 

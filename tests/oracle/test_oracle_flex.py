@@ -355,3 +355,31 @@ def test_an_additive_bias_gets_the_score_gradient_summed_where_it_is_read():
     offset = 4
     with pytest.raises(TypeError, match="not a NumPy array"):
         flex.flex_attention_backward(dout, q, k, v, lambda s, b, h, i, j: s + offset, captured_grads=("offset",))
+
+
+def _helper_reads(h):
+    return BIAS_TABLE[h]
+
+
+def test_captured_gradients_refuse_what_they_cannot_take():
+    """A table whose imaginary part the function drops (``abs`` of an entry, a cast to a real type) is refused
+    (the step is checked against a central difference); a name that is an argument (a default argument shadowing
+    the array), or read only by a helper the function calls, is refused; a keyword-only default is kept."""
+    import pytest
+    rng = np.random.default_rng(4)
+    q, k, v, dout = (rng.standard_normal((1, 2, 3, 4)) for _ in range(4))
+    t = np.array([0.5, -1.5])
+    for mod in (lambda s, b, h, i, j: abs(t[h]) * s, lambda s, b, h, i, j: np.float64(t[h].real) * s):
+        with pytest.raises(TypeError, match="'t'"):
+            flex.flex_attention_backward(dout, q, k, v, mod, captured_grads=("t",))
+    with pytest.raises(ValueError, match="argument or local variable 't'"):
+        flex.flex_attention_backward(dout, q, k, v, lambda s, b, h, i, j, t=t: t[h] * s, captured_grads=("t",))
+    with pytest.raises(ValueError, match="helpers it calls are not followed"):
+        flex.flex_attention_backward(dout, q, k, v, lambda s, b, h, i, j: _helper_reads(h) * s,
+                                     captured_grads=("BIAS_TABLE",))
+
+    def keyword(s, b, h, i, j, *, shift=0.25):
+        return t[h] * s + shift
+
+    *_, grads = flex.flex_attention_backward(dout, q, k, v, keyword, captured_grads=("t",))
+    assert grads["t"].shape == t.shape and np.all(np.isfinite(grads["t"]))

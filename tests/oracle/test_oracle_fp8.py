@@ -271,6 +271,15 @@ def test_block_quantisation(p, block_q, block_k):
     assert np.all(np.abs(out - exact) <= bound * (1 + 1e-9) + 1e-12)
     tensor = [np.abs(x).max() / fp8.E4M3_MAX or 1.0 for x in (q, k, v)]
     assert np.all(bound <= fp8.input_quantization_bound(q, k, v, *tensor, softmax_scale=scale) * (1 + 1e-9) + 1e-15)
+    # descales equal across the blocks give the per-(batch, head) path's bound exactly (the rows' expansion)
+    B, Hq, Hk = q.shape[0], q.shape[2], k.shape[2]
+    per_q, per_kv = (np.random.default_rng(5).uniform(0.5, 2, (B, Hk)) for _ in range(2))
+    blocks_q = np.repeat(np.repeat(per_q, Hq // Hk, axis=1)[..., None], -(-q.shape[1] // block_q), axis=2)
+    blocks_k = np.repeat(per_kv[..., None], -(-k.shape[1] // block_k), axis=2)
+    assert np.array_equal(
+        fp8.input_quantization_bound(q, k, v, blocks_q, blocks_k, blocks_k, softmax_scale=scale, block_q=block_q,
+                                     block_k=block_k),
+        fp8.input_quantization_bound(q, k, v, per_q, per_kv, per_kv, softmax_scale=scale))
 
 
 def test_block_quantisation_keeps_an_outliers_cost_in_its_block():
@@ -297,7 +306,12 @@ def test_block_quantisation_refuses_bad_input():
         fp8.quantize_blocks_e4m3(np.ones((1, 4, 1, 2)), 0)
     with pytest.raises(ValueError, match="4 dimensions"):
         fp8.quantize_blocks_e4m3(np.ones((4, 2)), 2)
-    with pytest.raises(ValueError, match="finite"):
-        fp8.quantize_blocks_e4m3(np.full((1, 4, 1, 2), np.inf), 2)
+    for bad in (np.inf, np.nan):
+        x = np.ones((1, 4, 1, 2))
+        x[0, 1, 0, 1] = bad
+        with pytest.raises(ValueError, match="finite"):
+            fp8.quantize_blocks_e4m3(x, 2)
+    codes, descale = fp8.quantize_blocks_e4m3(np.ones((1, 4, 2, 0)), 3)         # no columns: nothing to scale
+    assert codes.shape == (1, 4, 2, 0) and np.array_equal(descale, np.ones((1, 2, 2)))
     with pytest.raises(ValueError, match=r"ceil\(seqlen / block\)"):
         fp8.fp8_attention(*(np.zeros((1, 4, 1, 2), np.uint8),) * 3, np.ones((1, 1, 3)), block_q=2)
