@@ -52,9 +52,10 @@ def device_function(fn):
 
 def unrolled(elem, shape):
     """A device function ``each(x0, x1, ...)`` that calls the device function ``elem(i, j, k, x0, x1, ...)`` for
-    every index ``(i, j, k)`` of ``shape``, written out with the indices as literals.  For an element step too long for LLVM to
-    unroll a loop over (a score_mod's ``tanh``): in a loop, a local array indexed at a run-time index lives in
-    local memory for the whole kernel; written out, every index is a constant and the array stays in registers."""
+    every index ``(i, j, k)`` of ``shape``, written out with the indices as literals.  For an element step too
+    long for LLVM to unroll a loop over (a score_mod's ``tanh``): in a loop, a local array indexed at a run-time
+    index lives in local memory for the whole kernel; written out, every index is a constant and the array stays
+    in registers."""
     args = ", ".join(f"x{i}" for i in range(elem.py_func.__code__.co_argcount - len(shape)))
     lines = [f"def each({args}):"]
     lines += [f"    elem({', '.join(map(str, idx))}, {args})" for idx in itertools.product(*map(range, shape))]
