@@ -284,9 +284,7 @@ def _section(call, section):
     window, causal among them) in a dense batch; none elsewhere (the factories' ``lru_cache`` as in ``_varlen``).
     The kernels take causal's direction (the forward's last query tiles longest, the dK/dV kernel's first key
     tiles); for a window bounded on the left only it is the reverse, which costs speed, not results."""
-    ordered = call.flags.has_window or (FLEX_SECTION and call.flags.mods is not None
-                                        and call.flags.mods.mask_mod is not None)
-    return {"SECTION": section} if section and ordered and call.total_q is None else {}
+    return {"SECTION": section} if section and call.flags.has_window and call.total_q is None else {}
 
 
 def _rows(call):
@@ -628,13 +626,12 @@ WGMMA_FWD_TWO_BLOCKS = True
 
 
 # flex_attention with a mask_mod and no score_mod: the Hopper forward launch-bounded to two blocks an SM as the
-# dense one (``_two_blocks``; ptxas: 154 registers -> 128 with 40 / 40 bytes of spills, causal, d 64), and its
-# blocks in ``SECTION`` order (the last query tiles first: causal-like masks keep more keys for later queries).
+# dense one (``_two_blocks``; ptxas: 154 registers -> 128 with 40 / 40 bytes of spills, causal, d 64).
 # Measured on an H200 (bench/results/h200-flex-2026-11-28b.md, python -m tools.flex_ab, bf16, 16k tokens, d 64,
 # forward / forward+backward ms): two blocks causal 3.63 / 11.99 -> 2.80 / 11.10, documents 1.77 / 4.86 -> 1.41 /
-# 4.48, sliding 1024 1.24 / 3.13 -> 0.92 / 2.80; the section order on top moved each by -3% to +3% (off)
+# 4.48, sliding 1024 1.24 / 3.13 -> 0.92 / 2.80.  The blocks in ``SECTION`` order on top (a setting of that run,
+# since removed) moved each by -3% to +3%: flex calls keep the grid's order
 FLEX_TWO_BLOCKS = True
-FLEX_SECTION = False
 # the same launch bounds for a flex call with a score_mod (ptxas, ALiBi + causal, d 64: 166 registers -> 128 with
 # 172 / 172 bytes of spills); not measured yet (python -m tools.flex_ab --settings "FLEX_TWO_BLOCKS_SCORE=0;...=1")
 FLEX_TWO_BLOCKS_SCORE = False

@@ -403,7 +403,7 @@ def test_fp8_forward_plan():
 def test_flex_launch_bounds(device, monkeypatch, score, setting, two_blocks):
     """A flex_attention call's Hopper forward at head dim 64: two blocks an SM for a mask_mod alone
     (``FLEX_TWO_BLOCKS``), with a score_mod only under ``FLEX_TWO_BLOCKS_SCORE``; no section order
-    (``FLEX_SECTION`` off)."""
+    (a flex call keeps the grid's order)."""
     from flashnb import flex
     from flashnb.kernels._scores import Mods
     device(**H100)

@@ -2,7 +2,7 @@
 (bfloat16, one sequence of 16384 tokens, 2048 / d heads), ``flashnb.torch.flex_attention`` forward and
 forward+backward under each setting, and flashnb's dense call where the case is a built-in option.
 
-    python -m tools.flex_ab --settings "FLEX_TWO_BLOCKS=0 FLEX_SECTION=0;FLEX_TWO_BLOCKS=1 FLEX_SECTION=1"
+    python -m tools.flex_ab --settings "FLEX_TWO_BLOCKS=0;FLEX_TWO_BLOCKS=1"
                             [--cases causal,document] [--headdims 64] [--rounds 4]
 
 (a setting: space-separated ``NAME=INT`` of ``flashnb.plan``'s module constants, as ``tools.plan_ab``.)  Times:

@@ -41,14 +41,23 @@ def main():
     out, lse = flashnb.flex_attention(q, k, v, alibi, mask, return_lse=True)
     calls = (("forward", lambda: flashnb.flex_attention(q, k, v, alibi, mask, return_lse=True)),
              ("backward", lambda: flashnb.flex_attention_backward(do, q, k, v, out, lse, alibi, mask)))
+    replayed_and_full("flex", calls)
+
+
+def replayed_and_full(what, calls):
+    """Each ``(name, call)`` of ``calls`` timed warm (``_per_call``, median of 7), first as the dispatch cache
+    replays it, then on the full path (every lookup told "unfit"); printed, then the cache's counts."""
     lookup = _dispatch.lookup
-    for label, patched in (("replayed", lookup), ("full path", lambda key: _dispatch.UNFIT)):
-        _dispatch.lookup = patched
-        for name, f in calls:
-            f()
-            times = [_per_call(f) for _ in range(7)]
-            print(f"flex {name} {label}: median {statistics.median(times):.1f} us (min {min(times):.1f})", flush=True)
-    _dispatch.lookup = lookup
+    try:
+        for label, patched in (("replayed", lookup), ("full path", lambda key: _dispatch.UNFIT)):
+            _dispatch.lookup = patched
+            for name, f in calls:
+                f()
+                times = [_per_call(f) for _ in range(7)]
+                print(f"{what} {name} {label}: median {statistics.median(times):.1f} us (min {min(times):.1f})",
+                      flush=True)
+    finally:
+        _dispatch.lookup = lookup
     print("dispatch stats", _dispatch.stats)
 
 

@@ -6,13 +6,10 @@ went through the cache).  Both check ``cu_seqlens`` on the host every call (a co
 
     python -m tools.varlen_host_time
 """
-import statistics
-
 import torch
 
 import flashnb
-from flashnb import _dispatch
-from tools.flex_host_time import _per_call
+from tools.flex_host_time import replayed_and_full
 
 
 def main():
@@ -24,16 +21,7 @@ def main():
     out, lse = flashnb.flash_attn_varlen_func(q, k, v, cu, cu, 172, 172, return_lse=True, **opts)
     calls = (("forward", lambda: flashnb.flash_attn_varlen_func(q, k, v, cu, cu, 172, 172, return_lse=True, **opts)),
              ("backward", lambda: flashnb.flash_attn_varlen_backward(do, q, k, v, out, lse, cu, cu, 172, 172, **opts)))
-    lookup = _dispatch.lookup
-    for label, patched in (("replayed", lookup), ("full path", lambda key: _dispatch.UNFIT)):
-        _dispatch.lookup = patched
-        for name, f in calls:
-            f()
-            times = [_per_call(f) for _ in range(7)]
-            print(f"varlen {name} {label}: median {statistics.median(times):.1f} us (min {min(times):.1f})",
-                  flush=True)
-    _dispatch.lookup = lookup
-    print("dispatch stats", _dispatch.stats)
+    replayed_and_full("varlen", calls)
 
 
 if __name__ == "__main__":
