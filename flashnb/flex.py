@@ -37,12 +37,14 @@ import numpy as np
 from . import _arrays, _dispatch, _options, api
 from .kernels import _jit
 from .kernels._jit import device_function
+from .kernels._mod_float32 import float32_device_function
 from .kernels._scores import Mods
 from .kernels.flex import EMPTY, FULL, PARTIAL, THREADS, grid, make_block_states
 
 __all__ = ["BlockMask", "create_block_mask", "flex_attention", "flex_attention_backward", "EMPTY", "PARTIAL", "FULL"]
 
 COMPLEX_STEP = 1e-30
+COMPLEX_STEP_FLOAT32 = 2.0 ** -66       # (float32: 1e-30 times a derivative below 1e-8 would be subnormal)
 MASKS = weakref.WeakValueDictionary()   # the live BlockMasks by handle (a graph that names one is passed it)
 _HANDLES = itertools.count()
 
@@ -368,16 +370,17 @@ def _compiled(fn, float32=False, fingerprint=None):
     """``fn`` as a device function: one per function and values it captures (Numba freezes a captured array or
     number into the kernel, so a changed value must mean a new compile, never the old kernel); ``fingerprint``:
     ``_fingerprint(fn)`` where the caller has it.  ``float32``: for kernels that accumulate in float32 (16-bit and
-    float32 inputs), its Python float constants as float32 (``_float32_constants``)."""
+    float32 inputs), its Python float constants as float32 (``_float32_constants``) and its integers meeting
+    float32 as float32 (``kernels._mod_float32``): PyTorch's rules, not NumPy's float64."""
     if fn is None:
         return None
     key = (fn, _fingerprint(fn) if fingerprint is None else fingerprint, float32)
     if key not in _COMPILED:
         src = _float32_constants(fn) if float32 else fn
-        dev = _COMPILED[key] = device_function(src)
+        dev = _COMPILED[key] = float32_device_function(src) if float32 else device_function(src)
         ident = _stable_id(src)
         if ident is not None:
-            dev.flashnb_id = ident + (" float32-ieee" if src is not fn else "")   # (not a6e01ca's fast-math one)
+            dev.flashnb_id = ident + (" float32-arithmetic" if float32 else "")   # (a new name: 7c42c7f's differ)
     return _COMPILED[key]
 
 
@@ -478,14 +481,22 @@ _STEPS = {}
 
 
 def _complex_step(score_mod, float32=False, fingerprint=None):
-    """``d score_mod / d score`` as a device function: ``Im score_mod(s + i t) / t``, ``t = 1e-30``."""
+    """``d score_mod / d score`` as a device function: ``Im score_mod(s + i t) / t``, ``t = 1e-30``; for float32
+    kernels in complex64 (``t = 2^-66``), as the score_mod's arithmetic is float32 there."""
     mod = _compiled(score_mod, float32, fingerprint)
     if mod not in _STEPS:
-        T, INV_T = COMPLEX_STEP, 1.0 / COMPLEX_STEP
+        if float32:
+            T, INV_T = np.complex64(1j * COMPLEX_STEP_FLOAT32), np.float32(1.0 / COMPLEX_STEP_FLOAT32)
 
-        @device_function
-        def score_grad(score, b, h, q_idx, kv_idx):
-            return mod(complex(score, T), b, h, q_idx, kv_idx).imag * INV_T
+            @device_function
+            def score_grad(score, b, h, q_idx, kv_idx):
+                return mod(score + T, b, h, q_idx, kv_idx).imag * INV_T
+        else:
+            T, INV_T = COMPLEX_STEP, 1.0 / COMPLEX_STEP
+
+            @device_function
+            def score_grad(score, b, h, q_idx, kv_idx):
+                return mod(complex(score, T), b, h, q_idx, kv_idx).imag * INV_T
 
         if getattr(mod, "flashnb_id", None) is not None:
             score_grad.flashnb_id = f"complex step of {mod.flashnb_id}"

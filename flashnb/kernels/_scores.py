@@ -66,7 +66,9 @@ def make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, SCORE_MOD=None):
             x += ACC(bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1),
                           min(i, bias.shape[2] - 1), min(j, bias.shape[3] - 1)])
         if HAS_ALIBI:
-            x -= ACC(alibi[min(b, alibi.shape[0] - 1), h]) * ACC(abs(i + off - j))
+            # |i + off - j| = |(seqlen_k - j) - (seqlen_q - i)| < 2^31 inside the sequences (outside, masked): to
+            # float through int32, on the integer pipe (I2FP), not int64's conversion on exp2's 16-lane unit
+            x -= ACC(alibi[min(b, alibi.shape[0] - 1), h]) * ACC(np.int32(abs(i + off - j)))
         return x
 
     return score

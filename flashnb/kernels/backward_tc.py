@@ -407,6 +407,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     HAS_SCORE_MOD = MODS is not None and MODS.score_mod is not None      # (a flex_attention call's functions)
     HAS_MASK_MOD = MODS is not None and MODS.mask_mod is not None
     PLAIN = not (HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_DROPOUT or HAS_SCORE_MOD)   # P, dS need no option
+    WRITTEN_OUT = HAS_SCORE_MOD or HAS_SOFTCAP or HAS_BIAS   # element steps too long for ptxas to unroll a loop over
     # masked tiles by comparisons: a window and no mask held in memory (without a window, only the last key
     # tile is masked, by make_element_grad: the comparisons' registers cost 2-9% on every tile, measured)
     WINDOW_ONLY = PLAIN and HAS_WINDOW and not (HAS_ATTN_MASK or HAS_BLOCK_MASK or HAS_MASK_MOD)
@@ -688,7 +689,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         s_reg[m, n, e] = p_drop
         dp_reg[m, n, e] = ds
 
-    grad_each = unrolled(grad_element, (MTK, NT_QA, 4)) if HAS_SCORE_MOD else None
+    grad_each = unrolled(grad_element, (MTK, NT_QA, 4)) if WRITTEN_OUT else None
 
     @device_function
     def option_grad(s_reg, dp_reg, fsmem, lb, need_mask, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off,
@@ -696,9 +697,9 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     drop_threshold, drop_scale, seed_lo, seed_hi):
         """P_drop^T and dS^T element-wise with the score options and masks (``backward.make_element_grad``):
         element e of (m, n) is key k0 + 16 (MTK kw + m) + g + 8 (e >> 1), query q0 + qa + 8n + 2t + (e & 1).
-        With a score_mod, written out (``grad_element``: its code is too long for a loop to unroll), a mask_mod
-        first as bits (``mask_words_t``)."""
-        if HAS_SCORE_MOD:
+        With a score_mod or softcap, written out (``grad_element``: its code is too long for a loop to unroll), a
+        mask_mod first as bits (``mask_words_t``)."""
+        if WRITTEN_OUT:
             words = cuda.local.array(MASK_WORDS, np.uint32)
             if HAS_MASK_MOD and need_mask:
                 mask_words_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,

@@ -399,7 +399,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                 x = NEG_INF
         s_reg[m, n, e] = x
 
-    modify_each = unrolled(modify_element, (MT, NT_K, 4)) if HAS_SCORE_MOD else None
+    modify_each = unrolled(modify_element, (MT, NT_K, 4)) if HAS_MODS else None
 
     @device_function
     def modify_mask_tile(s_reg, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
@@ -410,7 +410,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         if HAS_MASK_MOD and need_mask:
             mask_words(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q,
                        bm_k)
-        if HAS_SCORE_MOD:                # written out: a score_mod's code is too long for a loop to unroll
+        if HAS_MODS:                     # written out: a score_mod's code is too long for a loop to unroll
             modify_each(s_reg, words, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
                         scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k)
         else:

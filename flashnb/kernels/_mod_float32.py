@@ -1,0 +1,248 @@
+"""A ``flex_attention`` function's arithmetic in the scores' precision: float32 where the kernel's scores are
+float32 (16-bit and float32 inputs), as PyTorch's FlexAttention computes it.
+
+Numba types a mod with NumPy's rules: ``slopes[h] * (q_idx - kv_idx)``, a float32 times an int64, is a float64, so
+the kernel converts every element's index difference to float64, multiplies in float64 and converts back (on
+Hopper each conversion runs on the same 16-lane unit as ``exp2``: ALiBi written that way measured 2.8x a causal
+mask's forward, bench/results/h200-flex-2026-11-28b.md).  PyTorch's rules keep the float's width: a float32 tensor
+times an int tensor is float32, and an int divided by an int is float32 (the default dtype).
+
+``float32_device_function(fn)`` compiles ``fn`` with one pass more, before Numba's type inference
+(``MODS_FLOAT32``): it types the function, and where a binary operation mixes an integer with a float32 or
+complex64 (or divides two integers; or a ``math`` function takes an integer), it converts the integer to float32
+first and types it again, until nothing is left to convert.  An integer whose range fits in 32 bits by the indices'
+bounds (each index is in ``[0, 2^31)``; constants; ``+ - * abs //`` and ``%`` by a positive constant of such
+values) converts through int32, a conversion the SM does on its integer pipe (``I2FP``), not on the 16-lane one.
+
+The oracle keeps NumPy's float64; the difference is float32 rounding of the mod's terms, inside the kernels'
+bounds.  The simulator runs the function as Python (NumPy's rules), not this pass.
+"""
+import math
+import operator
+
+import numpy as np
+
+INDEX_BOUND = 2 ** 31 - 1          # b, h, q_idx and kv_idx are each in [0, INDEX_BOUND]
+INT32, UINT32 = (-2 ** 31, 2 ** 31 - 1), (0, 2 ** 32 - 1)
+_ARITH = (operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+          operator.pow, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+          operator.imod, operator.ipow)
+
+
+def float32_device_function(fn, forceinline=True):
+    """``fn`` as a CUDA device function whose integer terms meet float32 as float32 (module docstring); in the
+    simulator the plain device function."""
+    from numba import cuda
+    from ._jit import SIMULATOR, device_function
+    if SIMULATOR:
+        return device_function(fn)
+    options = dict(cuda.jit(device=True, forceinline=forceinline)(fn).targetoptions)
+    return _dispatcher_class()(fn, targetoptions=options)
+
+
+_CLASSES = []
+
+
+def _dispatcher_class():
+    """A CUDA dispatcher whose device compiles run ``MODS_FLOAT32`` before type inference on its own function
+    (the functions it calls compile as they would).  numba-cuda's ``compile_device`` takes no pipeline, so the
+    compiler class it reads is swapped for the compile, under Numba's compiler lock.  Built on first use: the
+    simulator has no compiler."""
+    if _CLASSES:
+        return _CLASSES[0]
+    from numba.cuda import compiler
+    from numba.cuda.core.compiler_lock import global_compiler_lock
+    from numba.cuda.core.compiler_machinery import FunctionPass, register_pass
+    from numba.cuda.core.typed_passes import NopythonTypeInference
+    from numba.cuda.dispatcher import CUDADispatcher
+    base = compiler.CUDACompiler
+
+    @register_pass(mutates_CFG=False, analysis_only=False)
+    class ModsFloat32(FunctionPass):
+        _name = "flashnb_mods_float32"
+
+        def __init__(self):
+            FunctionPass.__init__(self)
+
+        def run_pass(self, state):
+            return state.func_id.func in _TARGETS and narrow(state)
+
+    class Compiler(base):
+        def define_pipelines(self):
+            (pm,) = base.define_pipelines(self)
+            pm.passes.insert([cls for cls, _ in pm.passes].index(NopythonTypeInference),
+                             (ModsFloat32, "a mod's integers meet float32 as float32"))
+            pm.finalize()
+            return [pm]
+
+    class Dispatcher(CUDADispatcher):
+        def compile_device(self, args, return_type=None):
+            if args in self.overloads:
+                return self.overloads[args]
+            with global_compiler_lock:
+                _TARGETS.add(self.py_func)
+                compiler.CUDACompiler = Compiler
+                try:
+                    return CUDADispatcher.compile_device(self, args, return_type)
+                finally:
+                    compiler.CUDACompiler = base
+
+    _CLASSES.append(Dispatcher)
+    return Dispatcher
+
+
+_TARGETS = set()        # the functions compiled with the pass (functions hash by identity)
+
+
+def narrow(state, rounds=64):
+    """Rewrite ``state.func_ir`` until its typing mixes no integer with float32 (returns whether it changed)."""
+    from numba.cuda import types
+    from numba.cuda.core.typed_passes import type_inference_stage
+    changed = False
+    for _ in range(rounds):
+        typemap, _, calltypes, _ = type_inference_stage(state.typingctx, state.targetctx, state.func_ir,
+                                                        state.args, state.return_type, state.locals,
+                                                        raise_errors=True)
+        fixes = _fixes(state.func_ir, typemap, types)
+        if not fixes:
+            return changed
+        ranges = _int_ranges(state.func_ir, typemap, types)
+        for block, stmt, expr, attr, index in fixes:
+            _convert(block, stmt, expr, attr, index, ranges)
+        changed = True
+    raise RuntimeError("flashnb: a mod's float32 rewrite did not settle")
+
+
+def _narrow_float(ty, types):
+    return ty in (types.float32, types.complex64)
+
+
+def _fixes(func_ir, typemap, types):
+    """(block, stmt, expr, attribute, index) of each integer operand to convert to float32."""
+    fixes = []
+    for block in func_ir.blocks.values():
+        for stmt in block.body:
+            expr = getattr(stmt, "value", None)
+            if getattr(expr, "op", None) in ("binop", "inplace_binop") and expr.fn in _ARITH:
+                lt, rt = typemap[expr.lhs.name], typemap[expr.rhs.name]
+                lint, rint = isinstance(lt, types.Integer), isinstance(rt, types.Integer)
+                if lint and _narrow_float(rt, types):
+                    fixes.append((block, stmt, expr, "lhs", None))
+                elif rint and _narrow_float(lt, types):
+                    fixes.append((block, stmt, expr, "rhs", None))
+                elif lint and rint and expr.fn in (operator.truediv, operator.itruediv):
+                    fixes += [(block, stmt, expr, "lhs", None), (block, stmt, expr, "rhs", None)]
+            elif getattr(expr, "op", None) == "call" and _is_math(typemap.get(expr.func.name)):
+                for i, arg in enumerate(expr.args):
+                    if isinstance(typemap[arg.name], types.Integer):
+                        fixes.append((block, stmt, expr, "args", i))
+    return fixes
+
+
+def _is_math(fnty):
+    """Whether a callee's type is a ``math`` module function (``math.exp``, ``math.log``, ...)."""
+    typing_key = getattr(fnty, "typing_key", None)
+    return getattr(typing_key, "__module__", None) == "math" or typing_key in vars(math).values()
+
+
+def _convert(block, stmt, expr, attr, index, ranges):
+    """Insert ``float32(int32(x))`` (``uint32`` where x's range fits that, ``float32(x)`` where it fits neither)
+    before ``stmt`` and make it the operand."""
+    from numba.cuda.core import ir
+    var = getattr(expr, attr) if index is None else expr.args[index]
+    scope, loc = var.scope, stmt.loc
+    at = block.body.index(stmt)
+    new = []
+    if _fits(ranges.get(var.name), INT32):
+        var = _call(ir, scope, loc, np.int32, var, new)
+    elif _fits(ranges.get(var.name), UINT32):
+        var = _call(ir, scope, loc, np.uint32, var, new)
+    var = _call(ir, scope, loc, np.float32, var, new)
+    block.body[at:at] = new
+    if index is None:
+        setattr(expr, attr, var)
+    else:
+        expr.args[index] = var
+
+
+def _call(ir, scope, loc, fn, arg, out):
+    g = scope.redefine("$flashnb_" + fn.__name__, loc)
+    out.append(ir.Assign(ir.Global(fn.__name__, fn, loc), g, loc))
+    v = scope.redefine("$flashnb_cast", loc)
+    out.append(ir.Assign(ir.Expr.call(g, (arg,), (), loc), v, loc))
+    return v
+
+
+def _fits(rng, bounds):
+    return rng is not None and bounds[0] <= rng[0] and rng[1] <= bounds[1]
+
+
+def _int_ranges(func_ir, typemap, types):
+    """Bounds of the integer variables defined once, from the arguments' (each integer argument is an index in
+    ``[0, INDEX_BOUND]``), integer constants and ``+ - * abs //, %`` by positive constants of them."""
+    defs = {}
+    for block in func_ir.blocks.values():
+        for stmt in block.body:
+            target = getattr(stmt, "target", None)
+            if target is not None and hasattr(stmt, "value"):
+                defs.setdefault(target.name, []).append(stmt.value)
+    ranges = {}
+
+    def rng(name, depth=0):
+        if name in ranges:
+            return ranges[name]
+        ranges[name] = None                               # (a cycle through a phi reads as unknown)
+        values = defs.get(name, [])
+        if depth > 50 or len(values) != 1 or not isinstance(typemap.get(name), types.Integer):
+            return None
+        ranges[name] = _range_of(values[0], lambda n: rng(n, depth + 1), typemap, types)
+        return ranges[name]
+
+    for name in defs:
+        rng(name)
+    return ranges
+
+
+def _range_of(value, rng, typemap, types):
+    kind = type(value).__name__
+    if kind == "Arg":
+        return (0, INDEX_BOUND) if isinstance(typemap.get(value.name), types.Integer) else None
+    if kind == "Const" and isinstance(value.value, (int, np.integer)) and not isinstance(value.value, bool):
+        return (int(value.value), int(value.value))
+    if kind == "Var":
+        return rng(value.name)
+    if kind != "Expr":
+        return None
+    if value.op == "cast":
+        return rng(value.value.name)
+    if value.op in ("binop", "inplace_binop"):
+        a, b = rng(value.lhs.name), rng(value.rhs.name)
+        if a is None or b is None:
+            return None
+        fn = value.fn
+        if fn in (operator.add, operator.iadd):
+            return (a[0] + b[0], a[1] + b[1])
+        if fn in (operator.sub, operator.isub):
+            return (a[0] - b[1], a[1] - b[0])
+        if fn in (operator.mul, operator.imul):
+            ends = [x * y for x in a for y in b]
+            return (min(ends), max(ends))
+        if fn in (operator.floordiv, operator.ifloordiv) and b[0] > 0:
+            ends = [x // y for x in a for y in b]
+            return (min(ends), max(ends))
+        if fn in (operator.mod, operator.imod) and b[0] > 0:
+            return (0, b[1] - 1)
+        return None
+    if value.op == "unary" and value.fn == operator.neg:
+        a = rng(value.value.name)
+        return None if a is None else (-a[1], -a[0])
+    if value.op == "call" and len(value.args) == 1 and not value.kws:
+        fnty = typemap.get(value.func.name)
+        if getattr(fnty, "typing_key", None) is abs:
+            a = rng(value.args[0].name)
+            if a is None:
+                return None
+            lo = 0 if a[0] <= 0 <= a[1] else min(abs(a[0]), abs(a[1]))
+            return (lo, max(abs(a[0]), abs(a[1])))
+    return None
+

@@ -1,0 +1,92 @@
+"""A flex_attention function's arithmetic in float32 for the float32-accumulating kernels
+(``flashnb.kernels._mod_float32``): typed by numba-cuda's compiler in a child process without the simulator (no
+GPU is needed to type a device function: the device is stood in, as tools.sass_tc does)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, math, sys
+import numpy as np
+import numba.cuda.dispatcher as dispatcher
+from numba.cuda import types
+
+class _Capability:
+    compute_capability = (9, 0)
+
+dispatcher.get_current_device = lambda: _Capability()
+from flashnb import flex
+from flashnb.kernels._mod_float32 import float32_device_function
+from flashnb.kernels._jit import device_function
+
+slopes = np.array([0.5, 0.25, 0.125], np.float32)
+table = np.arange(8, dtype=np.float32)
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - slopes[h] * (q_idx - kv_idx)
+
+def product(score, b, h, q_idx, kv_idx):          # q_idx * kv_idx may pass 2^32: no 32-bit detour
+    return score + table[h] * (q_idx * kv_idx)
+
+def shifted(score, b, h, q_idx, kv_idx):          # q_idx + kv_idx + 1 < 2^32 but not 2^31: uint32
+    return score + table[h] * (q_idx + kv_idx + 1)
+
+def ratio(score, b, h, q_idx, kv_idx):            # an int over an int, and math.log of an int
+    return score + q_idx / (kv_idx + 1) + math.log(abs(q_idx - kv_idx) + 1)
+
+def casts(dev, args):
+    cres = dev.compile_device(args)
+    typemap = cres.fndesc.typemap
+    kinds = sorted(str(t) for name, t in typemap.items() if name.startswith("$flashnb_cast"))
+    wide = sorted({str(t) for t in typemap.values() if str(t) in ("float64", "complex128")})
+    return {"ret": str(cres.signature.return_type), "casts": kinds, "wide": wide}
+
+i64 = types.int64
+sig = (types.float32, i64, i64, i64, i64)
+out = {}
+for fn in (alibi, product, shifted, ratio):
+    out[fn.__name__] = {"plain": casts(device_function(fn), sig), "float32": casts(float32_device_function(fn), sig)}
+step = flex._complex_step(alibi, True)
+step.compile_device(sig)
+mod = flex._compiled(alibi, True)
+out["step"] = casts(mod, (types.complex64, i64, i64, i64, i64))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def typed():
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_float32_times_an_index_difference_stays_float32_through_int32(typed):
+    """NumPy's rules make ALiBi's ``slopes[h] * (q_idx - kv_idx)`` float64; the pass converts the difference (in
+    (-2^31, 2^31) by the indices' bounds) through int32 to float32, and nothing is float64."""
+    assert typed["alibi"]["plain"]["ret"] == "float64"           # (what the pass exists for)
+    assert typed["alibi"]["float32"] == {"ret": "float32", "casts": ["float32", "int32"], "wide": []}
+
+
+def test_the_32_bit_detour_is_taken_only_where_the_range_fits(typed):
+    assert typed["product"]["float32"] == {"ret": "float32", "casts": ["float32"], "wide": []}
+    assert typed["shifted"]["float32"] == {"ret": "float32", "casts": ["float32", "uint32"], "wide": []}
+
+
+def test_an_integer_quotient_and_math_of_an_integer_are_float32(typed):
+    """``q_idx / (kv_idx + 1)`` converts both sides (PyTorch: an int over an int is float32): q_idx through int32,
+    ``kv_idx + 1`` (up to 2^31) through uint32; ``math.log`` of an integer takes it as float32 (``abs(q - kv) + 1``:
+    uint32)."""
+    got = typed["ratio"]["float32"]
+    assert got["ret"] == "float32" and got["wide"] == []
+    assert got["casts"] == ["float32"] * 3 + ["int32", "uint32", "uint32"]
+    assert typed["ratio"]["plain"]["wide"] == ["float64"]
+
+
+def test_the_complex_step_of_a_float32_kernel_is_complex64(typed):
+    assert typed["step"] == {"ret": "complex64", "casts": ["float32", "int32"], "wide": []}
