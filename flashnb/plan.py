@@ -632,9 +632,11 @@ WGMMA_FWD_TWO_BLOCKS = True
 # 4.48, sliding 1024 1.24 / 3.13 -> 0.92 / 2.80.  The blocks in ``SECTION`` order on top (a setting of that run,
 # since removed) moved each by -3% to +3%: flex calls keep the grid's order
 FLEX_TWO_BLOCKS = True
-# the same launch bounds for a flex call with a score_mod (ptxas, ALiBi + causal, d 64: 166 registers -> 128 with
-# 172 / 172 bytes of spills); not measured yet (python -m tools.flex_ab --settings "FLEX_TWO_BLOCKS_SCORE=0;...=1")
-FLEX_TWO_BLOCKS_SCORE = False
+# the same launch bounds for a flex call with a score_mod: measured on an H200 (bench/results/h200-flex-2026-11-28c.md,
+# call 2, python -m tools.flex_ab --settings "FLEX_TWO_BLOCKS_SCORE=0;FLEX_TWO_BLOCKS_SCORE=1", 2 rounds, bf16, 16k
+# tokens, d 64, the mods' arithmetic in float32) forward / forward+backward ms: ALiBi 5.38 / 21.29 -> 4.90 / 20.88,
+# softcap 30 12.01 / 36.52 -> 9.43 / 33.93 (outputs equal)
+FLEX_TWO_BLOCKS_SCORE = True
 
 
 def _flex_only(call):
