@@ -265,8 +265,8 @@ def _checked(fn, what, check, fingerprint):
 
 
 def _check_mod(fn, name, nargs, dims=None):
-    """A callable that takes ``nargs`` positional arguments, captures no device array (nor a NumPy array past
-    constant memory), and returns what its kind must: a real number (score_mod, score_mod_grad) or a bool
+    """A callable that takes ``nargs`` positional arguments, captures what the kernels can read
+    (``_check_captures``; NumPy arrays within constant memory), and returns what its kind must: a real number (score_mod, score_mod_grad) or a bool
     (mask_mod).  Probed on the host (a score of 0.5) at the corners of the call's index space ``dims`` =
     ``(B, H, Q_LEN, KV_LEN)``: first index 0, then every combination of the first and last ``b``, ``h``, ``q_idx``,
     ``kv_idx`` (16 calls), so that a captured table too short for the indices (``doc[q_idx]`` with fewer ids than
@@ -276,16 +276,7 @@ def _check_mod(fn, name, nargs, dims=None):
     caught).  ``dims`` None: not probed (an empty axis)."""
     if not callable(fn):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
-    for var, value in _captured(fn):
-        if isinstance(value, np.ndarray):
-            continue
-        elif isinstance(value, (list, dict, set)):
-            raise TypeError(f"{name} captures the {type(value).__name__} {var!r}, which Numba cannot compile into a "
-                            "kernel; capture a tuple or a NumPy array")
-        elif hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack__"):
-            raise TypeError(f"{name} captures the device array {var!r} ({type(value).__name__}); flashnb compiles "
-                            "captured arrays into the kernel as constants, so capture a NumPy array (device arrays "
-                            "as kernel arguments are not supported yet)")
+    _check_captures(fn, name)
     nbytes = _constant_bytes(fn)
     if nbytes > MAX_CAPTURED_BYTES:
         raise ValueError(f"{name} captures {nbytes} bytes of NumPy arrays (counted once per place its code reads "
@@ -294,6 +285,7 @@ def _check_mod(fn, name, nargs, dims=None):
     if dims is None:                           # (an empty sequence: no index to call it at)
         return
     corners = [(0, 0, 0, 0)] + sorted(set(itertools.product(*((0, int(n) - 1) for n in dims))) - {(0, 0, 0, 0)})
+    fn = _on_host(fn)                          # (captured device arrays: their host copies, for the probes)
     for index in corners:
         try:
             got = fn(*((0.5,) if nargs == 5 else ()), *index)
@@ -305,6 +297,85 @@ def _check_mod(fn, name, nargs, dims=None):
         if nargs == 5 and (not isinstance(got, numbers.Real) or isinstance(got, (bool, np.bool_))):
             raise TypeError(f"{name} must return a real number, got {type(got).__name__} at (b, h, q_idx, kv_idx) "
                             f"= {index}")
+
+
+def _check_captures(fn, name):
+    """What ``fn`` captures is something the kernels can read: NumPy arrays (frozen), device arrays with the CUDA
+    array interface (read in place), numbers and tuples."""
+    for var, value in _captured(fn):
+        if isinstance(value, np.ndarray):
+            continue
+        elif isinstance(value, (list, dict, set)):
+            raise TypeError(f"{name} captures the {type(value).__name__} {var!r}, which Numba cannot compile into a "
+                            "kernel; capture a tuple or a NumPy array")
+        elif _is_device_array(value):
+            _check_device_capture(name, var, value)
+        elif hasattr(value, "__dlpack__"):
+            raise TypeError(f"{name} captures {var!r} ({type(value).__name__}), an array without the CUDA array "
+                            "interface: capture a NumPy array, or a PyTorch, CuPy or Numba device array")
+
+
+def _is_device_array(value):
+    """A PyTorch (CUDA), CuPy or Numba device array, or the simulator's stand-in for the last."""
+    return (not isinstance(value, np.ndarray)
+            and (getattr(value, "__cuda_array_interface__", None) is not None or _arrays._is_numba_device_array(value)))
+
+
+def _device_layout(value):
+    """``(address, typestr, shape, strides)`` of a device array: what a kernel that reads it in place depends on
+    (the simulator's stand-in: its host buffer's)."""
+    iface = getattr(value, "__cuda_array_interface__", None)
+    if iface is None:                                    # (the simulator's device array holds a NumPy array)
+        ary = value._ary
+        return ary.ctypes.data, ary.dtype.str, ary.shape, ary.strides
+    return iface["data"][0], iface["typestr"], tuple(iface["shape"]), tuple(iface.get("strides") or ())
+
+
+def _check_device_capture(name, var, value):
+    """A captured device array is read in place by the kernels, as numba-cuda compiles a captured CUDA array
+    (its address embedded in the code, its values read when the kernel runs): it must hold bools, integers or
+    floats.  A PyTorch tensor that requires grad is refused by ``flashnb.torch.flex_attention`` under autograd
+    (no gradient flows into a captured tensor yet)."""
+    typestr = _device_layout(value)[1]
+    if np.dtype(typestr).kind not in "biuf":
+        raise TypeError(f"{name} captures the device array {var!r} of type {np.dtype(typestr)}: a captured device "
+                        "array must hold bools, integers or floats")
+
+
+def _on_host(fn):
+    """``fn`` with each captured device array replaced by its host copy (the host probes run Python: a PyTorch
+    tensor's element is a tensor, not a number); ``fn`` itself when it captures none."""
+    code = getattr(fn, "__code__", None)
+    if not isinstance(fn, types.FunctionType) or code is None:
+        return fn
+    cells = fn.__closure__ or ()
+    devs = [i for i, c in enumerate(cells) if _is_device_array(_cell_value(c))]
+    glob_devs = [n for n in code.co_names if _is_device_array(fn.__globals__.get(n))]
+    if not devs and not glob_devs:
+        return fn
+    glob = dict(fn.__globals__)
+    for n in glob_devs:
+        glob[n] = _host_copy(glob[n])
+    closure = tuple(types.CellType(_host_copy(c.cell_contents)) if i in devs else c for i, c in enumerate(cells))
+    return types.FunctionType(code, glob, fn.__name__, fn.__defaults__, closure or None)
+
+
+def _host_copy(value):
+    torch = _arrays.torch
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if hasattr(value, "copy_to_host"):                   # Numba device arrays (the simulator's too)
+        return value.copy_to_host()
+    if hasattr(value, "get"):                            # CuPy
+        return value.get()
+    return np.asarray(value)
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:                     # an empty cell
+        return None
 
 
 def _constant_bytes(fn):
@@ -344,6 +415,8 @@ def _check_complex_step(score_mod):
     index 0 and three scores; ``abs(score)`` takes a complex score but returns a real number).  A score_mod that
     computes in float32 (a captured float32 array: NumPy keeps the Python score's float as float32) returns a
     NumPy complex64 step and float32 differences, so its central difference takes a wider step and tolerance."""
+    _check_captures(score_mod, "score_mod")
+    score_mod = _on_host(score_mod)            # (captured device arrays: their host copies)
     for s in (-0.7, 0.5, 1.3):
         try:
             got = score_mod(complex(s, COMPLEX_STEP), 0, 0, 0, 0)
@@ -464,12 +537,15 @@ def _stable_id(fn):
 
 def _fingerprint(fn):
     """What of ``fn``'s captured values a kernel freezes: each NumPy array's dtype, shape and bytes (a hash),
-    each number, string or tuple as it is, anything else by identity."""
+    each device array's address and layout (its values are read in place), each number, string or tuple as it is,
+    anything else by identity."""
     parts = []
     for var, value in _captured(fn):
         if isinstance(value, np.ndarray):
             digest = hashlib.blake2b(value.tobytes(), digest_size=16).digest()
             parts.append((var, value.dtype.str, value.shape, digest))
+        elif _is_device_array(value):                # read in place: its address and layout, not its values
+            parts.append((var, "device", _device_layout(value), _arrays.device_of(value)))
         elif isinstance(value, (numbers.Number, str, bytes, tuple, type(None))):
             parts.append((var, value))
         else:

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from numba import cuda
+
 import flashnb
 from kernel_harness import examples, poison_outputs  # noqa: F401 (autouse fixture)
 from reference import flex as rf
@@ -215,19 +217,28 @@ def _captures(table):
     return mask
 
 
-class _DeviceArray:
-    """Stands for a CUDA tensor (what the check looks at: the CUDA array interface)."""
-    __cuda_array_interface__ = {}
+class _DlpackOnly:
+    """Stands for an array with DLPack but no CUDA array interface (a CPU tensor)."""
+    def __dlpack__(self):
+        raise AssertionError("not called")
 
     def __getitem__(self, i):
         return 0.0
 
 
-def _device_capture():
-    ids = _DeviceArray()
+def _foreign_capture():
+    ids = _DlpackOnly()
 
     def mod(score, b, h, q_idx, kv_idx):
         return score + ids[q_idx]
+    return mod
+
+
+def _device_capture(values):
+    table = cuda.to_device(values)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx]
     return mod
 
 
@@ -273,8 +284,12 @@ def test_a_math_score_mod_needs_score_mod_grad_for_the_backward():
      ValueError, "BLOCK_SIZE"),
     (lambda q, k, v: flashnb.create_block_mask(_captures(np.zeros(20000, np.int32)), None, None, 5, 5), ValueError,
      "mask_mod captures 160000 bytes of NumPy arrays"),
-    (lambda q, k, v: flashnb.flex_attention(q, k, v, score_mod=_device_capture()), TypeError,
-     "captures the device array 'ids'"),
+    (lambda q, k, v: flashnb.flex_attention(q, k, v, score_mod=_foreign_capture()), TypeError,
+     "captures 'ids' .*without the CUDA array interface"),
+    (lambda q, k, v: flashnb.flex_attention(q, k, v, score_mod=_device_capture(np.zeros(5, np.complex64))),
+     TypeError, "captures the device array 'table' of type complex64"),
+    (lambda q, k, v: flashnb.flex_attention(q, k, v, score_mod=_device_capture(np.zeros(4))), ValueError,
+     r"score_mod failed on \(b, h, q_idx, kv_idx\) = \(0, 0, 4, 0\): IndexError"),
     (lambda q, k, v: flashnb.create_block_mask(_captures([0, 1, 2, 3, 4]), None, None, 5, 5), TypeError,
      "captures the list 'table'.*tuple or a NumPy array"),
 ])
@@ -282,6 +297,50 @@ def test_bad_input_is_refused_naming_the_argument(call, error, match):
     q, k, v = _qkv()
     with pytest.raises(error, match=match):
         call(q, k, v)
+
+
+def test_captured_device_arrays_are_read_in_place():
+    """A mask_mod over device document ids and a score_mod over a device bias table (Numba device arrays: the
+    simulator's, or the GPU's, whose address numba-cuda embeds in the kernel) give the oracle's results with the
+    same values as NumPy arrays, forward and backward; a write into them in place is read by the next call with the
+    same compiled function (its fingerprint is the address and layout, not the values), and the host probes read
+    a host copy."""
+    from flashnb import flex
+    rng = np.random.default_rng(8)
+    L = 24
+    ids, bias = np.sort(rng.integers(0, 3, L)).astype(np.int32), rng.standard_normal(2 * L).astype(np.float32)
+    d_ids, d_bias = cuda.to_device(ids), cuda.to_device(bias)
+
+    def doc(b, h, q_idx, kv_idx):
+        return (d_ids[q_idx] == d_ids[kv_idx]) & (q_idx >= kv_idx)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + d_bias[q_idx - kv_idx + L]
+
+    q, k, v, dout = (rng.standard_normal((1, 2, L, 8)) for _ in range(4))
+    for step in range(2):
+        host_ids, host_bias = d_ids.copy_to_host(), d_bias.copy_to_host()
+
+        def doc_np(b, h, q_idx, kv_idx):
+            return (host_ids[q_idx] == host_ids[kv_idx]) & (q_idx >= kv_idx)
+
+        def rel_np(score, b, h, q_idx, kv_idx):
+            return score + host_bias[q_idx - kv_idx + L]
+
+        mask = flashnb.create_block_mask(doc, None, None, L, L, BLOCK_SIZE=8)
+        out, lse = flashnb.flex_attention(q, k, v, score_mod=rel, block_mask=mask, return_lse=True)
+        ref, _ = rf.flex_attention(q, k, v, score_mod=rel_np, mask_mod=doc_np, return_lse=True)
+        np.testing.assert_allclose(out, ref, atol=1e-11, rtol=0)
+        grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=rel, block_mask=mask)
+        want = rf.flex_attention_backward(dout, q, k, v, score_mod=rel_np, mask_mod=doc_np)
+        for g, w in zip(grads, want):
+            np.testing.assert_allclose(g, w, atol=1e-10, rtol=0)
+        if step == 0:
+            prints = flex._fingerprint(rel), flex._fingerprint(doc)
+            d_ids.copy_to_device(np.sort(rng.integers(0, 4, L)).astype(np.int32))   # new values, same arrays
+            d_bias.copy_to_device(rng.standard_normal(2 * L).astype(np.float32))
+            assert not np.array_equal(d_ids.copy_to_host(), ids)
+    assert (flex._fingerprint(rel), flex._fingerprint(doc)) == prints
 
 
 def test_the_mask_runs_inside_tiles_that_do_not_reach_the_end():

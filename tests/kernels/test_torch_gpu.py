@@ -590,3 +590,58 @@ def test_flex_attention_compiled_on_cuda_equals_eager_and_the_oracle(dtype):
     if dtype == torch.bfloat16:
         bound += 2.0 ** -8 * float(np.abs(ref).max())    # bfloat16 output rounding (the float16 oracle keeps 3 more bits)
     assert err <= bound, f"flex {dtype}: error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flex_attention_reads_captured_cuda_tensors_in_place(dtype):
+    """Document ids and a relative-bias table as CUDA tensors captured by the mask_mod and the score_mod
+    (numba-cuda embeds their addresses: the kernels read them in place): out and the gradients against the
+    float64 oracle of the same values as NumPy arrays, by the flash-attn rule; after ``copy_`` of new values into
+    the same tensors the next call reads them with the same compiled functions (no new compile)."""
+    from flashnb import flex
+    from reference import flex as rf
+    torch.manual_seed(12)
+    L, d = 300, 64
+    rng = np.random.default_rng(12)
+    ids = torch.as_tensor(np.sort(rng.integers(0, 3, L)), device="cuda", dtype=torch.int32)
+    table = torch.randn(2 * L, device="cuda", dtype=torch.float32)
+
+    def doc(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + L]
+
+    q, k, v = (_randn(1, 2, L, d, dtype=dtype).requires_grad_() for _ in range(3))
+    dout = _randn(1, 2, L, d, dtype=dtype)
+    for step in range(2):
+        host_ids, host_table = ids.cpu().numpy(), table.cpu().numpy()
+
+        def doc_np(b, h, q_idx, kv_idx):
+            return (host_ids[q_idx] == host_ids[kv_idx]) & (q_idx >= kv_idx)
+
+        def rel_np(score, b, h, q_idx, kv_idx):
+            return score + host_table[q_idx - kv_idx + L]
+
+        mask = flashnb.create_block_mask(doc, None, None, L, L, BLOCK_SIZE=64)
+        out = ft.flex_attention(q, k, v, score_mod=rel, block_mask=mask)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        args = [x.detach().double().cpu().numpy() for x in (q, k, v)]
+        low_args = [a.astype(np.float16) for a in args]
+        ref = rf.flex_attention(*args, score_mod=rel_np, mask_mod=doc_np)
+        low = rf.flex_attention(*low_args, score_mod=rel_np, mask_mod=doc_np, dtype=np.float16)
+        want = rf.flex_attention_backward(dout.double().cpu().numpy(), *args, score_mod=rel_np, mask_mod=doc_np)
+        want_low = rf.flex_attention_backward(dout.cpu().numpy().astype(np.float16), *low_args, score_mod=rel_np,
+                                              mask_mod=doc_np, dtype=np.float16)
+        for name, got, r, lo in (("out", out, ref, low),) + tuple(zip(("dq", "dk", "dv"), grads, want, want_low)):
+            err = float(np.abs(got.detach().double().cpu().numpy() - r).max())
+            bound = (2 * float(np.abs(np.asarray(lo, np.float64) - r).max())
+                     + FLOOR[dtype] * (1 + float(np.abs(r).max())))
+            if dtype == torch.bfloat16:
+                bound += 2.0 ** -8 * float(np.abs(r).max())
+            assert err <= bound, f"step {step} {name}: error {err:.3g} > {bound:.3g}"
+        if step == 0:
+            compiled = len(flex._COMPILED)
+            ids.copy_(torch.as_tensor(np.sort(rng.integers(0, 5, L)), device="cuda", dtype=torch.int32))
+            table.copy_(torch.randn(2 * L, device="cuda"))
+    assert len(flex._COMPILED) == compiled, "new values in the same tensors compiled the functions again"
