@@ -397,12 +397,12 @@ def test_fp8_forward_plan():
 
 @pytest.mark.parametrize("score, setting, two_blocks", [
     (False, {}, True),                                       # the mask alone: FLEX_TWO_BLOCKS (on, measured)
-    (True, {}, False),                                       # a score_mod keeps its registers ...
-    (True, {"FLEX_TWO_BLOCKS_SCORE": True}, True),           # ... unless asked
+    (True, {}, True),                                        # a score_mod too: FLEX_TWO_BLOCKS_SCORE (on, measured)
+    (True, {"FLEX_TWO_BLOCKS_SCORE": False}, False),         # ... its setting off: it keeps its registers
     (False, {"FLEX_TWO_BLOCKS": False}, False)])
 def test_flex_launch_bounds(device, monkeypatch, score, setting, two_blocks):
     """A flex_attention call's Hopper forward at head dim 64: two blocks an SM for a mask_mod alone
-    (``FLEX_TWO_BLOCKS``), with a score_mod only under ``FLEX_TWO_BLOCKS_SCORE``; no section order
+    (``FLEX_TWO_BLOCKS``), with a score_mod under ``FLEX_TWO_BLOCKS_SCORE``; no section order
     (a flex call keeps the grid's order)."""
     from flashnb import flex
     from flashnb.kernels._scores import Mods
