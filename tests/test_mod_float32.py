@@ -37,6 +37,9 @@ def shifted(score, b, h, q_idx, kv_idx):          # q_idx + kv_idx + 1 < 2^32 bu
 def ratio(score, b, h, q_idx, kv_idx):            # an int over an int, and math.log of an int
     return score + q_idx / (kv_idx + 1) + math.log(abs(q_idx - kv_idx) + 1)
 
+def power(score, b, h, q_idx, kv_idx):            # float32 ** int is float32 already (Numba's integer power)
+    return score ** 2 + score
+
 def casts(dev, args):
     cres = dev.compile_device(args)
     typemap = cres.fndesc.typemap
@@ -47,7 +50,7 @@ def casts(dev, args):
 i64 = types.int64
 sig = (types.float32, i64, i64, i64, i64)
 out = {}
-for fn in (alibi, product, shifted, ratio):
+for fn in (alibi, product, shifted, ratio, power):
     out[fn.__name__] = {"plain": casts(device_function(fn), sig), "float32": casts(float32_device_function(fn), sig)}
 step = flex._complex_step(alibi, True)
 step.compile_device(sig)
@@ -86,6 +89,11 @@ def test_an_integer_quotient_and_math_of_an_integer_are_float32(typed):
     assert got["ret"] == "float32" and got["wide"] == []
     assert got["casts"] == ["float32"] * 3 + ["int32", "uint32", "uint32"]
     assert typed["ratio"]["plain"]["wide"] == ["float64"]
+
+
+def test_an_operation_numba_types_float32_is_left_alone(typed):
+    """``score ** 2`` is float32 by Numba's integer power: converting the 2 would make it ``powf``."""
+    assert typed["power"]["float32"] == {"ret": "float32", "casts": [], "wide": []}
 
 
 def test_the_complex_step_of_a_float32_kernel_is_complex64(typed):

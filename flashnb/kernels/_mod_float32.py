@@ -118,11 +118,16 @@ def _narrow_float(ty, types):
 
 
 def _fixes(func_ir, typemap, types):
-    """(block, stmt, expr, attribute, index) of each integer operand to convert to float32."""
+    """(block, stmt, expr, attribute, index) of each integer operand to convert to float32, in an operation whose
+    result Numba types as float64 or complex128."""
     fixes = []
+    wide = (types.float64, types.complex128)
     for block in func_ir.blocks.values():
         for stmt in block.body:
             expr = getattr(stmt, "value", None)
+            target = getattr(stmt, "target", None)
+            if target is None or typemap.get(target.name) not in wide:
+                continue                          # (float32 ** int stays Numba's integer power, say)
             if getattr(expr, "op", None) in ("binop", "inplace_binop") and expr.fn in _ARITH:
                 lt, rt = typemap[expr.lhs.name], typemap[expr.rhs.name]
                 lint, rint = isinstance(lt, types.Integer), isinstance(rt, types.Integer)
