@@ -301,10 +301,15 @@ def _check_mod(fn, name, nargs, dims=None):
 
 def _check_captures(fn, name):
     """What ``fn`` captures is something the kernels can read: NumPy arrays (frozen), device arrays with the CUDA
-    array interface (read in place), numbers and tuples."""
+    array interface (read in place; not a tensor that requires grad), numbers and tuples."""
+    torch = _arrays.torch
     for var, value in _captured(fn):
         if isinstance(value, np.ndarray):
             continue
+        elif torch is not None and isinstance(value, torch.Tensor) and value.requires_grad:
+            raise ValueError(f"{name} captures {var!r}, a tensor that requires grad; flashnb reads captured tensors "
+                             f"but computes no gradient into them yet, so it would not learn: capture "
+                             f"{var}.detach()")
         elif isinstance(value, (list, dict, set)):
             raise TypeError(f"{name} captures the {type(value).__name__} {var!r}, which Numba cannot compile into a "
                             "kernel; capture a tuple or a NumPy array")
@@ -316,14 +321,28 @@ def _check_captures(fn, name):
 
 
 def _is_device_array(value):
-    """A PyTorch (CUDA), CuPy or Numba device array, or the simulator's stand-in for the last."""
-    return (not isinstance(value, np.ndarray)
-            and (getattr(value, "__cuda_array_interface__", None) is not None or _arrays._is_numba_device_array(value)))
+    """A PyTorch CUDA tensor, a CuPy or Numba device array (anything with the CUDA array interface), or the
+    simulator's stand-in for the last."""
+    torch = _arrays.torch
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.is_cuda                              # (its interface raises for a tensor that requires grad)
+    if isinstance(value, np.ndarray) or _arrays._is_numba_device_array(value):
+        return not isinstance(value, np.ndarray)
+    try:
+        return getattr(value, "__cuda_array_interface__", None) is not None
+    except Exception:                       # noqa: BLE001 (an interface that refuses: not one a kernel can read)
+        return False
+
+
+_TORCH_READABLE = ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64")
 
 
 def _device_layout(value):
-    """``(address, typestr, shape, strides)`` of a device array: what a kernel that reads it in place depends on
+    """``(address, dtype, shape, strides)`` of a device array: what a kernel that reads it in place depends on
     (the simulator's stand-in: its host buffer's)."""
+    torch = _arrays.torch
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.data_ptr(), str(value.dtype), tuple(value.shape), tuple(value.stride())
     iface = getattr(value, "__cuda_array_interface__", None)
     if iface is None:                                    # (the simulator's device array holds a NumPy array)
         ary = value._ary
@@ -334,12 +353,17 @@ def _device_layout(value):
 def _check_device_capture(name, var, value):
     """A captured device array is read in place by the kernels, as numba-cuda compiles a captured CUDA array
     (its address embedded in the code, its values read when the kernel runs): it must hold bools, integers or
-    floats.  A PyTorch tensor that requires grad is refused by ``flashnb.torch.flex_attention`` under autograd
-    (no gradient flows into a captured tensor yet)."""
-    typestr = _device_layout(value)[1]
-    if np.dtype(typestr).kind not in "biuf":
-        raise TypeError(f"{name} captures the device array {var!r} of type {np.dtype(typestr)}: a captured device "
-                        "array must hold bools, integers or floats")
+    floats (a PyTorch tensor of a dtype NumPy has)."""
+    torch = _arrays.torch
+    if torch is not None and isinstance(value, torch.Tensor):
+        kind = str(value.dtype).replace("torch.", "")
+        ok = kind in _TORCH_READABLE
+    else:
+        kind = str(np.dtype(_device_layout(value)[1]))
+        ok = np.dtype(kind).kind in "biuf"
+    if not ok:
+        raise TypeError(f"{name} captures the device array {var!r} of type {kind}: a captured device array must "
+                        "hold bools, integers or floats (float16, float32 or float64)")
 
 
 def _on_host(fn):

@@ -218,8 +218,6 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                                                   bool(enable_gqa))
         return (out, lse) if return_lse else out
     args = (score_mod, block_mask, scale, enable_gqa, score_mod_grad)
-    if torch.is_grad_enabled():
-        _refuse_learned_captures(score_mod, block_mask, score_mod_grad)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         if score_mod is not None and score_mod_grad is None:
             flex._check_complex_step(score_mod)
@@ -230,17 +228,6 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     return (out, lse) if return_lse else out
 
 
-def _refuse_learned_captures(score_mod, block_mask, score_mod_grad):
-    """ValueError for a captured tensor that requires grad: the kernels read a captured tensor in place but give
-    it no gradient yet (FlexAttention would), so training it would silently not learn."""
-    for fn in (score_mod, None if block_mask is None else block_mask.mask_mod, score_mod_grad):
-        for var, value in flex._captured(fn) if fn is not None else ():
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                raise ValueError(f"flex_attention: a function captures {var!r}, a tensor that requires grad; "
-                                 "flashnb reads captured tensors but computes no gradient into them yet, so it "
-                                 f"would not learn: capture {var}.detach(), or run under torch.no_grad()")
-
-
 _FLEX, _FLEX_HANDLES = [], {}     # a custom op's handle -> (score_mod, block mask handle, score_mod_grad), and back
 
 
@@ -249,8 +236,6 @@ def _flex_handle(score_mod, mask_handle, score_mod_grad):
     """The handle of a flex call's functions (traced as a constant: functions are constants to Dynamo, a
     ``BlockMask`` is not, so the mask comes by its own handle)."""
     key = (score_mod, mask_handle, score_mod_grad)
-    if torch.is_grad_enabled():               # (run once a trace, where Dynamo runs this function)
-        _refuse_learned_captures(score_mod, flex.MASKS.get(mask_handle), score_mod_grad)
     if key not in _FLEX_HANDLES:
         _FLEX_HANDLES[key] = len(_FLEX)
         _FLEX.append(key)

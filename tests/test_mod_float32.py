@@ -40,6 +40,17 @@ def ratio(score, b, h, q_idx, kv_idx):            # an int over an int, and math
 def power(score, b, h, q_idx, kv_idx):            # float32 ** int is float32 already (Numba's integer power)
     return score ** 2 + score
 
+def branchy(score, b, h, q_idx, kv_idx):          # a branch, a ternary and a loop (Jump and Branch statements)
+    bias = score * 0 if q_idx >= kv_idx else slopes[h] * (q_idx - kv_idx)
+    for i in range(2):
+        bias = bias + slopes[i] * i
+    if kv_idx > 3:
+        bias = bias - table[h] * kv_idx
+    return score + bias
+
+def cubed(score, b, h, q_idx, kv_idx):            # q_idx^3 passes int64 (it wraps): no 32-bit detour after it
+    return score + table[h] * ((q_idx * q_idx * q_idx) // 2 ** 61)
+
 def casts(dev, args):
     cres = dev.compile_device(args)
     typemap = cres.fndesc.typemap
@@ -50,7 +61,7 @@ def casts(dev, args):
 i64 = types.int64
 sig = (types.float32, i64, i64, i64, i64)
 out = {}
-for fn in (alibi, product, shifted, ratio, power):
+for fn in (alibi, product, shifted, ratio, power, branchy, cubed):
     out[fn.__name__] = {"plain": casts(device_function(fn), sig), "float32": casts(float32_device_function(fn), sig)}
 step = flex._complex_step(alibi, True)
 step.compile_device(sig)
@@ -89,6 +100,18 @@ def test_an_integer_quotient_and_math_of_an_integer_are_float32(typed):
     assert got["ret"] == "float32" and got["wide"] == []
     assert got["casts"] == ["float32"] * 3 + ["int32", "uint32", "uint32"]
     assert typed["ratio"]["plain"]["wide"] == ["float64"]
+
+
+def test_branches_and_loops_are_rewritten_too(typed):
+    got = typed["branchy"]["float32"]
+    assert got["ret"] == "float32" and got["wide"] == [] and "int32" in got["casts"]
+    assert typed["branchy"]["plain"]["wide"] == ["float64"]
+
+
+def test_a_range_past_int64_is_unknown(typed):
+    """``q_idx ** 3`` wraps in int64: its quotient's range is not known, so it converts as int64 (no int32 or
+    uint32 on the way, which would turn a wrapped negative quotient into a large positive one)."""
+    assert typed["cubed"]["float32"] == {"ret": "float32", "casts": ["float32"], "wide": []}
 
 
 def test_an_operation_numba_types_float32_is_left_alone(typed):

@@ -194,8 +194,9 @@ def test_flex_attention_is_differentiable_and_equals_the_oracle():
 
 
 def test_flex_attention_refuses_a_captured_tensor_that_requires_grad():
-    """A learned table captured by a score_mod would get no gradient from the kernels (not yet computed): refused
-    under autograd, naming the variable and the remedy; detached, or under no_grad, it is read."""
+    """A learned table captured by a score_mod would get no gradient from the kernels (not yet computed): refused,
+    with or without autograd, naming the variable and the remedy (``.detach()``); the detached CPU tensor is then
+    refused as an array without the CUDA array interface (a CUDA tensor or a NumPy array will do)."""
     import flashnb.torch as ft
     table = torch.zeros(16, dtype=torch.float64, requires_grad=True)
 
@@ -205,9 +206,12 @@ def test_flex_attention_refuses_a_captured_tensor_that_requires_grad():
     q, k, v = (torch.randn(1, 1, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     with pytest.raises(ValueError, match="captures 'table', a tensor that requires grad.*table.detach"):
         ft.flex_attention(q, k, v, score_mod=rel)
+    with torch.no_grad(), pytest.raises(ValueError, match="a tensor that requires grad"):
+        ft.flex_attention(q, k, v, score_mod=rel)
     table = table.detach()                     # (rebinds the closure's cell)
     with pytest.raises(TypeError, match="without the CUDA array interface"):   # a CPU tensor: a NumPy array will do
         ft.flex_attention(q, k, v, score_mod=rel)
+
 
 def test_flex_attention_under_torch_compile():
     """flashnb.torch.flex_attention traced whole (fullgraph) by torch.compile: the custom ops flex_forward and

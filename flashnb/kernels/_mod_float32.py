@@ -17,13 +17,14 @@ values) converts through int32, a conversion the SM does on its integer pipe (``
 The oracle keeps NumPy's float64; the difference is float32 rounding of the mod's terms, inside the kernels'
 bounds.  The simulator runs the function as Python (NumPy's rules), not this pass.
 """
+import functools
 import math
 import operator
 
 import numpy as np
 
 INDEX_BOUND = 2 ** 31 - 1          # b, h, q_idx and kv_idx are each in [0, INDEX_BOUND]
-INT32, UINT32 = (-2 ** 31, 2 ** 31 - 1), (0, 2 ** 32 - 1)
+INT32, UINT32, INT64 = (-2 ** 31, 2 ** 31 - 1), (0, 2 ** 32 - 1), (-2 ** 63, 2 ** 63 - 1)
 _ARITH = (operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
           operator.pow, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
           operator.imod, operator.ipow)
@@ -32,24 +33,20 @@ _ARITH = (operator.add, operator.sub, operator.mul, operator.truediv, operator.f
 def float32_device_function(fn, forceinline=True):
     """``fn`` as a CUDA device function whose integer terms meet float32 as float32 (module docstring); in the
     simulator the plain device function."""
-    from numba import cuda
     from ._jit import SIMULATOR, device_function
+    plain = device_function(fn)
     if SIMULATOR:
-        return device_function(fn)
-    options = dict(cuda.jit(device=True, forceinline=forceinline)(fn).targetoptions)
-    return _dispatcher_class()(fn, targetoptions=options)
+        return plain
+    return _dispatcher_class()(fn, targetoptions=dict(plain.targetoptions))
 
 
-_CLASSES = []
-
-
+@functools.cache
 def _dispatcher_class():
-    """A CUDA dispatcher whose device compiles run ``MODS_FLOAT32`` before type inference on its own function
-    (the functions it calls compile as they would).  numba-cuda's ``compile_device`` takes no pipeline, so the
-    compiler class it reads is swapped for the compile, under Numba's compiler lock.  Built on first use: the
-    simulator has no compiler."""
-    if _CLASSES:
-        return _CLASSES[0]
+    """A CUDA dispatcher whose device compiles run the pass before type inference on its own function (the
+    functions it calls compile as they would).  numba-cuda's ``compile_device`` takes no pipeline, so the compiler
+    class it reads is swapped for the compile, under Numba's (reentrant) compiler lock, and the function being
+    compiled is named in ``_ACTIVE``: the pass acts on that function only.  Built on first use: the simulator has
+    no compiler."""
     from numba.cuda import compiler
     from numba.cuda.core.compiler_lock import global_compiler_lock
     from numba.cuda.core.compiler_machinery import FunctionPass, register_pass
@@ -65,7 +62,7 @@ def _dispatcher_class():
             FunctionPass.__init__(self)
 
         def run_pass(self, state):
-            return state.func_id.func in _TARGETS and narrow(state)
+            return bool(_ACTIVE) and state.func_id.func is _ACTIVE[-1] and narrow(state)
 
     class Compiler(base):
         def define_pipelines(self):
@@ -80,18 +77,19 @@ def _dispatcher_class():
             if args in self.overloads:
                 return self.overloads[args]
             with global_compiler_lock:
-                _TARGETS.add(self.py_func)
+                previous = compiler.CUDACompiler
                 compiler.CUDACompiler = Compiler
+                _ACTIVE.append(self.py_func)
                 try:
                     return CUDADispatcher.compile_device(self, args, return_type)
                 finally:
-                    compiler.CUDACompiler = base
+                    _ACTIVE.pop()
+                    compiler.CUDACompiler = previous
 
-    _CLASSES.append(Dispatcher)
     return Dispatcher
 
 
-_TARGETS = set()        # the functions compiled with the pass (functions hash by identity)
+_ACTIVE = []            # the function a Dispatcher is compiling now (a stack: a mod's compile may nest another's)
 
 
 def narrow(state, rounds=64):
@@ -124,10 +122,9 @@ def _fixes(func_ir, typemap, types):
     wide = (types.float64, types.complex128)
     for block in func_ir.blocks.values():
         for stmt in block.body:
-            expr = getattr(stmt, "value", None)
-            target = getattr(stmt, "target", None)
-            if target is None or typemap.get(target.name) not in wide:
+            if type(stmt).__name__ != "Assign" or typemap.get(stmt.target.name) not in wide:
                 continue                          # (float32 ** int stays Numba's integer power, say)
+            expr = stmt.value
             if getattr(expr, "op", None) in ("binop", "inplace_binop") and expr.fn in _ARITH:
                 lt, rt = typemap[expr.lhs.name], typemap[expr.rhs.name]
                 lint, rint = isinstance(lt, types.Integer), isinstance(rt, types.Integer)
@@ -188,9 +185,8 @@ def _int_ranges(func_ir, typemap, types):
     defs = {}
     for block in func_ir.blocks.values():
         for stmt in block.body:
-            target = getattr(stmt, "target", None)
-            if target is not None and hasattr(stmt, "value"):
-                defs.setdefault(target.name, []).append(stmt.value)
+            if type(stmt).__name__ == "Assign":
+                defs.setdefault(stmt.target.name, []).append(stmt.value)
     ranges = {}
 
     def rng(name, depth=0):
@@ -200,7 +196,8 @@ def _int_ranges(func_ir, typemap, types):
         values = defs.get(name, [])
         if depth > 50 or len(values) != 1 or not isinstance(typemap.get(name), types.Integer):
             return None
-        ranges[name] = _range_of(values[0], lambda n: rng(n, depth + 1), typemap, types)
+        found = _range_of(values[0], lambda n: rng(n, depth + 1), typemap, types)
+        ranges[name] = found if found is None or _fits(found, INT64) else None   # (past int64 it wraps)
         return ranges[name]
 
     for name in defs:

@@ -697,8 +697,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     drop_threshold, drop_scale, seed_lo, seed_hi):
         """P_drop^T and dS^T element-wise with the score options and masks (``backward.make_element_grad``):
         element e of (m, n) is key k0 + 16 (MTK kw + m) + g + 8 (e >> 1), query q0 + qa + 8n + 2t + (e & 1).
-        With a score_mod or softcap, written out (``grad_element``: its code is too long for a loop to unroll), a
-        mask_mod first as bits (``mask_words_t``)."""
+        With a score_mod, softcap or bias, written out (``grad_element``: its code is too long for a loop to
+        unroll), a mask_mod first as bits (``mask_words_t``)."""
         if WRITTEN_OUT:
             words = cuda.local.array(MASK_WORDS, np.uint32)
             if HAS_MASK_MOD and need_mask:

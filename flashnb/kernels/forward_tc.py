@@ -410,7 +410,8 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         if HAS_MASK_MOD and need_mask:
             mask_words(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q,
                        bm_k)
-        if HAS_MODS:                     # written out: a score_mod's code is too long for a loop to unroll
+        if HAS_MODS:                     # written out: a score step (softcap, bias, ALiBi, a score_mod) is too long
+                                         # for ptxas to unroll a loop over (S would live in local memory)
             modify_each(s_reg, words, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, scale,
                         scale_log2, softcap, attn_bias, alibi, attn_mask, block_mask, bm_q, bm_k)
         else:
