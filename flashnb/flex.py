@@ -25,6 +25,7 @@ them small; a new array means a new function).  The backward needs ``d score_mod
 ``math.*`` on the score: ``cmath`` works) and flashnb takes the complex step ``Im f(s + i t) / t``, exact to
 rounding.  What cannot hold is refused before any launch with an error naming the function.
 """
+import contextlib
 import dis
 import hashlib
 import itertools
@@ -124,8 +125,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128):
     if n:
         from numba import cuda
         d = cuda.to_device(states)
-        _jit.launch(make_block_states(_compiled(mask_mod), bq, bk), grid(n), THREADS, _arrays.resolve_stream(
-            None, _arrays.kind_of(states, "states"), states), 0, (d, int(Q_LEN), int(KV_LEN)))
+        with _named_compile_errors(None, mask_mod, None):
+            _jit.launch(make_block_states(_compiled(mask_mod), bq, bk), grid(n), THREADS, _arrays.resolve_stream(
+                None, _arrays.kind_of(states, "states"), states), 0, (d, int(Q_LEN), int(KV_LEN)))
         states = d.copy_to_host()
     return BlockMask(mask_mod, states, (bq, bk), int(Q_LEN), int(KV_LEN))
 
@@ -140,10 +142,11 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     capability 9.0), float64 on the SIMT kernels, float32 on the SIMT kernels except the forward on compute
     capability 9.0 (the 3xTF32 Hopper forward, as ``flash_attention``'s)."""
     q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, None, False)
-    out, lse = _dispatch.cached_call(
-        ("flex_forward", options["mods"], options["block_mask_size"]), (q, k, v, options["block_mask"]),
-        (scale, backend), api._forward, cacheable=stream is None,
-        args=(q, k, v, options, True, None, None, stream, backend))
+    with _named_compile_errors(score_mod, block_mask, None):
+        out, lse = _dispatch.cached_call(
+            ("flex_forward", options["mods"], options["block_mask_size"]), (q, k, v, options["block_mask"]),
+            (scale, backend), api._forward, cacheable=stream is None,
+            args=(q, k, v, options, True, None, None, stream, backend))
     out = _swap(out)
     return (out, lse) if return_lse else out
 
@@ -158,15 +161,36 @@ def flex_attention_backward(dout, query, key, value, out, lse, score_mod=None, b
     ``flash_attention_backward``'s."""
     q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, True)
     dout, out = _swap(dout), _swap(out)
-    grads = _dispatch.cached_call(
-        ("flex_backward", options["mods"], options["block_mask_size"]),
-        (dout, q, k, v, out, lse, options["block_mask"]), (scale, deterministic, backend), api._backward,
-        cacheable=stream is None,
-        args=(dout, q, k, v, out, lse, options, None, None, deterministic, stream, backend))
+    with _named_compile_errors(score_mod, block_mask, score_mod_grad):
+        grads = _dispatch.cached_call(
+            ("flex_backward", options["mods"], options["block_mask_size"]),
+            (dout, q, k, v, out, lse, options["block_mask"]), (scale, deterministic, backend), api._backward,
+            cacheable=stream is None,
+            args=(dout, q, k, v, out, lse, options, None, None, deterministic, stream, backend))
     return tuple(_swap(g) for g in grads)
 
 
 # ------------------------------------------------------------------------------------------------ checks
+@contextlib.contextmanager
+def _named_compile_errors(score_mod, mask, score_mod_grad):
+    """A Numba compile error of a flex call's kernels (raised when a kernel is first compiled, before its launch)
+    as a TypeError naming the caller's functions: the kernels compile without them, so the functions are what
+    Numba could not compile (``str(q_idx)``, a dict, a call Numba has no implementation of)."""
+    try:
+        yield
+    except Exception as e:                                # noqa: BLE001 (Numba's compile errors, re-raised named)
+        from numba.core.errors import NumbaError
+        if not isinstance(e, NumbaError):
+            raise
+        mask_mod = getattr(mask, "mask_mod", mask)
+        names = ", ".join(f"{what} {getattr(fn, '__qualname__', repr(fn))!r}" for what, fn in
+                          (("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_grad", score_mod_grad))
+                          if fn is not None)
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise TypeError(f"Numba could not compile the flex_attention functions ({names}) into the kernels: "
+                        f"{first} (a function may use arithmetic, comparisons, abs, min/max, math and cmath, and "
+                        "read arrays, numbers and tuples it captures; the full message is the cause below)") from e
+
 def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, backward):
     """The call in flashnb's layout (views): ``(q, k, v, options)``, every argument checked before any launch."""
     for x, name in ((query, "query"), (key, "key"), (value, "value")):

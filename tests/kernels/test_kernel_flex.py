@@ -299,6 +299,36 @@ def test_bad_input_is_refused_naming_the_argument(call, error, match):
         call(q, k, v)
 
 
+def test_a_numba_compile_error_names_the_functions():
+    """Numba's error from compiling a kernel with the caller's functions (raised before the launch) becomes a
+    TypeError naming them, with Numba's message as its cause; other errors pass through unchanged."""
+    from numba.core.errors import TypingError
+    from flashnb import flex
+
+    def bad(score, b, h, q_idx, kv_idx):
+        return score + len(str(q_idx))
+
+    with pytest.raises(TypeError, match=r"could not compile the flex_attention functions \(score_mod '.*bad'\) "
+                                        r"into the kernels: No implementation of str\(int64\)") as info:
+        with flex._named_compile_errors(bad, None, None):
+            raise TypingError("No implementation of str(int64)\n more")
+    assert isinstance(info.value.__cause__, TypingError)
+    with pytest.raises(ZeroDivisionError):
+        with flex._named_compile_errors(bad, None, None):
+            raise ZeroDivisionError
+
+
+@pytest.mark.gpu
+def test_a_function_numba_cannot_compile_is_named_before_any_launch():
+    """On the GPU: ``str(q_idx)`` compiles in no kernel; the call raises the named TypeError."""
+    def bad(score, b, h, q_idx, kv_idx):
+        return score + len(str(q_idx))
+
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="could not compile the flex_attention functions"):
+        flashnb.flex_attention(q, k, v, score_mod=bad)
+
+
 def test_captured_device_arrays_are_read_in_place():
     """A mask_mod over device document ids and a score_mod over a device bias table (Numba device arrays: the
     simulator's, or the GPU's, whose address numba-cuda embeds in the kernel) give the oracle's results with the
