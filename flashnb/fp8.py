@@ -12,6 +12,9 @@ a zero, negative or non-finite one gives meaningless rows.  What is computed is
 e4m3 for the ``P V`` product (their row sums from the unquantised ones).  The output is float16 or bfloat16
 (``out_dtype``; PyTorch's default bfloat16, as FA3's, NumPy's float16).
 
+``flash_attention_fp8_varlen`` takes a packed batch (flash-attn's varlen layout, ``cu_seqlens``), each sequence
+attended on its own (``reference.fp8.fp8_flash_forward_varlen``).
+
 Layers as in ``api``: validate on the host (``_check``) -> plan (``plan.fp8_forward``: the V^T pre-pass and the
 forward, cached per shape) -> bind (word views of the codes, V^T's temporary, the tensor maps) -> launch.
 
@@ -25,9 +28,9 @@ import threading
 
 import numpy as np
 
-from . import _arrays, _dispatch, plan
+from . import _arrays, _dispatch, plan, varlen
 from .kernels._jit import launch
-from .kernels.forward_fp8 import HEAD_DIMS
+from .kernels.forward_fp8 import BLOCK_K, HEAD_DIMS, VT_KEYS, vt_tile_keys
 from .kernels._wgmma import e4m3_codes
 
 try:  # optional: PyTorch tensors in and out
@@ -142,6 +145,64 @@ def _full_forward(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
             vt_w = _transposed_v(p, vb, kind, q, launch_stream)
             args = p.forward_args(qw, kw, vt_w, _arrays.word_view(out_d), lse_d, *descale,
                                   nheads // nheads_k, seqlen_k - seqlen_q, scale, launch_stream.handle)
+            _run(p.forward, launch_stream, args)
+    out = _arrays.finish(kind, out, out_d, launch_stream)
+    if return_lse:
+        return out, _arrays.finish(kind, lse, lse_d, launch_stream)
+    return out
+
+
+def flash_attention_fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale=None,
+                               k_descale=None, v_descale=None, *, causal=False, softmax_scale=None, out_dtype=None,
+                               return_lse=False, stream=None):
+    """``flash_attention_fp8`` of a packed batch: ``q`` (total_q, nheads, headdim), ``k``, ``v`` (total_k, nheads_k,
+    headdim) e4m3 codes; sequence ``b`` is rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of q (``cu_seqlens_k``
+    of k, v; int32 ``(batch + 1,)`` arrays of any kind, checked on the host as ``flash_attn_varlen_func``'s);
+    ``max_seqlen_*`` ints at least every sequence's length; descales as ``flash_attention_fp8``'s with ``batch``
+    the sequences; ``causal`` aligned to each sequence's bottom-right corner.  Returns ``out`` (total_q, nheads,
+    headdim), and with ``return_lse`` the log-sum-exp (nheads, total_q) float32; a sequence's query with no key
+    gives 0 and -inf.  Not replayed by the dispatch cache (every call takes the full path)."""
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if len(getattr(x, "shape", ())) != 3:
+            raise ValueError(f"{name} must be 3-D (total, heads, headdim) for a packed batch, got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+    q4, k4, v4 = (x[None] for x in (q, k, v))
+    kind, dims = _check(q4, k4, v4, softmax_scale)
+    _, total_q, total_k, nheads, nheads_k, headdim = dims
+    cu_q, cu_k = varlen.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    batch = cu_q.shape[0] - 1
+    out_dtype = _out_dtype(out_dtype, kind)
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+    refusal = plan.fp8_refusal()
+    if refusal is not None:
+        raise ValueError(refusal)
+    tiles = vt_tile_keys(np.diff(cu_k.astype(np.int64)))         # each sequence's V^T columns: whole key tiles
+    vt_start = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
+    group_seq = np.repeat(np.arange(batch, dtype=np.int32), tiles // VT_KEYS)
+    launch_stream = _arrays.resolve_stream(stream, kind, q)
+    with _arrays.stream_scope(launch_stream, kind, q):
+        descale = [_descale(d, name, kind, q4, batch, nheads_k, launch_stream)
+                   for d, name in zip((q_descale, k_descale, v_descale), ("q_descale", "k_descale", "v_descale"))]
+        out, out_d = _arrays.empty_like_kind(kind, (total_q, nheads, headdim), out_dtype, q, launch_stream, bits=True)
+        lse, lse_d = _arrays.empty_like_kind(kind, (nheads, total_q), "float32", q, launch_stream)
+        if total_q and nheads:
+            p = plan.fp8_forward_packed(batch, int(max_seqlen_q), group_seq.shape[0], nheads, nheads_k, headdim,
+                                        bool(causal), out_dtype)
+            qw, kw, vb = (_codes(x, name, launch_stream) for x, name in ((q4, "q"), (k4, "k"), (v4, "v")))
+            cu_q_d = varlen._on_device(cu_seqlens_q, cu_q, kind, q, launch_stream)
+            cu_k_d = varlen._on_device(cu_seqlens_k, cu_k, kind, q, launch_stream)
+            vt_start_d, group_d = (_arrays.to_device(a, launch_stream) for a in (vt_start, group_seq))
+            cols = max(int(vt_start[-1]), BLOCK_K)                # (no key at all: one tile of zeros, never read)
+            vt = _arrays.scratch((1, nheads_k, headdim, cols), np.uint8, kind, q, launch_stream)
+            st = vt.strides
+            vt = _arrays.strided_view(vt, (1, headdim, nheads_k, cols), (st[0], st[2], st[1], st[3]))
+            if group_seq.shape[0]:
+                _run(p.prepare, launch_stream, (vb, vt, cu_k_d, vt_start_d, group_d))
+            out_w = _arrays.word_view(_arrays.strided_view(out_d, (1,) + tuple(out_d.shape),
+                                                           (0,) + tuple(out_d.strides)))
+            lse_v = _arrays.strided_view(lse_d, (1,) + tuple(lse_d.shape), (0,) + tuple(lse_d.strides))
+            args = p.forward_args(qw, kw, _arrays.word_view(vt), out_w, lse_v, *descale, nheads // nheads_k, 0,
+                                  scale, launch_stream.handle, packed=(cu_q_d, cu_k_d, vt_start_d))
             _run(p.forward, launch_stream, args)
     out = _arrays.finish(kind, out, out_d, launch_stream)
     if return_lse:

@@ -1120,10 +1120,15 @@ class FP8Plan(NamedTuple):
     forward: Launch
     vt_keys: int                    # V^T's row length (keys padded to groups of 32)
 
-    def forward_args(self, q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, stream):
-        """The forward's arguments after its word views: the tensor maps of q, k, V^T last."""
+    def forward_args(self, q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, stream,
+                     packed=None):
+        """The forward's arguments after its word views: the tensor maps of q, k, V^T, then ``packed`` (a packed
+        batch's int32 device ``cu_seqlens_q``, ``cu_seqlens_k``, ``vt_start``; one-entry dummies for a dense one)."""
         maps = tensor_maps(((q, _fp8.BLOCK_Q), (k, _fp8.BLOCK_K), (vt, vt.shape[1])), False, stream)
-        return (q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, np.float32(scale), maps)
+        if packed is None:
+            packed = (_options._dummy(1, np.int32),) * 3
+        return (q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, np.float32(scale), maps) + tuple(
+            packed)
 
 
 # The FP8 forward at head dim 64 with launch bounds for two blocks an SM (kernels.forward_fp8's MIN_BLOCKS=2: 16
@@ -1142,6 +1147,20 @@ def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, ou
     prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)
     return FP8Plan(Launch(_fp8.make_prepare_vt(headdim), prep_grid, _fp8.PREP_THREADS, 0),
                    Launch(kern, grid, _fp8.NTHREADS, shared), _fp8.vt_keys(seqlen_k))
+
+
+@lru_cache(maxsize=256)
+def fp8_forward_packed(batch, max_seqlen_q, vt_groups, nheads, nheads_k, headdim, causal, out_dtype):
+    """The launches of an FP8 forward of a packed batch of ``batch`` sequences: the V^T pre-pass over ``vt_groups``
+    column groups of 32 (each sequence's keys padded to whole key tiles, ``forward_fp8.vt_tile_keys``), the
+    forward over the longest sequence's query tiles x heads x sequences."""
+    min_blocks = 2 if FP8_TWO_BLOCKS and headdim == 64 else 1
+    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), min_blocks, VARLEN=True)
+    check_shared(shared, f"the FP8 forward at head dim {headdim}")
+    grid = batch * nheads * -(-max_seqlen_q // _fp8.BLOCK_Q)
+    prep_grid = vt_groups * (headdim // _fp8.VT_KEYS) * nheads_k
+    return FP8Plan(Launch(_fp8.make_prepare_vt_packed(headdim), prep_grid, _fp8.PREP_THREADS, 0),
+                   Launch(kern, grid, _fp8.NTHREADS, shared), vt_groups * _fp8.VT_KEYS)
 
 
 def fp8_refusal():

@@ -35,6 +35,8 @@ head).
   that only its quantisation shows. Key tiles go through an online softmax; each tile's ``exp(s - running max)``
   is quantised to e4m3 for ``P V``. The kernel is to be held to it, and it is held to ``fp8_attention`` within
   ``p_quantization_bound``: that checks the bound's claim for a running max.
+* ``fp8_flash_forward_varlen(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, ...)``: the same for a packed batch
+  (flash-attn's varlen layout), each sequence on its own, its descales the rows of ``(batch, nheads_k)`` arrays.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ import numpy as np
 from .standard import attention, attention_probs
 
 __all__ = ["E4M3_MAX", "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_HALF_STEP", "e4m3_table", "quantize_e4m3",
-           "dequantize_e4m3", "quantize_blocks_e4m3", "fp8_attention", "fp8_flash_forward", "rounding_bound",
+           "dequantize_e4m3", "quantize_blocks_e4m3", "fp8_attention", "fp8_flash_forward",
+           "fp8_flash_forward_varlen", "rounding_bound",
            "input_quantization_bound", "p_quantization_bound"]
 
 E4M3_MAX = 448.0
@@ -292,3 +295,33 @@ def fp8_flash_forward(q8, k8, v8, q_descale=None, k_descale=None, v_descale=None
     out = np.where(seen, acc / np.where(seen, l, 1.0), 0.0)
     lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)[..., 0]
     return out.transpose(0, 2, 1, 3), lse
+
+
+def fp8_flash_forward_varlen(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None,
+                             v_descale=None, p_descale=1.0, block_k=64, causal=False, softmax_scale=None):
+    """``(out, lse)`` of ``fp8_flash_forward`` on each sequence of a packed batch: ``q8`` ``(total_q, nheads,
+    headdim)``, ``k8``, ``v8`` ``(total_k, nheads_k, headdim)``; sequence ``b`` is rows ``cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1]`` of q (``cu_seqlens_k`` of k, v); a descaling factor per tensor or per (sequence, key/value
+    head), ``(batch, nheads_k)``; causal aligned to each sequence's bottom-right corner.  ``out`` ``(total_q,
+    nheads, headdim)``, ``lse`` ``(nheads, total_q)`` (flash-attn's varlen layout); a sequence's query with no
+    key: 0 and -inf."""
+    cu_q, cu_k = (np.asarray(c, np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+    if cu_q.shape != cu_k.shape or cu_q.ndim != 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be 1-D and of one length, got {cu_q.shape} and "
+                         f"{cu_k.shape}")
+    nheads, d = q8.shape[1], q8.shape[2]
+    out = np.zeros((q8.shape[0], nheads, d))
+    lse = np.full((nheads, q8.shape[0]), -np.inf)
+
+    def row(descale, b):
+        arr = _descale(descale)
+        return arr if arr.ndim == 0 else arr[b:b + 1]
+
+    for b in range(cu_q.shape[0] - 1):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if qe == qs:
+            continue
+        o, l_ = fp8_flash_forward(q8[None, qs:qe], k8[None, ks:ke], v8[None, ks:ke], row(q_descale, b),
+                                  row(k_descale, b), row(v_descale, b), p_descale, block_k, causal, softmax_scale)
+        out[qs:qe], lse[:, qs:qe] = o[0], l_[0]
+    return out, lse

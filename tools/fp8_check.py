@@ -1,7 +1,8 @@
 """FP8 forward on a Hopper GPU: correctness against the oracle, and speed against flashnb's own 16-bit forward.
 
     python -m tools.fp8_check check            # shapes x options against reference.fp8.fp8_flash_forward
-    python -m tools.fp8_check small            # one small call per head dim and causal (for compute-sanitizer)
+    python -m tools.fp8_check small            # one small call per head dim and causal, dense and packed (for
+                                               # compute-sanitizer)
     python -m tools.fp8_check bench [--seqlens 4096,16384] [--headdims 128,256] [--settings "A=1;B=1"]
     python -m tools.fp8_check profile --headdims 128 --seqlens 4096   # one call, for ncu --profile-from-start off
 
@@ -92,7 +93,14 @@ def small():
             out = flashnb.flash_attention_fp8(q8, k8, v8, causal=causal)
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()
-    print("6 configurations ran")
+            # the packed batch: sequences of 70, 0, 63 queries over 150, 30, 0 keys (an empty sequence, one of no key)
+            cu_q = torch.tensor([0, 70, 70, 133], dtype=torch.int32, device="cuda")
+            cu_k = torch.tensor([0, 150, 180, 180], dtype=torch.int32, device="cuda")
+            out = flashnb.flash_attention_fp8_varlen(q8[0], k8[0, :180], v8[0, :180], cu_q, cu_k, 70, 150,
+                                                     causal=causal)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all()
+    print("12 configurations ran (dense and packed)")
     return 0
 
 

@@ -12,7 +12,7 @@ renumbered by first appearance, so equal hashes mean the same instructions.  Com
     python -m tools.ptx_same > new.txt; diff old.txt new.txt
 
 Arguments, if any, are label prefixes: only those lines are compiled and printed (``python -m tools.ptx_same decode``).
-The FP8 forward and its pre-pass too (``fp8``).  ``PTX_SAME_DUMP=DIR`` also writes each normalised PTX to ``DIR/NNN.ptx`` (in the printed order), for a diff, and
+The FP8 forward (dense and packed) and its pre-passes too (``fp8``).  ``PTX_SAME_DUMP=DIR`` also writes each normalised PTX to ``DIR/NNN.ptx`` (in the printed order), for a diff, and
 the PTX as compiled to ``DIR/NNN.raw`` (for ptxas).
 """
 import os
@@ -119,12 +119,24 @@ for d in (64, 128, 256):
             k = _fp8.make_forward_fp8(d, "bfloat16", causal)[0]
             f2a = types.Array(types.float32, 2, "A")
             sig = (u4w,) * 4 + (f3, f2a, f2a, f2a, types.int64, types.int64, types.float32,
-                                types.Array(types.uint64, 2, "C"))
+                                types.Array(types.uint64, 2, "C")) + (types.Array(types.int32, 1, "C"),) * 3
             print("fp8 fwd", d, causal, h(cuda.compile_ptx(k.py_func, sig, cc=(9, 0, "a"),
                                                            launch_bounds=k.targetoptions.get("launch_bounds"))[0]))
+for d in (64, 128, 256):
+    for causal in (False, True):
+        if want("fp8 varlen fwd %d %s" % (d, causal)):
+            k = _fp8.make_forward_fp8(d, "bfloat16", causal, VARLEN=True)[0]
+            f2a = types.Array(types.float32, 2, "A")
+            sig = (u4w,) * 4 + (f3, f2a, f2a, f2a, types.int64, types.int64, types.float32,
+                                types.Array(types.uint64, 2, "C")) + (types.Array(types.int32, 1, "C"),) * 3
+            print("fp8 varlen fwd", d, causal, h(cuda.compile_ptx(k.py_func, sig, cc=(9, 0, "a"),
+                                                                  launch_bounds=k.targetoptions.get("launch_bounds"))[0]))
 if want("fp8 prepare"):
     b8 = types.Array(types.uint8, 4, "A")
     print("fp8 prepare", h(cuda.compile_ptx(_fp8.make_prepare_vt(128).py_func, (b8, b8), cc=(9, 0))[0]))
+    i1 = types.Array(types.int32, 1, "C")
+    print("fp8 prepare packed", h(cuda.compile_ptx(_fp8.make_prepare_vt_packed(128).py_func, (b8, b8, i1, i1, i1),
+                                                   cc=(9, 0))[0]))
 # the decode kernel at kvcache's settings: (dtype, head dim, group, seqlen_q, vec16, PAGED, HAS_SEQLENS, split,
 # window, softcap, alibi, LEAN, leftpad, STAGES (None: kvcache's, fitted))
 i64, f32t = types.int64, types.float32

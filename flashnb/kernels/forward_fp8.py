@@ -99,16 +99,68 @@ def make_prepare_vt(HEAD_DIM):
     return prepare
 
 
+def vt_tile_keys(seqlen_k):
+    """A packed batch's V^T: each sequence's keys padded to whole key tiles, so that a tile never reads the next
+    sequence's values (its columns past the keys are zeros)."""
+    return -(-seqlen_k // BLOCK_K) * BLOCK_K
+
+
 @lru_cache(maxsize=None)
 @kernel_factory
-def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1):
-    """``forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps)`` and its shared
-    bytes: ``q``, ``k``
+def make_prepare_vt_packed(HEAD_DIM):
+    """``prepare(v, vt, cu_seqlens_k, vt_start, group_seq)``: ``make_prepare_vt``'s V^T of a packed batch: ``v``
+    (1, total_k, nheads_k, HEAD_DIM bytes), ``vt`` (1, HEAD_DIM, nheads_k, ``vt_start[-1]``) view; sequence ``b``'s
+    keys from column ``vt_start[b]`` (``vt_tile_keys`` of them), their groups of 32 relabelled as a dense batch's,
+    zero past the keys.  One block per (32 columns, 32 dims, head); ``group_seq[g]``: the sequence of column group
+    ``g``."""
+    DBLK = HEAD_DIM // VT_KEYS
+    ROWS_PER_PASS = PREP_THREADS // VT_KEYS
+    TILE_SHAPE = (VT_KEYS, VT_KEYS + 4)               # [key][dim]
+    B0 = np.uint8(0)
+
+    @kernel
+    def prepare(v, vt, cu_seqlens_k, vt_start, group_seq):
+        nheads_k = v.shape[2]
+        blk = cuda.blockIdx.x
+        cb = blk % DBLK                                   # (dim block, column group, head), dims fastest
+        blk //= DBLK
+        g = blk % group_seq.shape[0]
+        h = blk // group_seq.shape[0]
+        if h >= nheads_k:
+            return
+        b = group_seq[g]
+        first = cu_seqlens_k[b] + g * VT_KEYS - vt_start[b]   # the group's first key (a packed row)
+        end = cu_seqlens_k[b + 1]
+        tile = cuda.shared.array(TILE_SHAPE, np.uint8)
+        tx = cuda.threadIdx.x % VT_KEYS
+        for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V's rows, along the dims
+            key = first + r
+            tile[r, tx] = v[0, key, h, cb * VT_KEYS + tx] if key < end else B0
+        cuda.syncthreads()
+        for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V^T's rows, along the keys
+            vt[0, cb * VT_KEYS + r, h, g * VT_KEYS + tx] = tile[key_at_d(tx), r]
+
+    return prepare
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False):
+    """``forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps, cu_seqlens_q,
+    cu_seqlens_k, vt_start)`` and its shared bytes: ``q``, ``k``
     (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
     nheads_k, keys / 4) word view, ``out`` (batch, seqlen_q, nheads, HEAD_DIM / 2) words of ``OUT_DTYPE``
     (float16 or bfloat16) pairs, ``lse`` (batch, nheads, seqlen_q) float32, the descales (batch, nheads_k)
     float32 views (stride 0 for one value), ``group`` query heads per key head, ``off = seqlen_k - seqlen_q``,
     ``maps`` the tensor maps of q, k, vt (boxes of 128, 128, HEAD_DIM rows).  Grid: query tiles x heads x batch.
+
+    ``VARLEN``: a packed batch (flash-attn's varlen layout): q, k, out, lse of one batch row holding every
+    sequence's rows (lse (1, nheads, total_q)), ``vt`` ``make_prepare_vt_packed``'s (sequence ``b``'s keys from
+    column ``vt_start[b]``), the descales per (sequence, key head); a block of the grid (the longest sequence's
+    query tiles x heads x sequences) takes its sequence's rows, ``off`` its own ``n_k - n_q``, and returns where its
+    tile is past the sequence; the copy engine's boxes are rows of the packed tensors (rows past the sequence belong
+    to the next one: its keys are masked, its queries' rows never stored).  Dense calls pass one-entry
+    ``cu_seqlens_*`` and ``vt_start``, unread.
 
     ``MIN_BLOCKS``: launch bounds for that many blocks an SM (2 at head dim 64: 16 warps an SM instead of 8).
     Measured no faster on an H200 and removed (docs/notes/fp8.md step 4; the code is in commit 8bbdd68): three
@@ -159,16 +211,17 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1):
         return (n_qt - 1 - rank if CAUSAL else rank), bh % nheads, bh // nheads
 
     @device_function
-    def load_stage(smem, maps, k, vt, j, seqlen_k, hk, b, s):
-        """K_j and V_j^T into stage ``s``, completing on full[s] (thread 0)."""
+    def load_stage(smem, maps, k, vt, j, k_start, vt_col, hk, b, s):
+        """K_j and V_j^T into stage ``s``, completing on full[s] (thread 0): K's rows from ``k_start`` (the
+        sequence's first key row), V^T's columns from ``vt_col``."""
         bar = FULL + 8 * s
         mbar_expect(smem, bar, STAGE_BYTES)
         dst = STAGE0 + s * STAGE_BYTES
         k0 = j * BLOCK_K
-        load_k(smem, dst, maps, 1, k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k0,
-               seqlen_k - k0, hk, b, bar)
+        load_k(smem, dst, maps, 1, k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k_start + k0,
+               k.shape[1] - k_start - k0, hk, b, bar)
         load_vt(smem, dst + K_BYTES, maps, 2, vt, (b * vt.strides[0] + hk * vt.strides[2]) >> 2, vt.strides[1] >> 2,
-                0, HEAD_DIM, k0 // 4, vt.shape[3], hk, b, bar)
+                0, HEAD_DIM, (vt_col + k0) // 4, vt.shape[3], hk, b, bar)
 
     @device_function
     def mask_tile(s_acc, k0, seqlen_k, row_g, off):
@@ -222,9 +275,9 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1):
                                                s_acc[a + 13 + 2 * r])
 
     @device_function
-    def store_out_lse(out, lse, o_acc, m_i, l_i, row_g, b, h, seqlen_q, v_descale, scratch):
-        """out = acc v_descale / l (l summed over the quad), lse = (m + log2 l) ln 2; a row that saw no key: 0,
-        -inf."""
+    def store_out_lse(out, lse, o_acc, m_i, l_i, row_g, b, h, seqlen_q, q_start, v_descale, scratch):
+        """out = acc v_descale / l (l summed over the quad), lse = (m + log2 l) ln 2, at rows ``q_start + i``; a
+        row that saw no key: 0, -inf."""
         t = cuda.threadIdx.x % 4
         quad_sum(l_i, scratch, cuda.threadIdx.x // 4, t)
         for r in range(2):
@@ -233,16 +286,17 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1):
             if i < seqlen_q:
                 f = ZERO if l == ZERO else v_descale / l
                 for n in range(HEAD_DIM // 8):
-                    out[b, i, h, 4 * n + t] = pack2(o_acc[4 * n + 2 * r] * f, o_acc[4 * n + 2 * r + 1] * f)
+                    out[b, q_start + i, h, 4 * n + t] = pack2(o_acc[4 * n + 2 * r] * f,
+                                                              o_acc[4 * n + 2 * r + 1] * f)
                 if t == 0:
-                    lse[b, h, i] = NEG_INF if l == ZERO else (m_i[r] + math.log2(l)) * LN2_T
+                    lse[b, h, q_start + i] = NEG_INF if l == ZERO else (m_i[r] + math.log2(l)) * LN2_T
 
     @device_function
-    def hand_back(smem, maps, k, vt, j, n_kt, seqlen_k, hk, b):
+    def hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, b):
         """Every thread is done with tile j's stage: thread 0 refills it with tile ``j + STAGES``."""
         cuda.syncthreads()
         if cuda.threadIdx.x == 0 and j + STAGES < n_kt:
-            load_stage(smem, maps, k, vt, j + STAGES, seqlen_k, hk, b, j % STAGES)
+            load_stage(smem, maps, k, vt, j + STAGES, k_start, vt_col, hk, b, j % STAGES)
 
     @device_function
     def scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off):
@@ -253,11 +307,31 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1):
         if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
             mask_tile(s_acc, k0, seqlen_k, row_g, off)
 
+    @device_function
+    def sequence(cu_seqlens_q, cu_seqlens_k, vt_start, b):
+        """A packed batch's sequence ``b``: (first query row, queries, first key row, keys, V^T's first column)."""
+        q_start, n_q = cu_seqlens_q[b], cu_seqlens_q[b + 1] - cu_seqlens_q[b]
+        k_start, n_k = cu_seqlens_k[b], cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+        return q_start, n_q, k_start, n_k, vt_start[b]
+
     @kernel(min_blocks=MIN_BLOCKS, threads=NTHREADS)
-    def forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps):
-        seqlen_q, seqlen_k, nheads = q.shape[1], k.shape[1], q.shape[2]
-        n_qt = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
-        qt, h, b = block_coords(n_qt, nheads)
+    def forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps, cu_seqlens_q,
+                cu_seqlens_k, vt_start):
+        nheads = q.shape[2]
+        if VARLEN:              # the grid: the longest sequence's tiles x heads x sequences; rows of batch row 0
+            n_qt = cuda.gridDim.x // (nheads * (cu_seqlens_q.shape[0] - 1))
+            qt, h, b = block_coords(n_qt, nheads)
+            q_start, seqlen_q, k_start, seqlen_k, vt_col = sequence(cu_seqlens_q, cu_seqlens_k, vt_start, b)
+            if qt * BLOCK_Q >= seqlen_q:
+                return                                   # a tile past its sequence (every thread: no barrier yet)
+            off = seqlen_k - seqlen_q                    # bottom-right alignment per sequence
+            bd = 0                                       # the packed arrays' batch row
+        else:
+            seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+            n_qt = (seqlen_q + BLOCK_Q - 1) // BLOCK_Q
+            qt, h, b = block_coords(n_qt, nheads)
+            q_start, k_start, vt_col = 0, 0, 0
+            bd = b
         hk = h // group
         tid = cuda.threadIdx.x
         wg = tid // 128
@@ -276,10 +350,10 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1):
         cuda.syncthreads()
         if tid == 0:
             mbar_expect(smem, Q_FULL, Q_BYTES)
-            load_q(smem, Q_OFF, maps, 0, q, (b * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2,
-                   qt * BLOCK_Q, seqlen_q - qt * BLOCK_Q, h, b, Q_FULL)
+            load_q(smem, Q_OFF, maps, 0, q, (bd * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2,
+                   q_start + qt * BLOCK_Q, q.shape[1] - q_start - qt * BLOCK_Q, h, bd, Q_FULL)
             for j in range(min(n_kt, STAGES)):
-                load_stage(smem, maps, k, vt, j, seqlen_k, hk, b, j)
+                load_stage(smem, maps, k, vt, j, k_start, vt_col, hk, bd, j)
         cuda.syncthreads()                               # (the simulator's copies are made by thread 0, at once)
 
         s_acc = cuda.local.array(N_ACC_S, F32)
@@ -299,7 +373,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1):
             softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
             pack_p(s_acc, p_frag)
             wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)       # acc += P V_j
-            hand_back(smem, maps, k, vt, j, n_kt, seqlen_k, hk, b)
-        store_out_lse(out, lse, o_acc, m_i, l_i, row_g, b, h, seqlen_q, v_descale[b, hk], scratch)
+            hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, bd)
+        store_out_lse(out, lse, o_acc, m_i, l_i, row_g, bd, h, seqlen_q, q_start, v_descale[b, hk], scratch)
 
     return forward, SHARED_BYTES

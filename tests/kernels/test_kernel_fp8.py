@@ -309,3 +309,47 @@ def test_incoherent_rotation_keeps_scores_and_cuts_outlier_error():
 def test_quantize_fp8_refuses_bad_input(call, error, words):
     with pytest.raises(error, match=words):
         call()
+
+
+@pytest.mark.parametrize("lens_q, lens_k, causal, per_head", [
+    ((70, 0, 20), (150, 30, 5), False, True),        # an empty sequence; keys past the first tile and past 32
+    ((40, 130, 9), (33, 100, 0), True, False)])      # two query tiles, more queries than keys, a sequence of no key
+def test_fp8_forward_of_a_packed_batch_matches_its_oracle(lens_q, lens_k, causal, per_head):
+    """``flash_attention_fp8_varlen``: each sequence of a packed batch attended on its own, against
+    ``fp8_flash_forward_varlen`` (key tiles of 128) by the dense test's bound (simulator) or flash-attn's rule
+    against the exact answer (GPU, per sequence); descales per (sequence, key head) or per tensor; the rows of a
+    sequence with no key 0 and -inf; the inputs unmodified."""
+    from reference.fp8 import fp8_flash_forward_varlen
+    rng = np.random.default_rng(sum(lens_q) + sum(lens_k))
+    hk, group, d = 1, 2, 64
+    h = hk * group
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q8 = _codes(rng, (int(cu_q[-1]), h, d), 1 / 100)
+    k8, v8 = (_codes(rng, (int(cu_k[-1]), hk, d), 1 / 100) for _ in range(2))
+    qd, kd, vd = _descales(rng, per_head, len(lens_q), hk)
+    copies = [x.copy() for x in (q8, k8, v8, cu_q, cu_k)]
+    out, lse = flashnb.flash_attention_fp8_varlen(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k), qd, kd, vd,
+                                                  causal=causal, return_lse=True)
+    for x, c in zip((q8, k8, v8, cu_q, cu_k), copies):
+        assert np.array_equal(x, c), "an input was modified"
+    ref, ref_lse = fp8_flash_forward_varlen(q8, k8, v8, cu_q, cu_k, qd, kd, vd, block_k=forward_fp8.BLOCK_K,
+                                            causal=causal)
+    assert out.dtype == np.float16 and out.shape == ref.shape and lse.shape == ref_lse.shape
+    seen = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), seen), "rows that see no key: lse -inf"
+    assert np.all(out[~seen.T] == 0), "rows that see no key: out 0"
+    for b in range(len(lens_q)):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if qe == qs or ke == ks:
+            continue
+        one = [x[b:b + 1] if per_head else x for x in (qd, kd, vd)]
+        args = (q8[None, qs:qe], k8[None, ks:ke], v8[None, ks:ke], *one)
+        o, l_, r, r_lse = out[None, qs:qe], lse[None, :, qs:qe], ref[None, qs:qe], ref_lse[None, :, qs:qe]
+        if SIMULATOR:
+            err = np.abs(o.astype(np.float64) - r)
+            bound = 2.0 ** -10 * np.abs(r) + 2.0 ** -14 * max(np.abs(r).max(), 1e-30) + _flips(*args, causal)
+            assert np.all(err <= bound), f"sequence {b}: max error {err.max():.3e}"
+            ok = np.isfinite(r_lse)
+            assert np.allclose(l_[ok], r_lse[ok], rtol=1e-5, atol=1e-5), f"sequence {b}: lse"
+        else:
+            _check_against_exact(o, l_, r, r_lse, *args, causal)

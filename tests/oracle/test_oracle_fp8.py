@@ -315,3 +315,31 @@ def test_block_quantisation_refuses_bad_input():
     assert codes.shape == (1, 4, 2, 0) and np.array_equal(descale, np.ones((1, 2, 2)))
     with pytest.raises(ValueError, match=r"ceil\(seqlen / block\)"):
         fp8.fp8_attention(*(np.zeros((1, 4, 1, 2), np.uint8),) * 3, np.ones((1, 1, 3)), block_q=2)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 50)), min_size=1, max_size=4),
+       hk=st.integers(1, 2), group=st.sampled_from([1, 2]), causal=st.booleans(), per_head=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_the_packed_fa3_algorithm_is_each_sequence_on_its_own(lens, hk, group, causal, per_head, seed):
+    """``fp8_flash_forward_varlen``: each sequence of a packed batch (empty ones too) is ``fp8_flash_forward`` of
+    that sequence alone, with its row of the (sequence, key head) descales; lse in the (nheads, total_q) layout;
+    the rows of a sequence with no key 0 and -inf."""
+    rng = np.random.default_rng(seed)
+    h, d = hk * group, 16
+    lq, lk = np.array([a for a, _ in lens]), np.array([b for _, b in lens])
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
+    q8, k8, v8 = (fp8.quantize_e4m3(rng.standard_normal((int(n), m, d)) * 40) for n, m in
+                  ((cu_q[-1], h), (cu_k[-1], hk), (cu_k[-1], hk)))
+    ds = [rng.uniform(0.01, 0.05, (len(lens), hk)) if per_head else float(rng.uniform(0.01, 0.05)) for _ in range(3)]
+    out, lse = fp8.fp8_flash_forward_varlen(q8, k8, v8, cu_q, cu_k, *ds, block_k=16, causal=causal)
+    assert out.shape == (cu_q[-1], h, d) and lse.shape == (h, cu_q[-1])
+    for b in range(len(lens)):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        one = [x[b:b + 1] if per_head else x for x in ds]
+        ref, ref_lse = fp8.fp8_flash_forward(q8[None, qs:qe], k8[None, ks:ke], v8[None, ks:ke], *one, block_k=16,
+                                             causal=causal)
+        np.testing.assert_array_equal(out[qs:qe], ref[0])
+        np.testing.assert_array_equal(lse[:, qs:qe], ref_lse[0])
+        if ke == ks:
+            assert np.all(out[qs:qe] == 0) and np.all(lse[:, qs:qe] == -np.inf)
