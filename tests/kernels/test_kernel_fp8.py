@@ -353,3 +353,22 @@ def test_fp8_forward_of_a_packed_batch_matches_its_oracle(lens_q, lens_k, causal
             assert np.allclose(l_[ok], r_lse[ok], rtol=1e-5, atol=1e-5), f"sequence {b}: lse"
         else:
             _check_against_exact(o, l_, r, r_lse, *args, causal)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(q=np.zeros((1, 8, 2, 64), np.uint8)), ValueError, "q must be 3-D"),
+    (dict(cu_seqlens_q=np.array([0, 5, 9], np.int32)), ValueError, "cu_seqlens_q\\[-1\\] must be the total"),
+    (dict(cu_seqlens_k=np.array([0, 6], np.int32)), ValueError, "one batch"),
+    (dict(cu_seqlens_q=np.array([0, 3, 8], np.int64)), TypeError, "cu_seqlens_q must be int32"),
+    (dict(max_seqlen_q=4), ValueError, "max_seqlen_q = 4 is shorter"),
+    (dict(q_descale=np.ones((3, 1), np.float32)), ValueError, "q_descale must be a float or an array of shape"),
+])
+def test_fp8_packed_forward_refuses_bad_input(change, error, words):
+    """Before any launch, naming the argument: a packed batch's 3-D layout, ``cu_seqlens`` as
+    ``flash_attn_varlen_func`` checks them, descales per (sequence, key head)."""
+    args = dict(q=np.zeros((8, 2, 64), np.uint8), k=np.zeros((6, 1, 64), np.uint8), v=np.zeros((6, 1, 64), np.uint8),
+                cu_seqlens_q=np.array([0, 3, 8], np.int32), cu_seqlens_k=np.array([0, 2, 6], np.int32),
+                max_seqlen_q=5, max_seqlen_k=4)
+    args.update(change)
+    with pytest.raises(error, match=words):
+        flashnb.flash_attention_fp8_varlen(**args)
