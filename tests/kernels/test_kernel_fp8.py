@@ -358,7 +358,7 @@ def test_fp8_forward_of_a_packed_batch_matches_its_oracle(lens_q, lens_k, causal
 @pytest.mark.parametrize("change, error, words", [
     (dict(q=np.zeros((1, 8, 2, 64), np.uint8)), ValueError, "q must be 3-D"),
     (dict(cu_seqlens_q=np.array([0, 5, 9], np.int32)), ValueError, "cu_seqlens_q\\[-1\\] must be the total"),
-    (dict(cu_seqlens_k=np.array([0, 6], np.int32)), ValueError, "one batch"),
+    (dict(cu_seqlens_k=np.array([0, 6], np.int32), max_seqlen_k=6), ValueError, "one batch"),
     (dict(cu_seqlens_q=np.array([0, 3, 8], np.int64)), TypeError, "cu_seqlens_q must be int32"),
     (dict(max_seqlen_q=4), ValueError, "max_seqlen_q = 4 is shorter"),
     (dict(q_descale=np.ones((3, 1), np.float32)), ValueError, "q_descale must be a float or an array of shape"),
