@@ -127,11 +127,7 @@ def _full_forward(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
     refusal = plan.fp8_refusal()
     if refusal is not None:
         raise ValueError(refusal)
-    if not (_is_array(q_descale) or _is_array(k_descale)):
-        c = np.float32(scale) * np.float32(_scalar(q_descale, "q_descale")) * np.float32(
-            _scalar(k_descale, "k_descale"))
-        if not (np.isfinite(c) and c > 0):
-            raise ValueError(f"softmax_scale * q_descale * k_descale must be positive and finite in float32, got {c}")
+    _check_exponent_scale(scale, q_descale, k_descale)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
         descale = [_descale(d, name, kind, q, batch, nheads_k, launch_stream)
@@ -166,6 +162,9 @@ def flash_attention_fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         if len(getattr(x, "shape", ())) != 3:
             raise ValueError(f"{name} must be 3-D (total, heads, headdim) for a packed batch, got shape "
                              f"{tuple(getattr(x, 'shape', ()))}")
+    if tuple(k.shape) != tuple(v.shape) or int(k.shape[2]) != int(q.shape[2]):
+        raise ValueError(f"k and v must be (total_k, nheads_k, headdim) with q's headdim {int(q.shape[2])}, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
     q4, k4, v4 = (x[None] for x in (q, k, v))
     kind, dims = _check(q4, k4, v4, softmax_scale)
     _, total_q, total_k, nheads, nheads_k, headdim = dims
@@ -176,6 +175,7 @@ def flash_attention_fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     refusal = plan.fp8_refusal()
     if refusal is not None:
         raise ValueError(refusal)
+    _check_exponent_scale(scale, q_descale, k_descale)
     tiles = vt_tile_keys(np.diff(cu_k.astype(np.int64)))         # each sequence's V^T columns: whole key tiles
     vt_start = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
     group_seq = np.repeat(np.arange(batch, dtype=np.int32), tiles // VT_KEYS)
@@ -191,7 +191,7 @@ def flash_attention_fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             qw, kw, vb = (_codes(x, name, launch_stream) for x, name in ((q4, "q"), (k4, "k"), (v4, "v")))
             cu_q_d = varlen._on_device(cu_seqlens_q, cu_q, kind, q, launch_stream)
             cu_k_d = varlen._on_device(cu_seqlens_k, cu_k, kind, q, launch_stream)
-            vt_start_d, group_d = (_arrays.to_device(a, launch_stream) for a in (vt_start, group_seq))
+            vt_start_d, group_d = (_host_int32(a, kind, q, launch_stream) for a in (vt_start, group_seq))
             cols = max(int(vt_start[-1]), BLOCK_K)                # (no key at all: one tile of zeros, never read)
             vt = _arrays.scratch((1, nheads_k, headdim, cols), np.uint8, kind, q, launch_stream)
             st = vt.strides
@@ -208,6 +208,24 @@ def flash_attention_fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if return_lse:
         return out, _arrays.finish(kind, lse, lse_d, launch_stream)
     return out
+
+
+def _check_exponent_scale(scale, q_descale, k_descale):
+    """With float descales: ``softmax_scale * q_descale * k_descale``, the kernel's exponent scale, positive and
+    finite in float32 (a descale array is checked where it is bound)."""
+    if not (_is_array(q_descale) or _is_array(k_descale)):
+        c = np.float32(scale) * np.float32(_scalar(q_descale, "q_descale")) * np.float32(
+            _scalar(k_descale, "k_descale"))
+        if not (np.isfinite(c) and c > 0):
+            raise ValueError(f"softmax_scale * q_descale * k_descale must be positive and finite in float32, got {c}")
+
+
+def _host_int32(a, kind, like, stream):
+    """A small host int32 array on ``like``'s device: through PyTorch's caching allocator for PyTorch calls (no
+    cudaMalloc / cudaFree a call), else Numba's."""
+    if kind.lib == "torch":
+        return _arrays.to_device(torch.from_numpy(a).to(like.device), stream)
+    return _arrays.to_device(a, stream)
 
 
 def _check(q, k, v, softmax_scale):

@@ -311,21 +311,27 @@ def test_quantize_fp8_refuses_bad_input(call, error, words):
         call()
 
 
-@pytest.mark.parametrize("lens_q, lens_k, causal, per_head", [
-    ((70, 0, 20), (150, 30, 5), False, True),        # an empty sequence; keys past the first tile and past 32
-    ((40, 130, 9), (33, 100, 0), True, False)])      # two query tiles, more queries than keys, a sequence of no key
-def test_fp8_forward_of_a_packed_batch_matches_its_oracle(lens_q, lens_k, causal, per_head):
+@pytest.mark.parametrize("lens_q, lens_k, hk, group, d, causal, per_head", [
+    ((70, 0, 20, 9), (150, 30, 5, 40), 2, 1, 64, False, True),   # an empty sequence; keys past a tile and past 32;
+    #                                                              two key heads; NaN codes in the last sequence
+    ((40, 130, 9), (33, 100, 0), 1, 2, 128, True, False)])        # two query tiles, more queries than keys, a
+#                                                                   sequence of no key, grouped heads
+def test_fp8_forward_of_a_packed_batch_matches_its_oracle(lens_q, lens_k, hk, group, d, causal, per_head):
     """``flash_attention_fp8_varlen``: each sequence of a packed batch attended on its own, against
     ``fp8_flash_forward_varlen`` (key tiles of 128) by the dense test's bound (simulator) or flash-attn's rule
     against the exact answer (GPU, per sequence); descales per (sequence, key head) or per tensor; the rows of a
-    sequence with no key 0 and -inf; the inputs unmodified."""
+    sequence with no key 0 and -inf; NaN codes in a sequence reach no other (V^T's tiles padded with zeros, keys
+    past a sequence masked); the inputs unmodified."""
     from reference.fp8 import fp8_flash_forward_varlen
     rng = np.random.default_rng(sum(lens_q) + sum(lens_k))
-    hk, group, d = 1, 2, 64
     h = hk * group
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
     q8 = _codes(rng, (int(cu_q[-1]), h, d), 1 / 100)
     k8, v8 = (_codes(rng, (int(cu_k[-1]), hk, d), 1 / 100) for _ in range(2))
+    poisoned = len(lens_q) == 4                              # the last sequence's codes NaN (0x7F)
+    if poisoned:
+        for x, cu in ((q8, cu_q), (k8, cu_k), (v8, cu_k)):
+            x[cu[-2]:] = 0x7F
     qd, kd, vd = _descales(rng, per_head, len(lens_q), hk)
     copies = [x.copy() for x in (q8, k8, v8, cu_q, cu_k)]
     out, lse = flashnb.flash_attention_fp8_varlen(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k), qd, kd, vd,
@@ -336,10 +342,12 @@ def test_fp8_forward_of_a_packed_batch_matches_its_oracle(lens_q, lens_k, causal
                                             causal=causal)
     assert out.dtype == np.float16 and out.shape == ref.shape and lse.shape == ref_lse.shape
     seen = np.isfinite(ref_lse)
-    assert np.array_equal(np.isfinite(lse), seen), "rows that see no key: lse -inf"
-    assert np.all(out[~seen.T] == 0), "rows that see no key: out 0"
-    for b in range(len(lens_q)):
+    rows = slice(0, cu_q[-2] if poisoned else cu_q[-1])
+    assert np.array_equal(np.isfinite(lse[:, rows]), seen[:, rows]), "rows that see no key: lse -inf"
+    assert np.all(out[rows][~seen[:, rows].T] == 0), "rows that see no key: out 0"
+    for b in range(len(lens_q) - poisoned):
         qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        assert np.all(np.isfinite(out[qs:qe].astype(np.float64))), f"sequence {b}: not finite"
         if qe == qs or ke == ks:
             continue
         one = [x[b:b + 1] if per_head else x for x in (qd, kd, vd)]
@@ -362,6 +370,8 @@ def test_fp8_forward_of_a_packed_batch_matches_its_oracle(lens_q, lens_k, causal
     (dict(cu_seqlens_q=np.array([0, 3, 8], np.int64)), TypeError, "cu_seqlens_q must be int32"),
     (dict(max_seqlen_q=4), ValueError, "max_seqlen_q = 4 is shorter"),
     (dict(q_descale=np.ones((3, 1), np.float32)), ValueError, "q_descale must be a float or an array of shape"),
+    (dict(q_descale=1e20, k_descale=1e20), ValueError, "softmax_scale \\* q_descale \\* k_descale must be"),
+    (dict(v=np.zeros((6, 1, 32), np.uint8)), ValueError, "k and v must be \\(total_k, nheads_k, headdim\\)"),
 ])
 def test_fp8_packed_forward_refuses_bad_input(change, error, words):
     """Before any launch, naming the argument: a packed batch's 3-D layout, ``cu_seqlens`` as
@@ -372,3 +382,19 @@ def test_fp8_packed_forward_refuses_bad_input(change, error, words):
     args.update(change)
     with pytest.raises(error, match=words):
         flashnb.flash_attention_fp8_varlen(**args)
+
+
+def test_fp8_packed_forward_of_nothing():
+    """No query row at all, or no sequence: empty results of the right shapes, no launch; keys of no query: the
+    queries' rows 0 and -inf."""
+    k = np.zeros((6, 1, 64), np.uint8)
+    out, lse = flashnb.flash_attention_fp8_varlen(np.zeros((0, 2, 64), np.uint8), k, k, np.array([0, 0, 0], np.int32),
+                                                  np.array([0, 2, 6], np.int32), 0, 4, return_lse=True)
+    assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
+    e = np.zeros((0, 1, 64), np.uint8)
+    out, lse = flashnb.flash_attention_fp8_varlen(np.zeros((0, 1, 64), np.uint8), e, e, np.array([0], np.int32),
+                                                  np.array([0], np.int32), 0, 0, return_lse=True)
+    assert out.shape == (0, 1, 64) and lse.shape == (1, 0)
+    out, lse = flashnb.flash_attention_fp8_varlen(np.ones((5, 1, 64), np.uint8), e, e, np.array([0, 5], np.int32),
+                                                  np.array([0, 0], np.int32), 5, 0, return_lse=True)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
