@@ -8,11 +8,13 @@ mask's forward, bench/results/h200-flex-2026-11-28b.md).  PyTorch's rules keep t
 times an int tensor is float32, and an int divided by an int is float32 (the default dtype).
 
 ``float32_device_function(fn)`` compiles ``fn`` with one pass more, before Numba's type inference
-(``MODS_FLOAT32``): it types the function, and where a binary operation mixes an integer with a float32 or
-complex64 (or divides two integers; or a ``math`` function takes an integer), it converts the integer to float32
-first and types it again, until nothing is left to convert.  An integer whose range fits in 32 bits by the indices'
+(``narrow``): it types the function, and where an operation that Numba types float64 (or complex128) mixes an
+integer with a float32 or complex64 (or divides two integers; or a ``math`` function takes an integer), it
+converts the integer to float32 first and types it again, until nothing is left to convert (``float32 ** int``,
+already float32 by Numba's integer power, is left alone).  An integer whose range fits in 32 bits by the indices'
 bounds (each index is in ``[0, 2^31)``; constants; ``+ - * abs //`` and ``%`` by a positive constant of such
-values) converts through int32, a conversion the SM does on its integer pipe (``I2FP``), not on the 16-lane one.
+values; a bound past int64 is unknown, as int64 wraps) converts through int32 (or uint32), a conversion the SM
+does on its integer pipe (``I2FP``), not on the 16-lane one.  Functions the mod calls compile as they would.
 
 The oracle keeps NumPy's float64; the difference is float32 rounding of the mod's terms, inside the kernels'
 bounds.  The simulator runs the function as Python (NumPy's rules), not this pass.
