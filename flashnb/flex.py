@@ -35,7 +35,7 @@ import weakref
 
 import numpy as np
 
-from . import _arrays, _dispatch, _options, api
+from . import _arrays, _dispatch, _options, api, plan
 from .kernels import _jit
 from .kernels._jit import device_function
 from .kernels._mod_float32 import float32_device_function
@@ -260,7 +260,8 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
         mods = Mods(_compiled(score_mod, f32, fp(id(score_mod))), _compiled(mask_mod, False, fp(id(mask_mod))),
                     _compiled(grad, f32, fp(id(grad))) if grad is not None
                     else _complex_step(score_mod, f32, fp(id(score_mod))) if backward and score_mod else None,
-                    None if mask_mod is None else block_mask.block_size)
+                    None if mask_mod is None else block_mask.block_size,
+                    bool(plan.FLEX_MOD_INT32) and score_mod is not None)
     options = dict(softmax_scale=scale, causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None,
                    alibi_slopes=None, softcap=0.0,
                    block_mask=None if block_mask is None else block_mask.states_like(query),

@@ -637,6 +637,12 @@ FLEX_TWO_BLOCKS = True
 # tokens, d 64, the mods' arithmetic in float32) forward / forward+backward ms: ALiBi 5.38 / 21.29 -> 4.90 / 20.88,
 # softcap 30 12.01 / 36.52 -> 9.43 / 33.93 (outputs equal)
 FLEX_TWO_BLOCKS_SCORE = True
+# a score_mod's indices as int32, clamped in int32 (``_scores.Mods.index32``: the tensor-core forward and the
+# element gradient of the backward): ptxas, the Hopper forward with ALiBi, bf16 d 64 at two blocks an SM, 2984 ->
+# 2768 SASS instructions (ISETP 207 -> 139, LOP3 206 -> 117, SEL 68 -> 34), the same registers and spills; the
+# Hopper dK/dV kernel 4144 -> 4040 (236 -> 232 registers); not measured yet (python -m tools.flex_ab --settings
+# "FLEX_MOD_INT32=0;FLEX_MOD_INT32=1")
+FLEX_MOD_INT32 = False
 
 
 def _flex_only(call):

@@ -34,6 +34,8 @@ class Mods(NamedTuple):
     mask_mod: object = None
     score_grad: object = None
     block: tuple = None           # the block mask's (BLOCK_Q, BLOCK_K) with a mask_mod: compile-time divisors
+    index32: bool = False         # the score_mod's indices as int32, clamped in int32 (the tensor-core forward and
+    #                               the element gradient; ``plan.FLEX_MOD_INT32``)
 
 
 def mask_block(MODS):

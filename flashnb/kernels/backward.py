@@ -125,6 +125,7 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
     ZERO, ONE, LOG2E_T = ACC(0), ACC(1), ACC(LOG2E)
     MODS = MODS or Mods()
     HAS_SCORE_MOD = MODS.score_mod is not None
+    INDEX32 = MODS.index32
     score_grad = MODS.score_grad
     score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod, mask_block(MODS))
@@ -133,7 +134,12 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
     def grad(qk, dp, i, j, b, h, lse2_i, delta_i, need_mask, seqlen_q, seqlen_k, off, scale, softcap, left,
              right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
              seed_lo, seed_hi):
-        if HAS_SCORE_MOD:                                # (the user's function: indices inside the sequences)
+        b_in, h_in = b, h
+        if HAS_SCORE_MOD and INDEX32:                    # (int32: no 64-bit index work a score)
+            i_in, j_in = min(np.int32(i), np.int32(seqlen_q - 1)), min(np.int32(j), np.int32(seqlen_k - 1))
+            b_in, h_in = np.int32(b), np.int32(h)
+            x = score(qk, i_in, j_in, b_in, h_in, off, scale, softcap, attn_bias, alibi)
+        elif HAS_SCORE_MOD:                              # (the user's function: indices inside the sequences)
             i_in, j_in = min(i, seqlen_q - 1), min(j, seqlen_k - 1)
             x = score(qk, i_in, j_in, b, h, off, scale, softcap, attn_bias, alibi)
         else:
@@ -156,7 +162,7 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
             ds = ds * (ONE - t * t)                          # d/dx softcap*tanh(x/softcap) = 1 - tanh^2
         if HAS_SCORE_MOD:
             if p != ZERO:                                    # (masked: never evaluated; dS is 0 there)
-                ds = ds * ACC(score_grad(qk * scale, b, h, i_in, j_in))
+                ds = ds * ACC(score_grad(qk * scale, b_in, h_in, i_in, j_in))
         return p_drop, ds
 
     return grad

@@ -166,6 +166,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     CW = 4 if VEC16 else 1                   # words per cp.async
     CHUNKS = D_WORDS // CW                   # cp.async copies per key row
     MODS = MODS or Mods()
+    INDEX32 = MODS.index32
     HAS_SCORE_MOD = MODS.score_mod is not None
     HAS_MASK_MOD = MODS.mask_mod is not None
     HAS_MODS = HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI or HAS_SCORE_MOD
@@ -380,7 +381,11 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
         with a mask_mod, its bit in ``words`` clear); log2 units (raw under FOLD)."""
         i = row0 + 16 * m + 8 * (e // 2)
         j = k0 + 8 * n + 2 * t + (e % 2)
-        if HAS_SCORE_MOD:       # the user's function sees only indices inside the sequences
+        if HAS_SCORE_MOD and INDEX32:       # (int32: no 64-bit index work a score; indices < 2^31)
+            x = score(s_reg[m, n, e], min(np.int32(i), np.int32(seqlen_q - 1)),
+                      min(np.int32(j), np.int32(seqlen_k - 1)), np.int32(b), np.int32(h), off, scale,
+                      softcap, attn_bias, alibi) * LOG2E_T
+        elif HAS_SCORE_MOD:     # the user's function sees only indices inside the sequences
             x = score(s_reg[m, n, e], min(i, seqlen_q - 1), min(j, seqlen_k - 1), b, h, off, scale,
                       softcap, attn_bias, alibi) * LOG2E_T
         elif HAS_MODS:

@@ -329,6 +329,35 @@ def test_a_function_numba_cannot_compile_is_named_before_any_launch():
         flashnb.flex_attention(q, k, v, score_mod=bad)
 
 
+@pytest.mark.parametrize("backend", ["tensorcore", "simt"])
+def test_int32_indices_for_the_score_mod_give_the_same_results(monkeypatch, backend):
+    """``plan.FLEX_MOD_INT32`` (a score_mod's indices as int32, clamped in int32): the kernels built with it
+    (``Mods.index32``) give the results of the int64 ones, forward and backward, with a relative-position table
+    (the indices index an array) and ALiBi (they meet a float)."""
+    from flashnb import flex, plan
+    rng = np.random.default_rng(21)
+    L, S = 40, 56
+    table = rng.standard_normal(L + S)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + S] - 0.25 * (h + 1) * abs(q_idx - kv_idx)
+
+    q = rng.standard_normal((1, 2, L, 16)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 2, S, 16)).astype(np.float16) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(plan, "FLEX_MOD_INT32", on)
+        seen = []
+        monkeypatch.setattr(flex, "Mods", lambda *a, _real=flex.Mods: seen.append(_real(*a)) or seen[-1])
+        out, lse = flashnb.flex_attention(q, k, v, score_mod=mod, return_lse=True, backend=backend)
+        grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=mod, backend=backend)
+        assert seen and all(m.index32 == on for m in seen)
+        results.append((out, lse) + tuple(grads))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_captured_device_arrays_are_read_in_place():
     """A mask_mod over device document ids and a score_mod over a device bias table (Numba device arrays: the
     simulator's, or the GPU's, whose address numba-cuda embeds in the kernel) give the oracle's results with the
