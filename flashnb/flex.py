@@ -191,6 +191,7 @@ def _named_compile_errors(score_mod, mask, score_mod_grad):
                         f"{first} (a function may use arithmetic, comparisons, abs, min/max, math and cmath, and "
                         "read arrays, numbers and tuples it captures; the full message is the cause below)") from e
 
+
 def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, backward):
     """The call in flashnb's layout (views): ``(q, k, v, options)``, every argument checked before any launch."""
     for x, name in ((query, "query"), (key, "key"), (value, "value")):
@@ -291,9 +292,10 @@ def _checked(fn, what, check, fingerprint):
 
 def _check_mod(fn, name, nargs, dims=None):
     """A callable that takes ``nargs`` positional arguments, captures what the kernels can read
-    (``_check_captures``; NumPy arrays within constant memory), and returns what its kind must: a real number (score_mod, score_mod_grad) or a bool
-    (mask_mod).  Probed on the host (a score of 0.5) at the corners of the call's index space ``dims`` =
-    ``(B, H, Q_LEN, KV_LEN)``: first index 0, then every combination of the first and last ``b``, ``h``, ``q_idx``,
+    (``_check_captures``; NumPy arrays within constant memory), and returns what its kind must: a real number
+    (score_mod, score_mod_grad) or a bool (mask_mod).  Probed on the host (a score of 0.5; captured device arrays
+    read from host copies) at the corners of the call's index space ``dims`` = ``(B, H, Q_LEN, KV_LEN)``: first
+    index 0, then every combination of the first and last ``b``, ``h``, ``q_idx``,
     ``kv_idx`` (16 calls), so that a captured table too short for the indices (``doc[q_idx]`` with fewer ids than
     queries, ``bias[q_idx - kv_idx + n]`` with too large an ``n``) raises here, naming the indices, instead of
     being read past its end in a kernel (which no GPU reports: the values are wrong).  A negative index wraps
@@ -351,8 +353,10 @@ def _is_device_array(value):
     torch = _arrays.torch
     if torch is not None and isinstance(value, torch.Tensor):
         return value.is_cuda                              # (its interface raises for a tensor that requires grad)
-    if isinstance(value, np.ndarray) or _arrays._is_numba_device_array(value):
-        return not isinstance(value, np.ndarray)
+    if isinstance(value, np.ndarray):
+        return False
+    if _arrays._is_numba_device_array(value):
+        return True
     try:
         return getattr(value, "__cuda_array_interface__", None) is not None
     except Exception:                       # noqa: BLE001 (an interface that refuses: not one a kernel can read)
