@@ -122,12 +122,7 @@ def _full_forward(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
     """``flash_attention_fp8``'s full path: validate, plan, bind, launch."""
     kind, dims = _check(q, k, v, softmax_scale)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = dims
-    out_dtype = _out_dtype(out_dtype, kind)
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-    refusal = plan.fp8_refusal()
-    if refusal is not None:
-        raise ValueError(refusal)
-    _check_exponent_scale(scale, q_descale, k_descale)
+    out_dtype, scale = _settings(kind, headdim, softmax_scale, out_dtype, q_descale, k_descale)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
         descale = [_descale(d, name, kind, q, batch, nheads_k, launch_stream)
@@ -170,12 +165,7 @@ def flash_attention_fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     _, total_q, total_k, nheads, nheads_k, headdim = dims
     cu_q, cu_k = varlen.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
     batch = cu_q.shape[0] - 1
-    out_dtype = _out_dtype(out_dtype, kind)
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-    refusal = plan.fp8_refusal()
-    if refusal is not None:
-        raise ValueError(refusal)
-    _check_exponent_scale(scale, q_descale, k_descale)
+    out_dtype, scale = _settings(kind, headdim, softmax_scale, out_dtype, q_descale, k_descale)
     tiles = vt_tile_keys(np.diff(cu_k.astype(np.int64)))         # each sequence's V^T columns: whole key tiles
     vt_start = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
     group_seq = np.repeat(np.arange(batch, dtype=np.int32), tiles // VT_KEYS)
@@ -208,6 +198,18 @@ def flash_attention_fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if return_lse:
         return out, _arrays.finish(kind, lse, lse_d, launch_stream)
     return out
+
+
+def _settings(kind, headdim, softmax_scale, out_dtype, q_descale, k_descale):
+    """``(out_dtype, softmax_scale)`` of a checked call, before any launch: this device can run the FP8 forward,
+    and the exponent scale is positive and finite (``_check_exponent_scale``)."""
+    out_dtype = _out_dtype(out_dtype, kind)
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+    refusal = plan.fp8_refusal()
+    if refusal is not None:
+        raise ValueError(refusal)
+    _check_exponent_scale(scale, q_descale, k_descale)
+    return out_dtype, scale
 
 
 def _check_exponent_scale(scale, q_descale, k_descale):
