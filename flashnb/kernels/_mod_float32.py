@@ -32,7 +32,7 @@ _ARITH = (operator.add, operator.sub, operator.mul, operator.truediv, operator.f
           operator.imod, operator.ipow)
 
 
-def float32_device_function(fn, forceinline=True):
+def float32_device_function(fn):
     """``fn`` as a CUDA device function whose integer terms meet float32 as float32 (module docstring); in the
     simulator the plain device function."""
     from ._jit import SIMULATOR, device_function
@@ -100,7 +100,7 @@ def narrow(state, rounds=64):
     from numba.cuda.core.typed_passes import type_inference_stage
     changed = False
     for _ in range(rounds):
-        typemap, _, calltypes, _ = type_inference_stage(state.typingctx, state.targetctx, state.func_ir,
+        typemap, _, _, _ = type_inference_stage(state.typingctx, state.targetctx, state.func_ir,
                                                         state.args, state.return_type, state.locals,
                                                         raise_errors=True)
         fixes = _fixes(state.func_ir, typemap, types)
