@@ -64,6 +64,25 @@ def prepare_vt_grid(batch, seqlen_k, nheads_k, headdim):
     return batch * nheads_k * (vt_keys(seqlen_k) // VT_KEYS) * (headdim // VT_KEYS)
 
 
+ROWS_PER_PASS = PREP_THREADS // VT_KEYS
+TILE_SHAPE = (VT_KEYS, VT_KEYS + 4)                   # the pre-passes' shared tile: [key][dim]
+B0 = np.uint8(0)
+
+
+@device_function
+def transpose_group(tile, v, vt, bv, h, cb, first, end, col0):
+    """V^T's 32 columns ``col0 ..`` of dims ``32 cb ..`` (head ``h``, batch row ``bv``) from keys ``first ..
+    first + 31`` of ``v``, each group's keys relabelled (``key_at``), zero from key ``end`` on; through ``tile``,
+    one thread block."""
+    tx = cuda.threadIdx.x % VT_KEYS
+    for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V's rows, along the dims
+        key = first + r
+        tile[r, tx] = v[bv, key, h, cb * VT_KEYS + tx] if key < end else B0
+    cuda.syncthreads()
+    for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V^T's rows, along the keys
+        vt[bv, cb * VT_KEYS + r, h, col0 + tx] = tile[key_at_d(tx), r]
+
+
 @lru_cache(maxsize=None)
 @kernel_factory
 def make_prepare_vt(HEAD_DIM):
@@ -72,9 +91,6 @@ def make_prepare_vt(HEAD_DIM):
     holds key ``32 (p // 32) + key_at(p % 32)``'s byte ``d``, zero past the keys.  One block per (32 keys, 32 dims,
     head, batch), through a shared tile."""
     DBLK = HEAD_DIM // VT_KEYS
-    ROWS_PER_PASS = PREP_THREADS // VT_KEYS
-    TILE_SHAPE = (VT_KEYS, VT_KEYS + 4)               # [key][dim]
-    B0 = np.uint8(0)
 
     @kernel
     def prepare(v, vt):
@@ -85,16 +101,8 @@ def make_prepare_vt(HEAD_DIM):
         blk //= DBLK
         kb = blk % key_blocks
         bh = blk // key_blocks
-        h = bh % nheads_k
-        b = bh // nheads_k
         tile = cuda.shared.array(TILE_SHAPE, np.uint8)
-        tx = cuda.threadIdx.x % VT_KEYS
-        for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V's rows, along the dims
-            key = kb * VT_KEYS + r
-            tile[r, tx] = v[b, key, h, cb * VT_KEYS + tx] if key < seqlen_k else B0
-        cuda.syncthreads()
-        for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V^T's rows, along the keys
-            vt[b, cb * VT_KEYS + r, h, kb * VT_KEYS + tx] = tile[key_at_d(tx), r]
+        transpose_group(tile, v, vt, bh // nheads_k, bh % nheads_k, cb, kb * VT_KEYS, seqlen_k, kb * VT_KEYS)
 
     return prepare
 
@@ -114,31 +122,20 @@ def make_prepare_vt_packed(HEAD_DIM):
     zero past the keys.  One block per (32 columns, 32 dims, head); ``group_seq[g]``: the sequence of column group
     ``g``."""
     DBLK = HEAD_DIM // VT_KEYS
-    ROWS_PER_PASS = PREP_THREADS // VT_KEYS
-    TILE_SHAPE = (VT_KEYS, VT_KEYS + 4)               # [key][dim]
-    B0 = np.uint8(0)
 
     @kernel
     def prepare(v, vt, cu_seqlens_k, vt_start, group_seq):
-        nheads_k = v.shape[2]
         blk = cuda.blockIdx.x
         cb = blk % DBLK                                   # (dim block, column group, head), dims fastest
         blk //= DBLK
         g = blk % group_seq.shape[0]
         h = blk // group_seq.shape[0]
-        if h >= nheads_k:
+        if h >= v.shape[2]:
             return
         b = group_seq[g]
-        first = cu_seqlens_k[b] + g * VT_KEYS - vt_start[b]   # the group's first key (a packed row)
-        end = cu_seqlens_k[b + 1]
         tile = cuda.shared.array(TILE_SHAPE, np.uint8)
-        tx = cuda.threadIdx.x % VT_KEYS
-        for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V's rows, along the dims
-            key = first + r
-            tile[r, tx] = v[0, key, h, cb * VT_KEYS + tx] if key < end else B0
-        cuda.syncthreads()
-        for r in range(cuda.threadIdx.x // VT_KEYS, VT_KEYS, ROWS_PER_PASS):    # V^T's rows, along the keys
-            vt[0, cb * VT_KEYS + r, h, g * VT_KEYS + tx] = tile[key_at_d(tx), r]
+        transpose_group(tile, v, vt, 0, h, cb, cu_seqlens_k[b] + g * VT_KEYS - vt_start[b],   # its first key
+                        cu_seqlens_k[b + 1], g * VT_KEYS)
 
     return prepare
 
