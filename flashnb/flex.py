@@ -152,22 +152,37 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
 
 def flex_attention_backward(dout, query, key, value, out, lse, score_mod=None, block_mask=None, scale=None,
-                            enable_gqa=False, score_mod_grad=None, deterministic=False, *, stream=None,
-                            backend="auto"):
+                            enable_gqa=False, score_mod_grad=None, deterministic=False, *, captured_grads=(),
+                            stream=None, backend="auto"):
     """``(dq, dk, dv)`` of ``sum(out * dout)`` for ``out, lse = flex_attention(..., return_lse=True)`` with the
     same functions; in FlexAttention's layout, ``dk``, ``dv`` summed over the query heads of a key/value head.
     ``score_mod_grad(score, b, h, q_idx, kv_idx)``: the score_mod's derivative in the score; without it the
     complex step (the score_mod must then take a complex score).  ``backend``, ``deterministic`` as
-    ``flash_attention_backward``'s."""
-    q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, True)
+    ``flash_attention_backward``'s.
+
+    ``captured_grads``: names of float32 or float64 arrays the score_mod captures (its closure's variables or
+    the globals it reads: a learned bias table, per-head slopes); then ``(dq, dk, dv, grads)``, ``grads[name]``
+    the gradient in that array, of its kind and dtype (``reference.flex.flex_attention_backward``'s
+    ``captured_grads``).  The dK/dV kernels add each element's part with atomics (float32 for 16-bit and float32
+    inputs), so the sums' order varies from run to run, and ``deterministic=True`` is refused with it.  Each read
+    of the array in the score_mod's code must be one element, outside loops (``kernels._mod_grad``)."""
+    names = _captured_grad_names(captured_grads, score_mod, deterministic)
+    q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, True,
+                             names)
     dout, out = _swap(dout), _swap(out)
+    learned = options.pop("learned")
+    for entry in learned:
+        entry.zero()
     with _named_compile_errors(score_mod, block_mask, score_mod_grad):
         grads = _dispatch.cached_call(
             ("flex_backward", options["mods"], options["block_mask_size"]),
             (dout, q, k, v, out, lse, options["block_mask"]), (scale, deterministic, backend), api._backward,
             cacheable=stream is None,
             args=(dout, q, k, v, out, lse, options, None, None, deterministic, stream, backend))
-    return tuple(_swap(g) for g in grads)
+    grads = tuple(_swap(g) for g in grads)
+    if not names:
+        return grads
+    return grads + ({entry.name: entry.result() for entry in learned},)
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -192,8 +207,10 @@ def _named_compile_errors(score_mod, mask, score_mod_grad):
                         "read arrays, numbers and tuples it captures; the full message is the cause below)") from e
 
 
-def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, backward):
-    """The call in flashnb's layout (views): ``(q, k, v, options)``, every argument checked before any launch."""
+def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, backward, learned=()):
+    """The call in flashnb's layout (views): ``(q, k, v, options)``, every argument checked before any launch.
+    ``learned``: the names of the captured arrays whose gradients the backward adds (``options["learned"]``: their
+    ``_Learned`` buffers, zeroed by the caller before the launch)."""
     for x, name in ((query, "query"), (key, "key"), (value, "value")):
         if len(getattr(x, "shape", ())) != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, dim), got shape "
@@ -263,11 +280,19 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
                     else _complex_step(score_mod, f32, fp(id(score_mod))) if backward and score_mod else None,
                     None if mask_mod is None else block_mask.block_size,
                     bool(plan.FLEX_MOD_INT32) and score_mod is not None)
+    entries = ()
+    if learned:
+        f32 = _arrays.kind_of(query, "query").dtype != "float64"
+        capture, entries = checked(score_mod, ("captured grads", learned, f32),
+                                   lambda: _capture_grad(score_mod, learned, f32, prints[id(score_mod)]))
+        mods = mods._replace(capture_grad=capture)
     options = dict(softmax_scale=scale, causal=False, window_size=(-1, -1), attn_mask=None, attn_bias=None,
                    alibi_slopes=None, softcap=0.0,
                    block_mask=None if block_mask is None else block_mask.states_like(query),
                    block_mask_size=(128, 128) if block_mask is None else block_mask.block_size,
                    dropout_p=0.0, seed=0, mods=mods)
+    if backward:
+        options["learned"] = entries
     return q, k, v, options
 
 
@@ -328,15 +353,13 @@ def _check_mod(fn, name, nargs, dims=None):
 
 def _check_captures(fn, name):
     """What ``fn`` captures is something the kernels can read: NumPy arrays (frozen), device arrays with the CUDA
-    array interface (read in place; not a tensor that requires grad), numbers and tuples."""
+    array interface (read in place; a tensor that requires grad is read detached: its gradient is
+    ``flex_attention_backward``'s ``captured_grads``, or ``flashnb.torch.flex_attention``'s autograd), numbers
+    and tuples."""
     torch = _arrays.torch
     for var, value in _captured(fn):
         if isinstance(value, np.ndarray):
             continue
-        elif torch is not None and isinstance(value, torch.Tensor) and value.requires_grad:
-            raise ValueError(f"{name} captures {var!r}, a tensor that requires grad; flashnb reads captured tensors "
-                             f"but computes no gradient into them yet, so it would not learn: capture "
-                             f"{var}.detach()")
         elif isinstance(value, (list, dict, set)):
             raise TypeError(f"{name} captures the {type(value).__name__} {var!r}, which Numba cannot compile into a "
                             "kernel; capture a tuple or a NumPy array")
@@ -352,7 +375,7 @@ def _is_device_array(value):
     simulator's stand-in for the last."""
     torch = _arrays.torch
     if torch is not None and isinstance(value, torch.Tensor):
-        return value.is_cuda                              # (its interface raises for a tensor that requires grad)
+        return value.is_cuda
     if isinstance(value, np.ndarray):
         return False
     if _arrays._is_numba_device_array(value):
@@ -462,6 +485,161 @@ def _captured(fn):
     return found
 
 
+def _captured_grad_names(captured_grads, score_mod, deterministic):
+    """``captured_grads`` as a tuple of names, checked (``flex_attention_backward``)."""
+    if isinstance(captured_grads, str):
+        captured_grads = (captured_grads,)
+    try:
+        names = tuple(captured_grads)
+    except TypeError:
+        raise TypeError(f"captured_grads must be a sequence of names, got {type(captured_grads).__name__}") from None
+    if not names:
+        return ()
+    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise TypeError(f"captured_grads must name each captured array once, as str, got {names!r}")
+    if score_mod is None:
+        raise ValueError("captured_grads needs a score_mod (the arrays are what it captures)")
+    if deterministic:
+        raise ValueError("captured_grads adds into the arrays' gradients with atomics, whose order varies: it cannot "
+                         "be deterministic=True")
+    found = dict(_captured(score_mod))
+    for name in names:
+        if name not in found:
+            raise ValueError(f"captured_grads names {name!r}, which the score_mod does not capture (its closure and "
+                             "the globals its own code reads)")
+        kind = _learned_kind(found[name])
+        if kind is None:
+            raise TypeError(f"captured_grads: {name!r} is a {type(found[name]).__name__} of "
+                            f"{getattr(found[name], 'dtype', '?')}; a gradient is taken into a float32 or float64 "
+                            "NumPy array, PyTorch CUDA tensor, CuPy or Numba device array")
+    return names
+
+
+def _learned_kind(value):
+    """"numpy", "torch", "cupy" or "numba" for a float32 or float64 array a gradient can be taken into, else None."""
+    torch = _arrays.torch
+    if isinstance(value, np.ndarray):
+        lib, dtype = "numpy", value.dtype
+    elif torch is not None and isinstance(value, torch.Tensor):
+        if not value.is_cuda or value.dtype not in (torch.float32, torch.float64):
+            return None
+        return "torch"
+    elif _arrays.cupy is not None and isinstance(value, _arrays.cupy.ndarray):
+        lib, dtype = "cupy", value.dtype
+    elif _arrays._is_numba_device_array(value):
+        lib, dtype = "numba", value.dtype
+    else:
+        return None
+    return lib if np.dtype(dtype) in (np.float32, np.float64) and value.ndim >= 1 else None
+
+
+class _Learned:
+    """A captured array's gradient buffer (float32, or float64 for float64 inputs), read by the kernels at its
+    address (captured by ``capture_grad``): ``zero()`` before a backward, ``result()`` after it, a new array of the
+    captured one's kind and dtype."""
+
+    def __init__(self, name, table, float32):
+        self.name, self.table, self.kind = name, table, _learned_kind(table)
+        acc = np.float32 if float32 else np.float64
+        shape = tuple(int(n) for n in table.shape)
+        if self.kind == "torch":
+            torch = _arrays.torch
+            self.buffer = torch.zeros(shape, dtype=torch.float32 if float32 else torch.float64, device=table.device)
+        elif self.kind == "cupy":
+            with _arrays.cupy.cuda.Device(table.device.id):
+                self.buffer = _arrays.cupy.zeros(shape, acc)
+        else:
+            from numba import cuda
+            self.buffer = cuda.to_device(np.zeros(shape, acc))
+        self.shape = shape
+
+    def zero(self):
+        if self.kind in ("torch", "cupy"):
+            self.buffer.fill_(0) if self.kind == "torch" else self.buffer.fill(0)
+        else:
+            self.buffer.copy_to_device(np.zeros(self.shape, self.buffer.dtype))
+
+    def result(self):
+        if self.kind == "torch":
+            return self.buffer.to(self.table.dtype, copy=True)
+        if self.kind == "cupy":
+            return self.buffer.astype(self.table.dtype)
+        host = self.buffer.copy_to_host().astype(self.table.dtype)
+        if self.kind == "numpy":
+            return host
+        from numba import cuda
+        return cuda.to_device(host)
+
+
+def _capture_grad(score_mod, names, float32, fingerprint):
+    """``(capture_grad, entries)``: the device function the dK/dV kernels call (``kernels._mod_grad``), over the
+    compiled site functions of each named array's reads, and the arrays' ``_Learned`` buffers, which it captures.
+    Made once per function, its captures' fingerprint and precision (``_checked``): the same buffers and the
+    same kernels for every call with the same captures."""
+    from .kernels import _mod_grad
+    fn = _detached(score_mod)
+    found = dict(_captured(fn))
+    if float32:
+        step, inv_t = np.complex64(1j * COMPLEX_STEP_FLOAT32), np.float32(1.0 / COMPLEX_STEP_FLOAT32)
+    else:
+        step, inv_t = 1j * COMPLEX_STEP, 1.0 / COMPLEX_STEP
+    sites, buffers, shapes, entries = [], [], [], []
+    for name in names:
+        table = found[name]
+        made = _mod_grad.site_functions(fn, name, len(table.shape), step, "score_mod")
+        _check_site_steps(fn, name, made, table)
+        entry = _Learned(name, table, float32)
+        entries.append(entry)
+        for site in made:
+            sites.append(_compiled(site, float32, fingerprint))
+            buffers.append(entry.buffer)
+            shapes.append(entry.shape)
+    return _mod_grad.make_capture_grad(sites, buffers, shapes, inv_t), tuple(entries)
+
+
+def _check_site_steps(fn, name, sites, table):
+    """Each site function's complex step agrees with a central difference of ``fn`` in the entry it read, on the
+    host at index 0 and a score of 0.5 (a function that drops the imaginary part of the entry, ``abs`` or a cast,
+    would give a gradient of 0 silently): ValueError otherwise."""
+    from .kernels import _mod_grad
+    host = _on_host(fn)
+    values = np.asarray(_host_copy(table), np.float64)
+    for site in sites:
+        site = _on_host(site)
+        try:
+            got, at = site(0.5, 0, 0, 0, 0)
+        except TypeError as e:
+            raise ValueError(f"score_mod cannot take a complex entry of {name!r} (math.* on it?), so its gradient "
+                             f"cannot be taken by the complex step: use cmath ({e})") from e
+        if at[0] == _mod_grad.MISSING:
+            continue
+        step = complex(got).imag / abs(complex(site.__globals__[_mod_grad.STEP]))
+        h = 1e-6 * (1.0 + abs(float(values[at])))
+        ends = []
+        for sign in (1, -1):
+            moved = values.copy()
+            moved[at] += sign * h
+            ends.append(float(_rebound(host, name, moved)(0.5, 0, 0, 0, 0)))
+        fd = (ends[0] - ends[1]) / (2 * h)
+        if not abs(step - fd) <= 1e-3 * (1.0 + abs(fd)):
+            raise ValueError(f"score_mod's complex step in {name!r} ({step:.6g}) disagrees with its central difference "
+                             f"({fd:.6g}): it drops the entry's imaginary part (abs, a cast?), so its gradient in "
+                             f"{name!r} cannot be taken")
+
+
+def _rebound(fn, name, value):
+    """``fn`` with its captured ``name`` (a closure variable or a global its code reads) bound to ``value``."""
+    code = fn.__code__
+    glob, cells = fn.__globals__, fn.__closure__ or ()
+    if name in code.co_freevars:
+        at = code.co_freevars.index(name)
+        cells = tuple(types.CellType(value) if i == at else c for i, c in enumerate(cells))
+    else:
+        glob = dict(glob)
+        glob[name] = value
+    return types.FunctionType(code, glob, fn.__name__, fn.__defaults__, cells or None)
+
+
 def _check_complex_step(score_mod):
     """The backward without ``score_mod_grad`` differentiates by the complex step: the score_mod must take a
     complex score and keep its imaginary part, so that the step agrees with a central difference (probed at
@@ -502,12 +680,39 @@ def _compiled(fn, float32=False, fingerprint=None):
         return None
     key = (fn, _fingerprint(fn) if fingerprint is None else fingerprint, float32)
     if key not in _COMPILED:
-        src = _float32_constants(fn) if float32 else fn
+        src = _detached(fn)
+        src = _float32_constants(src) if float32 else src
         dev = _COMPILED[key] = float32_device_function(src) if float32 else device_function(src)
         ident = _stable_id(src)
         if ident is not None:
             dev.flashnb_id = ident + (" float32-arithmetic" if float32 else "")   # (a new name: 7c42c7f's differ)
     return _COMPILED[key]
+
+
+def _detached(fn):
+    """``fn`` with each captured PyTorch tensor that requires grad replaced by its ``detach()`` (the same memory:
+    numba-cuda reads a tensor through its CUDA array interface, which such a tensor refuses); ``fn`` itself when
+    it captures none."""
+    torch = _arrays.torch
+    code = getattr(fn, "__code__", None)
+    if torch is None or not isinstance(fn, types.FunctionType) or code is None:
+        return fn
+
+    def learned(value):
+        return isinstance(value, torch.Tensor) and value.requires_grad
+
+    cells = fn.__closure__ or ()
+    held = [i for i, c in enumerate(cells) if learned(_cell_value(c))]
+    glob_held = [n for n in code.co_names if learned(fn.__globals__.get(n))]
+    if not held and not glob_held:
+        return fn
+    glob = dict(fn.__globals__)
+    for n in glob_held:
+        glob[n] = glob[n].detach()
+    closure = tuple(types.CellType(c.cell_contents.detach()) if i in held else c for i, c in enumerate(cells))
+    new = types.FunctionType(code, glob, fn.__name__, fn.__defaults__, closure or None)
+    new.__qualname__, new.__module__ = fn.__qualname__, fn.__module__
+    return new
 
 
 def _float32_constants(fn):

@@ -118,15 +118,21 @@ def preprocess_grid(seqlen_q, nheads, batch, threads_c):
 
 @lru_cache(maxsize=None)
 def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW, HAS_ATTN_MASK,
-                      HAS_BLOCK_MASK, MODS=None):
+                      HAS_BLOCK_MASK, MODS=None, CAPTURE_THREADS=0):
     """``grad(qk, dp, i, j, ...) -> (p_dropped, ds)`` for one element: recomputed P and dS (before ``scale``).
-    ``MODS``: the score_mod's chain rule, ``dS *= score_grad(scale * qk, b, h, i, j)`` where P > 0."""
+    ``MODS``: the score_mod's chain rule, ``dS *= score_grad(scale * qk, b, h, i, j)`` where P > 0.
+    ``CAPTURE_THREADS``: with ``MODS.capture_grad``, the threads of the block below this count add the element's
+    part of the gradients into captured arrays (``capture_grad(dS, ...)``, dS before the chain rule): a dK/dV
+    kernel's threads that own their elements (two warps holding the same elements: one adds); 0: none (the dQ
+    kernel, which computes the same elements again)."""
     ACC = np.dtype(ACC_NAME).type
     ZERO, ONE, LOG2E_T = ACC(0), ACC(1), ACC(LOG2E)
     MODS = MODS or Mods()
     HAS_SCORE_MOD = MODS.score_mod is not None
     INDEX32 = MODS.index32
     score_grad = MODS.score_grad
+    capture_grad = MODS.capture_grad
+    HAS_CAPTURE = capture_grad is not None and CAPTURE_THREADS > 0
     score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod, mask_block(MODS))
 
@@ -162,6 +168,8 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
             ds = ds * (ONE - t * t)                          # d/dx softcap*tanh(x/softcap) = 1 - tanh^2
         if HAS_SCORE_MOD:
             if p != ZERO:                                    # (masked: never evaluated; dS is 0 there)
+                if HAS_CAPTURE and cuda.threadIdx.x < CAPTURE_THREADS:
+                    capture_grad(ds, qk * scale, b_in, h_in, i_in, j_in)
                 ds = ds * ACC(score_grad(qk * scale, b_in, h_in, i_in, j_in))
         return p_drop, ds
 
@@ -257,7 +265,7 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
     acc_tile = make_mm_acc(TR, TD, THREADS_C, BLOCK_Q, HEAD_DIM, DS_STRIDE, STRIDE, ACC)     # (.)^T-rows x Q/dO
     dq_tile = make_mm_acc(TRQ, TD, THREADS_C, BLOCK_K, HEAD_DIM, DS_STRIDE, STRIDE, ACC, TRANSPOSE_P=True)
     grad = make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
-                             HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
+                             HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS, CAPTURE_THREADS=NTHREADS)
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                                         mask_block(MODS))
     ROUND_P = P_FORMAT is not None

@@ -424,8 +424,11 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
     exp2, red_add_f32x2, red_add_f32x4 = mem["exp2_ftz"], mem["red_add_f32x2"], mem["red_add_f32x4"]
+    # (the gradients into captured arrays: without SHARE, both warps of a pair compute the same elements, so the
+    # first part's warps add them)
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
-                             HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS)
+                             HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS,
+                             CAPTURE_THREADS=32 * KW if DSPLIT > 1 and not SHARE else NTHREADS)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS and MODS.mask_mod, mask_block(MODS))
     MASK_WORDS = (MTK * NT_QA * 4 + 31) // 32        # a mask_mod's bits of one thread's S^T (``mask_words_t``)
     PLAIN_MASK_MOD = PLAIN and HAS_MASK_MOD
