@@ -30,6 +30,7 @@ import dis
 import hashlib
 import itertools
 import numbers
+import re
 import types
 import weakref
 
@@ -201,7 +202,8 @@ def _named_compile_errors(score_mod, mask, score_mod_grad):
         names = ", ".join(f"{what} {getattr(fn, '__qualname__', repr(fn))!r}" for what, fn in
                           (("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_grad", score_mod_grad))
                           if fn is not None)
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))        # (Numba highlights its messages on a terminal)
+        first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
         raise TypeError(f"Numba could not compile the flex_attention functions ({names}) into the kernels: "
                         f"{first} (a function may use arithmetic, comparisons, abs, min/max, math and cmath, and "
                         "read arrays, numbers and tuples it captures; the full message is the cause below)") from e

@@ -640,9 +640,11 @@ FLEX_TWO_BLOCKS_SCORE = True
 # a score_mod's indices as int32, clamped in int32 (``_scores.Mods.index32``: the tensor-core forward and the
 # element gradient of the backward): ptxas, the Hopper forward with ALiBi, bf16 d 64 at two blocks an SM, 2984 ->
 # 2768 SASS instructions (ISETP 207 -> 139, LOP3 206 -> 117, SEL 68 -> 34), the same registers and spills; the
-# Hopper dK/dV kernel 4144 -> 4040 (236 -> 232 registers); not measured yet (python -m tools.flex_ab --settings
-# "FLEX_MOD_INT32=0;FLEX_MOD_INT32=1")
-FLEX_MOD_INT32 = False
+# Hopper dK/dV kernel 4144 -> 4040 (236 -> 232 registers).  Measured (H200, bf16, 16k tokens, d 64, one process,
+# 2 rounds; python -m tools.flex_ab --settings "FLEX_MOD_INT32=0;FLEX_MOD_INT32=1" --cases "alibi,softcap 30";
+# bench/results/h200-flex-2026-11-28d.md), ms off -> on: ALiBi forward 4.896 -> 4.274, forward+backward 20.96 ->
+# 20.10; softcap 30 forward 9.425 -> 9.429 (outputs equal, max diff 0)
+FLEX_MOD_INT32 = True
 
 
 def _flex_only(call):

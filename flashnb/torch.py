@@ -213,11 +213,25 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     step: a score_mod that cannot take it is refused here, before the forward, when a gradient will be asked
     for; under ``torch.compile``, in the backward).  CPU tensors run through NumPy (the simulator)."""
     if torch.compiler.is_compiling():
+        if _learned_captures(score_mod) and torch.is_grad_enabled():
+            raise ValueError("flex_attention: the score_mod captures a tensor that requires grad; gradients into "
+                             "captured tensors run eagerly, not under torch.compile (call flashnb.torch.flex_attention "
+                             "outside the compiled region, or capture the tensor's .detach())")
         handle = _flex_handle(score_mod, "" if block_mask is None else block_mask.handle, score_mod_grad)
         out, lse = torch.ops.flashnb.flex_forward(query, key, value, handle, None if scale is None else float(scale),
                                                   bool(enable_gqa))
         return (out, lse) if return_lse else out
+    learned = _learned_captures(score_mod) if torch.is_grad_enabled() else ()
+    if not learned and not query.is_cuda and score_mod is not None:      # (the simulator reads NumPy copies)
+        cpu = [(n, t) for n, t in flex._captured(score_mod) if isinstance(t, Tensor) and not t.is_cuda]
+        score_mod = _bound_on_cpu(score_mod, *zip(*cpu)) if cpu else score_mod
     args = (score_mod, block_mask, scale, enable_gqa, score_mod_grad)
+    if learned:
+        names, tables = zip(*learned)
+        if score_mod_grad is None:
+            flex._check_complex_step(score_mod if query.is_cuda else _bound_on_cpu(score_mod, names, tables))
+        out, lse = _FlexLearned.apply(query, key, value, args, names, *tables)
+        return (out, lse) if return_lse else out
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         if score_mod is not None and score_mod_grad is None:
             flex._check_complex_step(score_mod)
@@ -226,6 +240,59 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         with torch.no_grad():
             out, lse = _flex_forward_impl(query, key, value, *args)
     return (out, lse) if return_lse else out
+
+
+def _learned_captures(score_mod):
+    """``(name, tensor)`` of each tensor that requires grad among what ``score_mod`` captures (a learned bias table,
+    per-head slopes): their gradients come from the dK/dV kernels (``flex_attention_backward``'s
+    ``captured_grads``)."""
+    if score_mod is None:
+        return ()
+    return tuple((name, t) for name, t in flex._captured(score_mod) if isinstance(t, Tensor) and t.requires_grad)
+
+
+class _FlexLearned(torch.autograd.Function):
+    """``flex_attention`` differentiable in query, key, value and the tensors the score_mod captures that require
+    grad (eager only).  CPU tensors run through NumPy (the simulator), the captured ones bound as NumPy copies."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args, names, *tables):
+        score_mod = _bound_on_cpu(args[0], names, tables) if not q.is_cuda else args[0]
+        out, lse = _flex_forward_impl(q, k, v, score_mod, *args[1:])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args, ctx.names, ctx.tables = args, names, tables
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        nones = (None,) * (5 + len(ctx.names))
+        if dout is None:
+            return nones
+        q, k, v, out, lse = ctx.saved_tensors
+        score_mod, block_mask, scale, enable_gqa, score_mod_grad = ctx.args
+        if q.is_cuda:
+            *grads, learned = flex.flex_attention_backward(dout, q, k, v, out, lse, score_mod, block_mask, scale,
+                                                           enable_gqa, score_mod_grad, captured_grads=ctx.names)
+        else:
+            score_mod = _bound_on_cpu(score_mod, ctx.names, ctx.tables)
+            *grads, learned = flex.flex_attention_backward(*_numpy(dout, q, k, v, out), lse.detach().numpy(),
+                                                           score_mod, block_mask, scale, enable_gqa, score_mod_grad,
+                                                           captured_grads=ctx.names)
+            grads = [_from_numpy(g, q.dtype) for g in grads]
+            learned = {n: torch.from_numpy(np.ascontiguousarray(g)) for n, g in learned.items()}
+        table_grads = tuple(learned[n].to(t.dtype) for n, t in zip(ctx.names, ctx.tables))
+        return (*grads, None, None, *table_grads)
+
+
+def _bound_on_cpu(score_mod, names, tables):
+    """``score_mod`` with its captured CPU tensors ``names`` bound as NumPy copies (the simulator's kernels read
+    NumPy arrays); CUDA tensors stay."""
+    for name, t in zip(names, tables):
+        if not t.is_cuda:                       # (a new function each call: compiled again, as the simulator does)
+            score_mod = flex._rebound(score_mod, name, t.detach().numpy())
+    return score_mod
 
 
 _FLEX, _FLEX_HANDLES = [], {}     # a custom op's handle -> (score_mod, block mask handle, score_mod_grad), and back

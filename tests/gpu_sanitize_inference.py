@@ -1,6 +1,6 @@
 """The packed-batch (varlen) and KV-cache kernels once each, small, for ``compute-sanitizer`` (not a pytest module).
 
-    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache] [routed] [rotary] [clients] [flex]   # once without the tool: fills the disk cache
+    python3 tests/gpu_sanitize_inference.py [varlen] [kvcache] [routed] [rotary] [clients] [flex] [learned]   # once without the tool: fills the disk cache
     compute-sanitizer --tool memcheck  python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool racecheck python3 tests/gpu_sanitize_inference.py kvcache
     compute-sanitizer --tool synccheck python3 tests/gpu_sanitize_inference.py kvcache
@@ -294,11 +294,61 @@ def flex(rng):
         print(f"ok {what}", flush=True)
 
 
+def learned(rng):
+    """Gradients into captured tensors (``flex_attention_backward(captured_grads=...)``): a learned relative-bias
+    table and ALiBi slopes (float32 CUDA tensors) read by a score_mod, the dK/dV kernels adding each element's part
+    with atomics at the index it read (a table read under an if: some elements read nothing); every backend, head
+    dims 64 and 256 (the Hopper dK/dV kernel's two warpgroups holding the same elements: one adds), a causal block
+    mask of 64 x 64."""
+    from reference import flex as rf
+    L = 200
+    buckets = (L - 1) // 16                        # relative positions in buckets of 16: (q_idx - kv_idx) // 16
+    table_np, slopes_np = rng.standard_normal((4, 2 * buckets + 1)), rng.standard_normal(4) * 0.1
+    table = torch.as_tensor(table_np, device="cuda", dtype=torch.float32)
+    slopes = torch.as_tensor(slopes_np, device="cuda", dtype=torch.float32)
+
+    def make(table, slopes):
+        def rel(score, b, h, q_idx, kv_idx):
+            x = score - slopes[h] * abs(q_idx - kv_idx)
+            if q_idx >= kv_idx:
+                x = x + table[h, (q_idx - kv_idx) // 16 + buckets]
+            return x
+
+        def rel_np(score, b, h, q_idx, kv_idx):     # the oracle's, over index grids: the same function, no if
+            return score - slopes[h] * abs(q_idx - kv_idx) + (q_idx >= kv_idx) * table[h, (q_idx - kv_idx) // 16
+                                                                                      + buckets]
+        return rel, rel_np
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    mask = flashnb.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=64)
+    rel, rel_np = make(table, slopes)[0], make(table_np.astype(np.float32), slopes_np.astype(np.float32))[1]
+    for d in (64, 256):
+        q, dout = (rng.standard_normal((1, 4, L, d)) for _ in range(2))
+        k, v = (rng.standard_normal((1, 2, L, d)) for _ in range(2))
+        *_, want = rf.flex_attention_backward(dout, q, k, v, score_mod=rel_np, mask_mod=causal, enable_gqa=True,
+                                              captured_grads=("table", "slopes"))
+        for dtype, backend in ((F16, "auto"), (F16, "tensorcore"), (F16, "simt"), (torch.float32, "auto")):
+            t = [torch.as_tensor(x, device="cuda", dtype=dtype) for x in (q, k, v, dout)]
+            out, lse = flashnb.flex_attention(*t[:3], score_mod=rel, block_mask=mask, enable_gqa=True,
+                                              return_lse=True, backend=backend)
+            *_, got = flashnb.flex_attention_backward(t[3], *t[:3], out, lse, score_mod=rel, block_mask=mask,
+                                                      enable_gqa=True, backend=backend,
+                                                      captured_grads=("table", "slopes"))
+            what = f"learned d={d} {dtype} {backend}"
+            for name in ("table", "slopes"):
+                w = want[name]
+                err = float((got[name].double().cpu() - torch.as_tensor(w)).abs().max())
+                assert err < 0.05 * (1 + float(np.abs(w).max())), f"{what}: d{name} error {err}"
+            print(f"ok {what}", flush=True)
+
+
 if __name__ == "__main__":
     import os
     if os.environ.get("FLEX_HEADDIMS"):
         HEADDIMS_FLEX = tuple(int(d) for d in os.environ["FLEX_HEADDIMS"].split(","))
-    parts = sys.argv[1:] or ["varlen", "kvcache", "routed", "rotary", "clients", "flex"]
+    parts = sys.argv[1:] or ["varlen", "kvcache", "routed", "rotary", "clients", "flex", "learned"]
     rng = np.random.default_rng(0)
     if "varlen" in parts:
         varlen(rng)
@@ -312,4 +362,6 @@ if __name__ == "__main__":
         clients(rng)
     if "flex" in parts:
         flex(rng)
+    if "learned" in parts:
+        learned(rng)
     print("done", flush=True)

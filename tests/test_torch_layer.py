@@ -193,24 +193,33 @@ def test_flex_attention_is_differentiable_and_equals_the_oracle():
                                rtol=TOL, atol=TOL)
 
 
-def test_flex_attention_refuses_a_captured_tensor_that_requires_grad():
-    """A learned table captured by a score_mod would get no gradient from the kernels (not yet computed): refused,
-    with or without autograd, naming the variable and the remedy (``.detach()``); the detached CPU tensor is then
-    refused as an array without the CUDA array interface (a CUDA tensor or a NumPy array will do)."""
-    import flashnb.torch as ft
-    table = torch.zeros(16, dtype=torch.float64, requires_grad=True)
+def test_flex_attention_learns_a_captured_tensor():
+    """A learned table captured by the score_mod (a CPU tensor that requires grad; NumPy copies in the simulator):
+    ``torch.autograd.grad`` gives its gradient, the oracle's ``captured_grads`` in float64, and q, k, v's; under
+    ``torch.no_grad`` the same output."""
+    from reference import flex as rf
+    torch.manual_seed(4)
+    L = 7
+    table = torch.randn(2, 2 * L, dtype=torch.float64, requires_grad=True)
 
     def rel(score, b, h, q_idx, kv_idx):
-        return score + table[q_idx]
+        return score + table[h, q_idx - kv_idx + L]
 
-    q, k, v = (torch.randn(1, 1, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    with pytest.raises(ValueError, match="captures 'table', a tensor that requires grad.*table.detach"):
-        ft.flex_attention(q, k, v, score_mod=rel)
-    with torch.no_grad(), pytest.raises(ValueError, match="a tensor that requires grad"):
-        ft.flex_attention(q, k, v, score_mod=rel)
-    table = table.detach()                     # (rebinds the closure's cell)
-    with pytest.raises(TypeError, match="without the CUDA array interface"):   # a CPU tensor: a NumPy array will do
-        ft.flex_attention(q, k, v, score_mod=rel)
+    q, k, v = rnd(1, 2, L, 8), rnd(1, 2, L, 8), rnd(1, 2, L, 8)
+    out = ft.flex_attention(q, k, v, score_mod=rel)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, table), dout)
+    values = table.detach().numpy()
+
+    def rel_np(score, b, h, q_idx, kv_idx):
+        return score + values[h, q_idx - kv_idx + L]
+
+    *want, learned = rf.flex_attention_backward(dout.numpy(), *(x.detach().numpy() for x in (q, k, v)),
+                                                score_mod=rel_np, captured_grads=("values",))
+    for g, w in zip(got, want + [learned["values"]]):
+        np.testing.assert_allclose(g.numpy(), w, atol=TOL, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(ft.flex_attention(q, k, v, score_mod=rel), out.detach(), rtol=0, atol=0)
 
 
 def test_flex_attention_under_torch_compile():

@@ -668,3 +668,169 @@ def test_the_hopper_kernels_with_mods(monkeypatch, block, with_score):
         assert np.all(np.isfinite(g)), name
         _close(g, w, np.float16, name, lo)
     assert {name for name, kw in built if kw.get("WGMMA") and kw.get("MODS")} == {"make_forward_tc", "make_dkdv_tc"}
+
+
+# ------------------------------------------------------------------------------------- gradients into captures
+def learned_mods(rng, H, L, S):
+    """score_mods over learned arrays (issue 43: gradients into captured tensors), each with the names whose
+    gradients are asked for: a relative-bias table by head, ALiBi with learned slopes, the table read twice (one
+    read under an if), and both arrays in one function."""
+    table = rng.standard_normal((H, L + S))
+    slopes = rng.standard_normal(H)
+
+    def rel_table(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + S]
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * abs(q_idx - kv_idx)
+
+    def two_reads(score, b, h, q_idx, kv_idx):
+        x = score * (1.0 + 0.1 * table[h, 0])
+        if q_idx >= kv_idx:
+            x = x + table[h, q_idx - kv_idx + S]
+        return x
+
+    def both(score, b, h, q_idx, kv_idx):
+        return score * (1.0 + 0.1 * slopes[h]) + table[h, q_idx - kv_idx + S]
+
+    return {"rel_table": (rel_table, ("table",)), "alibi": (alibi, ("slopes",)),
+            "two_reads": (two_reads, ("table",)), "both": (both, ("table", "slopes"))}
+
+
+@pytest.mark.parametrize("dtype, backend", [(np.float64, "auto"), (np.float32, "auto"), (np.float16, "simt"),
+                                            (np.float16, "tensorcore")])
+@settings(max_examples=examples(2), deadline=None)
+@given(data=st.data())
+def test_gradients_into_captured_arrays_match_the_oracle(dtype, backend, data):
+    """``flex_attention_backward(captured_grads=...)``: the gradient in each named array the score_mod captures
+    (added by the dK/dV kernels with atomics, one site function per read) against ``reference.flex``'s (the
+    complex step in every entry of the array, over the whole grid), by the bounds of the other gradients; dq, dk,
+    dv unchanged by asking for them.  Grouped heads, a mask_mod, a second read of the same array under an if."""
+    seed = data.draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    Hk = data.draw(st.integers(1, 2))
+    H, L, S = Hk * data.draw(st.sampled_from([1, 2])), data.draw(st.integers(1, 20)), data.draw(st.integers(1, 20))
+    name = data.draw(st.sampled_from(["rel_table", "alibi", "two_reads", "both"]))
+    mm = data.draw(st.sampled_from([None, "causal", "document"]))
+    score_mod, names = learned_mods(rng, H, L, S)[name]
+    mask_mod = None if mm is None else mask_mods(rng, L, S)[mm]
+    q, dout = (rng.standard_normal((1, H, L, 8)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((1, Hk, S, 8)).astype(dtype) for _ in range(2))
+    gqa = H != Hk
+    block_mask = None if mask_mod is None else flashnb.create_block_mask(mask_mod, None, None, L, S, BLOCK_SIZE=8)
+    out, lse = flashnb.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
+                                      return_lse=True, backend=backend)
+    *grads, learned = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=score_mod,
+                                                      block_mask=block_mask, enable_gqa=gqa, captured_grads=names,
+                                                      backend=backend)
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, enable_gqa=gqa, captured_grads=names)
+    *want, want_learned = rf.flex_attention_backward(dout, q, k, v, **mods)
+    lows = (None,) * 4
+    if dtype == np.float16:
+        with np.errstate(all="ignore"):
+            *lows, low_learned = rf.flex_attention_backward(dout, q, k, v, dtype=np.float16, **mods)
+    what = f"{dtype.__name__} {backend} H{H}/{Hk} L{L} S{S} {name} {mm} seed {seed}"
+    assert set(learned) == set(names)
+    for n in names:
+        got = learned[n]
+        assert isinstance(got, np.ndarray) and got.shape == want_learned[n].shape, f"{n}: {type(got)}"
+        _close(got, want_learned[n], dtype, f"d{n} ({what})", None if dtype != np.float16 else low_learned[n])
+    plain = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=score_mod, block_mask=block_mask,
+                                            enable_gqa=gqa, backend=backend)
+    for gname, g, w, p, lo in zip(("dq", "dk", "dv"), grads, want, plain, lows):
+        _close(g, w, dtype, f"{gname} ({what})", lo)
+        np.testing.assert_array_equal(g, p, err_msg=f"{gname}: captured_grads changed it ({what})")
+
+
+def test_gradients_into_a_device_array_come_back_as_one():
+    """A captured Numba device array's gradient is a device array (the simulator's, or the GPU's), a lambda's
+    reads are found in its source line, and a second call with the same array reuses the compiled site
+    functions (its buffer zeroed before each backward: the gradient again, not twice the gradient)."""
+    from flashnb import flex
+    rng = np.random.default_rng(3)
+    L = 12
+    d_slopes = cuda.to_device(rng.standard_normal(2))
+    alibi = lambda score, b, h, q_idx, kv_idx: score - d_slopes[h] * abs(q_idx - kv_idx)   # noqa: E731
+    host = d_slopes.copy_to_host()
+    alibi_np = lambda score, b, h, q_idx, kv_idx: score - host[h] * abs(q_idx - kv_idx)    # noqa: E731
+    q, k, v, dout = (rng.standard_normal((1, 2, L, 8)) for _ in range(4))
+    out, lse = flashnb.flex_attention(q, k, v, score_mod=alibi, return_lse=True)
+    *_, want = rf.flex_attention_backward(dout, q, k, v, score_mod=alibi_np, captured_grads=("host",))
+    results = []
+    for _ in range(2):
+        *_, got = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=alibi,
+                                                  captured_grads=["d_slopes"])
+        assert _is_device(got["d_slopes"]), type(got["d_slopes"])
+        results.append(got["d_slopes"].copy_to_host())
+        compiled = len(flex._COMPILED)
+    for got in results:                          # (the atomics' order varies: equal to rounding, not bit for bit)
+        np.testing.assert_allclose(got, want["host"], atol=1e-10, rtol=0)
+    assert len(flex._COMPILED) == compiled
+
+
+def _is_device(x):
+    return hasattr(x, "copy_to_host") and not isinstance(x, np.ndarray)
+
+
+def _learned_table():
+    return np.arange(40.0).reshape(2, 20)
+
+
+TABLE = _learned_table()
+SLOPES = np.array([0.5, 0.25])
+
+
+def _in_loop(score, b, h, q_idx, kv_idx):
+    t = 0.0
+    for i in range(2):
+        t += SLOPES[i]
+    return score * t
+
+
+def _a_slice(score, b, h, q_idx, kv_idx):
+    return score + TABLE[h][q_idx]
+
+
+def _conditional(score, b, h, q_idx, kv_idx):
+    return score + (TABLE[h, q_idx] if q_idx >= kv_idx else 0.0)
+
+
+def _abs_of_entry(score, b, h, q_idx, kv_idx):
+    return score * abs(SLOPES[h])
+
+
+def _passed_on(score, b, h, q_idx, kv_idx):
+    return score + np.sum(SLOPES)
+
+
+def _plain_rel(score, b, h, q_idx, kv_idx):
+    return score + TABLE[h, q_idx - kv_idx + 10]
+
+
+INT_TABLE = np.arange(4)
+
+
+def _int_table(score, b, h, q_idx, kv_idx):
+    return score + INT_TABLE[h]
+
+
+@pytest.mark.parametrize("score_mod, names, extra, error, match", [
+    (_in_loop, ("SLOPES",), {}, ValueError, "inside a loop"),
+    (_a_slice, ("TABLE",), {}, ValueError, "indices or a slice"),
+    (_conditional, ("TABLE",), {}, ValueError, "conditional expression"),
+    (_abs_of_entry, ("SLOPES",), {}, ValueError, "disagrees with its central difference"),
+    (_passed_on, ("SLOPES",), {}, ValueError, "other than by reading one element"),
+    (_plain_rel, ("nothing",), {}, ValueError, "does not capture"),
+    (_plain_rel, ("TABLE", "TABLE"), {}, TypeError, "each captured array once"),
+    (_plain_rel, (3,), {}, TypeError, "each captured array once"),
+    (_plain_rel, ("TABLE",), {"deterministic": True}, ValueError, "deterministic"),
+    (_int_table, ("INT_TABLE",), {}, TypeError, "float32 or float64"),
+    (None, ("TABLE",), {}, ValueError, "needs a score_mod"),
+])
+def test_captured_grads_that_cannot_hold_are_refused_before_any_launch(score_mod, names, extra, error, match):
+    """Each is refused naming what is wrong, before any kernel runs (the outputs' poison would show a launch)."""
+    rng = np.random.default_rng(1)
+    q, k, v, dout, out = (rng.standard_normal((1, 2, 6, 8)) for _ in range(5))
+    lse = rng.standard_normal((1, 2, 6))
+    with pytest.raises(error, match=match):
+        flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=score_mod, captured_grads=names, **extra)

@@ -650,3 +650,67 @@ def test_flex_attention_reads_captured_cuda_tensors_in_place(dtype):
             ids.copy_(torch.as_tensor(np.sort(rng.integers(0, 5, L)), device="cuda", dtype=torch.int32))
             table.copy_(torch.randn(2 * L, device="cuda"))
     assert len(flex._COMPILED) == compiled, "new values in the same tensors compiled the functions again"
+
+
+@pytest.mark.parametrize("dtype, d", [(torch.float16, 64), (torch.bfloat16, 128), (torch.float16, 256)])
+def test_flex_attention_learns_captured_tensors(dtype, d):
+    """A learned relative-bias table (buckets of 16 positions, read under an if) and ALiBi slopes, float32 CUDA
+    tensors that require grad, captured by the score_mod: ``torch.autograd.grad`` gives their gradients (the
+    dK/dV kernels' atomics, the Hopper one at d 256 with two warpgroups on the same elements) against the float64
+    oracle's ``captured_grads`` by the flash-attn rule (bfloat16 as in the test above), and dq, dk, dv as without
+    them; after an optimizer's in-place step the next call uses the same compiled functions and the new values."""
+    from flashnb import flex
+    from reference import flex as rf
+    torch.manual_seed(5)
+    L, buckets = 130, 129 // 16
+    table = torch.randn(4, 2 * buckets + 1, device="cuda").requires_grad_()
+    slopes = (0.1 * torch.randn(4, device="cuda")).requires_grad_()
+
+    def make(table, slopes):
+        def rel(score, b, h, q_idx, kv_idx):
+            x = score - slopes[h] * abs(q_idx - kv_idx)
+            if q_idx >= kv_idx:
+                x = x + table[h, (q_idx - kv_idx) // 16 + buckets]
+            return x
+
+        def rel_np(score, b, h, q_idx, kv_idx):         # the oracle's: the same function over index grids
+            return score - slopes[h] * abs(q_idx - kv_idx) + (q_idx >= kv_idx) * table[h, (q_idx - kv_idx) // 16
+                                                                                      + buckets]
+        return rel, rel_np
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    rel = make(table, slopes)[0]
+    mask = flashnb.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=64)
+    q = _randn(1, 4, L, d, dtype=dtype).requires_grad_()
+    k, v = (_randn(1, 2, L, d, dtype=dtype).requires_grad_() for _ in range(2))
+    dout = _randn(1, 4, L, d, dtype=dtype)
+    low_scale = 8.0 if dtype == torch.bfloat16 else 1.0
+    for step in range(2):
+        out = ft.flex_attention(q, k, v, score_mod=rel, block_mask=mask, enable_gqa=True)
+        grads = torch.autograd.grad(out, (q, k, v, table, slopes), dout)
+        rel_np = make(table.detach().double().cpu().numpy(), slopes.detach().double().cpu().numpy())[1]
+        args = [x.detach().double().cpu().numpy() for x in (q, k, v)]
+        low_args = [a.astype(np.float16) for a in args]
+        mods = dict(score_mod=rel_np, mask_mod=causal, enable_gqa=True, captured_grads=("table", "slopes"))
+        *want, want_t = rf.flex_attention_backward(dout.double().cpu().numpy(), *args, **mods)
+        *want_low, low_t = rf.flex_attention_backward(dout.float().cpu().numpy().astype(np.float16), *low_args,
+                                                      dtype=np.float16, **mods)
+        cases = tuple(zip(("dq", "dk", "dv"), grads[:3], want, want_low))
+        cases += (("dtable", grads[3], want_t["table"], low_t["table"]),
+                  ("dslopes", grads[4], want_t["slopes"], low_t["slopes"]))
+        for name, got, r, lo in cases:
+            err = float(np.abs(got.detach().double().cpu().numpy() - r).max())
+            bound = (2 * low_scale * float(np.abs(np.asarray(lo, np.float64) - r).max())
+                     + FLOOR[dtype] * (1 + float(np.abs(r).max())))
+            if dtype == torch.bfloat16:
+                bound += 2.0 ** -8 * float(np.abs(r).max())
+            assert err <= bound, f"d {d} step {step} {name}: error {err:.3g} > {bound:.3g}"
+        assert grads[3].dtype == torch.float32 and grads[3].shape == table.shape
+        if step == 0:
+            compiled = len(flex._COMPILED)
+            with torch.no_grad():                       # an optimizer's step: the same tensors, new values
+                table -= 0.5 * grads[3]
+                slopes -= 0.5 * grads[4]
+    assert len(flex._COMPILED) == compiled, "an in-place update compiled the functions again"
