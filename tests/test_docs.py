@@ -10,6 +10,7 @@ text) are not run.  A page may opt a block out with ``<!-- docs-test: skip -->``
 on the line just before the fence; the skip is reported.
 """
 import doctest
+import linecache
 import pathlib
 import re
 
@@ -75,6 +76,9 @@ def test_doc_page_python_blocks_run(page, monkeypatch):
             assert failed == 0, f"{where}: {failed} doctest example(s) failed (output above)"
         else:
             try:
+                # the block's source where inspect finds it, as a notebook's cells are (flashnb reads a score_mod's
+                # source to take its gradient into captured arrays)
+                linecache.cache[where] = (len(source), None, source.splitlines(True), where)
                 exec(compile(source, where, "exec"), namespace)
             except Exception as exc:                               # name the block in the failure
                 raise AssertionError(f"python block at {where} raised {type(exc).__name__}: {exc}") from exc
