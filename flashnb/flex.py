@@ -168,12 +168,16 @@ def flex_attention_backward(dout, query, key, value, out, lse, score_mod=None, b
     inputs), so the sums' order varies from run to run, and ``deterministic=True`` is refused with it.  Each read
     of the array in the score_mod's code must be one element, outside loops (``kernels._mod_grad``)."""
     names = _captured_grad_names(captured_grads, score_mod, deterministic)
+    if names and stream is not None:
+        raise ValueError("captured_grads runs on the caller's current stream (its gradient buffers are zeroed and "
+                         "read there): pass stream=None")
     q, k, v, options = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod_grad, True,
                              names)
     dout, out = _swap(dout), _swap(out)
     learned = options.pop("learned")
+    lib = _arrays.kind_of(query, "query").lib
     for entry in learned:
-        entry.zero()
+        entry.zero(lib)
     with _named_compile_errors(score_mod, block_mask, score_mod_grad):
         grads = _dispatch.cached_call(
             ("flex_backward", options["mods"], options["block_mask_size"]),
@@ -183,7 +187,7 @@ def flex_attention_backward(dout, query, key, value, out, lse, score_mod=None, b
     grads = tuple(_swap(g) for g in grads)
     if not names:
         return grads
-    return grads + ({entry.name: entry.result() for entry in learned},)
+    return grads + ({entry.name: entry.result(lib) for entry in learned},)
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -285,6 +289,7 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
     entries = ()
     if learned:
         f32 = _arrays.kind_of(query, "query").dtype != "float64"
+        checked(score_mod, ("captured steps", learned, dims), lambda: check_captured_grads(score_mod, learned, dims))
         capture, entries = checked(score_mod, ("captured grads", learned, f32),
                                    lambda: _capture_grad(score_mod, learned, f32, prints[id(score_mod)]))
         mods = mods._replace(capture_grad=capture)
@@ -555,13 +560,25 @@ class _Learned:
             self.buffer = cuda.to_device(np.zeros(shape, acc))
         self.shape = shape
 
-    def zero(self):
+    def zero(self, lib):
+        """Zeroed before a backward whose inputs are of the library ``lib`` (the kernels run on its current stream:
+        a buffer of another library's is zeroed, then the device synchronised)."""
         if self.kind in ("torch", "cupy"):
             self.buffer.fill_(0) if self.kind == "torch" else self.buffer.fill(0)
         else:
             self.buffer.copy_to_device(np.zeros(self.shape, self.buffer.dtype))
+        self._sync(lib)
 
-    def result(self):
+    def _sync(self, lib):
+        if self.kind != lib and self.kind != "numpy" and not _arrays.SIMULATOR:
+            from numba import cuda
+            cuda.synchronize()
+
+    def result(self, lib):
+        """A new array of the captured one's kind and dtype, after the backward (inputs of the library ``lib``)."""
+        if self.kind != lib and not _arrays.SIMULATOR:
+            from numba import cuda
+            cuda.synchronize()
         if self.kind == "torch":
             return self.buffer.to(self.table.dtype, copy=True)
         if self.kind == "cupy":
@@ -588,8 +605,7 @@ def _capture_grad(score_mod, names, float32, fingerprint):
     sites, buffers, shapes, entries = [], [], [], []
     for name in names:
         table = found[name]
-        made = _mod_grad.site_functions(fn, name, len(table.shape), step, "score_mod")
-        _check_site_steps(fn, name, made, table)
+        made = _mod_grad.site_functions(fn, name, len(table.shape), step, _label(score_mod))
         entry = _Learned(name, table, float32)
         entries.append(entry)
         for site in made:
@@ -599,34 +615,55 @@ def _capture_grad(score_mod, names, float32, fingerprint):
     return _mod_grad.make_capture_grad(sites, buffers, shapes, inv_t), tuple(entries)
 
 
-def _check_site_steps(fn, name, sites, table):
+def _label(fn):
+    return f"score_mod {getattr(fn, '__qualname__', repr(fn))!r}"
+
+
+def check_captured_grads(score_mod, names, dims):
+    """What ``captured_grads`` needs of ``score_mod``, checked on the host before any launch (``kernels._mod_grad``'s
+    rewrite of each read of the named arrays, then ``_check_site_steps`` at the corners of the index space ``dims``
+    = ``(B, H, Q_LEN, KV_LEN)``); ValueError naming the function and the array."""
+    from .kernels import _mod_grad
+    fn = _detached(score_mod)
+    found = dict(_captured(fn))
+    for name in names:
+        table = found[name]
+        sites = _mod_grad.site_functions(fn, name, len(table.shape), 1e-30j, _label(score_mod))
+        if dims is not None:
+            _check_site_steps(fn, name, sites, table, dims, _label(score_mod))
+
+
+def _check_site_steps(fn, name, sites, table, dims, label):
     """Each site function's complex step agrees with a central difference of ``fn`` in the entry it read, on the
-    host at index 0 and a score of 0.5 (a function that drops the imaginary part of the entry, ``abs`` or a cast,
-    would give a gradient of 0 silently): ValueError otherwise."""
+    host with a score of 0.5 at index 0 and the corners of ``dims`` (as ``_check_mod``): a function that drops the
+    imaginary part of the entry on a path the static checks of ``kernels._mod_grad`` do not see would give a
+    gradient of 0 silently.  ValueError otherwise."""
     from .kernels import _mod_grad
     host = _on_host(fn)
     values = np.asarray(_host_copy(table), np.float64)
+    corners = [(0, 0, 0, 0)] + sorted(set(itertools.product(*((0, int(n) - 1) for n in dims))) - {(0, 0, 0, 0)})
     for site in sites:
         site = _on_host(site)
-        try:
-            got, at = site(0.5, 0, 0, 0, 0)
-        except TypeError as e:
-            raise ValueError(f"score_mod cannot take a complex entry of {name!r} (math.* on it?), so its gradient "
-                             f"cannot be taken by the complex step: use cmath ({e})") from e
-        if at[0] == _mod_grad.MISSING:
-            continue
-        step = complex(got).imag / abs(complex(site.__globals__[_mod_grad.STEP]))
-        h = 1e-6 * (1.0 + abs(float(values[at])))
-        ends = []
-        for sign in (1, -1):
-            moved = values.copy()
-            moved[at] += sign * h
-            ends.append(float(_rebound(host, name, moved)(0.5, 0, 0, 0, 0)))
-        fd = (ends[0] - ends[1]) / (2 * h)
-        if not abs(step - fd) <= 1e-3 * (1.0 + abs(fd)):
-            raise ValueError(f"score_mod's complex step in {name!r} ({step:.6g}) disagrees with its central difference "
-                             f"({fd:.6g}): it drops the entry's imaginary part (abs, a cast?), so its gradient in "
-                             f"{name!r} cannot be taken")
+        for index in corners:
+            try:
+                got, at = site(0.5, *index)
+            except TypeError as e:
+                raise ValueError(f"{label} cannot take a complex entry of {name!r} (math.* on it?), so its gradient "
+                                 f"cannot be taken by the complex step: use cmath ({e})") from e
+            if at[0] == _mod_grad.MISSING:
+                continue
+            step = complex(got).imag / abs(complex(site.__globals__[_mod_grad.STEP]))
+            h = 1e-6 * (1.0 + abs(float(values[at])))
+            ends = []
+            for sign in (1, -1):
+                moved = values.copy()
+                moved[at] += sign * h
+                ends.append(float(_rebound(host, name, moved)(0.5, *index)))
+            fd = (ends[0] - ends[1]) / (2 * h)
+            if not abs(step - fd) <= 1e-3 * (1.0 + abs(fd)):
+                raise ValueError(f"{label}'s complex step in {name!r} ({step:.6g} at (b, h, q_idx, kv_idx) = "
+                                 f"{index}) disagrees with its central difference ({fd:.6g}): it drops the entry's "
+                                 f"imaginary part, so its gradient in {name!r} cannot be taken")
 
 
 def _rebound(fn, name, value):

@@ -223,13 +223,16 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         return (out, lse) if return_lse else out
     learned = _learned_captures(score_mod) if torch.is_grad_enabled() else ()
     if not learned and not query.is_cuda and score_mod is not None:      # (the simulator reads NumPy copies)
-        cpu = [(n, t) for n, t in flex._captured(score_mod) if isinstance(t, Tensor) and not t.is_cuda]
-        score_mod = _bound_on_cpu(score_mod, *zip(*cpu)) if cpu else score_mod
+        score_mod = _bound_on_cpu(score_mod)
     args = (score_mod, block_mask, scale, enable_gqa, score_mod_grad)
     if learned:
         names, tables = zip(*learned)
+        on_host = score_mod if query.is_cuda else _bound_on_cpu(score_mod)
         if score_mod_grad is None:
-            flex._check_complex_step(score_mod if query.is_cuda else _bound_on_cpu(score_mod, names, tables))
+            flex._check_complex_step(on_host)
+        flex._captured_grad_names(names, on_host, False)
+        dims = (int(query.shape[0]), int(query.shape[1]), int(query.shape[2]), int(key.shape[2]))
+        flex.check_captured_grads(on_host, names, dims if min(dims) > 0 else None)     # (before the forward)
         out, lse = _FlexLearned.apply(query, key, value, args, names, *tables)
         return (out, lse) if return_lse else out
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
@@ -257,10 +260,10 @@ class _FlexLearned(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, args, names, *tables):
-        score_mod = _bound_on_cpu(args[0], names, tables) if not q.is_cuda else args[0]
+        score_mod = _bound_on_cpu(args[0]) if not q.is_cuda else args[0]
         out, lse = _flex_forward_impl(q, k, v, score_mod, *args[1:])
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args, ctx.names, ctx.tables = args, names, tables
+        ctx.save_for_backward(q, k, v, out, lse, *tables)     # (an in-place change before the backward: refused)
+        ctx.args, ctx.names = args, names
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -270,27 +273,27 @@ class _FlexLearned(torch.autograd.Function):
         nones = (None,) * (5 + len(ctx.names))
         if dout is None:
             return nones
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *tables = ctx.saved_tensors
         score_mod, block_mask, scale, enable_gqa, score_mod_grad = ctx.args
         if q.is_cuda:
             *grads, learned = flex.flex_attention_backward(dout, q, k, v, out, lse, score_mod, block_mask, scale,
                                                            enable_gqa, score_mod_grad, captured_grads=ctx.names)
         else:
-            score_mod = _bound_on_cpu(score_mod, ctx.names, ctx.tables)
+            score_mod = _bound_on_cpu(score_mod)
             *grads, learned = flex.flex_attention_backward(*_numpy(dout, q, k, v, out), lse.detach().numpy(),
                                                            score_mod, block_mask, scale, enable_gqa, score_mod_grad,
                                                            captured_grads=ctx.names)
             grads = [_from_numpy(g, q.dtype) for g in grads]
             learned = {n: torch.from_numpy(np.ascontiguousarray(g)) for n, g in learned.items()}
-        table_grads = tuple(learned[n].to(t.dtype) for n, t in zip(ctx.names, ctx.tables))
+        table_grads = tuple(learned[n].to(t.dtype) for n, t in zip(ctx.names, tables))
         return (*grads, None, None, *table_grads)
 
 
-def _bound_on_cpu(score_mod, names, tables):
-    """``score_mod`` with its captured CPU tensors ``names`` bound as NumPy copies (the simulator's kernels read
-    NumPy arrays); CUDA tensors stay."""
-    for name, t in zip(names, tables):
-        if not t.is_cuda:                       # (a new function each call: compiled again, as the simulator does)
+def _bound_on_cpu(score_mod):
+    """``score_mod`` with each captured CPU tensor bound as a NumPy copy (the simulator's kernels read NumPy
+    arrays; a new function each call, compiled again as the simulator does); CUDA tensors stay."""
+    for name, t in flex._captured(score_mod):
+        if isinstance(t, Tensor) and not t.is_cuda:
             score_mod = flex._rebound(score_mod, name, t.detach().numpy())
     return score_mod
 

@@ -194,16 +194,17 @@ def test_flex_attention_is_differentiable_and_equals_the_oracle():
 
 
 def test_flex_attention_learns_a_captured_tensor():
-    """A learned table captured by the score_mod (a CPU tensor that requires grad; NumPy copies in the simulator):
-    ``torch.autograd.grad`` gives its gradient, the oracle's ``captured_grads`` in float64, and q, k, v's; under
-    ``torch.no_grad`` the same output."""
+    """A learned table captured by the score_mod (a CPU tensor that requires grad; NumPy copies in the simulator,
+    another captured CPU tensor too): ``torch.autograd.grad`` gives its gradient, the oracle's ``captured_grads``
+    in float64, and q, k, v's; under ``torch.no_grad`` the same output."""
     from reference import flex as rf
     torch.manual_seed(4)
     L = 7
     table = torch.randn(2, 2 * L, dtype=torch.float64, requires_grad=True)
+    ids = torch.arange(L)                                      # another captured CPU tensor, no grad
 
     def rel(score, b, h, q_idx, kv_idx):
-        return score + table[h, q_idx - kv_idx + L]
+        return score + table[h, q_idx - kv_idx + L] + 0.0 * ids[q_idx]
 
     q, k, v = rnd(1, 2, L, 8), rnd(1, 2, L, 8), rnd(1, 2, L, 8)
     out = ft.flex_attention(q, k, v, score_mod=rel)
@@ -212,7 +213,7 @@ def test_flex_attention_learns_a_captured_tensor():
     values = table.detach().numpy()
 
     def rel_np(score, b, h, q_idx, kv_idx):
-        return score + values[h, q_idx - kv_idx + L]
+        return score + values[h, q_idx - kv_idx + L] + 0.0 * ids.numpy()[q_idx]
 
     *want, learned = rf.flex_attention_backward(dout.numpy(), *(x.detach().numpy() for x in (q, k, v)),
                                                 score_mod=rel_np, captured_grads=("values",))

@@ -76,6 +76,9 @@ def read_sites(fdef, name, ndim, label):
         parent = parents.get(node)
         if isinstance(parent, ast.Attribute) and parent.attr in ("shape", "ndim", "size"):
             continue
+        if (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id == "len"
+                and parent.args == [node]):
+            continue
         if not (isinstance(parent, ast.Subscript) and parent.value is node and isinstance(parent.ctx, ast.Load)):
             raise ValueError(f"{label} uses {name!r} other than by reading one element (line {node.lineno} of its "
                              "source): its gradient into that array is taken only through element reads")
@@ -83,8 +86,19 @@ def read_sites(fdef, name, ndim, label):
         if len(index) != ndim or any(isinstance(e, ast.Slice) for e in index):
             raise ValueError(f"{label} reads {name!r} (ndim {ndim}) with {len(index)} indices or a slice (line "
                              f"{node.lineno}): its gradient needs one element a read")
-        up = parents.get(parent)
+        up, below = parents.get(parent), parent
         while up is not None and up is not fdef:
+            # the stepped value must stay complex to its return: an order, a cast or a real function of it would
+            # drop its imaginary part (Numba cannot compile them for a complex value either); a read inside another
+            # read's index, likewise
+            if isinstance(up, ast.Compare) or (isinstance(up, ast.Subscript) and below is not up.value):
+                raise ValueError(f"{label} compares {name!r}'s element or indexes with it (line {node.lineno}): its "
+                                 "gradient is taken by stepping the element into the complex plane, which has no order")
+            if isinstance(up, ast.Call) and not (isinstance(up.func, ast.Attribute)
+                                                 and isinstance(up.func.value, ast.Name) and up.func.value.id == "cmath"):
+                raise ValueError(f"{label} passes {name!r}'s element to a function (line {node.lineno}): its gradient "
+                                 "is taken by the complex step, through arithmetic and cmath only (abs, min, int, "
+                                 "math.* drop the imaginary part or refuse a complex value)")
             if isinstance(up, (ast.For, ast.While, ast.AsyncFor, ast.ListComp, ast.SetComp, ast.DictComp,
                                ast.GeneratorExp, ast.Lambda, ast.FunctionDef)):
                 raise ValueError(f"{label} reads {name!r} inside a loop, comprehension or nested function (line "
@@ -93,7 +107,7 @@ def read_sites(fdef, name, ndim, label):
                 raise ValueError(f"{label} reads {name!r} inside a conditional expression, and / or, or a chained "
                                  f"comparison (line {node.lineno}): write the condition as an if statement, so that "
                                  "its gradient knows whether the read ran")
-            up = parents.get(up)
+            up, below = parents.get(up), up
         sites.append(parent)
     if not sites:
         raise ValueError(f"{label} reads no element of {name!r} in its own code")
@@ -105,8 +119,8 @@ class _Site(ast.NodeTransformer):
     holding it (``at = (int64(e0), ...)``: Numba cannot type an assignment expression of a tuple), and ``(value,
     at)`` returned."""
 
-    def __init__(self, site, ndim, parents):
-        self.site, self.ndim = site, ndim
+    def __init__(self, site, ndim, parents, top):
+        self.site, self.ndim, self.top = site, ndim, top
         self.statement = parents[site]
         while not isinstance(self.statement, ast.stmt):
             self.statement = parents[self.statement]
@@ -118,6 +132,13 @@ class _Site(ast.NodeTransformer):
         read = ast.Subscript(node.value, at if self.ndim > 1 else ast.Subscript(at, ast.Constant(0), ast.Load()),
                              ast.Load())
         return ast.BinOp(read, ast.Add(), ast.Name(STEP, ast.Load()))
+
+    def visit_FunctionDef(self, node):
+        if node is self.top:
+            return self.generic_visit(node)
+        return node                              # a helper defined inside: its returns are its own
+
+    visit_Lambda = visit_FunctionDef
 
     def visit_Return(self, node):
         kept = self._index_before(node)
@@ -155,7 +176,7 @@ def site_functions(fn, name, ndim, step, label):
         copy = tree.body[0]
         site = read_sites(copy, name, ndim, label)[k]
         parents = {child: node for node in ast.walk(copy) for child in ast.iter_child_nodes(node)}
-        new = _Site(site, ndim, parents).visit(copy)
+        new = _Site(site, ndim, parents, copy).visit(copy)
         new.name = "site"
         new.body.insert(0, ast.parse(f"{_AT} = ({', '.join([str(MISSING)] * ndim)},)").body[0])
         text = (f"def _fnb_factory({', '.join(code.co_freevars)}):\n"
@@ -169,9 +190,10 @@ def site_functions(fn, name, ndim, step, label):
 
 
 def make_capture_grad(sites, grads, shapes, inv_t):
-    """``capture_grad(ds, score, b, h, q_idx, kv_idx)``: for each compiled site function, ``ds * Im(value) *
-    inv_t`` added atomically into its gradient buffer (``grads[k]``, shaped ``shapes[k]``) at the index it read,
-    a negative index wrapped as the read wrapped it."""
+    """``capture_grad(ds, score, b, h, q_idx, kv_idx)``: for each compiled site function, ``ds * (Im(value) *
+    inv_t)`` added atomically into its gradient buffer (``grads[k]``, shaped ``shapes[k]``) at the index it read,
+    a negative index wrapped as the read wrapped it; an index still outside the array (a read past its end, which
+    the host probes did not meet) adds nothing rather than write outside the buffer."""
     from numba import cuda
     from ._jit import device_function
 
@@ -183,8 +205,10 @@ def make_capture_grad(sites, grads, shapes, inv_t):
         lines.append(f"    if at{k}[0] != MISSING:")
         for d, n in enumerate(shape):
             lines.append(f"        i{k}_{d} = at{k}[{d}] + {n} if at{k}[{d}] < 0 else at{k}[{d}]")
+        inside = " and ".join(f"0 <= i{k}_{d} < {n}" for d, n in enumerate(shape))
         index = f"i{k}_0" if len(shape) == 1 else "(" + ", ".join(f"i{k}_{d}" for d in range(len(shape))) + ")"
-        lines.append(f"        cuda.atomic.add(grad{k}, {index}, ds * v{k}.imag * INV_T)")
+        lines.append(f"        if {inside}:                # (a read outside the array was wrong already: no write)")
+        lines.append(f"            cuda.atomic.add(grad{k}, {index}, ds * (v{k}.imag * INV_T))")
     if not sites:
         lines.append("    return")
     exec(compile("\n".join(lines), "<capture_grad>", "exec"), space)

@@ -768,6 +768,25 @@ def test_gradients_into_a_device_array_come_back_as_one():
     assert len(flex._COMPILED) == compiled
 
 
+def test_a_score_mod_with_a_helper_inside_and_len_of_its_table():
+    """A helper defined inside the score_mod keeps its own returns, and ``len(table)`` is not a read: the table's
+    gradient is the oracle's."""
+    rng = np.random.default_rng(5)
+    L = 9
+    table = rng.standard_normal(2 * L)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        def twice(z):
+            return z + z
+        return twice(score) * 0.5 + table[q_idx - kv_idx + len(table) // 2]
+
+    q, k, v, dout = (rng.standard_normal((1, 1, L, 8)) for _ in range(4))
+    out, lse = flashnb.flex_attention(q, k, v, score_mod=rel, return_lse=True)
+    *_, got = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=rel, captured_grads=("table",))
+    *_, want = rf.flex_attention_backward(dout, q, k, v, score_mod=rel, captured_grads=("table",))
+    np.testing.assert_allclose(got["table"], want["table"], atol=1e-10, rtol=0)
+
+
 def _is_device(x):
     return hasattr(x, "copy_to_host") and not isinstance(x, np.ndarray)
 
@@ -799,6 +818,23 @@ def _abs_of_entry(score, b, h, q_idx, kv_idx):
     return score * abs(SLOPES[h])
 
 
+def _abs_under_if(score, b, h, q_idx, kv_idx):
+    if q_idx > kv_idx:
+        return score + abs(SLOPES[h])
+    return score
+
+
+def _compared(score, b, h, q_idx, kv_idx):
+    if SLOPES[h] > 0:
+        return score * 2.0
+    return score
+
+
+def _real_part(score, b, h, q_idx, kv_idx):      # .real drops the step, on a path only the probe sees
+    x = SLOPES[h] * 1.0
+    return score + x.real
+
+
 def _passed_on(score, b, h, q_idx, kv_idx):
     return score + np.sum(SLOPES)
 
@@ -818,7 +854,11 @@ def _int_table(score, b, h, q_idx, kv_idx):
     (_in_loop, ("SLOPES",), {}, ValueError, "inside a loop"),
     (_a_slice, ("TABLE",), {}, ValueError, "indices or a slice"),
     (_conditional, ("TABLE",), {}, ValueError, "conditional expression"),
-    (_abs_of_entry, ("SLOPES",), {}, ValueError, "disagrees with its central difference"),
+    (_abs_of_entry, ("SLOPES",), {}, ValueError, "passes 'SLOPES''s element to a function"),
+    (_abs_under_if, ("SLOPES",), {}, ValueError, "passes 'SLOPES''s element to a function"),
+    (_compared, ("SLOPES",), {}, ValueError, "compares 'SLOPES''s element"),
+    (_real_part, ("SLOPES",), {}, ValueError, "disagrees with its central difference"),
+    (_plain_rel, ("TABLE",), {"stream": 0}, ValueError, "stream=None"),
     (_passed_on, ("SLOPES",), {}, ValueError, "other than by reading one element"),
     (_plain_rel, ("nothing",), {}, ValueError, "does not capture"),
     (_plain_rel, ("TABLE", "TABLE"), {}, TypeError, "each captured array once"),
