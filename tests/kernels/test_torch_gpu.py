@@ -652,13 +652,34 @@ def test_flex_attention_reads_captured_cuda_tensors_in_place(dtype):
     assert len(flex._COMPILED) == compiled, "new values in the same tensors compiled the functions again"
 
 
+def _learned_reference(q, k, v, dout, table, slopes, buckets, dtype):
+    """The next test's attention and its gradients in q, k, v, table and slopes computed by PyTorch in ``dtype``
+    (its matmuls, softmax and the table's index backward in that precision): the flash-attn rule's oracle in the
+    input precision, for bfloat16 too (NumPy has none)."""
+    args = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, table, slopes)]
+    qq, kk, vv, tt, ss = args
+    L = qq.shape[2]
+    group = qq.shape[1] // kk.shape[1]
+    kk, vv = kk.repeat_interleave(group, dim=1), vv.repeat_interleave(group, dim=1)
+    rel = torch.arange(L, device=qq.device)[:, None] - torch.arange(L, device=qq.device)[None, :]
+    bias = (-ss[:, None, None] * rel.abs().to(dtype)
+            + (rel >= 0).to(dtype) * tt[:, torch.div(rel, 16, rounding_mode="floor") + buckets])
+    s = (qq @ kk.transpose(-1, -2)) * qq.shape[-1] ** -0.5 + bias
+    p = torch.softmax(s.masked_fill(rel < 0, float("-inf")), dim=-1)
+    out = p @ vv
+    return torch.autograd.grad(out, args, dout.to(dtype))
+
+
 @pytest.mark.parametrize("dtype, d", [(torch.float16, 64), (torch.bfloat16, 128), (torch.float16, 256)])
 def test_flex_attention_learns_captured_tensors(dtype, d):
     """A learned relative-bias table (buckets of 16 positions, read under an if) and ALiBi slopes, float32 CUDA
     tensors that require grad, captured by the score_mod: ``torch.autograd.grad`` gives their gradients (the
     dK/dV kernels' atomics, the Hopper one at d 256 with two warpgroups on the same elements) against the float64
-    oracle's ``captured_grads`` by the flash-attn rule (bfloat16 as in the test above), and dq, dk, dv as without
-    them; after an optimizer's in-place step the next call uses the same compiled functions and the new values."""
+    oracle's ``captured_grads``, and dq, dk, dv, by the flash-attn rule against PyTorch's computation in the input
+    precision (``_learned_reference``); after an optimizer's in-place step the next call uses the same compiled
+    functions and the new values.  (On an H200 at 75dfb69 with the bound of the test above, the float16 oracle's
+    error taken 8x for bfloat16: d 64 and 256 passed, d 128 bfloat16's dslopes after the step was 0.00116 against
+    0.00098; bench/results/h200-flex-2026-11-28d.md.)"""
     from flashnb import flex
     from reference import flex as rf
     torch.manual_seed(5)
@@ -686,31 +707,25 @@ def test_flex_attention_learns_captured_tensors(dtype, d):
     q = _randn(1, 4, L, d, dtype=dtype).requires_grad_()
     k, v = (_randn(1, 2, L, d, dtype=dtype).requires_grad_() for _ in range(2))
     dout = _randn(1, 4, L, d, dtype=dtype)
-    low_scale = 8.0 if dtype == torch.bfloat16 else 1.0
     for step in range(2):
         out = ft.flex_attention(q, k, v, score_mod=rel, block_mask=mask, enable_gqa=True)
         grads = torch.autograd.grad(out, (q, k, v, table, slopes), dout)
         rel_np = make(table.detach().double().cpu().numpy(), slopes.detach().double().cpu().numpy())[1]
         args = [x.detach().double().cpu().numpy() for x in (q, k, v)]
-        low_args = [a.astype(np.float16) for a in args]
         mods = dict(score_mod=rel_np, mask_mod=causal, enable_gqa=True, captured_grads=("table", "slopes"))
         *want, want_t = rf.flex_attention_backward(dout.double().cpu().numpy(), *args, **mods)
-        *want_low, low_t = rf.flex_attention_backward(dout.float().cpu().numpy().astype(np.float16), *low_args,
-                                                      dtype=np.float16, **mods)
-        cases = tuple(zip(("dq", "dk", "dv"), grads[:3], want, want_low))
-        cases += (("dtable", grads[3], want_t["table"], low_t["table"]),
-                  ("dslopes", grads[4], want_t["slopes"], low_t["slopes"]))
+        lows = _learned_reference(q, k, v, dout, table, slopes, buckets, dtype)
+        cases = zip(("dq", "dk", "dv", "dtable", "dslopes"), grads, want + [want_t["table"], want_t["slopes"]], lows)
         for name, got, r, lo in cases:
             err = float(np.abs(got.detach().double().cpu().numpy() - r).max())
-            bound = (2 * low_scale * float(np.abs(np.asarray(lo, np.float64) - r).max())
+            bound = (2 * float(np.abs(lo.double().cpu().numpy() - r).max())
                      + FLOOR[dtype] * (1 + float(np.abs(r).max())))
-            if dtype == torch.bfloat16:
-                bound += 2.0 ** -8 * float(np.abs(r).max())
             assert err <= bound, f"d {d} step {step} {name}: error {err:.3g} > {bound:.3g}"
         assert grads[3].dtype == torch.float32 and grads[3].shape == table.shape
         if step == 0:
             compiled = len(flex._COMPILED)
-            with torch.no_grad():                       # an optimizer's step: the same tensors, new values
-                table -= 0.5 * grads[3]
-                slopes -= 0.5 * grads[4]
+            with torch.no_grad():      # an optimizer's step, the same tensors, new values (small: a step as large as
+                # the gradient, ~500 for a slope, made every row's softmax one key, where nothing is left to test)
+                table -= 0.1 * grads[3] / grads[3].abs().max()
+                slopes -= 0.05 * grads[4] / grads[4].abs().max()
     assert len(flex._COMPILED) == compiled, "an in-place update compiled the functions again"
