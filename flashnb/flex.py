@@ -428,19 +428,27 @@ def _check_device_capture(name, var, value):
 def _on_host(fn):
     """``fn`` with each captured device array replaced by its host copy (the host probes run Python: a PyTorch
     tensor's element is a tensor, not a number); ``fn`` itself when it captures none."""
+    return _with_captures(fn, _is_device_array, _host_copy)
+
+
+def _with_captures(fn, matches, transform):
+    """``fn`` with each value it captures (a closure cell, or a global its code reads) for which ``matches`` holds
+    replaced by ``transform(value)``; ``fn`` itself where none does."""
     code = getattr(fn, "__code__", None)
     if not isinstance(fn, types.FunctionType) or code is None:
         return fn
     cells = fn.__closure__ or ()
-    devs = [i for i, c in enumerate(cells) if _is_device_array(_cell_value(c))]
-    glob_devs = [n for n in code.co_names if _is_device_array(fn.__globals__.get(n))]
-    if not devs and not glob_devs:
+    held = [i for i, c in enumerate(cells) if matches(_cell_value(c))]
+    glob_held = [n for n in code.co_names if matches(fn.__globals__.get(n))]
+    if not held and not glob_held:
         return fn
     glob = dict(fn.__globals__)
-    for n in glob_devs:
-        glob[n] = _host_copy(glob[n])
-    closure = tuple(types.CellType(_host_copy(c.cell_contents)) if i in devs else c for i, c in enumerate(cells))
-    return types.FunctionType(code, glob, fn.__name__, fn.__defaults__, closure or None)
+    for n in glob_held:
+        glob[n] = transform(glob[n])
+    closure = tuple(types.CellType(transform(c.cell_contents)) if i in held else c for i, c in enumerate(cells))
+    new = types.FunctionType(code, glob, fn.__name__, fn.__defaults__, closure or None)
+    new.__qualname__, new.__module__ = fn.__qualname__, fn.__module__
+    return new
 
 
 def _host_copy(value):
@@ -733,25 +741,10 @@ def _detached(fn):
     numba-cuda reads a tensor through its CUDA array interface, which such a tensor refuses); ``fn`` itself when
     it captures none."""
     torch = _arrays.torch
-    code = getattr(fn, "__code__", None)
-    if torch is None or not isinstance(fn, types.FunctionType) or code is None:
+    if torch is None:
         return fn
-
-    def learned(value):
-        return isinstance(value, torch.Tensor) and value.requires_grad
-
-    cells = fn.__closure__ or ()
-    held = [i for i, c in enumerate(cells) if learned(_cell_value(c))]
-    glob_held = [n for n in code.co_names if learned(fn.__globals__.get(n))]
-    if not held and not glob_held:
-        return fn
-    glob = dict(fn.__globals__)
-    for n in glob_held:
-        glob[n] = glob[n].detach()
-    closure = tuple(types.CellType(c.cell_contents.detach()) if i in held else c for i, c in enumerate(cells))
-    new = types.FunctionType(code, glob, fn.__name__, fn.__defaults__, closure or None)
-    new.__qualname__, new.__module__ = fn.__qualname__, fn.__module__
-    return new
+    return _with_captures(fn, lambda value: isinstance(value, torch.Tensor) and value.requires_grad,
+                          lambda value: value.detach())
 
 
 def _float32_constants(fn):

@@ -301,29 +301,19 @@ def learned(rng):
     dims 64 and 256 (the Hopper dK/dV kernel's two warpgroups holding the same elements: one adds), a causal block
     mask of 64 x 64."""
     from reference import flex as rf
+    from strategies import learned_bias_mods
     L = 200
     buckets = (L - 1) // 16                        # relative positions in buckets of 16: (q_idx - kv_idx) // 16
     table_np, slopes_np = rng.standard_normal((4, 2 * buckets + 1)), rng.standard_normal(4) * 0.1
     table = torch.as_tensor(table_np, device="cuda", dtype=torch.float32)
     slopes = torch.as_tensor(slopes_np, device="cuda", dtype=torch.float32)
 
-    def make(table, slopes):
-        def rel(score, b, h, q_idx, kv_idx):
-            x = score - slopes[h] * abs(q_idx - kv_idx)
-            if q_idx >= kv_idx:
-                x = x + table[h, (q_idx - kv_idx) // 16 + buckets]
-            return x
-
-        def rel_np(score, b, h, q_idx, kv_idx):     # the oracle's, over index grids: the same function, no if
-            return score - slopes[h] * abs(q_idx - kv_idx) + (q_idx >= kv_idx) * table[h, (q_idx - kv_idx) // 16
-                                                                                      + buckets]
-        return rel, rel_np
-
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
     mask = flashnb.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=64)
-    rel, rel_np = make(table, slopes)[0], make(table_np.astype(np.float32), slopes_np.astype(np.float32))[1]
+    rel = learned_bias_mods(table, slopes, buckets)[0]
+    rel_np = learned_bias_mods(table_np.astype(np.float32), slopes_np.astype(np.float32), buckets)[1]
     for d in (64, 256):
         q, dout = (rng.standard_normal((1, 4, L, d)) for _ in range(2))
         k, v = (rng.standard_normal((1, 2, L, d)) for _ in range(2))

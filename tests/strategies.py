@@ -461,3 +461,20 @@ def assert_lse_close(actual, expected, rel, what: str = "lse"):
     fin = np.isfinite(expected)
     err = np.abs(actual[fin] - expected[fin])
     assert np.all(err <= rel), f"{what}: max |err| {np.max(err, initial=0):.3g} > {rel:.3g}"
+
+
+def learned_bias_mods(table, slopes, buckets):
+    """``(rel, rel_grid)``: a score_mod over a learned relative-bias table (``table[h, (q_idx - kv_idx) // 16 +
+    buckets]``, read under an if: below the diagonal only) and learned ALiBi slopes, as the kernels take it, and
+    the same function over index grids for the oracle (no if: a product by the condition).  The GPU tests and
+    tests/gpu_sanitize_inference.py's ``learned`` part (gradients into captured tensors)."""
+    def rel(score, b, h, q_idx, kv_idx):
+        x = score - slopes[h] * abs(q_idx - kv_idx)
+        if q_idx >= kv_idx:
+            x = x + table[h, (q_idx - kv_idx) // 16 + buckets]
+        return x
+
+    def rel_grid(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * abs(q_idx - kv_idx) + (q_idx >= kv_idx) * table[h, (q_idx - kv_idx) // 16 + buckets]
+
+    return rel, rel_grid

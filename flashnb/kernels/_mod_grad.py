@@ -94,8 +94,9 @@ def read_sites(fdef, name, ndim, label):
             if isinstance(up, ast.Compare) or (isinstance(up, ast.Subscript) and below is not up.value):
                 raise ValueError(f"{label} compares {name!r}'s element or indexes with it (line {node.lineno}): its "
                                  "gradient is taken by stepping the element into the complex plane, which has no order")
-            if isinstance(up, ast.Call) and not (isinstance(up.func, ast.Attribute)
-                                                 and isinstance(up.func.value, ast.Name) and up.func.value.id == "cmath"):
+            cmath_call = (isinstance(up, ast.Call) and isinstance(up.func, ast.Attribute)
+                          and isinstance(up.func.value, ast.Name) and up.func.value.id == "cmath")
+            if isinstance(up, ast.Call) and not cmath_call:
                 raise ValueError(f"{label} passes {name!r}'s element to a function (line {node.lineno}): its gradient "
                                  "is taken by the complex step, through arithmetic and cmath only (abs, min, int, "
                                  "math.* drop the imaginary part or refuse a complex value)")

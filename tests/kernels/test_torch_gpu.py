@@ -682,27 +682,16 @@ def test_flex_attention_learns_captured_tensors(dtype, d):
     0.00098; bench/results/h200-flex-2026-11-28d.md.)"""
     from flashnb import flex
     from reference import flex as rf
+    from strategies import learned_bias_mods
     torch.manual_seed(5)
     L, buckets = 130, 129 // 16
     table = torch.randn(4, 2 * buckets + 1, device="cuda").requires_grad_()
     slopes = (0.1 * torch.randn(4, device="cuda")).requires_grad_()
 
-    def make(table, slopes):
-        def rel(score, b, h, q_idx, kv_idx):
-            x = score - slopes[h] * abs(q_idx - kv_idx)
-            if q_idx >= kv_idx:
-                x = x + table[h, (q_idx - kv_idx) // 16 + buckets]
-            return x
-
-        def rel_np(score, b, h, q_idx, kv_idx):         # the oracle's: the same function over index grids
-            return score - slopes[h] * abs(q_idx - kv_idx) + (q_idx >= kv_idx) * table[h, (q_idx - kv_idx) // 16
-                                                                                      + buckets]
-        return rel, rel_np
-
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    rel = make(table, slopes)[0]
+    rel = learned_bias_mods(table, slopes, buckets)[0]
     mask = flashnb.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=64)
     q = _randn(1, 4, L, d, dtype=dtype).requires_grad_()
     k, v = (_randn(1, 2, L, d, dtype=dtype).requires_grad_() for _ in range(2))
@@ -710,7 +699,8 @@ def test_flex_attention_learns_captured_tensors(dtype, d):
     for step in range(2):
         out = ft.flex_attention(q, k, v, score_mod=rel, block_mask=mask, enable_gqa=True)
         grads = torch.autograd.grad(out, (q, k, v, table, slopes), dout)
-        rel_np = make(table.detach().double().cpu().numpy(), slopes.detach().double().cpu().numpy())[1]
+        rel_np = learned_bias_mods(table.detach().double().cpu().numpy(), slopes.detach().double().cpu().numpy(),
+                                   buckets)[1]
         args = [x.detach().double().cpu().numpy() for x in (q, k, v)]
         mods = dict(score_mod=rel_np, mask_mod=causal, enable_gqa=True, captured_grads=("table", "slopes"))
         *want, want_t = rf.flex_attention_backward(dout.double().cpu().numpy(), *args, **mods)
