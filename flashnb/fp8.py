@@ -164,36 +164,188 @@ def flash_attention_fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     kind, dims = _check(q4, k4, v4, softmax_scale)
     _, total_q, total_k, nheads, nheads_k, headdim = dims
     cu_q, cu_k = varlen.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
-    batch = cu_q.shape[0] - 1
     out_dtype, scale = _settings(kind, headdim, softmax_scale, out_dtype, q_descale, k_descale)
-    tiles = vt_tile_keys(np.diff(cu_k.astype(np.int64)))         # each sequence's V^T columns: whole key tiles
-    vt_start = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
-    group_seq = np.repeat(np.arange(batch, dtype=np.int32), tiles // VT_KEYS)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
-        descale = [_descale(d, name, kind, q4, batch, nheads_k, launch_stream)
-                   for d, name in zip((q_descale, k_descale, v_descale), ("q_descale", "k_descale", "v_descale"))]
-        out, out_d = _arrays.empty_like_kind(kind, (total_q, nheads, headdim), out_dtype, q, launch_stream, bits=True)
-        lse, lse_d = _arrays.empty_like_kind(kind, (nheads, total_q), "float32", q, launch_stream)
-        if total_q and nheads:
-            p = plan.fp8_forward_packed(batch, int(max_seqlen_q), group_seq.shape[0], nheads, nheads_k, headdim,
-                                        bool(causal), out_dtype)
-            qw, kw, vb = (_codes(x, name, launch_stream) for x, name in ((q4, "q"), (k4, "k"), (v4, "v")))
-            cu_q_d = varlen._on_device(cu_seqlens_q, cu_q, kind, q, launch_stream)
-            cu_k_d = varlen._on_device(cu_seqlens_k, cu_k, kind, q, launch_stream)
-            vt_start_d, group_d = (_host_int32(a, kind, q, launch_stream) for a in (vt_start, group_seq))
-            cols = max(int(vt_start[-1]), BLOCK_K)                # (no key at all: one tile of zeros, never read)
-            vt = _arrays.scratch((1, nheads_k, headdim, cols), np.uint8, kind, q, launch_stream)
-            st = vt.strides
-            vt = _arrays.strided_view(vt, (1, headdim, nheads_k, cols), (st[0], st[2], st[1], st[3]))
-            if group_seq.shape[0]:
-                _run(p.prepare, launch_stream, (vb, vt, cu_k_d, vt_start_d, group_d))
-            out_w = _arrays.word_view(_arrays.strided_view(out_d, (1,) + tuple(out_d.shape),
-                                                           (0,) + tuple(out_d.strides)))
-            lse_v = _arrays.strided_view(lse_d, (1,) + tuple(lse_d.shape), (0,) + tuple(lse_d.strides))
-            args = p.forward_args(qw, kw, _arrays.word_view(vt), out_w, lse_v, *descale, nheads // nheads_k, 0,
-                                  scale, launch_stream.handle, packed=(cu_q_d, cu_k_d, vt_start_d))
-            _run(p.forward, launch_stream, args)
+        return _packed_forward(kind, q, q4, k4, v4, cu_q, cu_k, tiles_of(np.diff(cu_k.astype(np.int64))),
+                               int(max_seqlen_q), (q_descale, k_descale, v_descale), nheads, nheads_k, headdim,
+                               causal, out_dtype, scale, return_lse, launch_stream,
+                               lambda: (varlen._on_device(cu_seqlens_q, cu_q, kind, q, launch_stream),
+                                        varlen._on_device(cu_seqlens_k, cu_k, kind, q, launch_stream)))
+
+
+def flash_attn_with_kvcache_fp8(q, k_cache, v_cache, cache_seqlens, k=None, v=None, q_descale=None,
+                                k_descale=None, v_descale=None, *, causal=False, softmax_scale=None, out_dtype=None,
+                                return_lse=False, stream=None):
+    """FP8 attention over a dense KV cache of e4m3 codes (chunked prefill, or decoding): ``q`` (batch, seqlen_q,
+    nheads, headdim), ``k_cache``, ``v_cache`` (batch, capacity, nheads_k, headdim), ``cache_seqlens`` an int or an
+    int32 ``(batch,)`` array of any kind (read on the host) of the rows each sequence holds; ``k``, ``v`` (batch,
+    seqlen_new, nheads_k, headdim) codes, if given, are written into the caches at rows ``cache_seqlens[b] ..``
+    first (in place, as ``flash_attn_with_kvcache``'s append), and sequence ``b`` attends to its first
+    ``cache_seqlens[b] + seqlen_new`` rows; ``causal`` aligned to that bottom-right corner.  Descales as
+    ``flash_attention_fp8``'s (per tensor or ``(batch, nheads_k)``; the caches' own descales: the new rows must be
+    quantised with them).  Returns ``out`` (batch, seqlen_q, nheads, headdim) and with ``return_lse`` the
+    log-sum-exp (batch, nheads, seqlen_q).  Oracle: ``reference.fp8.fp8_flash_forward_kvcache``.
+
+    It runs ``flash_attention_fp8_varlen``'s kernels: the cache is a packed batch of 2 * batch sequences, sequence
+    ``b``'s rows then the unused rest of its cache as one with no query (never read: V^T's pre-pass and the
+    forward skip it), so each call transposes the used rows of V (as the dense call does all of V)."""
+    for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if len(getattr(x, "shape", ())) != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, headdim), got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    batch, seqlen_q, nheads, headdim = (int(n) for n in q.shape)
+    _, capacity, nheads_k, _ = (int(n) for n in k_cache.shape)
+    if int(k_cache.shape[0]) != batch:
+        raise ValueError(f"k_cache must have q's batch {batch}, got {int(k_cache.shape[0])}")
+    kind, _ = _check(q, k_cache, v_cache, softmax_scale)
+    if (k is None) != (v is None):
+        raise ValueError("k and v come together (the new rows of both caches) or not at all")
+    seqlen_new = 0
+    if k is not None:
+        if tuple(k.shape) != tuple(v.shape) or len(k.shape) != 4 or (int(k.shape[0]), int(k.shape[2]),
+                                                                    int(k.shape[3])) != (batch, nheads_k, headdim):
+            raise ValueError(f"k and v must be (batch, seqlen_new, nheads_k, headdim) = ({batch}, ., {nheads_k}, "
+                             f"{headdim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        _check(k, k, v, softmax_scale)
+        seqlen_new = int(k.shape[1])
+    lengths = _host_seqlens(cache_seqlens, batch)
+    if np.any(lengths < 0) or np.any(lengths + seqlen_new > capacity):
+        raise ValueError(f"cache_seqlens must be in [0, {capacity - seqlen_new}] (the capacity {capacity} less the "
+                         f"{seqlen_new} new rows), got {lengths.tolist()}")
+    out_dtype, scale = _settings(kind, headdim, softmax_scale, out_dtype, q_descale, k_descale)
+    pairs = [_descale_pairs(d, name, kind, q, batch, nheads_k)
+             for d, name in zip((q_descale, k_descale, v_descale), ("q_descale", "k_descale", "v_descale"))]
+    launch_stream = _arrays.resolve_stream(stream, kind, q)
+    with _arrays.stream_scope(launch_stream, kind, q):
+        if seqlen_new:
+            _append(k_cache, v_cache, k, v, lengths)
+        used = lengths + seqlen_new
+        ends = np.arange(1, batch + 1, dtype=np.int64) * capacity
+        cu_k = np.stack([ends - capacity + used, ends], axis=1).reshape(-1)        # each sequence, then its rest
+        cu_k = np.concatenate([[0], cu_k]).astype(np.int32)
+        cu_q = np.concatenate([[0], np.repeat(np.arange(1, batch + 1) * seqlen_q, 2)]).astype(np.int32)
+        tiles = np.stack([tiles_of(used), np.zeros(batch, np.int64)], axis=1).reshape(-1)
+        q4, k4, v4 = (_flat(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+        result = _packed_forward(kind, q, q4, k4, v4, cu_q, cu_k, tiles, seqlen_q, pairs, nheads, nheads_k, headdim,
+                                 causal, out_dtype, scale, return_lse, launch_stream,
+                                 lambda: tuple(_host_int32(c, kind, q, launch_stream) for c in (cu_q, cu_k)))
+    out, lse = result if return_lse else (result, None)
+    out = out.reshape(batch, seqlen_q, nheads, headdim)
+    if not return_lse:
+        return out
+    if _arrays._is_numba_device_array(lse):
+        st = lse.strides
+        return out, _arrays.strided_view(lse, (batch, nheads, seqlen_q), (seqlen_q * st[1], st[0], st[1]))
+    return out, lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2) if not hasattr(lse, "permute") else \
+        lse.reshape(nheads, batch, seqlen_q).permute(1, 0, 2)
+
+
+def _host_seqlens(cache_seqlens, batch):
+    """``cache_seqlens`` (an int, or an int32 ``(batch,)`` array of any kind) as a host int64 array."""
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        return np.full(batch, int(cache_seqlens), np.int64)
+    if torch is not None and isinstance(cache_seqlens, torch.Tensor):
+        host, dtype = cache_seqlens.detach().cpu().numpy(), str(cache_seqlens.dtype).replace("torch.", "")
+    elif hasattr(cache_seqlens, "copy_to_host"):
+        host = cache_seqlens.copy_to_host()
+        dtype = host.dtype.name
+    elif hasattr(cache_seqlens, "get") and not isinstance(cache_seqlens, np.ndarray):
+        host = cache_seqlens.get()
+        dtype = host.dtype.name
+    elif isinstance(cache_seqlens, np.ndarray):
+        host, dtype = cache_seqlens, cache_seqlens.dtype.name
+    else:
+        raise TypeError(f"cache_seqlens must be an int or an int32 array, got {type(cache_seqlens).__name__}")
+    if dtype != "int32" or tuple(host.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must be an int or an int32 array of shape ({batch},), got {dtype} "
+                         f"{tuple(host.shape)}")
+    return host.astype(np.int64)
+
+
+def _descale_pairs(d, name, kind, q, batch, nheads_k):
+    """A descale of the KV-cache call as the packed call of 2 * batch sequences takes it: a value as it is, a
+    ``(batch, nheads_k)`` array (checked by ``_descale``) read on the host with each row twice (the second of a pair
+    is the rest of a cache, which has no query and is never read)."""
+    if not _is_array(d) or (isinstance(d, np.ndarray) and d.size == 1):
+        return d
+    _descale(d, name, kind, q, batch, nheads_k, _arrays.resolve_stream(None, kind, q))     # (its checks)
+    if torch is not None and isinstance(d, torch.Tensor):
+        host = d.detach().float().cpu().numpy()
+    elif hasattr(d, "copy_to_host"):
+        host = d.copy_to_host()
+    elif hasattr(d, "get") and not isinstance(d, np.ndarray):
+        host = d.get()
+    else:
+        host = np.asarray(d)
+    if host.size == 1:
+        return float(host.reshape(()))
+    return np.repeat(np.asarray(host, np.float32).reshape(batch, nheads_k), 2, axis=0)
+
+
+def _append(k_cache, v_cache, k, v, lengths):
+    """The new rows into the caches at each sequence's ``lengths[b]``, by the arrays' own slice copies."""
+    for b, n in enumerate(lengths.tolist()):
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            rows = slice(n, n + int(new.shape[1]))
+            if torch is not None and isinstance(cache, torch.Tensor):
+                cache[b, rows].copy_(new[b])
+            elif hasattr(cache, "copy_to_device"):                    # Numba device arrays
+                cache[b, rows].copy_to_device(new[b])
+            else:
+                cache[b, rows] = new[b]
+
+
+def _flat(x, name):
+    """``x`` (batch, rows, heads, headdim) as one packed batch row (1, batch * rows, heads, headdim), a view."""
+    shape = (1, int(x.shape[0]) * int(x.shape[1])) + tuple(int(n) for n in x.shape[2:])
+    try:
+        return x.reshape(shape)
+    except Exception as e:                    # noqa: BLE001 (a Numba device array that is not contiguous)
+        raise ValueError(f"{name} must be contiguous (its rows one packed batch), got strides "
+                         f"{tuple(getattr(x, 'strides', ()))}") from e
+
+
+def tiles_of(lengths):
+    """Each sequence's V^T columns in a packed call: its keys in whole key tiles (``vt_tile_keys``)."""
+    return vt_tile_keys(np.asarray(lengths, np.int64))
+
+
+def _packed_forward(kind, q, q4, k4, v4, cu_q, cu_k, tiles, max_seqlen_q, descales, nheads, nheads_k, headdim, causal,
+                    out_dtype, scale, return_lse, launch_stream, cu_on_device):
+    """The packed FP8 forward of checked arrays (``flash_attention_fp8_varlen``'s and
+    ``flash_attn_with_kvcache_fp8``'s): ``q4``, ``k4``, ``v4`` one batch row of packed rows, ``cu_q``, ``cu_k`` the
+    host int32 offsets, ``tiles`` each sequence's V^T columns, ``cu_on_device()`` the offsets on the device.
+    Returns ``out`` (total_q, nheads, headdim) and with ``return_lse`` ``lse`` (nheads, total_q)."""
+    batch = cu_q.shape[0] - 1
+    total_q = int(q4.shape[1])
+    vt_start = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
+    group_seq = np.repeat(np.arange(batch, dtype=np.int32), tiles // VT_KEYS)
+    descale = [_descale(d, name, kind, q4, batch, nheads_k, launch_stream)
+               for d, name in zip(descales, ("q_descale", "k_descale", "v_descale"))]
+    out, out_d = _arrays.empty_like_kind(kind, (total_q, nheads, headdim), out_dtype, q, launch_stream, bits=True)
+    lse, lse_d = _arrays.empty_like_kind(kind, (nheads, total_q), "float32", q, launch_stream)
+    if total_q and nheads:
+        p = plan.fp8_forward_packed(batch, max_seqlen_q, group_seq.shape[0], nheads, nheads_k, headdim, bool(causal),
+                                    out_dtype)
+        qw, kw, vb = (_codes(x, name, launch_stream) for x, name in ((q4, "q"), (k4, "k"), (v4, "v")))
+        cu_q_d, cu_k_d = cu_on_device()
+        vt_start_d, group_d = (_host_int32(a, kind, q, launch_stream) for a in (vt_start, group_seq))
+        cols = max(int(vt_start[-1]), BLOCK_K)                # (no key at all: one tile of zeros, never read)
+        vt = _arrays.scratch((1, nheads_k, headdim, cols), np.uint8, kind, q, launch_stream)
+        st = vt.strides
+        vt = _arrays.strided_view(vt, (1, headdim, nheads_k, cols), (st[0], st[2], st[1], st[3]))
+        if group_seq.shape[0]:
+            _run(p.prepare, launch_stream, (vb, vt, cu_k_d, vt_start_d, group_d))
+        out_w = _arrays.word_view(_arrays.strided_view(out_d, (1,) + tuple(out_d.shape),
+                                                       (0,) + tuple(out_d.strides)))
+        lse_v = _arrays.strided_view(lse_d, (1,) + tuple(lse_d.shape), (0,) + tuple(lse_d.strides))
+        args = p.forward_args(qw, kw, _arrays.word_view(vt), out_w, lse_v, *descale, nheads // nheads_k, 0,
+                              scale, launch_stream.handle, packed=(cu_q_d, cu_k_d, vt_start_d))
+        _run(p.forward, launch_stream, args)
     out = _arrays.finish(kind, out, out_d, launch_stream)
     if return_lse:
         return out, _arrays.finish(kind, lse, lse_d, launch_stream)

@@ -37,6 +37,8 @@ head).
   ``p_quantization_bound``: that checks the bound's claim for a running max.
 * ``fp8_flash_forward_varlen(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, ...)``: the same for a packed batch
   (flash-attn's varlen layout), each sequence on its own, its descales the rows of ``(batch, nheads_k)`` arrays.
+* ``fp8_flash_forward_kvcache(q8, k_cache8, v_cache8, cache_seqlens, k8, v8, ...)``: the same over a dense KV
+  cache: the new rows appended (to copies), each sequence over its cache's first rows.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from .standard import attention, attention_probs
 
 __all__ = ["E4M3_MAX", "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_HALF_STEP", "e4m3_table", "quantize_e4m3",
            "dequantize_e4m3", "quantize_blocks_e4m3", "fp8_attention", "fp8_flash_forward",
-           "fp8_flash_forward_varlen", "rounding_bound",
+           "fp8_flash_forward_varlen", "fp8_flash_forward_kvcache", "rounding_bound",
            "input_quantization_bound", "p_quantization_bound"]
 
 E4M3_MAX = 448.0
@@ -325,3 +327,37 @@ def fp8_flash_forward_varlen(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, q_descale=N
                                   row(k_descale, b), row(v_descale, b), p_descale, block_k, causal, softmax_scale)
         out[qs:qe], lse[:, qs:qe] = o[0], l_[0]
     return out, lse
+
+
+def fp8_flash_forward_kvcache(q8, k_cache8, v_cache8, cache_seqlens, k8=None, v8=None, q_descale=None,
+                              k_descale=None, v_descale=None, p_descale=1.0, block_k=64, causal=False,
+                              softmax_scale=None):
+    """``(out, lse, k_cache8, v_cache8)``: ``fp8_flash_forward`` of each sequence of a dense KV cache of e4m3 codes.
+    ``q8`` ``(batch, seqlen_q, nheads, headdim)``, the caches ``(batch, capacity, nheads_k, headdim)``,
+    ``cache_seqlens`` an int or ``(batch,)``; ``k8``, ``v8`` ``(batch, seqlen_new, nheads_k, headdim)``, if given,
+    are written at rows ``cache_seqlens[b] ..`` of copies of the caches (returned; the inputs are not modified), and
+    sequence ``b`` attends to the first ``cache_seqlens[b] + seqlen_new`` rows, causal aligned to that bottom-right
+    corner.  Descales per tensor or ``(batch, nheads_k)``.  ``out`` ``(batch, seqlen_q, nheads, headdim)``, ``lse``
+    ``(batch, nheads, seqlen_q)``; a query with no key: 0 and -inf."""
+    batch = q8.shape[0]
+    lengths = np.broadcast_to(np.asarray(cache_seqlens, np.int64), (batch,))
+    k_cache8, v_cache8 = np.array(k_cache8), np.array(v_cache8)
+    new = 0
+    if k8 is not None:
+        new = k8.shape[1]
+        for b in range(batch):
+            k_cache8[b, lengths[b]:lengths[b] + new] = k8[b]
+            v_cache8[b, lengths[b]:lengths[b] + new] = v8[b]
+    out = np.zeros(q8.shape)
+    lse = np.full((batch, q8.shape[2], q8.shape[1]), -np.inf)
+
+    def row(descale, b):
+        arr = _descale(descale)
+        return arr if arr.ndim == 0 else arr[b:b + 1]
+
+    for b in range(batch):
+        n = int(lengths[b]) + new
+        out[b:b + 1], lse[b:b + 1] = fp8_flash_forward(q8[b:b + 1], k_cache8[b:b + 1, :n], v_cache8[b:b + 1, :n],
+                                                       row(q_descale, b), row(k_descale, b), row(v_descale, b),
+                                                       p_descale, block_k, causal, softmax_scale)
+    return out, lse, k_cache8, v_cache8

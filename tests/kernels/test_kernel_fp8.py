@@ -363,6 +363,74 @@ def test_fp8_forward_of_a_packed_batch_matches_its_oracle(lens_q, lens_k, hk, gr
             _check_against_exact(o, l_, r, r_lse, *args, causal)
 
 
+@pytest.mark.parametrize("seqlens, new, hk, group, d, causal, per_head", [
+    ((0, 70), 3, 1, 2, 64, True, True),       # chunked prefill: an append, an empty cache, grouped heads
+    ((130,), 0, 1, 1, 128, False, False)])    # no append, two key tiles, one descale a tensor
+def test_fp8_forward_over_a_kv_cache_matches_its_oracle(seqlens, new, hk, group, d, causal, per_head):
+    """``flash_attn_with_kvcache_fp8``: each sequence over its cache's first ``cache_seqlens[b] + seqlen_new`` rows
+    after the new rows are written there, against ``fp8_flash_forward_kvcache`` (the caches after the append bit
+    for bit; out and lse by the packed test's bounds in the simulator, flash-attn's rule on the GPU); rows past a
+    sequence's length (NaN codes) are never read; q and the new rows unmodified."""
+    from reference.fp8 import fp8_flash_forward_kvcache
+    rng = np.random.default_rng(sum(seqlens) + new)
+    batch, seqlen_q, capacity, h = len(seqlens), 4, 150, hk * group
+    lens = np.array(seqlens, np.int32)
+    q8 = _codes(rng, (batch, seqlen_q, h, d), 1 / 100)
+    kc, vc = (_codes(rng, (batch, capacity, hk, d), 1 / 100) for _ in range(2))
+    for b, n in enumerate(lens):                               # rows past a sequence's rows: NaN codes, never read
+        kc[b, n + new:] = 0x7F
+        vc[b, n + new:] = 0x7F
+    kn, vn = ((_codes(rng, (batch, new, hk, d), 1 / 100) for _ in range(2)) if new else (None, None))
+    qd, kd, vd = _descales(rng, per_head, batch, hk)
+    ref, ref_lse, ref_kc, ref_vc = fp8_flash_forward_kvcache(q8, kc, vc, lens, kn, vn, qd, kd, vd,
+                                                             block_k=forward_fp8.BLOCK_K, causal=causal)
+    copies = [x.copy() for x in (q8,) + ((kn, vn) if new else ())]
+    out, lse = flashnb.flash_attn_with_kvcache_fp8(q8, kc, vc, lens, kn, vn, qd, kd, vd, causal=causal,
+                                                   return_lse=True)
+    for x, c in zip((q8,) + ((kn, vn) if new else ()), copies):
+        assert np.array_equal(x, c), "an input was modified"
+    assert np.array_equal(kc, ref_kc) and np.array_equal(vc, ref_vc), "the append"
+    assert out.dtype == np.float16 and out.shape == ref.shape and lse.shape == ref_lse.shape == (batch, h, seqlen_q)
+    for b in range(batch):
+        n = int(lens[b]) + new
+        one = [x[b:b + 1] if per_head else x for x in (qd, kd, vd)]
+        args = (q8[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], *one)
+        o, l_, r, r_lse = out[b:b + 1], lse[b:b + 1], ref[b:b + 1], ref_lse[b:b + 1]
+        if n == 0:
+            assert np.all(o == 0) and np.all(l_ == -np.inf), f"sequence {b}: no key"
+            continue
+        assert np.all(np.isfinite(o.astype(np.float64))), f"sequence {b}: not finite"
+        if SIMULATOR:
+            err = np.abs(o.astype(np.float64) - r)
+            bound = 2.0 ** -10 * np.abs(r) + 2.0 ** -14 * max(np.abs(r).max(), 1e-30) + _flips(*args, causal)
+            assert np.all(err <= bound), f"sequence {b}: max error {err.max():.3e}"
+            ok = np.isfinite(r_lse)
+            assert np.array_equal(np.isfinite(l_), ok) and np.allclose(l_[ok], r_lse[ok], rtol=1e-5, atol=1e-5)
+        else:
+            _check_against_exact(o, l_, r, r_lse, *args, causal)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(cache_seqlens=np.array([3, 149], np.int32)), ValueError, "cache_seqlens must be in \\[0, 148\\]"),
+    (dict(cache_seqlens=np.array([3, 4], np.int64)), ValueError, "cache_seqlens must be an int or an int32"),
+    (dict(k=None), ValueError, "k and v come together"),
+    (dict(v_cache=np.zeros((2, 151, 1, 64), np.uint8)), ValueError, "k_cache and v_cache must have one shape"),
+    (dict(k=np.zeros((2, 2, 2, 64), np.uint8), v=np.zeros((2, 2, 2, 64), np.uint8)), ValueError,
+     "k and v must be \\(batch, seqlen_new, nheads_k, headdim\\)"),
+    (dict(q=np.zeros((2, 4, 64), np.uint8)), ValueError, "q must be 4-D"),
+])
+def test_fp8_kvcache_refuses_bad_input(change, error, words):
+    """Before any launch and before the append (the caches unchanged), naming the argument."""
+    args = dict(q=np.zeros((2, 4, 2, 64), np.uint8), k_cache=np.zeros((2, 150, 1, 64), np.uint8),
+                v_cache=np.zeros((2, 150, 1, 64), np.uint8), cache_seqlens=np.array([3, 4], np.int32),
+                k=np.ones((2, 2, 1, 64), np.uint8), v=np.ones((2, 2, 1, 64), np.uint8))
+    args.update(change)
+    before = args["k_cache"].copy()
+    with pytest.raises(error, match=words):
+        flashnb.flash_attn_with_kvcache_fp8(**args)
+    assert np.array_equal(args["k_cache"], before), "the cache was written before the refusal"
+
+
 @pytest.mark.parametrize("change, error, words", [
     (dict(q=np.zeros((1, 8, 2, 64), np.uint8)), ValueError, "q must be 3-D"),
     (dict(cu_seqlens_q=np.array([0, 5, 9], np.int32)), ValueError, "cu_seqlens_q\\[-1\\] must be the total"),
