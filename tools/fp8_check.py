@@ -1,8 +1,8 @@
 """FP8 forward on a Hopper GPU: correctness against the oracle, and speed against flashnb's own 16-bit forward.
 
     python -m tools.fp8_check check            # shapes x options against reference.fp8.fp8_flash_forward
-    python -m tools.fp8_check small            # one small call per head dim and causal, dense and packed (for
-                                               # compute-sanitizer)
+    python -m tools.fp8_check small            # one small call per head dim and causal, dense, packed and over a
+                                               # KV cache (for compute-sanitizer)
     python -m tools.fp8_check bench [--seqlens 4096,16384] [--headdims 128,256] [--settings "A=1;B=1"]
     python -m tools.fp8_check profile --headdims 128 --seqlens 4096   # one call, for ncu --profile-from-start off
 
@@ -100,7 +100,15 @@ def small():
                                                      causal=causal)
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()
-    print("12 configurations ran (dense and packed)")
+            # over a KV cache of 3 sequences (capacity 201): 4 queries, 3 new rows appended at 50, 0 and 198 rows
+            kc, vc = k8.expand(3, -1, -1, -1).contiguous(), v8.expand(3, -1, -1, -1).contiguous()
+            kn, vn = kc[:, :3].clone(), vc[:, :3].clone()
+            lens = torch.tensor([50, 0, 198], dtype=torch.int32, device="cuda")
+            out = flashnb.flash_attn_with_kvcache_fp8(q8[:, :4].expand(3, -1, -1, -1).contiguous(), kc, vc, lens,
+                                                      kn, vn, causal=causal)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all()
+    print("18 configurations ran (dense, packed and over a KV cache)")
     return 0
 
 
