@@ -167,7 +167,7 @@ def flash_attention_fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     out_dtype, scale = _settings(kind, headdim, softmax_scale, out_dtype, q_descale, k_descale)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
-        return _packed_forward(kind, q, q4, k4, v4, cu_q, cu_k, tiles_of(np.diff(cu_k.astype(np.int64))),
+        return _packed_forward(kind, q, q4, k4, v4, cu_q, cu_k, _tiles_of(np.diff(cu_k.astype(np.int64))),
                                int(max_seqlen_q), (q_descale, k_descale, v_descale), nheads, nheads_k, headdim,
                                causal, out_dtype, scale, return_lse, launch_stream,
                                lambda: (varlen._on_device(cu_seqlens_q, cu_q, kind, q, launch_stream),
@@ -188,8 +188,10 @@ def flash_attn_with_kvcache_fp8(q, k_cache, v_cache, cache_seqlens, k=None, v=No
     log-sum-exp (batch, nheads, seqlen_q).  Oracle: ``reference.fp8.fp8_flash_forward_kvcache``.
 
     It runs ``flash_attention_fp8_varlen``'s kernels: the cache is a packed batch of 2 * batch sequences, sequence
-    ``b``'s rows then the unused rest of its cache as one with no query (never read: V^T's pre-pass and the
-    forward skip it), so each call transposes the used rows of V (as the dense call does all of V)."""
+    ``b``'s rows then the unused rest of its cache as one with no query (its blocks return at once, and it gets no
+    V^T columns; a sequence's last key tile reads up to 127 rows past its keys, masked), so each call transposes the
+    used rows of V (as the dense call does all of V).  ``cache_seqlens`` and descale arrays are read on the host
+    (a synchronisation a call)."""
     for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         if len(getattr(x, "shape", ())) != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, headdim), got shape "
@@ -206,12 +208,18 @@ def flash_attn_with_kvcache_fp8(q, k_cache, v_cache, cache_seqlens, k=None, v=No
         raise ValueError("k and v come together (the new rows of both caches) or not at all")
     seqlen_new = 0
     if k is not None:
+        for x, name in ((k, "k"), (v, "v")):
+            if _arrays.kind_of(x, name).lib != kind.lib:
+                raise TypeError(f"{name} must be of the caches' library ({kind.lib}), got {_arrays.kind_of(x, name).lib}")
         if tuple(k.shape) != tuple(v.shape) or len(k.shape) != 4 or (int(k.shape[0]), int(k.shape[2]),
                                                                     int(k.shape[3])) != (batch, nheads_k, headdim):
             raise ValueError(f"k and v must be (batch, seqlen_new, nheads_k, headdim) = ({batch}, ., {nheads_k}, "
                              f"{headdim}), got {tuple(k.shape)} and {tuple(v.shape)}")
         _check(k, k, v, softmax_scale)
         seqlen_new = int(k.shape[1])
+    if batch * capacity >= 2 ** 31 or batch * seqlen_q >= 2 ** 31:
+        raise ValueError(f"the caches' {batch * capacity} rows (or q's {batch * seqlen_q}) exceed the kernels' int32 "
+                         "row offsets")
     lengths = _host_seqlens(cache_seqlens, batch)
     if np.any(lengths < 0) or np.any(lengths + seqlen_new > capacity):
         raise ValueError(f"cache_seqlens must be in [0, {capacity - seqlen_new}] (the capacity {capacity} less the "
@@ -219,8 +227,12 @@ def flash_attn_with_kvcache_fp8(q, k_cache, v_cache, cache_seqlens, k=None, v=No
     out_dtype, scale = _settings(kind, headdim, softmax_scale, out_dtype, q_descale, k_descale)
     pairs = [_descale_pairs(d, name, kind, q, batch, nheads_k)
              for d, name in zip((q_descale, k_descale, v_descale), ("q_descale", "k_descale", "v_descale"))]
+    q4, k4, v4 = (_flat(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
+        if kind.lib in ("cupy", "numba"):               # (their rows' alignment, refused before the append)
+            for x, name in ((q4, "q"), (k4, "k")):
+                _codes(x, name, launch_stream)
         if seqlen_new:
             _append(k_cache, v_cache, k, v, lengths)
         used = lengths + seqlen_new
@@ -228,8 +240,7 @@ def flash_attn_with_kvcache_fp8(q, k_cache, v_cache, cache_seqlens, k=None, v=No
         cu_k = np.stack([ends - capacity + used, ends], axis=1).reshape(-1)        # each sequence, then its rest
         cu_k = np.concatenate([[0], cu_k]).astype(np.int32)
         cu_q = np.concatenate([[0], np.repeat(np.arange(1, batch + 1) * seqlen_q, 2)]).astype(np.int32)
-        tiles = np.stack([tiles_of(used), np.zeros(batch, np.int64)], axis=1).reshape(-1)
-        q4, k4, v4 = (_flat(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+        tiles = np.stack([_tiles_of(used), np.zeros(batch, np.int64)], axis=1).reshape(-1)
         result = _packed_forward(kind, q, q4, k4, v4, cu_q, cu_k, tiles, seqlen_q, pairs, nheads, nheads_k, headdim,
                                  causal, out_dtype, scale, return_lse, launch_stream,
                                  lambda: tuple(_host_int32(c, kind, q, launch_stream) for c in (cu_q, cu_k)))
@@ -237,11 +248,21 @@ def flash_attn_with_kvcache_fp8(q, k_cache, v_cache, cache_seqlens, k=None, v=No
     out = out.reshape(batch, seqlen_q, nheads, headdim)
     if not return_lse:
         return out
-    if _arrays._is_numba_device_array(lse):
-        st = lse.strides
-        return out, _arrays.strided_view(lse, (batch, nheads, seqlen_q), (seqlen_q * st[1], st[0], st[1]))
-    return out, lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2) if not hasattr(lse, "permute") else \
-        lse.reshape(nheads, batch, seqlen_q).permute(1, 0, 2)
+    return out, _batch_first(lse, nheads, batch, seqlen_q)
+
+
+def _batch_first(lse, nheads, batch, seqlen_q):
+    """The packed call's ``lse`` (nheads, batch * seqlen_q) as a contiguous (batch, nheads, seqlen_q) array of its
+    kind."""
+    if torch is not None and isinstance(lse, torch.Tensor):
+        return lse.reshape(nheads, batch, seqlen_q).permute(1, 0, 2).contiguous()
+    if isinstance(lse, np.ndarray):
+        return np.ascontiguousarray(lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2))
+    if _arrays.cupy is not None and isinstance(lse, _arrays.cupy.ndarray):
+        return _arrays.cupy.ascontiguousarray(lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2))
+    from numba import cuda                                  # a Numba device array: through the host (it is small)
+    host = lse.copy_to_host().reshape(nheads, batch, seqlen_q).transpose(1, 0, 2)
+    return cuda.to_device(np.ascontiguousarray(host))
 
 
 def _host_seqlens(cache_seqlens, batch):
@@ -271,6 +292,7 @@ def _descale_pairs(d, name, kind, q, batch, nheads_k):
     ``(batch, nheads_k)`` array (checked by ``_descale``) read on the host with each row twice (the second of a pair
     is the rest of a cache, which has no query and is never read)."""
     if not _is_array(d) or (isinstance(d, np.ndarray) and d.size == 1):
+        _scalar(d, name)                                    # (checked before the append)
         return d
     _descale(d, name, kind, q, batch, nheads_k, _arrays.resolve_stream(None, kind, q))     # (its checks)
     if torch is not None and isinstance(d, torch.Tensor):
@@ -279,8 +301,11 @@ def _descale_pairs(d, name, kind, q, batch, nheads_k):
         host = d.copy_to_host()
     elif hasattr(d, "get") and not isinstance(d, np.ndarray):
         host = d.get()
+    elif isinstance(d, np.ndarray):
+        host = d
     else:
-        host = np.asarray(d)
+        raise TypeError(f"{name} must be a float, None, or a (batch, nheads_k) NumPy, PyTorch, CuPy or Numba array, "
+                        f"got {type(d).__name__}")
     if host.size == 1:
         return float(host.reshape(()))
     return np.repeat(np.asarray(host, np.float32).reshape(batch, nheads_k), 2, axis=0)
@@ -309,7 +334,7 @@ def _flat(x, name):
                          f"{tuple(getattr(x, 'strides', ()))}") from e
 
 
-def tiles_of(lengths):
+def _tiles_of(lengths):
     """Each sequence's V^T columns in a packed call: its keys in whole key tiles (``vt_tile_keys``)."""
     return vt_tile_keys(np.asarray(lengths, np.int64))
 

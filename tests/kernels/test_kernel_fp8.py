@@ -418,6 +418,9 @@ def test_fp8_forward_over_a_kv_cache_matches_its_oracle(seqlens, new, hk, group,
     (dict(k=np.zeros((2, 2, 2, 64), np.uint8), v=np.zeros((2, 2, 2, 64), np.uint8)), ValueError,
      "k and v must be \\(batch, seqlen_new, nheads_k, headdim\\)"),
     (dict(q=np.zeros((2, 4, 64), np.uint8)), ValueError, "q must be 4-D"),
+    (dict(v_descale=0.0), ValueError, "v_descale must be a positive finite float"),
+    (dict(k_descale=np.ones((2, 1), np.float32), v_descale=np.zeros((2, 1), np.float32)), ValueError,
+     "v_descale must be positive and finite"),
 ])
 def test_fp8_kvcache_refuses_bad_input(change, error, words):
     """Before any launch and before the append (the caches unchanged), naming the argument."""
