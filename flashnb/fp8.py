@@ -269,46 +269,40 @@ def _host_seqlens(cache_seqlens, batch):
     """``cache_seqlens`` (an int, or an int32 ``(batch,)`` array of any kind) as a host int64 array."""
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
         return np.full(batch, int(cache_seqlens), np.int64)
-    if torch is not None and isinstance(cache_seqlens, torch.Tensor):
-        host, dtype = cache_seqlens.detach().cpu().numpy(), str(cache_seqlens.dtype).replace("torch.", "")
-    elif hasattr(cache_seqlens, "copy_to_host"):
-        host = cache_seqlens.copy_to_host()
-        dtype = host.dtype.name
-    elif hasattr(cache_seqlens, "get") and not isinstance(cache_seqlens, np.ndarray):
-        host = cache_seqlens.get()
-        dtype = host.dtype.name
-    elif isinstance(cache_seqlens, np.ndarray):
-        host, dtype = cache_seqlens, cache_seqlens.dtype.name
-    else:
-        raise TypeError(f"cache_seqlens must be an int or an int32 array, got {type(cache_seqlens).__name__}")
-    if dtype != "int32" or tuple(host.shape) != (batch,):
-        raise ValueError(f"cache_seqlens must be an int or an int32 array of shape ({batch},), got {dtype} "
+    host = varlen._on_host(cache_seqlens, "cache_seqlens")
+    if host.dtype != np.int32 or tuple(host.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must be an int or an int32 array of shape ({batch},), got {host.dtype} "
                          f"{tuple(host.shape)}")
     return host.astype(np.int64)
 
 
 def _descale_pairs(d, name, kind, q, batch, nheads_k):
-    """A descale of the KV-cache call as the packed call of 2 * batch sequences takes it: a value as it is, a
-    ``(batch, nheads_k)`` array (checked by ``_descale``) read on the host with each row twice (the second of a pair
-    is the rest of a cache, which has no query and is never read)."""
+    """A descale of the KV-cache call as the packed call of 2 * batch sequences takes it, checked before the
+    append: a value as it is, a ``(batch, nheads_k)`` array read on the host with each row twice (the second of a
+    pair is the rest of a cache, which has no query)."""
     if not _is_array(d) or (isinstance(d, np.ndarray) and d.size == 1):
-        _scalar(d, name)                                    # (checked before the append)
+        _scalar(d, name)
         return d
-    _descale(d, name, kind, q, batch, nheads_k, _arrays.resolve_stream(None, kind, q))     # (its checks)
     if torch is not None and isinstance(d, torch.Tensor):
         host = d.detach().float().cpu().numpy()
     elif hasattr(d, "copy_to_host"):
         host = d.copy_to_host()
-    elif hasattr(d, "get") and not isinstance(d, np.ndarray):
-        host = d.get()
+    elif _arrays.cupy is not None and isinstance(d, _arrays.cupy.ndarray):
+        host = _arrays.cupy.asnumpy(d)
     elif isinstance(d, np.ndarray):
         host = d
     else:
         raise TypeError(f"{name} must be a float, None, or a (batch, nheads_k) NumPy, PyTorch, CuPy or Numba array, "
                         f"got {type(d).__name__}")
     if host.size == 1:
-        return float(host.reshape(()))
-    return np.repeat(np.asarray(host, np.float32).reshape(batch, nheads_k), 2, axis=0)
+        return _scalar(float(host.reshape(())), name)
+    host = np.asarray(host, np.float32)
+    if host.shape != (batch, nheads_k):
+        raise ValueError(f"{name} must be a float or an array of shape (batch, nheads_k) = ({batch}, {nheads_k}), "
+                         f"got shape {host.shape}")
+    if not (np.all(np.isfinite(host)) and np.all(host > 0)):
+        raise ValueError(f"{name} must be positive and finite in float32")
+    return np.repeat(host, 2, axis=0)
 
 
 def _append(k_cache, v_cache, k, v, lengths):

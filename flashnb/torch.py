@@ -232,7 +232,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             flex._check_complex_step(on_host)
         flex._captured_grad_names(names, on_host, False)
         dims = (int(query.shape[0]), int(query.shape[1]), int(query.shape[2]), int(key.shape[2]))
-        flex.check_captured_grads(on_host, names, dims if min(dims) > 0 else None)     # (before the forward)
+        dims = dims if min(dims) > 0 else None
+        flex._checked(on_host, ("captured steps", names, dims),                          # (before the forward; once
+                      lambda: flex.check_captured_grads(on_host, names, dims),           # per function, captures
+                      flex._fingerprint(on_host))                                        # and shape)
         out, lse = _FlexLearned.apply(query, key, value, args, names, *tables)
         return (out, lse) if return_lse else out
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
