@@ -7,6 +7,8 @@ Cases (each written twice, as plain Python for flashnb and with torch ops for Py
 * ``causal``: mask ``q_idx >= kv_idx``;
 * ``document``: 8 documents of random lengths (seed 0) packed in the sequence, causal within each (ids captured:
   an int8 NumPy array for flashnb (16 KB, read twice: 32 KB of constant memory), a CUDA tensor for PyTorch);
+* ``document cuda``: the same documents with the ids a captured CUDA tensor for both libraries (flashnb reads it
+  from global memory in place; a captured NumPy array is a constant of the kernel, read from constant memory);
 * ``sliding 1024``: causal with a window of 1024 keys;
 * ``alibi``: causal, score_mod ``score - slope_h * (q_idx - kv_idx)`` (flashnb: the slopes a captured float32 array);
 * ``softcap 30``: causal, score_mod ``30 tanh(score / 30)`` (flashnb: ``math.tanh`` and its ``score_mod_grad``);
@@ -30,7 +32,7 @@ from bench.report import record_line, record_table
 
 SEQLEN, HIDDEN, DOCS, WINDOW, SOFTCAP, SEED = 16384, 2048, 8, 1024, 30.0, 0
 HEADDIMS = (64, 128)
-CASES = ("causal", "document", "sliding 1024", "alibi", "softcap 30", "none")
+CASES = ("causal", "document", "document cuda", "sliding 1024", "alibi", "softcap 30", "none")
 BLOCK = 128
 REPS, WARMUP = 10, 3
 
@@ -58,7 +60,7 @@ def allowed_pairs(case, seqlen=SEQLEN, ids=None):
     if case == "sliding 1024":
         w = WINDOW
         return sum(min(i, w) + 1 for i in range(seqlen))
-    if case == "document":
+    if case in ("document", "document cuda"):
         import numpy as np
         ids = document_ids(seqlen) if ids is None else ids
         return sum(n * (n + 1) // 2 for n in np.bincount(ids))
@@ -70,9 +72,17 @@ def flops(case, nheads, headdim, what, seqlen=SEQLEN):
     return {"fwd": fwd, "fwdbwd": 3.5 * fwd}[what]
 
 
+def cuda_ids(ids):
+    """The document ids as a CUDA tensor (what PyTorch's case captures)."""
+    import torch
+    return torch.as_tensor(ids, device="cuda")
+
+
 def flashnb_mods(case, nheads, ids):
     """(score_mod, mask_mod, score_mod_grad) of a case, plain Python for flashnb."""
     import numpy as np
+    if case == "document cuda":
+        ids, case = cuda_ids(ids), "document"
     slopes = np.array(alibi_slopes(nheads), np.float32)    # a table indexed by h: an array (docs/flex.md)
 
     def causal(b, h, q_idx, kv_idx):
@@ -101,6 +111,7 @@ def flashnb_mods(case, nheads, ids):
 
 def torch_mods(torch, case, nheads, ids):
     """The same case with torch ops, for PyTorch's flex_attention."""
+    case = "document" if case == "document cuda" else case
     slopes = torch.tensor(alibi_slopes(nheads), device="cuda")
     ids = torch.as_tensor(ids, device="cuda")
 
