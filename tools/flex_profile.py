@@ -1,7 +1,8 @@
-"""Where a flex_attention call's time goes on the GPU: bfloat16, one sequence of 16384 tokens, 32 heads of 64, the
-causal and sliding-window (1024) cases of ``python -m bench --flex`` against the dense call with the same option;
-per case the host time of a call (no synchronisation), the CUDA-event time of a forward and of a
-forward+backward, and torch.profiler's kernels (name, launches, GPU ms).  ``python -m tools.flex_profile``.
+"""Where a flex_attention call's time goes on the GPU: bfloat16, one sequence of 16384 tokens, 2048 / d heads of
+``--headdim`` (64), cases of ``python -m bench --flex`` (``--cases``, default causal and sliding 1024) against the
+dense call with the same option and, with ``--torch``, PyTorch's compiled flex_attention; per case the host time of
+a call (no synchronisation), the CUDA-event time of a forward and of a forward+backward, and torch.profiler's
+kernels (name, launches, GPU ms).  ``python -m tools.flex_profile [--headdim 128] [--cases document] [--torch]``.
 ``python -m tools.flex_profile --once``: one causal forward of each (flex, then dense) after a warm-up, for
 ``ncu -k regex:flash_forward_tc --launch-skip 2`` (the two warm-up launches skipped)."""
 import time
@@ -65,30 +66,48 @@ def once():
 
 
 def main():
+    import argparse
     import sys
     if "--once" in sys.argv:
         return once()
+    from bench import flex as bf
+    from torch.nn.attention import flex_attention as tflex
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--headdim", type=int, default=D)
+    ap.add_argument("--cases", default="causal,sliding 1024")
+    ap.add_argument("--torch", action="store_true", help="also PyTorch's compiled flex_attention")
+    args = ap.parse_args()
+    d = args.headdim
+    h = bf.HIDDEN // d
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    q, k, v = (torch.randn(1, h, N, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                for _ in range(3))
     dout = torch.randn_like(q)
-    for name, mask_mod, dense in (("causal", causal, dict(causal=True)),
-                                  ("sliding 1024", sliding, dict(causal=True, window_size=(W, 0)))):
-        mask = flashnb.create_block_mask(mask_mod, None, None, N, N, BLOCK_SIZE=128)
-        print(f"{name}: {mask}")
-        calls = {
-            "flex": lambda: ft.flex_attention(q, k, v, block_mask=mask),
-            "dense": lambda: ft.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                **dense).transpose(1, 2),
-        }
+    ids = bf.document_ids()
+    compiled = torch.compile(tflex.flex_attention) if args.torch else None
+    for name in args.cases.split(","):
+        score_mod, mask_mod, grad = bf.flashnb_mods(name, h, ids)
+        mask = None if mask_mod is None else flashnb.create_block_mask(mask_mod, None, None, N, N, BLOCK_SIZE=128)
+        print(f"{name} (d {d}): {mask}")
+        calls = {"flex": lambda: ft.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask,
+                                                     score_mod_grad=grad)}
+        dense = bf.dense_options(name, h)
+        if dense is not None:
+            calls["dense"] = lambda: ft.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                        **dense).transpose(1, 2)
+        if compiled is not None:
+            t_score, t_mask = bf.torch_mods(torch, name, h, ids)
+            t_block = None if t_mask is None else tflex.create_block_mask(t_mask, None, None, N, N, device="cuda",
+                                                                          BLOCK_SIZE=128)
+            calls["torch flex compiled"] = lambda: compiled(q, k, v, score_mod=t_score, block_mask=t_block)
         for impl, fwd in calls.items():
             with torch.no_grad():
-                h = host_us(fwd)
+                hu = host_us(fwd)
                 f = event_ms(fwd)
                 ks = kernels(fwd)
             fb = event_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), dout))
             kb = kernels(lambda: torch.autograd.grad(fwd(), (q, k, v), dout))
-            print(f"{name} {impl}: host {h:.0f} us a forward call, forward {f:.3f} ms, forward+backward {fb:.3f} ms")
+            print(f"{name} {impl}: host {hu:.0f} us a forward call, forward {f:.3f} ms, forward+backward {fb:.3f} ms")
             for ms, n, key in ks:
                 print(f"    fwd  {ms:8.3f} ms {n:3d}x {key}")
             for ms, n, key in kb:
