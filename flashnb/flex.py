@@ -285,7 +285,8 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
                     _compiled(grad, f32, fp(id(grad))) if grad is not None
                     else _complex_step(score_mod, f32, fp(id(score_mod))) if backward and score_mod else None,
                     None if mask_mod is None else block_mask.block_size,
-                    bool(plan.FLEX_MOD_INT32) and score_mod is not None)
+                    bool(plan.FLEX_MOD_INT32) and score_mod is not None, int(plan.FLEX_MASK_WRITTEN),
+                    bool(plan.FLEX_MASK_INT32) and mask_mod is not None)
     entries = ()
     if learned:
         f32 = _arrays.kind_of(query, "query").dtype != "float64"

@@ -646,6 +646,16 @@ FLEX_TWO_BLOCKS_SCORE = True
 # 20.10; softcap 30 forward 9.425 -> 9.429 (outputs equal, max diff 0)
 FLEX_MOD_INT32 = True
 
+# a mask_mod's bits of a partial tile written out (``forward_tc.mask_bit``: the words in registers, the mask_mod at
+# clamped indices with no branch, no block-state read an element inside one mask block) in the forward (1) and the
+# tensor-core dK/dV kernel (2), else a loop (a dynamic index: the words in local memory, ~50 SASS instructions an
+# element with 64-bit indices and a block-state read); ``FLEX_MASK_INT32``: the mask_mod's indices as int32 there.
+# ptxas (mma.sync bf16 d 128, a document mask): forward LDC 21 -> 25 (the ids read once a row and a column), the
+# dK/dV kernel's spills 112/288 -> 256/564 bytes.  To measure: python -m tools.flex_ab --headdims 128 --cases
+# "document,sliding 1024,causal" --settings "FLEX_MASK_WRITTEN=0;FLEX_MASK_WRITTEN=1;FLEX_MASK_WRITTEN=3"
+FLEX_MASK_WRITTEN = 3
+FLEX_MASK_INT32 = False
+
 
 def _flex_only(call):
     """A flex_attention call: its functions, and no option but its states (the block mask)."""

@@ -36,6 +36,9 @@ class Mods(NamedTuple):
     block: tuple = None           # the block mask's (BLOCK_Q, BLOCK_K) with a mask_mod: compile-time divisors
     index32: bool = False         # the score_mod's indices as int32, clamped in int32 (the tensor-core forward and
     #                               the element gradient; ``plan.FLEX_MOD_INT32``)
+    mask_written: int = 3         # a mask_mod's bits written out (``forward_tc.mask_bit``): 1 the forward, 2 the
+    #                               tensor-core dK/dV kernel; else a loop (``plan.FLEX_MASK_WRITTEN``)
+    mask_index32: bool = False    # the mask_mod's indices as int32 there (``plan.FLEX_MASK_INT32``)
     capture_grad: object = None   # ``capture_grad(ds, score, b, h, q_idx, kv_idx)``: adds an element's part of the
     #                               gradients into captured arrays (``_mod_grad``; the dK/dV kernels call it)
 

@@ -429,7 +429,14 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS,
                              CAPTURE_THREADS=32 * KW if DSPLIT > 1 and not SHARE else NTHREADS)
-    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS and MODS.mask_mod, mask_block(MODS))
+    MASK_BLOCK = mask_block(MODS)
+    # as in ``forward_tc``: a mask_mod's tile inside one mask block needs no block-state read an element
+    ONE_BLOCK = HAS_MASK_MOD and MASK_BLOCK[0] % BLOCK_Q == 0 and MASK_BLOCK[1] % BLOCK_K == 0
+    other_masks = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK and not ONE_BLOCK, None, MASK_BLOCK)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS and MODS.mask_mod, MASK_BLOCK)
+    mask_mod = MODS and MODS.mask_mod
+    MASK_INDEX32 = bool(MODS and MODS.mask_index32)
+    MASK_WRITTEN = bool(MODS and MODS.mask_written & 2) and ONE_BLOCK     # (as in ``forward_tc``)
     MASK_WORDS = (MTK * NT_QA * 4 + 31) // 32        # a mask_mod's bits of one thread's S^T (``mask_words_t``)
     PLAIN_MASK_MOD = PLAIN and HAS_MASK_MOD
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
@@ -640,11 +647,28 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                     mma_pair(fb, m, b0, b1, b2, b3, dp_reg, n)
 
     @device_function
-    def mask_words_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
-                     block_mask, bm_q, bm_k):
-        """``words``: one bit per S^T element of this thread (element ``(m * NT_QA + n) * 4 + e``), set where the
-        pair is allowed (the mask_mod and the bounds): apart from S^T, as ``forward_tc.mask_words``, so that this
-        loop (too long to unroll) does not index S^T and keep it in local memory."""
+    def mask_bit_t(m, n, e, words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
+                   block_mask, bm_q, bm_k):
+        """Sets element ``(m, n, e)``'s bit of ``words`` where the pair is allowed: ``forward_tc.mask_bit``'s
+        mask_mod at clamped indices (int32 under ``INDEX32``) and the bounds, for S^T."""
+        i = q0 + qa + 8 * n + 2 * t + (e % 2)
+        j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
+        if MASK_INDEX32:
+            ok = bool(mask_mod(np.int32(b), np.int32(h), min(np.int32(i), np.int32(seqlen_q - 1)),
+                               min(np.int32(j), np.int32(seqlen_k - 1))))
+        else:
+            ok = bool(mask_mod(b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1)))
+        ok = ok & other_masks(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)
+        if ok:
+            x = (m * NT_QA + n) * 4 + e
+            words[x >> 5] |= np.uint32(1) << np.uint32(x & 31)
+
+    mask_each_t = unrolled(mask_bit_t, (MTK, NT_QA, 4)) if HAS_MASK_MOD else None
+
+    @device_function
+    def mask_words_loop_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
+                          block_mask, bm_q, bm_k):
+        """``mask_words_t`` as a loop (``plan.FLEX_MASK_WRITTEN`` without its bit 2): the words in local memory."""
         for w in range(MASK_WORDS):
             words[w] = np.uint32(0)
         for m in range(MTK):
@@ -654,6 +678,18 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                                seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
                         x = (m * NT_QA + n) * 4 + e
                         words[x >> 5] |= np.uint32(1) << np.uint32(x & 31)
+
+    @device_function
+    def mask_words_out_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
+                     block_mask, bm_q, bm_k):
+        """``words``: one bit per S^T element of this thread (element ``(m * NT_QA + n) * 4 + e``), set where the
+        pair is allowed: apart from S^T, written out as ``forward_tc.mask_words`` (the words in registers)."""
+        for w in range(MASK_WORDS):
+            words[w] = np.uint32(0)
+        mask_each_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask,
+                    bm_q, bm_k)
+
+    mask_words_t = mask_words_out_t if MASK_WRITTEN else mask_words_loop_t
 
     @device_function
     def zero_masked(s_reg, dp_reg, words):

@@ -197,6 +197,12 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     score = make_score_fn(F32, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
     MASK_BLOCK = mask_block(MODS)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod, MASK_BLOCK)
+    # a mask_mod's tile inside one mask block reaches the element mask only when its block is partial: the
+    # mask_mod alone decides its elements (no block-state read an element)
+    ONE_BLOCK = HAS_MASK_MOD and MASK_BLOCK[0] % BLOCK_Q == 0 and MASK_BLOCK[1] % BLOCK_K == 0
+    other_masks = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK and not ONE_BLOCK, None, MASK_BLOCK)
+    mask_mod = MODS.mask_mod
+    MASK_INDEX32 = MODS.mask_index32
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                                                      MASK_BLOCK)
     tile_order = make_tile_order(SECTION, LAST_FIRST=True)   # (a causal forward's longest query tiles: its last)
@@ -359,11 +365,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                     s_reg[m, n, e] = x
 
     @device_function
-    def mask_words(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q,
-                   bm_k):
-        """``words``: one bit per S element of this thread (element ``(m * NT_K + n) * 4 + e``), set where the
-        score is allowed (the mask_mod and the bounds).  Apart from S, so that this loop (too long to unroll) does
-        not index S and keep it in local memory."""
+    def mask_words_loop(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask,
+                        bm_q, bm_k):
+        """``mask_words`` as a loop (``plan.FLEX_MASK_WRITTEN`` without its bit 1): the words in local memory."""
         for w in range(MASK_WORDS):
             words[w] = W0
         for m in range(MT):
@@ -373,6 +377,41 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
                                off, left, right, attn_mask, block_mask, bm_q, bm_k):
                         x = (m * NT_K + n) * 4 + e
                         words[x >> 5] |= np.uint32(1) << np.uint32(x & 31)
+
+    @device_function
+    def mask_bit(m, n, e, words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask,
+                 bm_q, bm_k):
+        """Sets element ``(m, n, e)``'s bit of ``words`` where its score is allowed (the mask_mod, with int32
+        indices under ``INDEX32`` as a score_mod gets them, and the bounds and other masks: ``other_masks``)."""
+        i = row0 + 16 * m + 8 * (e // 2)
+        j = k0 + 8 * n + 2 * t + (e % 2)
+        # the mask_mod at indices clamped into the sequences (no branch: an element's reads are the row's and the
+        # column's, shared with the thread's other elements), then the bounds
+        if MASK_INDEX32:
+            ok = bool(mask_mod(np.int32(b), np.int32(h), min(np.int32(i), np.int32(seqlen_q - 1)),
+                               min(np.int32(j), np.int32(seqlen_k - 1))))
+        else:
+            ok = bool(mask_mod(b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1)))
+        ok = ok & other_masks(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)
+        if ok:
+            x = (m * NT_K + n) * 4 + e
+            words[x >> 5] |= np.uint32(1) << np.uint32(x & 31)
+
+    mask_each = unrolled(mask_bit, (MT, NT_K, 4)) if HAS_MASK_MOD else None
+
+    @device_function
+    def mask_words_out(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q,
+                   bm_k):
+        """``words``: one bit per S element of this thread (element ``(m * NT_K + n) * 4 + e``), set where the
+        score is allowed.  Written out (``mask_bit`` at literal indices), so that the words stay in registers and
+        each element's indices are the thread's base plus a constant; apart from S."""
+        for w in range(MASK_WORDS):
+            words[w] = W0
+        mask_each(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)
+
+    # (written out only inside one mask block: a tile across blocks reads a block state an element, which written
+    # out spills: ptxas, 16 x 16 blocks, 704 bytes)
+    mask_words = mask_words_out if MODS.mask_written & 1 and ONE_BLOCK else mask_words_loop
 
     @device_function
     def modify_element(m, n, e, s_reg, words, need_mask, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right,
