@@ -649,12 +649,17 @@ FLEX_MOD_INT32 = True
 # a mask_mod's bits of a partial tile written out (``forward_tc.mask_bit``: the words in registers, the mask_mod at
 # clamped indices with no branch, no block-state read an element inside one mask block) in the forward (1) and the
 # tensor-core dK/dV kernel (2), else a loop (a dynamic index: the words in local memory, ~50 SASS instructions an
-# element with 64-bit indices and a block-state read); ``FLEX_MASK_INT32``: the mask_mod's indices as int32 there.
-# ptxas (mma.sync bf16 d 128, a document mask): forward LDC 21 -> 25 (the ids read once a row and a column), the
-# dK/dV kernel's spills 112/288 -> 256/564 bytes.  To measure: python -m tools.flex_ab --headdims 128 --cases
-# "document,sliding 1024,causal" --settings "FLEX_MASK_WRITTEN=0;FLEX_MASK_WRITTEN=1;FLEX_MASK_WRITTEN=3"
+# element with 64-bit indices and a block-state read); ``FLEX_MASK_INT32``: the mask_mod's indices as int32 there
+# (PyTorch's flex gives its functions int32 indices too).  ptxas (mma.sync bf16 d 128, a document mask): the ids
+# read once a row and a column (LDC 133 -> 25 written out with clamped indices).  Measured (H200, bf16 d 128, 16k
+# tokens, one process, 2 rounds; python -m tools.flex_ab --headdims 128 --cases "document,sliding 1024,alibi"
+# --settings "FLEX_MASK_WRITTEN=0 FLEX_MASK_INT32=0;FLEX_MASK_WRITTEN=3 FLEX_MASK_INT32=0;FLEX_MASK_WRITTEN=3
+# FLEX_MASK_INT32=1;FLEX_MASK_WRITTEN=1 FLEX_MASK_INT32=1"; bench/results/h200-flex-2026-11-28e.md), ms loop ->
+# written -> written + int32 (-> forward only): document forward 1.424 -> 0.926 -> 0.827, forward+backward 3.635
+# -> 2.692 -> 2.515 (3.058); sliding 1024 0.684 -> 0.503 -> 0.487, 2.246 -> 1.944 -> 1.868 (2.143); ALiBi (causal)
+# 2.877 -> 2.946 -> 2.855, 13.518 -> 13.602 -> 12.922 (13.491); outputs equal (max diff 0)
 FLEX_MASK_WRITTEN = 3
-FLEX_MASK_INT32 = False
+FLEX_MASK_INT32 = True
 
 
 def _flex_only(call):

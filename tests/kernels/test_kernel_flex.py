@@ -358,6 +358,39 @@ def test_int32_indices_for_the_score_mod_give_the_same_results(monkeypatch, back
         np.testing.assert_array_equal(a, b)
 
 
+def test_the_written_out_mask_bits_and_int32_indices_give_the_same_results(monkeypatch):
+    """``plan.FLEX_MASK_WRITTEN`` (a mask_mod's bits of a partial tile written out, at clamped indices) and
+    ``plan.FLEX_MASK_INT32`` (its indices as int32) against the loop with int64 indices: the same outputs, lse and
+    gradients on the tensor-core kernels, with a document mask over captured ids and a prefix (the indices index
+    an array and meet a constant) and sequences that end inside a tile; blocks of 128 put each tile inside one
+    block (the written-out path; blocks smaller than a tile take the loop either way)."""
+    from flashnb import flex, plan
+    rng = np.random.default_rng(22)
+    L, S = 40, 56
+    ids = np.sort(rng.integers(0, 4, S)).astype(np.int32)
+
+    def doc(b, h, q_idx, kv_idx):
+        return ((ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)) | (kv_idx < 5)
+
+    q = rng.standard_normal((1, 2, L, 16)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 2, S, 16)).astype(np.float16) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    mask = flashnb.create_block_mask(doc, None, None, L, S, BLOCK_SIZE=128)
+    results = []
+    for written, int32 in ((0, False), (3, True)):
+        monkeypatch.setattr(plan, "FLEX_MASK_WRITTEN", written)
+        monkeypatch.setattr(plan, "FLEX_MASK_INT32", int32)
+        seen = []
+        monkeypatch.setattr(flex, "Mods", lambda *a, _real=flex.Mods: seen.append(_real(*a)) or seen[-1])
+        out, lse = flashnb.flex_attention(q, k, v, block_mask=mask, return_lse=True, backend="tensorcore")
+        grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, block_mask=mask, backend="tensorcore")
+        assert seen and all(m.mask_written == written and m.mask_index32 == int32 for m in seen)
+        results.append((out, lse) + tuple(grads))
+    assert np.all(np.isfinite(results[0][0]))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_captured_device_arrays_are_read_in_place():
     """A mask_mod over device document ids and a score_mod over a device bias table (Numba device arrays: the
     simulator's, or the GPU's, whose address numba-cuda embeds in the kernel) give the oracle's results with the
