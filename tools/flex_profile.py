@@ -3,8 +3,10 @@
 dense call with the same option and, with ``--torch``, PyTorch's compiled flex_attention; per case the host time of
 a call (no synchronisation), the CUDA-event time of a forward and of a forward+backward, and torch.profiler's
 kernels (name, launches, GPU ms).  ``python -m tools.flex_profile [--headdim 128] [--cases document] [--torch]``.
-``python -m tools.flex_profile --once``: one causal forward of each (flex, then dense) after a warm-up, for
-``ncu -k regex:flash_forward_tc --launch-skip 2`` (the two warm-up launches skipped)."""
+``python -m tools.flex_profile --once [CASE [HEADDIM [bwd]]]``: one call of each (flex, then dense where the case
+has a dense option; forward, or forward+backward with ``bwd``) after a warm-up of each, for e.g. ``ncu -k
+regex:flash_dkdv_tc --launch-skip 2 --set full python -m tools.flex_profile --once alibi 128 bwd`` (the warm-up
+launches skipped: flex's dK/dV kernel, then the dense ALiBi option's)."""
 import time
 
 import torch
@@ -51,13 +53,24 @@ def kernels(fn):
     return sorted(rows, reverse=True)[:8]
 
 
-def once():
+def once(case="causal", d=D, backward=False):
+    """One call of each (flex, then the dense call where the case has one) after a warm-up of each, for ncu."""
+    from bench import flex as bf
+    h = bf.HIDDEN // d
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-    mask = flashnb.create_block_mask(causal, None, None, N, N, BLOCK_SIZE=128)
-    calls = (lambda: ft.flex_attention(q, k, v, block_mask=mask),
-             lambda: ft.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True))
-    for fn in calls:           # warm-up: the two launches ncu skips
+    q, k, v = (torch.randn(1, h, N, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    score_mod, mask_mod, grad = bf.flashnb_mods(case, h, bf.document_ids())
+    mask = None if mask_mod is None else flashnb.create_block_mask(mask_mod, None, None, N, N, BLOCK_SIZE=128)
+    calls = [lambda: ft.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, score_mod_grad=grad)]
+    dense = bf.dense_options(case, h)
+    if dense is not None:
+        calls.append(lambda: ft.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                **dense).transpose(1, 2))
+    if backward:
+        calls = [lambda fwd=fwd: torch.autograd.grad(fwd(), (q, k, v), dout) for fwd in calls]
+    for fn in calls:           # warm-up: the launches ncu skips
         fn()
     torch.cuda.synchronize()
     for fn in calls:
@@ -68,8 +81,9 @@ def once():
 def main():
     import argparse
     import sys
-    if "--once" in sys.argv:
-        return once()
+    if "--once" in sys.argv:         # --once [CASE] [HEADDIM] [bwd]
+        rest = sys.argv[sys.argv.index("--once") + 1:]
+        return once(rest[0] if rest else "causal", int(rest[1]) if len(rest) > 1 else D, "bwd" in rest)
     from bench import flex as bf
     from torch.nn.attention import flex_attention as tflex
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
