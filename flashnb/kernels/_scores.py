@@ -126,6 +126,33 @@ def make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MASK_MOD=None, MA
     return allowed
 
 
+def make_tile_mask_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS, BLOCK_Q, BLOCK_K):
+    """``(tile_mask, written)`` for the tensor-core kernels' mask_mod bits of a partial tile:
+    ``tile_mask(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)`` is
+    ``MODS.mask_mod`` at indices clamped into the sequences (int32 with ``MODS.mask_index32``; no branch, so that
+    an element's reads are its row's and its column's, shared with the thread's other elements), then the bounds
+    and the other masks.  Inside one mask block (the block size a multiple of the tiles) a tile reaches the element
+    mask only when its one block is partial, and the mask_mod alone decides: no block-state read an element.
+    ``written``: whether the kernel writes the bits out (``MODS.mask_written`` has its bit and the tiles sit inside
+    one block; smaller blocks keep the loop: their block reads written out spilled, 704 bytes with 16 x 16)."""
+    block = mask_block(MODS)
+    one_block = block is not None and block[0] % BLOCK_Q == 0 and block[1] % BLOCK_K == 0
+    other_masks = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK and not one_block, None, block)
+    mask_mod = None if block is None else MODS.mask_mod
+    INDEX32 = bool(block is not None and MODS.mask_index32)
+
+    @device_function
+    def tile_mask(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
+        if INDEX32:
+            ok = bool(mask_mod(np.int32(b), np.int32(h), min(np.int32(i), np.int32(seqlen_q - 1)),
+                               min(np.int32(j), np.int32(seqlen_k - 1))))
+        else:
+            ok = bool(mask_mod(b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1)))
+        return ok & other_masks(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)
+
+    return tile_mask, one_block
+
+
 @device_function
 def philox_keep(seed_lo, seed_hi, b, h, i, j, threshold):
     """Dropout keep bit of element (b, h, i, j): first word of Philox-4x32-10((j, i, h, b), seed) >= threshold.

@@ -51,7 +51,7 @@ from numba import cuda
 from ._copy import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory, unrolled
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
-from ._scores import make_allowed_fn, mask_block
+from ._scores import make_allowed_fn, make_tile_mask_fn, mask_block
 from ._tiles import U, make_tile_order, packed_tile_head_batch, sequence_span
 from ._wgmma import ATOM_BYTES, SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES
 from .backward import CAST_ITEMS, CAST_THREADS, make_element_grad, make_query_tile_range
@@ -429,13 +429,8 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
                              HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS,
                              CAPTURE_THREADS=32 * KW if DSPLIT > 1 and not SHARE else NTHREADS)
-    MASK_BLOCK = mask_block(MODS)
-    # as in ``forward_tc``: a mask_mod's tile inside one mask block needs no block-state read an element
-    ONE_BLOCK = HAS_MASK_MOD and MASK_BLOCK[0] % BLOCK_Q == 0 and MASK_BLOCK[1] % BLOCK_K == 0
-    other_masks = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK and not ONE_BLOCK, None, MASK_BLOCK)
-    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS and MODS.mask_mod, MASK_BLOCK)
-    mask_mod = MODS and MODS.mask_mod
-    MASK_INDEX32 = bool(MODS and MODS.mask_index32)
+    allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS and MODS.mask_mod, mask_block(MODS))
+    tile_mask, ONE_BLOCK = make_tile_mask_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS, BLOCK_Q, BLOCK_K)
     MASK_WRITTEN = bool(MODS and MODS.mask_written & 2) and ONE_BLOCK     # (as in ``forward_tc``)
     MASK_WORDS = (MTK * NT_QA * 4 + 31) // 32        # a mask_mod's bits of one thread's S^T (``mask_words_t``)
     PLAIN_MASK_MOD = PLAIN and HAS_MASK_MOD
@@ -649,17 +644,10 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     @device_function
     def mask_bit_t(m, n, e, words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
                    block_mask, bm_q, bm_k):
-        """Sets element ``(m, n, e)``'s bit of ``words`` where the pair is allowed: ``forward_tc.mask_bit``'s
-        mask_mod at clamped indices (int32 under ``INDEX32``) and the bounds, for S^T."""
-        i = q0 + qa + 8 * n + 2 * t + (e % 2)
-        j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
-        if MASK_INDEX32:
-            ok = bool(mask_mod(np.int32(b), np.int32(h), min(np.int32(i), np.int32(seqlen_q - 1)),
-                               min(np.int32(j), np.int32(seqlen_k - 1))))
-        else:
-            ok = bool(mask_mod(b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1)))
-        ok = ok & other_masks(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)
-        if ok:
+        """Sets element ``(m, n, e)``'s bit of ``words`` where the pair is allowed (``_scores.tile_mask``), for
+        S^T."""
+        if tile_mask(q0 + qa + 8 * n + 2 * t + (e % 2), k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2), b, h, seqlen_q,
+                     seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
             x = (m * NT_QA + n) * 4 + e
             words[x >> 5] |= np.uint32(1) << np.uint32(x & 31)
 

@@ -39,7 +39,7 @@ from numba import cuda
 from ._copy import make_async_tile_copy, make_swizzled_tile_copy, tc_padded_words
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory, unrolled
 from ._mma import SMEM_ALIGN, make_mma_pair, memory_primitives, primitives, tf32_primitives
-from ._scores import Mods, make_allowed_fn, make_score_fn, mask_block, philox_keep
+from ._scores import Mods, make_allowed_fn, make_score_fn, make_tile_mask_fn, mask_block, philox_keep
 from ._tiles import U, make_row_allreduce, make_tile_order, packed_tile_head_batch, sequence_span
 from ._wgmma import SMEM_ALIGN as WG_ALIGN, SWIZZLE_BYTES
 from .forward import LN2, LOG2E, make_mask_bounds, make_next_tile, make_window_helpers
@@ -197,12 +197,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     score = make_score_fn(F32, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
     MASK_BLOCK = mask_block(MODS)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod, MASK_BLOCK)
-    # a mask_mod's tile inside one mask block reaches the element mask only when its block is partial: the
-    # mask_mod alone decides its elements (no block-state read an element)
-    ONE_BLOCK = HAS_MASK_MOD and MASK_BLOCK[0] % BLOCK_Q == 0 and MASK_BLOCK[1] % BLOCK_K == 0
-    other_masks = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK and not ONE_BLOCK, None, MASK_BLOCK)
-    mask_mod = MODS.mask_mod
-    MASK_INDEX32 = MODS.mask_index32
+    tile_mask, ONE_BLOCK = make_tile_mask_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS, BLOCK_Q, BLOCK_K)
     key_tile_range, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                                                      MASK_BLOCK)
     tile_order = make_tile_order(SECTION, LAST_FIRST=True)   # (a causal forward's longest query tiles: its last)
@@ -381,19 +376,9 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
     @device_function
     def mask_bit(m, n, e, words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask,
                  bm_q, bm_k):
-        """Sets element ``(m, n, e)``'s bit of ``words`` where its score is allowed (the mask_mod, with int32
-        indices under ``INDEX32`` as a score_mod gets them, and the bounds and other masks: ``other_masks``)."""
-        i = row0 + 16 * m + 8 * (e // 2)
-        j = k0 + 8 * n + 2 * t + (e % 2)
-        # the mask_mod at indices clamped into the sequences (no branch: an element's reads are the row's and the
-        # column's, shared with the thread's other elements), then the bounds
-        if MASK_INDEX32:
-            ok = bool(mask_mod(np.int32(b), np.int32(h), min(np.int32(i), np.int32(seqlen_q - 1)),
-                               min(np.int32(j), np.int32(seqlen_k - 1))))
-        else:
-            ok = bool(mask_mod(b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1)))
-        ok = ok & other_masks(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)
-        if ok:
+        """Sets element ``(m, n, e)``'s bit of ``words`` where its score is allowed (``_scores.tile_mask``)."""
+        if tile_mask(row0 + 16 * m + 8 * (e // 2), k0 + 8 * n + 2 * t + (e % 2), b, h, seqlen_q, seqlen_k, off,
+                     left, right, attn_mask, block_mask, bm_q, bm_k):
             x = (m * NT_K + n) * 4 + e
             words[x >> 5] |= np.uint32(1) << np.uint32(x & 31)
 
@@ -409,8 +394,6 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
             words[w] = W0
         mask_each(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)
 
-    # (written out only inside one mask block: a tile across blocks reads a block state an element, which written
-    # out spills: ptxas, 16 x 16 blocks, 704 bytes)
     mask_words = mask_words_out if MODS.mask_written & 1 and ONE_BLOCK else mask_words_loop
 
     @device_function
