@@ -669,7 +669,7 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
 
     @device_function
     def mask_words_out_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
-                     block_mask, bm_q, bm_k):
+                         block_mask, bm_q, bm_k):
         """``words``: one bit per S^T element of this thread (element ``(m * NT_QA + n) * 4 + e``), set where the
         pair is allowed: apart from S^T, written out as ``forward_tc.mask_words`` (the words in registers)."""
         for w in range(MASK_WORDS):

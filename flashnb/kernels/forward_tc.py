@@ -386,7 +386,7 @@ def make_forward_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, MT, Q_SMEM, H
 
     @device_function
     def mask_words_out(words, row0, k0, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q,
-                   bm_k):
+                       bm_k):
         """``words``: one bit per S element of this thread (element ``(m * NT_K + n) * 4 + e``), set where the
         score is allowed.  Written out (``mask_bit`` at literal indices), so that the words stay in registers and
         each element's indices are the thread's base plus a constant; apart from S."""
