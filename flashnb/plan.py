@@ -317,6 +317,30 @@ def _cast_launch(kern, n):
     return Launch(kern, cast_grid(n), CAST_THREADS, 0)
 
 
+# the tensor-core dK/dV kernels' element step with a score option or a mod as straight-line code
+# (``make_dkdv_tc(FAST_GRAD=True)``: P by one MUFU.EX2 as in the forward, a masked element's exponent -inf by a
+# select, not a branch around it): ncu on an H200 (bench/results/h200-flex-2026-11-28f.md, call 2) showed flex
+# ALiBi's dK/dV kernel at 2994 M warp instructions against the dense ALiBi option's 2389 M, a branch, two
+# shared loads and a constant load an element, and both with math.exp2's range check (4 instructions an element)
+BWD_FAST_GRAD = True
+
+
+def _fast_grad(call):
+    """``FAST_GRAD`` for the tensor-core dK/dV kernels where an element step runs ``make_element_grad``: a score
+    option or a mod (the plain kernels keep their keywords, and so their compiled and cached kernels)."""
+    f = call.flags
+    step = f.has_softcap or f.has_bias or f.has_alibi or f.has_dropout or f.mods is not None
+    return {"FAST_GRAD": True} if BWD_FAST_GRAD and step else {}
+
+
+# a block mask's states through ``warp_uniform`` in the Hopper dK/dV kernel (``make_dkdv_tc(UNIFORM_STATES=True)``;
+# the forward's tile loop stays uniform without it, ptxas says: 2696 against 2760 SASS instructions, flex causal d 128):
+# ncu on an H200 (bench/results/h200-flex-2026-11-28f.md, call 2) showed flex's causal dK/dV kernel at 1709 M warp
+# instructions against the dense causal kernel's 1470 M, the difference integer work (IMAD +141 M, SHF, LOP3, LEA)
+# where the dense kernel's is uniform (UIADD3, UIMAD): the states' loads made the work items' indices per thread
+UNIFORM_STATES = True
+
+
 def _backward_tc_plan(call, bq, bk):
     if _hopper_backward(call, bk) and call.block_q is None:
         bq = wgmma_bwd_block_q(call.headdim, call.total_q is not None)
@@ -334,7 +358,9 @@ def _backward_tc_plan(call, bq, bk):
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
                                              **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
                                              **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d),
-                                             **({"TMA": True} if tma else {}))
+                                             **({"TMA": True} if tma else {}), **_fast_grad(call),
+                                             **({"UNIFORM_STATES": True} if UNIFORM_STATES
+                                                and call.flags.has_block_mask else {}))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -345,7 +371,8 @@ def _backward_tc_plan(call, bq, bk):
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
                                              split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
                                              **_tf32_keywords(call.dtype, call.precision),
-                                             **_section(call, LPT_SECTION_BWD), **({"DQ_FRAG": True} if frag else {}))
+                                             **_section(call, LPT_SECTION_BWD), **({"DQ_FRAG": True} if frag else {}),
+                                             **_fast_grad(call))
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     cast = None

@@ -8,8 +8,10 @@ forward+backward under each setting, and flashnb's dense call where the case is 
 (a setting: space-separated ``NAME=INT`` of ``flashnb.plan``'s module constants, as ``tools.plan_ab``.)  Times:
 ``bench.flex._gpu_ms`` (CUDA events around one call, host time included, median of its repetitions); each round
 times every setting in turn, in the given order in even rounds and the reverse in odd ones; a cell is the median
-over rounds.  Each setting's output is compared with the first setting's (``max |diff|``): the plan changes
-launch bounds and block order, never results beyond float32 rounding.
+over rounds.  Each setting's output and gradients are compared with the first setting's (``max |diff|``; dQ's atomics add in
+any order, so a few ulps of it move run to run): the plan changes
+launch bounds and block order, never results beyond float32 rounding.  The dense column: the dense call under each
+setting in turn (A / B / ...), timed the same way.
 """
 import argparse
 import statistics
@@ -58,8 +60,9 @@ def main(argv=None):
             for setting in settings:
                 _apply(setting)
                 with torch.no_grad():
-                    outs.append(fwd().float())
-            diff = max(float((o - outs[0]).abs().max()) for o in outs)
+                    out = fwd().float()
+                outs.append((out,) + tuple(x.float() for x in fwdbwd()))
+            diff = max(float((a - b).abs().max()) for o in outs for a, b in zip(o, outs[0]))
             dense = bf.dense_options(case, h)
             for name, fn in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
                 got = [[] for _ in settings]
@@ -74,8 +77,7 @@ def main(argv=None):
                             got[i].append(bf._gpu_ms(torch, fn))
                 cells = [f"{statistics.median(x):.3f}" for x in got]
                 dense_ms = "-"
-                if dense is not None:
-                    _apply(settings[0])
+                if dense is not None:      # the dense call with the same option, under each setting in turn
                     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
                     def dfwd():
@@ -84,11 +86,17 @@ def main(argv=None):
                     def dfwdbwd():
                         return torch.autograd.grad(dfwd(), (q, k, v), dout.transpose(1, 2))
 
-                    if name == "fwd":
-                        with torch.no_grad():
-                            dense_ms = f"{bf._gpu_ms(torch, dfwd):.3f}"
-                    else:
-                        dense_ms = f"{bf._gpu_ms(torch, dfwdbwd):.3f}"
+                    dense_got = [[] for _ in settings]
+                    for r in range(args.rounds):
+                        order = list(enumerate(settings))
+                        for i, setting in (order if r % 2 == 0 else order[::-1]):
+                            _apply(setting)
+                            if name == "fwd":
+                                with torch.no_grad():
+                                    dense_got[i].append(bf._gpu_ms(torch, dfwd))
+                            else:
+                                dense_got[i].append(bf._gpu_ms(torch, dfwdbwd))
+                    dense_ms = " / ".join(f"{statistics.median(x):.3f}" for x in dense_got)
                 print(f"| {d} | {case} | {name} | " + " | ".join(cells) + f" | {dense_ms} | {diff:.2g} |", flush=True)
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
-from ._mma import primitives, tf32_primitives
+from ._mma import memory_primitives, primitives, tf32_primitives
 from ._scores import Mods, make_allowed_fn, make_score_fn, mask_block, philox_keep
 from ._tiles import (U, tile_head_batch, make_mm_abt, make_mm_acc, make_row_allreduce, make_tile_load,
                      packed_tile_head_batch, padded, scratch_size, sequence_span)
@@ -118,9 +118,15 @@ def preprocess_grid(seqlen_q, nheads, batch, threads_c):
 
 @lru_cache(maxsize=None)
 def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW, HAS_ATTN_MASK,
-                      HAS_BLOCK_MASK, MODS=None, CAPTURE_THREADS=0):
-    """``grad(qk, dp, i, j, ...) -> (p_dropped, ds)`` for one element: recomputed P and dS (before ``scale``).
+                      HAS_BLOCK_MASK, MODS=None, CAPTURE_THREADS=0, FAST=False):
+    """``grad(qk, dp, i, j, b, h, lse2_i, delta_i, dead, need_mask, ...) -> (p_dropped, ds)`` for one element:
+    recomputed P and dS (before ``scale``); P = 0 where ``dead`` (the caller's mask, e.g. a mask_mod's bit) or,
+    with ``need_mask``, where the masks disallow the pair.
     ``MODS``: the score_mod's chain rule, ``dS *= score_grad(scale * qk, b, h, i, j)`` where P > 0.
+    ``FAST`` (float32, the tensor-core kernels): the exponent as their forward takes it, one MUFU.EX2
+    (``exp2_ftz``: P below 2^-126 is 0) instead of ``math.exp2``'s range check and rescaling, and a masked
+    element's exponent -inf by a select instead of a branch around the exponent, so that an element step is
+    straight-line code and a row's lse and delta loads are shared by its elements.
     ``CAPTURE_THREADS``: with ``MODS.capture_grad``, the threads of the block below this count add the element's
     part of the gradients into captured arrays (``capture_grad(dS, ...)``, dS before the chain rule): a dK/dV
     kernel's threads that own their elements (two warps holding the same elements: one adds); 0: none (the dQ
@@ -135,9 +141,12 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
     HAS_CAPTURE = capture_grad is not None and CAPTURE_THREADS > 0
     score = make_score_fn(ACC, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, MODS.score_mod)
     allowed = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS.mask_mod, mask_block(MODS))
+    assert not FAST or ACC_NAME == "float32"
+    exp2 = memory_primitives()["exp2_ftz"] if FAST else math.exp2
+    NEG_INF = ACC(-np.inf)
 
     @device_function
-    def grad(qk, dp, i, j, b, h, lse2_i, delta_i, need_mask, seqlen_q, seqlen_k, off, scale, softcap, left,
+    def grad(qk, dp, i, j, b, h, lse2_i, delta_i, dead, need_mask, seqlen_q, seqlen_k, off, scale, softcap, left,
              right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale,
              seed_lo, seed_hi):
         b_in, h_in = b, h
@@ -151,8 +160,16 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
         else:
             i_in, j_in = i, j
             x = score(qk, i, j, b, h, off, scale, softcap, attn_bias, alibi)
-        if need_mask and not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask,
-                                     bm_q, bm_k):
+        if FAST:                                             # P = exp(S - lse); exp2(-inf) = 0 where masked
+            x2 = x * LOG2E_T - lse2_i
+            if dead:
+                x2 = NEG_INF
+            if need_mask and not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask,
+                                         bm_q, bm_k):
+                x2 = NEG_INF
+            p = exp2(x2)
+        elif dead or (need_mask and not allowed(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
+                                                block_mask, bm_q, bm_k)):
             p = ZERO                                         # masked: no exp of a score that may be huge
         else:
             p = math.exp2(x * LOG2E_T - lse2_i)             # P = exp(S - lse)
@@ -166,7 +183,10 @@ def make_element_grad(ACC_NAME, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, H
         if HAS_SOFTCAP:
             t = math.tanh(qk * scale / softcap)
             ds = ds * (ONE - t * t)                          # d/dx softcap*tanh(x/softcap) = 1 - tanh^2
-        if HAS_SCORE_MOD:
+        if HAS_SCORE_MOD and FAST and not HAS_CAPTURE:       # (evaluated everywhere; a select keeps dS = 0 where
+            ds_mod = ds * ACC(score_grad(qk * scale, b_in, h_in, i_in, j_in))     # P = 0, whatever it gives there)
+            ds = ZERO if p == ZERO else ds_mod
+        elif HAS_SCORE_MOD:
             if p != ZERO:                                    # (masked: never evaluated; dS is 0 there)
                 if HAS_CAPTURE and cuda.threadIdx.x < CAPTURE_THREADS:
                     capture_grad(ds, qk * scale, b_in, h_in, i_in, j_in)
@@ -351,7 +371,7 @@ def make_dkdv(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, ATOMIC_DQ, HAS_WINDOW, HAS_A
                     for c in range(TC):
                         il = tx + c * THREADS_C
                         p_drop, ds = grad(s_reg[r, c], dp_reg[r, c], q0 + il, j, b, h, lse_smem[il],
-                                          delta_smem[il], need_mask, seqlen_q, seqlen_k, off, scale, softcap,
+                                          delta_smem[il], False, need_mask, seqlen_q, seqlen_k, off, scale, softcap,
                                           left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
                                           drop_threshold, drop_scale, seed_lo, seed_hi)
                         s_reg[r, c] = p_drop
@@ -497,7 +517,7 @@ def make_dq(BLOCK_Q, BLOCK_K, HEAD_DIM, ACC_NAME, HAS_WINDOW, HAS_ATTN_MASK, HAS
                 i = q0 + ty * TR + r
                 for c in range(TC):
                     j = k0 + tx + c * THREADS_C
-                    _, ds = grad(s_reg[r, c], dp_reg[r, c], i, j, b, h, lse_reg[r], delta_reg[r], need_mask,
+                    _, ds = grad(s_reg[r, c], dp_reg[r, c], i, j, b, h, lse_reg[r], delta_reg[r], False, need_mask,
                                  seqlen_q, seqlen_k, off, scale, softcap, left, right, attn_mask, attn_bias,
                                  alibi, block_mask, bm_q, bm_k, drop_threshold, drop_scale, seed_lo, seed_hi)
                     ds_smem[U((ty * TR + r) * DS_STRIDE + tx + c * THREADS_C)] = ds

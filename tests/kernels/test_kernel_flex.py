@@ -391,6 +391,63 @@ def test_the_written_out_mask_bits_and_int32_indices_give_the_same_results(monke
         np.testing.assert_array_equal(a, b)
 
 
+def test_the_straight_line_element_gradient_gives_the_same_results(monkeypatch):
+    """``plan.BWD_FAST_GRAD`` (the tensor-core dK/dV kernel's element step with one exp2 and the masks as selects,
+    ``make_element_grad(FAST=True)``) against the branches and ``math.exp2``: the same gradients for a score_mod
+    over a captured table with a document mask over captured ids (partial tiles, whose masked scores are large),
+    a softcap with its given derivative, and the dense ALiBi, softcap and bias options with a causal mask and a
+    window; sequences end inside a tile.  The planner passes the setting to the kernel (checked)."""
+    from flashnb import _dispatch, plan
+    rng = np.random.default_rng(23)
+    L, S, H = 40, 56, 2
+    ids = np.sort(rng.integers(0, 4, S)).astype(np.int32)
+    slopes = rng.uniform(0.1, 1.0, H).astype(np.float32)
+
+    def doc(b, h, q_idx, kv_idx):
+        return ((ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)) | (kv_idx < 5)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 5.0 * math.tanh(score / 5.0)
+
+    def softcap_grad(score, b, h, q_idx, kv_idx):
+        t = math.tanh(score / 5.0)
+        return 1.0 - t * t
+
+    q = (3 * rng.standard_normal((1, H, L, 16))).astype(np.float16)
+    k, v = ((3 * rng.standard_normal((1, H, S, 16))).astype(np.float16) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    bias = rng.standard_normal((1, H, L, S)).astype(np.float32)
+    mask = flashnb.create_block_mask(doc, None, None, L, S, BLOCK_SIZE=128)
+    calls = [
+        lambda: flashnb.flex_attention_backward(dout, q, k, v, *flashnb.flex_attention(
+            q, k, v, score_mod=alibi, block_mask=mask, return_lse=True, backend="tensorcore"),
+            score_mod=alibi, block_mask=mask, backend="tensorcore"),
+        lambda: flashnb.flex_attention_backward(dout, q, k, v, *flashnb.flex_attention(
+            q, k, v, score_mod=softcap, return_lse=True, backend="tensorcore"),
+            score_mod=softcap, score_mod_grad=softcap_grad, backend="tensorcore")]
+    qt, kt, vt, dt = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, dout))
+    for opts in (dict(causal=True, alibi_slopes=slopes), dict(softcap=5.0, window_size=(9, 3)),
+                 dict(attn_bias=bias, causal=True)):
+        calls.append(lambda opts=opts: flashnb.flash_attention_backward(dt, qt, kt, vt, *flashnb.flash_attention(
+            qt, kt, vt, return_lse=True, backend="tensorcore", **opts), backend="tensorcore", **opts))
+    results = []
+    for fast in (False, True):
+        monkeypatch.setattr(plan, "BWD_FAST_GRAD", fast)
+        _dispatch.clear()
+        seen = []
+        monkeypatch.setattr(plan, "make_dkdv_tc", lambda *a, _real=plan.make_dkdv_tc, **kw: (
+            seen.append(kw.get("FAST_GRAD", False)) if any(a[5:12]) or kw.get("MODS") else None) or _real(*a, **kw))
+        results.append([call() for call in calls])
+        assert len(seen) >= len(calls) and set(seen) == {fast}          # (the kernels with an element step)
+    for before, after in zip(*results):
+        for a, b in zip(before, after):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_array_equal(a, b)
+
+
 def test_captured_device_arrays_are_read_in_place():
     """A mask_mod over device document ids and a score_mod over a device bias table (Numba device arrays: the
     simulator's, or the GPU's, whose address numba-cuda embeds in the kernel) give the oracle's results with the
