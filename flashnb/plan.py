@@ -321,7 +321,9 @@ def _cast_launch(kern, n):
 # (``make_dkdv_tc(FAST_GRAD=True)``: P by one MUFU.EX2 as in the forward, a masked element's exponent -inf by a
 # select, not a branch around it): ncu on an H200 (bench/results/h200-flex-2026-11-28f.md, call 2) showed flex
 # ALiBi's dK/dV kernel at 2994 M warp instructions against the dense ALiBi option's 2389 M, a branch, two
-# shared loads and a constant load an element, and both with math.exp2's range check (4 instructions an element)
+# shared loads and a constant load an element, and both with math.exp2's range check (4 instructions an element);
+# measured there (call 3, python -m tools.flex_ab --headdims 128, bf16, 16k) forward+backward flex ALiBi 13.12 ->
+# 9.74 ms, flex softcap 22.08 -> 18.76, the dense softcap option 21.48 -> 18.75, results equal
 BWD_FAST_GRAD = True
 
 
@@ -331,14 +333,6 @@ def _fast_grad(call):
     f = call.flags
     step = f.has_softcap or f.has_bias or f.has_alibi or f.has_dropout or f.mods is not None
     return {"FAST_GRAD": True} if BWD_FAST_GRAD and step else {}
-
-
-# a block mask's states through ``warp_uniform`` in the Hopper dK/dV kernel (``make_dkdv_tc(UNIFORM_STATES=True)``;
-# the forward's tile loop stays uniform without it, ptxas says: 2696 against 2760 SASS instructions, flex causal d 128):
-# ncu on an H200 (bench/results/h200-flex-2026-11-28f.md, call 2) showed flex's causal dK/dV kernel at 1709 M warp
-# instructions against the dense causal kernel's 1470 M, the difference integer work (IMAD +141 M, SHF, LOP3, LEA)
-# where the dense kernel's is uniform (UIADD3, UIMAD): the states' loads made the work items' indices per thread
-UNIFORM_STATES = True
 
 
 def _backward_tc_plan(call, bq, bk):
@@ -358,9 +352,7 @@ def _backward_tc_plan(call, bq, bk):
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
                                              **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
                                              **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d),
-                                             **({"TMA": True} if tma else {}), **_fast_grad(call),
-                                             **({"UNIFORM_STATES": True} if UNIFORM_STATES
-                                                and call.flags.has_block_mask else {}))
+                                             **({"TMA": True} if tma else {}), **_fast_grad(call))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:

@@ -211,23 +211,6 @@ def _gpu_memory_primitives():
 
         return sig, codegen
 
-    @intrinsic
-    def warp_uniform(typingctx, x):
-        """``x`` (an int32 value, the same in every lane of the warp: e.g. a block-mask state all lanes read) as
-        ptxas's uniform datapath sees it: ``redux.sync.min`` over the full warp (compute capability 8.0+), whose
-        result is a uniform register, so that loop bounds and indices derived from it stay on the uniform
-        datapath (UIADD3, UIMAD) instead of every thread's registers.  Every lane of the warp must call it."""
-        sig = types.int64(x)
-
-        def codegen(context, builder, signature, args):
-            i32 = ir.IntType(32)
-            xv = context.cast(builder, args[0], signature.args[0], types.int32)
-            r = builder.call(ir.InlineAsm(ir.FunctionType(i32, [i32]), "redux.sync.min.s32 $0, $1, -1;", "=r,r",
-                                          side_effect=True), [xv])
-            return builder.sext(r, ir.IntType(64))
-
-        return sig, codegen
-
     def make_red_add(n):
         """``ary.flat[off + e] += x_e`` for ``n`` (2 or 4) float32 values (``ary`` C-contiguous float32) as one
         vector reduction (sm_90: ``red.global.add.v2.f32`` / ``.v4.f32``; the ``4 n`` bytes must be aligned to
@@ -260,7 +243,7 @@ def _gpu_memory_primitives():
     return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(16), cp_async4=make_cp_async(4), cp_async_commit=cp_async_commit,
                 cp_async_wait_all=make_wait(0), cp_async_wait_prev=make_wait(1),
                 ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=make_red_add(2),
-                red_add_f32x4=make_red_add(4), warp_uniform=warp_uniform)
+                red_add_f32x4=make_red_add(4))
 
 
 # --------------------------------------------------------------------------------------
@@ -396,10 +379,6 @@ def _sim_memory_primitives():
         return np.float32(math.exp2(x)) if x > -126.0 or x != x else np.float32(0.0)
 
     @device_function
-    def warp_uniform(x):
-        return np.int64(np.int32(x))
-
-    @device_function
     def red_add_f32x2(ary, off, x, y):
         a = getattr(ary, "_ary", ary)
         assert a.flags.c_contiguous                      # so that reshape is a view, as the GPU's offsets assume
@@ -415,7 +394,7 @@ def _sim_memory_primitives():
     return dict(exp2_ftz=exp2_ftz, cp_async16=make_cp_async(4), cp_async4=make_cp_async(1), cp_async_commit=nothing,
                 cp_async_wait_all=nothing, cp_async_wait_prev=nothing,
                 ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True), red_add_f32x2=red_add_f32x2,
-                red_add_f32x4=red_add_f32x4, warp_uniform=warp_uniform)
+                red_add_f32x4=red_add_f32x4)
 
 
 # alignment of the dynamic shared-memory array: cp.async (16 bytes) and ldmatrix rows need 16;

@@ -241,7 +241,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
                  DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0,
-                 DQ_FRAG=False, DQ_WGMMA=False, TMA=False, MODS=None, FAST_GRAD=False, UNIFORM_STATES=False):
+                 DQ_FRAG=False, DQ_WGMMA=False, TMA=False, MODS=None, FAST_GRAD=False):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -330,9 +330,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     ``MODS``: a ``flex_attention`` call's functions, element by element through ``backward.make_element_grad``.
     ``FAST_GRAD``: that element step as straight-line code (``make_element_grad(FAST=True)``: one MUFU.EX2, the
     masks as selects), for the score options and mods (``plan.BWD_FAST_GRAD``).
-    ``UNIFORM_STATES`` (a block mask; compute capability 8.0+): the block states that decide the work items and
-    whether a tile is masked pass through ``warp_uniform``, so that the items' indices and addresses stay on the
-    uniform datapath as the dense kernel's do (``plan.UNIFORM_STATES``).
     """
     DEFER_DQ = DSPLIT > 1 if DEFER_DQ is None else DEFER_DQ
     # Above head dim 64, a string test that Numba evaluates at run time (not folded) in the guard of dq_phase's
@@ -429,8 +426,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     cp_async_commit, wait_all, wait_prev = mem["cp_async_commit"], mem["cp_async_wait_all"], mem["cp_async_wait_prev"]
     ldmatrix_x4, ldmatrix_x4_trans = mem["ldmatrix_x4"], mem["ldmatrix_x4_trans"]
     exp2, red_add_f32x2, red_add_f32x4 = mem["exp2_ftz"], mem["red_add_f32x2"], mem["red_add_f32x4"]
-    warp_uniform = mem["warp_uniform"]
-    UNIFORM = UNIFORM_STATES and HAS_BLOCK_MASK
     # (the gradients into captured arrays: without SHARE, both warps of a pair compute the same elements, so the
     # first part's warps add them)
     grad = make_element_grad("float32", HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_WINDOW,
@@ -502,8 +497,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
                 q0 = (qt_lo + qi) * BLOCK_Q
                 visible, _ = tile_state(b, hk * group + gi, q0, min(q0 + BLOCK_Q, seqlen_q) - 1, k0, seqlen_k,
                                         off, left, right, block_mask, bm_q, bm_k)
-                if UNIFORM:
-                    visible = warp_uniform(1 if visible else 0) != 0
                 if visible:
                     break
                 w += 1                                    # a skipped block: never loaded
@@ -1146,8 +1139,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         """The key tile's query tiles from ``qt_lo`` narrowed by the block mask, ``nqt`` of them (at least 1), and
         its ``n_work`` items (query head of the group, query tile): ``(qt_lo, nqt, n_work)``."""
         qt_lo, qt_hi = query_bounds(qt_lo, qt_hi, b, h0, group, k0, k_last, block_mask, bm_q, bm_k)
-        if UNIFORM:
-            qt_lo, qt_hi = warp_uniform(qt_lo), warp_uniform(qt_hi)
         return qt_lo, max(qt_hi - qt_lo, 1), group * (qt_hi - qt_lo) if qt_hi > qt_lo else 0
 
     @device_function
@@ -1272,8 +1263,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
             else:
                 await_stage(smem, buf, it, wn < n_work)  # item w's Q_i, dO_i (no TMA: lse2, delta) have landed
             _, need_mask = tile_state(b, h, q0, q_last, k0, seqlen_k, off, left, right, block_mask, bm_q, bm_k)
-            if UNIFORM:
-                need_mask = warp_uniform(1 if need_mask else 0) != 0
             qb, db, lb = item_buffers(buf)
             if SPLIT:                                    # K_j (once), Q_i, dO_i -> big parts, small parts
                 if first:
