@@ -39,7 +39,7 @@ import numpy as np
 from . import _arrays, _dispatch, _options, api, plan
 from .kernels import _jit
 from .kernels._jit import device_function
-from .kernels._mod_float32 import float32_device_function
+from .kernels._mod_float32 import float32_device_function, int32_compare_device_function
 from .kernels._scores import Mods
 from .kernels.flex import EMPTY, FULL, PARTIAL, THREADS, grid, make_block_states
 
@@ -281,12 +281,14 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
         f32 = _arrays.kind_of(query, "query").dtype != "float64"        # the kernels accumulate in float32
         # (a mask_mod keeps its float64 constants: it returns a bool, and create_block_mask and the oracle
         # decide its blocks in float64)
-        mods = Mods(_compiled(score_mod, f32, fp(id(score_mod))), _compiled(mask_mod, False, fp(id(mask_mod))),
+        narrow = bool(plan.FLEX_MASK_NARROW) and mask_mod is not None
+        mods = Mods(_compiled(score_mod, f32, fp(id(score_mod))),
+                    _compiled(mask_mod, False, fp(id(mask_mod)), int32_compares=narrow),
                     _compiled(grad, f32, fp(id(grad))) if grad is not None
                     else _complex_step(score_mod, f32, fp(id(score_mod))) if backward and score_mod else None,
                     None if mask_mod is None else block_mask.block_size,
                     bool(plan.FLEX_MOD_INT32) and score_mod is not None, int(plan.FLEX_MASK_WRITTEN),
-                    bool(plan.FLEX_MASK_INT32) and mask_mod is not None)
+                    bool(plan.FLEX_MASK_INT32) and mask_mod is not None, mask_narrow=narrow)
     entries = ()
     if learned:
         f32 = _arrays.kind_of(query, "query").dtype != "float64"
@@ -718,22 +720,25 @@ def _check_complex_step(score_mod):
 _COMPILED = {}
 
 
-def _compiled(fn, float32=False, fingerprint=None):
+def _compiled(fn, float32=False, fingerprint=None, int32_compares=False):
     """``fn`` as a device function: one per function and values it captures (Numba freezes a captured array or
     number into the kernel, so a changed value must mean a new compile, never the old kernel); ``fingerprint``:
     ``_fingerprint(fn)`` where the caller has it.  ``float32``: for kernels that accumulate in float32 (16-bit and
     float32 inputs), its Python float constants as float32 (``_float32_constants``) and its integers meeting
-    float32 as float32 (``kernels._mod_float32``): PyTorch's rules, not NumPy's float64."""
+    float32 as float32 (``kernels._mod_float32``): PyTorch's rules, not NumPy's float64.  ``int32_compares`` (a
+    mask_mod, ``plan.FLEX_MASK_NARROW``): its integer comparisons in int32 where both sides' bounds fit."""
     if fn is None:
         return None
-    key = (fn, _fingerprint(fn) if fingerprint is None else fingerprint, float32)
+    key = (fn, _fingerprint(fn) if fingerprint is None else fingerprint, float32, int32_compares)
     if key not in _COMPILED:
         src = _detached(fn)
         src = _float32_constants(src) if float32 else src
-        dev = _COMPILED[key] = float32_device_function(src) if float32 else device_function(src)
+        dev = _COMPILED[key] = (float32_device_function(src) if float32
+                                else int32_compare_device_function(src) if int32_compares else device_function(src))
         ident = _stable_id(src)
         if ident is not None:
-            dev.flashnb_id = ident + (" float32-arithmetic" if float32 else "")   # (a new name: 7c42c7f's differ)
+            dev.flashnb_id = (ident + (" float32-arithmetic" if float32 else "")      # (a new name: 7c42c7f's differ)
+                              + (" int32-compares" if int32_compares else ""))
     return _COMPILED[key]
 
 

@@ -679,6 +679,13 @@ FLEX_MOD_INT32 = True
 # 2.877 -> 2.946 -> 2.855, 13.518 -> 13.602 -> 12.922 (13.491); outputs equal (max diff 0)
 FLEX_MASK_WRITTEN = 3
 FLEX_MASK_INT32 = True
+# with it, the partial tiles' bounds in int32 and the mask_mod's integer comparisons in int32 where their bounds fit
+# (``Mods.mask_narrow``; ``kernels._mod_float32.int32_compare_device_function``): the same decisions; ptxas at bf16
+# d 128, sliding window 1024: the Hopper forward 3504 -> 2664 SASS instructions (185 -> 166 registers), the Hopper
+# dK/dV kernel 4328 -> 4064 (its partial tile's straight run 700 -> 452; document 575 -> 465); docs/notes/
+# flex-kernels.md, sixth session.  Not yet measured on a GPU: off until then
+# (``python -m tools.flex_ab --settings "FLEX_MASK_NARROW=0;FLEX_MASK_NARROW=1"``)
+FLEX_MASK_NARROW = False
 
 
 def _flex_only(call):

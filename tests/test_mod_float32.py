@@ -19,7 +19,7 @@ class _Capability:
 
 dispatcher.get_current_device = lambda: _Capability()
 from flashnb import flex
-from flashnb.kernels._mod_float32 import float32_device_function
+from flashnb.kernels._mod_float32 import float32_device_function, int32_compare_device_function
 from flashnb.kernels._jit import device_function
 
 slopes = np.array([0.5, 0.25, 0.125], np.float32)
@@ -58,7 +58,24 @@ def casts(dev, args):
     wide = sorted({str(t) for t in typemap.values() if str(t) in ("float64", "complex128")})
     return {"ret": str(cres.signature.return_type), "casts": kinds, "wide": wide}
 
+WINDOW = 1024
+ids = np.array([0, 0, 1, 1, 2], np.int32)
+
+def sliding(b, h, q_idx, kv_idx):                 # q_idx - kv_idx is int64 by Numba's rules, in int32's bounds
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= WINDOW)
+
+def far(b, h, q_idx, kv_idx):                     # q_idx + kv_idx may pass 2^31: left in int64
+    return q_idx + kv_idx < 3000000000
+
+def document(b, h, q_idx, kv_idx):                # int32 ids, int32 indices: nothing to narrow
+    return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+def compare_casts(dev, args):
+    cres = dev.compile_device(args)
+    return sorted(str(t) for name, t in cres.fndesc.typemap.items() if name.startswith("$flashnb_cast"))
+
 i64 = types.int64
+i32 = types.int32
 sig = (types.float32, i64, i64, i64, i64)
 out = {}
 for fn in (alibi, product, shifted, ratio, power, branchy, cubed):
@@ -67,6 +84,10 @@ step = flex._complex_step(alibi, True)
 step.compile_device(sig)
 mod = flex._compiled(alibi, True)
 out["step"] = casts(mod, (types.complex64, i64, i64, i64, i64))
+for fn in (sliding, far, document):
+    out["mask " + fn.__name__] = {"int32 args": compare_casts(int32_compare_device_function(fn), (i32,) * 4),
+                                  "int64 args": compare_casts(int32_compare_device_function(fn), (i64,) * 4),
+                                  "plain": compare_casts(device_function(fn), (i32,) * 4)}
 print(json.dumps(out))
 """
 
@@ -121,3 +142,13 @@ def test_an_operation_numba_types_float32_is_left_alone(typed):
 
 def test_the_complex_step_of_a_float32_kernel_is_complex64(typed):
     assert typed["step"] == {"ret": "complex64", "casts": ["float32", "int32"], "wide": []}
+
+
+def test_a_mask_mods_integer_comparisons_run_in_int32_where_their_bounds_fit(typed):
+    """``int32_compare_device_function``: the sliding window's ``q_idx - kv_idx <= WINDOW`` (int64 by Numba's rules
+    from int32 indices, a 64-bit compare in SASS) compares int32s: the difference and the global's value are cast;
+    with int64 indices ``q_idx >= kv_idx`` is narrowed too.  A sum that may pass 2^31 stays int64, and int32 ids
+    against int32 indices need nothing."""
+    assert typed["mask sliding"] == {"int32 args": ["int32", "int32"], "int64 args": ["int32"] * 4, "plain": []}
+    assert typed["mask far"] == {"int32 args": [], "int64 args": [], "plain": []}
+    assert typed["mask document"] == {"int32 args": [], "int64 args": ["int32", "int32"], "plain": []}

@@ -39,11 +39,23 @@ def float32_device_function(fn):
     plain = device_function(fn)
     if SIMULATOR:
         return plain
-    return _dispatcher_class()(fn, targetoptions=dict(plain.targetoptions))
+    return _dispatcher_class(True, False)(fn, targetoptions=dict(plain.targetoptions))
+
+
+def int32_compare_device_function(fn):
+    """``fn`` (a mask_mod) as a CUDA device function whose integer comparisons run in int32 where both sides'
+    bounds fit (``q_idx - kv_idx <= 1024``: Numba types ``int32 - int32`` as int64, and a 64-bit compare costs
+    ptxas three instructions, a 32-bit one one); the same decisions, as the bounds hold.  Its floats stay as
+    written.  In the simulator the plain device function."""
+    from ._jit import SIMULATOR, device_function
+    plain = device_function(fn)
+    if SIMULATOR:
+        return plain
+    return _dispatcher_class(False, True)(fn, targetoptions=dict(plain.targetoptions))
 
 
 @functools.cache
-def _dispatcher_class():
+def _dispatcher_class(floats, compares):
     """A CUDA dispatcher whose device compiles run the pass before type inference on its own function (the
     functions it calls compile as they would).  numba-cuda's ``compile_device`` takes no pipeline, so the compiler
     class it reads is swapped for the compile, under Numba's (reentrant) compiler lock, and the function being
@@ -64,7 +76,8 @@ def _dispatcher_class():
             FunctionPass.__init__(self)
 
         def run_pass(self, state):
-            return bool(_ACTIVE) and state.func_id.func is _ACTIVE[-1] and narrow(state)
+            return (bool(_ACTIVE) and state.func_id.func is _ACTIVE[-1]
+                    and narrow(state, floats=floats, compares=compares))
 
     class Compiler(base):
         def define_pipelines(self):
@@ -94,8 +107,9 @@ def _dispatcher_class():
 _ACTIVE = []            # the function a Dispatcher is compiling now (a stack: a mod's compile may nest another's)
 
 
-def narrow(state, rounds=64):
-    """Rewrite ``state.func_ir`` until its typing mixes no integer with float32 (returns whether it changed)."""
+def narrow(state, rounds=64, floats=True, compares=False):
+    """Rewrite ``state.func_ir`` until its typing mixes no integer with float32 (``floats``) and compares no
+    integers wider than int32 whose bounds fit int32 (``compares``); returns whether it changed."""
     from numba.cuda import types
     from numba.cuda.core.typed_passes import type_inference_stage
     changed = False
@@ -103,14 +117,40 @@ def narrow(state, rounds=64):
         typemap, _, _, _ = type_inference_stage(state.typingctx, state.targetctx, state.func_ir,
                                                         state.args, state.return_type, state.locals,
                                                         raise_errors=True)
-        fixes = _fixes(state.func_ir, typemap, types)
+        ranges = _int_ranges(state.func_ir, typemap, types, named=compares)
+        fixes = [f + (True,) for f in _fixes(state.func_ir, typemap, types)] if floats else []
+        if compares:
+            fixes += [f + (False,) for f in _compare_fixes(state.func_ir, typemap, types, ranges)]
         if not fixes:
             return changed
-        ranges = _int_ranges(state.func_ir, typemap, types)
-        for block, stmt, expr, attr, index in fixes:
-            _convert(block, stmt, expr, attr, index, ranges)
+        for block, stmt, expr, attr, index, to_float in fixes:
+            _convert(block, stmt, expr, attr, index, ranges, to_float)
         changed = True
-    raise RuntimeError("flashnb: a mod's float32 rewrite did not settle")
+    raise RuntimeError("flashnb: a mod's rewrite did not settle")
+
+
+_COMPARE = (operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne)
+
+
+def _compare_fixes(func_ir, typemap, types, ranges):
+    """(block, stmt, expr, attribute, None) of each operand of an integer comparison to take as int32: both
+    operands integers, one wider than 32 bits, both inside int32's bounds."""
+    fixes = []
+    for block in func_ir.blocks.values():
+        for stmt in block.body:
+            expr = getattr(stmt, "value", None)
+            if (type(stmt).__name__ != "Assign" or getattr(expr, "op", None) != "binop"
+                    or expr.fn not in _COMPARE):
+                continue
+            lt, rt = typemap[expr.lhs.name], typemap[expr.rhs.name]
+            if not (isinstance(lt, types.Integer) and isinstance(rt, types.Integer)):
+                continue
+            if lt == types.int32 and rt == types.int32:
+                continue
+            if _fits(ranges.get(expr.lhs.name), INT32) and _fits(ranges.get(expr.rhs.name), INT32):
+                fixes += [(block, stmt, expr, side, None) for side, ty in (("lhs", lt), ("rhs", rt))
+                          if ty != types.int32]
+    return fixes
 
 
 def _narrow_float(ty, types):
@@ -149,9 +189,9 @@ def _is_math(fnty):
     return getattr(typing_key, "__module__", None) == "math" or typing_key in vars(math).values()
 
 
-def _convert(block, stmt, expr, attr, index, ranges):
+def _convert(block, stmt, expr, attr, index, ranges, to_float=True):
     """Insert ``float32(int32(x))`` (``uint32`` where x's range fits that, ``float32(x)`` where it fits neither)
-    before ``stmt`` and make it the operand."""
+    before ``stmt`` and make it the operand; without ``to_float``, ``int32(x)`` (x's range fits int32)."""
     from numba.cuda.core import ir
     var = getattr(expr, attr) if index is None else expr.args[index]
     scope, loc = var.scope, stmt.loc
@@ -161,7 +201,8 @@ def _convert(block, stmt, expr, attr, index, ranges):
         var = _call(ir, scope, loc, np.int32, var, new)
     elif _fits(ranges.get(var.name), UINT32):
         var = _call(ir, scope, loc, np.uint32, var, new)
-    var = _call(ir, scope, loc, np.float32, var, new)
+    if to_float:
+        var = _call(ir, scope, loc, np.float32, var, new)
     block.body[at:at] = new
     if index is None:
         setattr(expr, attr, var)
@@ -181,9 +222,10 @@ def _fits(rng, bounds):
     return rng is not None and bounds[0] <= rng[0] and rng[1] <= bounds[1]
 
 
-def _int_ranges(func_ir, typemap, types):
+def _int_ranges(func_ir, typemap, types, named=False):
     """Bounds of the integer variables defined once, from the arguments' (each integer argument is an index in
-    ``[0, INDEX_BOUND]``), integer constants and ``+ - * abs //, %`` by positive constants of them."""
+    ``[0, INDEX_BOUND]``), integer constants (``named``: also a global or captured integer's value) and
+    ``+ - * abs //, %`` by positive constants of them."""
     defs = {}
     for block in func_ir.blocks.values():
         for stmt in block.body:
@@ -198,7 +240,7 @@ def _int_ranges(func_ir, typemap, types):
         values = defs.get(name, [])
         if depth > 50 or len(values) != 1 or not isinstance(typemap.get(name), types.Integer):
             return None
-        found = _range_of(values[0], lambda n: rng(n, depth + 1), typemap, types)
+        found = _range_of(values[0], lambda n: rng(n, depth + 1), typemap, types, named)
         ranges[name] = found if found is None or _fits(found, INT64) else None   # (past int64 it wraps)
         return ranges[name]
 
@@ -207,12 +249,13 @@ def _int_ranges(func_ir, typemap, types):
     return ranges
 
 
-def _range_of(value, rng, typemap, types):
+def _range_of(value, rng, typemap, types, named=False):
     kind = type(value).__name__
     if kind == "Arg":
         return (0, INDEX_BOUND) if isinstance(typemap.get(value.name), types.Integer) else None
-    if kind == "Const" and isinstance(value.value, (int, np.integer)) and not isinstance(value.value, bool):
-        return (int(value.value), int(value.value))
+    if ((kind == "Const" or named and kind in ("Global", "FreeVar")) and isinstance(value.value, (int, np.integer))
+            and not isinstance(value.value, bool)):
+        return (int(value.value), int(value.value))          # (a global or captured integer is frozen: a constant)
     if kind == "Var":
         return rng(value.name)
     if kind != "Expr":

@@ -41,6 +41,8 @@ class Mods(NamedTuple):
     mask_index32: bool = False    # the mask_mod's indices as int32 there (``plan.FLEX_MASK_INT32``)
     capture_grad: object = None   # ``capture_grad(ds, score, b, h, q_idx, kv_idx)``: adds an element's part of the
     #                               gradients into captured arrays (``_mod_grad``; the dK/dV kernels call it)
+    mask_narrow: bool = False     # with ``mask_index32``, the written-out bits' bounds in int32 too, and the
+    #                               mask_mod compiled with int32 comparisons (``plan.FLEX_MASK_NARROW``)
 
 
 def mask_block(MODS):
@@ -140,12 +142,18 @@ def make_tile_mask_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS, BLOCK_Q, 
     other_masks = make_allowed_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK and not one_block, None, block)
     mask_mod = None if block is None else MODS.mask_mod
     INDEX32 = bool(block is not None and MODS.mask_index32)
+    # with int32 indices, ``mask_narrow`` and no other mask (a flex call inside one mask block), the bounds in int32
+    # too: the sequences' ends are the only other test, and a 64-bit compare costs ptxas three instructions
+    BOUNDS32 = INDEX32 and MODS.mask_narrow and not (HAS_WINDOW or HAS_ATTN_MASK or (HAS_BLOCK_MASK and not one_block))
 
     @device_function
     def tile_mask(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
         if INDEX32:
-            ok = bool(mask_mod(np.int32(b), np.int32(h), min(np.int32(i), np.int32(seqlen_q - 1)),
-                               min(np.int32(j), np.int32(seqlen_k - 1))))
+            i32, j32 = np.int32(i), np.int32(j)
+            ok = bool(mask_mod(np.int32(b), np.int32(h), min(i32, np.int32(seqlen_q - 1)),
+                               min(j32, np.int32(seqlen_k - 1))))
+            if BOUNDS32:
+                return ok & (i32 < np.int32(seqlen_q)) & (j32 < np.int32(seqlen_k))
         else:
             ok = bool(mask_mod(b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1)))
         return ok & other_masks(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k)

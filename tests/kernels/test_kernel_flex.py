@@ -359,36 +359,41 @@ def test_int32_indices_for_the_score_mod_give_the_same_results(monkeypatch, back
 
 
 def test_the_written_out_mask_bits_and_int32_indices_give_the_same_results(monkeypatch):
-    """``plan.FLEX_MASK_WRITTEN`` (a mask_mod's bits of a partial tile written out, at clamped indices) and
-    ``plan.FLEX_MASK_INT32`` (its indices as int32) against the loop with int64 indices: the same outputs, lse and
-    gradients on the tensor-core kernels, with a document mask over captured ids and a prefix (the indices index
-    an array and meet a constant) and sequences that end inside a tile; blocks of 128 put each tile inside one
-    block (the written-out path; blocks smaller than a tile take the loop either way)."""
+    """``plan.FLEX_MASK_WRITTEN`` (a mask_mod's bits of a partial tile written out, at clamped indices),
+    ``plan.FLEX_MASK_INT32`` (its indices as int32) and ``plan.FLEX_MASK_NARROW`` (the bounds in int32 too; the
+    mask_mod's int32 comparisons are a compile pass the simulator does not run: tests/test_mod_float32.py types
+    them) against the loop with int64 indices: the same outputs, lse and gradients on the tensor-core kernels,
+    with a document mask over captured ids and a prefix (the indices index an array and meet a constant) and
+    sequences that end inside a tile; blocks of 128 put each tile inside one block (the written-out path; blocks
+    smaller than a tile take the loop either way)."""
     from flashnb import flex, plan
     rng = np.random.default_rng(22)
     L, S = 40, 56
     ids = np.sort(rng.integers(0, 4, S)).astype(np.int32)
 
-    def doc(b, h, q_idx, kv_idx):
-        return ((ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)) | (kv_idx < 5)
+    def doc(b, h, q_idx, kv_idx):     # (the last keys seen by every query: past them only the bounds decide)
+        return ((ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)) | (kv_idx < 5) | (kv_idx >= S - 3)
 
     q = rng.standard_normal((1, 2, L, 16)).astype(np.float16)
     k, v = (rng.standard_normal((1, 2, S, 16)).astype(np.float16) for _ in range(2))
     dout = rng.standard_normal(q.shape).astype(np.float16)
     mask = flashnb.create_block_mask(doc, None, None, L, S, BLOCK_SIZE=128)
     results = []
-    for written, int32 in ((0, False), (3, True)):
+    for written, int32, narrow in ((0, False, False), (3, True, False), (3, True, True)):
         monkeypatch.setattr(plan, "FLEX_MASK_WRITTEN", written)
         monkeypatch.setattr(plan, "FLEX_MASK_INT32", int32)
+        monkeypatch.setattr(plan, "FLEX_MASK_NARROW", narrow)
         seen = []
-        monkeypatch.setattr(flex, "Mods", lambda *a, _real=flex.Mods: seen.append(_real(*a)) or seen[-1])
+        monkeypatch.setattr(flex, "Mods", lambda *a, _real=flex.Mods, **kw: seen.append(_real(*a, **kw)) or seen[-1])
         out, lse = flashnb.flex_attention(q, k, v, block_mask=mask, return_lse=True, backend="tensorcore")
         grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, block_mask=mask, backend="tensorcore")
-        assert seen and all(m.mask_written == written and m.mask_index32 == int32 for m in seen)
+        assert seen and all(m.mask_written == written and m.mask_index32 == int32 and m.mask_narrow == narrow
+                            for m in seen)
         results.append((out, lse) + tuple(grads))
     assert np.all(np.isfinite(results[0][0]))
-    for a, b in zip(*results):
-        np.testing.assert_array_equal(a, b)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_the_straight_line_element_gradient_gives_the_same_results(monkeypatch):
