@@ -279,12 +279,22 @@ LPT_SECTION_FWD = 8
 LPT_SECTION_BWD = 8
 
 
+# a flex call's mask_mod takes the same block order (``_section``): its kept blocks usually follow causal's
+# direction (causal, documents, prefix-LM, causal windows), and the order costs speed, never results, where they do
+# not; the dense causal call's order measured 1-11% less forward time (above).  Not yet measured with flex: off
+# until then (``python -m tools.flex_ab --settings "FLEX_SECTION=0;FLEX_SECTION=1"``)
+FLEX_SECTION = False
+
+
 def _section(call, section):
     """The tensor-core factories' ``SECTION`` keyword: ``section`` where the blocks' work differs by tile (a
-    window, causal among them) in a dense batch; none elsewhere (the factories' ``lru_cache`` as in ``_varlen``).
-    The kernels take causal's direction (the forward's last query tiles longest, the dK/dV kernel's first key
-    tiles); for a window bounded on the left only it is the reverse, which costs speed, not results."""
-    return {"SECTION": section} if section and call.flags.has_window and call.total_q is None else {}
+    window, causal among them; with ``FLEX_SECTION`` a flex call's mask_mod) in a dense batch; none elsewhere (the
+    factories' ``lru_cache`` as in ``_varlen``).  The kernels take causal's direction (the forward's last query
+    tiles longest, the dK/dV kernel's first key tiles); for a window bounded on the left only it is the reverse,
+    which costs speed, not results."""
+    mods = call.flags.mods
+    flex = FLEX_SECTION and mods is not None and mods.mask_mod is not None
+    return {"SECTION": section} if section and (call.flags.has_window or flex) and call.total_q is None else {}
 
 
 def _rows(call):

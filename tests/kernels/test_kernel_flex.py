@@ -453,6 +453,38 @@ def test_the_straight_line_element_gradient_gives_the_same_results(monkeypatch):
             np.testing.assert_array_equal(a, b)
 
 
+def test_the_block_order_of_a_mask_mod_changes_no_result(monkeypatch):
+    """``plan.FLEX_SECTION`` (a flex call's blocks in the dense causal call's longest-first order, the kernels'
+    ``SECTION``) against the plain order: the same output, lse, dK and dV (each block computes them whole), dQ within
+    float16 rounding of its atomics' other order; the planner passes the order to both kernels (checked)."""
+    from flashnb import _dispatch, plan
+    rng = np.random.default_rng(24)
+    L = 70
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    q, k, v, dout = (rng.standard_normal((1, 3, L, 16)).astype(np.float16) for _ in range(4))
+    mask = flashnb.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    results = []
+    for section in (False, True):
+        monkeypatch.setattr(plan, "FLEX_SECTION", section)
+        _dispatch.clear()
+        seen = []
+        for name in ("make_forward_tc", "make_dkdv_tc"):
+            monkeypatch.setattr(plan, name, lambda *a, _real=getattr(plan, name), **kw: (
+                seen.append(kw.get("SECTION", 0)) if kw.get("MODS") else None) or _real(*a, **kw))
+        out, lse = flashnb.flex_attention(q, k, v, block_mask=mask, return_lse=True, backend="tensorcore")
+        grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, block_mask=mask, backend="tensorcore")
+        assert seen and set(seen) == ({plan.LPT_SECTION_FWD, plan.LPT_SECTION_BWD} if section else {0})
+        results.append((out, lse) + tuple(grads))
+    (out0, lse0, dq0, dk0, dv0), (out1, lse1, dq1, dk1, dv1) = results
+    assert np.all(np.isfinite(dq0))
+    for a, b in ((out0, out1), (lse0, lse1), (dk0, dk1), (dv0, dv1)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(dq1.astype(np.float32), dq0.astype(np.float32), rtol=2 ** -10, atol=2 ** -14)
+
+
 def test_captured_device_arrays_are_read_in_place():
     """A mask_mod over device document ids and a score_mod over a device bias table (Numba device arrays: the
     simulator's, or the GPU's, whose address numba-cuda embeds in the kernel) give the oracle's results with the
