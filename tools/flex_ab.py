@@ -8,10 +8,10 @@ forward+backward under each setting, and flashnb's dense call where the case is 
 (a setting: space-separated ``NAME=INT`` of ``flashnb.plan``'s module constants, as ``tools.plan_ab``.)  Times:
 ``bench.flex._gpu_ms`` (CUDA events around one call, host time included, median of its repetitions); each round
 times every setting in turn, in the given order in even rounds and the reverse in odd ones; a cell is the median
-over rounds.  Each setting's output and gradients are compared with the first setting's (``max |diff|``; dQ's atomics add in
-any order, so a few ulps of it move run to run): the plan changes
-launch bounds and block order, never results beyond float32 rounding.  The dense column: the dense call under each
-setting in turn (A / B / ...), timed the same way.
+over rounds.  Each setting's output and gradients are compared with the first setting's
+(``max |diff|``; dQ's atomics add in any order, so a few ulps of it move run to run): the plan changes launch
+bounds and block order, never results beyond float32 rounding.  The dense column: the dense call under each setting
+in turn (A / B / ...), timed the same way.
 """
 import argparse
 import statistics
@@ -64,40 +64,36 @@ def main(argv=None):
                 outs.append((out,) + tuple(x.float() for x in fwdbwd()))
             diff = max(float((a - b).abs().max()) for o in outs for a, b in zip(o, outs[0]))
             dense = bf.dense_options(case, h)
-            for name, fn in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
-                got = [[] for _ in settings]
-                for r in range(args.rounds):
-                    order = list(enumerate(settings))
-                    for i, setting in (order if r % 2 == 0 else order[::-1]):
-                        _apply(setting)
-                        if name == "fwd":
-                            with torch.no_grad():
-                                got[i].append(bf._gpu_ms(torch, fn))
-                        else:
-                            got[i].append(bf._gpu_ms(torch, fn))
-                cells = [f"{statistics.median(x):.3f}" for x in got]
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+            def dfwd():
+                return ft.flash_attn_func(qt, kt, vt, **dense)
+
+            def dfwdbwd():
+                return torch.autograd.grad(dfwd(), (q, k, v), dout.transpose(1, 2))
+
+            for name, fn, dfn in (("fwd", fwd, dfwd), ("fwd+bwd", fwdbwd, dfwdbwd)):
+                cells = " | ".join(_rounds(torch, settings, args.rounds, fn, name == "fwd"))
                 dense_ms = "-"
                 if dense is not None:      # the dense call with the same option, under each setting in turn
-                    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+                    dense_ms = " / ".join(_rounds(torch, settings, args.rounds, dfn, name == "fwd"))
+                print(f"| {d} | {case} | {name} | {cells} | {dense_ms} | {diff:.2g} |", flush=True)
 
-                    def dfwd():
-                        return ft.flash_attn_func(qt, kt, vt, **dense)
 
-                    def dfwdbwd():
-                        return torch.autograd.grad(dfwd(), (q, k, v), dout.transpose(1, 2))
-
-                    dense_got = [[] for _ in settings]
-                    for r in range(args.rounds):
-                        order = list(enumerate(settings))
-                        for i, setting in (order if r % 2 == 0 else order[::-1]):
-                            _apply(setting)
-                            if name == "fwd":
-                                with torch.no_grad():
-                                    dense_got[i].append(bf._gpu_ms(torch, dfwd))
-                            else:
-                                dense_got[i].append(bf._gpu_ms(torch, dfwdbwd))
-                    dense_ms = " / ".join(f"{statistics.median(x):.3f}" for x in dense_got)
-                print(f"| {d} | {case} | {name} | " + " | ".join(cells) + f" | {dense_ms} | {diff:.2g} |", flush=True)
+def _rounds(torch, settings, rounds, fn, no_grad):
+    """Each setting's median time of ``fn`` (ms, as text) over ``rounds``: every setting in turn in each round, in
+    the given order in even rounds and the reverse in odd ones."""
+    got = [[] for _ in settings]
+    for r in range(rounds):
+        order = list(enumerate(settings))
+        for i, setting in (order if r % 2 == 0 else order[::-1]):
+            _apply(setting)
+            if no_grad:
+                with torch.no_grad():
+                    got[i].append(bf._gpu_ms(torch, fn))
+            else:
+                got[i].append(bf._gpu_ms(torch, fn))
+    return [f"{statistics.median(x):.3f}" for x in got]
 
 
 if __name__ == "__main__":
