@@ -302,7 +302,7 @@ def test_flex_functions_name_their_kernels_by_code_and_the_key_holds_their_captu
     kern = _flex_forward()
     assert kern.flashnb_id.startswith("flashnb.kernels.forward.make_forward(16, 16, 8, 'float32'")
     assert ", Mods(<flex test_compile_cache._alibi " in kern.flashnb_id
-    assert "<flex test_compile_cache._same_doc " in kern.flashnb_id and kern.flashnb_id.endswith(", None, (16, 16), False, 3, False, None))[0]")
+    assert "<flex test_compile_cache._same_doc " in kern.flashnb_id and kern.flashnb_id.endswith(", None, (16, 16), False, 3, False, None, False))[0]")
 
     def _alibi(score, b, h, q_idx, kv_idx):                        # the same name, another body
         return score - 0.25 * (h + 1) * abs(q_idx - kv_idx)

@@ -349,7 +349,7 @@ def test_int32_indices_for_the_score_mod_give_the_same_results(monkeypatch, back
     for on in (False, True):
         monkeypatch.setattr(plan, "FLEX_MOD_INT32", on)
         seen = []
-        monkeypatch.setattr(flex, "Mods", lambda *a, _real=flex.Mods: seen.append(_real(*a)) or seen[-1])
+        monkeypatch.setattr(flex, "Mods", lambda *a, _real=flex.Mods, **kw: seen.append(_real(*a, **kw)) or seen[-1])
         out, lse = flashnb.flex_attention(q, k, v, score_mod=mod, return_lse=True, backend=backend)
         grads = flashnb.flex_attention_backward(dout, q, k, v, out, lse, score_mod=mod, backend=backend)
         assert seen and all(m.index32 == on for m in seen)
