@@ -144,7 +144,8 @@ def make_tile_mask_fn(HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK, MODS, BLOCK_Q, 
     INDEX32 = bool(block is not None and MODS.mask_index32)
     # with int32 indices, ``mask_narrow`` and no other mask (a flex call inside one mask block), the bounds in int32
     # too: the sequences' ends are the only other test, and a 64-bit compare costs ptxas three instructions
-    BOUNDS32 = INDEX32 and MODS.mask_narrow and not (HAS_WINDOW or HAS_ATTN_MASK or (HAS_BLOCK_MASK and not one_block))
+    BOUNDS32 = (INDEX32 and MODS.mask_narrow
+                and not (HAS_WINDOW or HAS_ATTN_MASK or (HAS_BLOCK_MASK and not one_block)))
 
     @device_function
     def tile_mask(i, j, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask, block_mask, bm_q, bm_k):
