@@ -393,7 +393,10 @@ def naive_attention(q, k, v, dout, *, keep=None, **opts):
     def fold(x):                                                 # sum the query heads of a k/v head
         return x.reshape(batch, seqlen_k, nheads_k, group, headdim).sum(axis=3)
 
-    ads = p * (np.abs(np.einsum("bihd,bjhd->bhij", np.abs(dout), np.abs(v_rep)) * drop) + np.abs(delta))
+    # delta's magnitude: its terms dout * out with out's own magnitude (out's rounding is relative to the sum of
+    # |its terms|, not to |out|, which can cancel; |delta| alone under-bounds delta's error there)
+    mag_delta = np.einsum("bihd,bihd->bhi", np.abs(dout), np.einsum("bhij,bjhd->bihd", pd, np.abs(v_rep)))[..., None]
+    ads = p * (np.abs(np.einsum("bihd,bjhd->bhij", np.abs(dout), np.abs(v_rep)) * drop) + mag_delta)
     s_abs = abs(scale) * np.einsum("bihd,bjhd->bhij", np.abs(q), np.abs(k_rep))
     if opts.get("attn_bias") is not None:
         s_abs = s_abs + np.abs(np.asarray(opts["attn_bias"], dtype=np.float64))
