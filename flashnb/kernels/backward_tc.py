@@ -701,20 +701,14 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         ``words`` is clear (P = 0, so dS = 0)."""
         j = k0 + 16 * (MTK * kw + m) + g + 8 * (e // 2)
         il = qa + 8 * n + 2 * t + (e % 2)
-        if HAS_MASK_MOD and FAST_GRAD:               # (the bit as a select inside grad: no branch an element)
+        if HAS_MASK_MOD:                             # (FAST_GRAD: the bit as a select inside grad, no branch)
             bit = (m * NT_QA + n) * 4 + e
             dead = need_mask & ((words[bit >> 5] >> np.uint32(bit & 31)) & np.uint32(1) == 0)
-            p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
-                              fsmem[U(lb + BLOCK_Q + il)], dead, False, seqlen_q, seqlen_k, off, scale32, softcap,
-                              left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k, drop_threshold,
-                              drop_scale, seed_lo, seed_hi)
-        elif HAS_MASK_MOD:
-            bit = (m * NT_QA + n) * 4 + e
-            if need_mask and (words[bit >> 5] >> np.uint32(bit & 31)) & np.uint32(1) == 0:
+            if dead and not FAST_GRAD:
                 p_drop, ds = ZERO, ZERO
             else:
                 p_drop, ds = grad(s_reg[m, n, e], dp_reg[m, n, e], q0 + il, j, b, h, fsmem[U(lb + il)],
-                                  fsmem[U(lb + BLOCK_Q + il)], False, False, seqlen_q, seqlen_k, off, scale32,
+                                  fsmem[U(lb + BLOCK_Q + il)], dead, False, seqlen_q, seqlen_k, off, scale32,
                                   softcap, left, right, attn_mask, attn_bias, alibi, block_mask, bm_q, bm_k,
                                   drop_threshold, drop_scale, seed_lo, seed_hi)
         else:
