@@ -281,7 +281,7 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, score_mod
         f32 = _arrays.kind_of(query, "query").dtype != "float64"        # the kernels accumulate in float32
         # (a mask_mod keeps its float64 constants: it returns a bool, and create_block_mask and the oracle
         # decide its blocks in float64)
-        narrow = bool(plan.FLEX_MASK_NARROW) and mask_mod is not None
+        narrow = bool(int(plan.FLEX_MASK_NARROW) & (2 if backward else 1)) and mask_mod is not None
         mods = Mods(_compiled(score_mod, f32, fp(id(score_mod))),
                     _compiled(mask_mod, False, fp(id(mask_mod)), int32_compares=narrow),
                     _compiled(grad, f32, fp(id(grad))) if grad is not None

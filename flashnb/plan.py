@@ -245,7 +245,7 @@ def _forward_tc_launch(call, bq, bk, tma):
         mt, qs, extra = _tc_forward_variant(bq, d, call.dtype, call.precision)
     kern, shared, threads = make_forward_tc(bq, bk, d, call.dtype, call.layout[1], mt, qs,
                                             *_flag_args(call.flags), call.positive_scale, **_varlen(call), **extra,
-                                            **_section(call, LPT_SECTION_FWD))
+                                            **_section(call, LPT_SECTION_FWD, 1))
     check_shared(shared, f"the tensor-core forward with block_q={bq}, block_k={bk}, head dim {d}")
     return Launch(kern, _query_tiles(call, bq), threads, shared)
 
@@ -282,18 +282,19 @@ LPT_SECTION_BWD = 8
 # a flex call's mask_mod takes the same block order (``_section``): its kept blocks usually follow causal's
 # direction (causal, documents, prefix-LM, causal windows), and the order costs speed, never results, where they do
 # not; the dense causal call's order measured 1-11% less forward time (above).  Not yet measured with flex: off
-# until then (``python -m tools.flex_ab --settings "FLEX_SECTION=0;FLEX_SECTION=1"``)
-FLEX_SECTION = False
+# until then (``python -m tools.flex_ab --settings "FLEX_SECTION=0;FLEX_SECTION=3"``).  Bits: 1 the forward, 2 the
+# dK/dV kernel
+FLEX_SECTION = 0
 
 
-def _section(call, section):
+def _section(call, section, bit):
     """The tensor-core factories' ``SECTION`` keyword: ``section`` where the blocks' work differs by tile (a
     window, causal among them; with ``FLEX_SECTION`` a flex call's mask_mod) in a dense batch; none elsewhere (the
     factories' ``lru_cache`` as in ``_varlen``).  The kernels take causal's direction (the forward's last query
     tiles longest, the dK/dV kernel's first key tiles); for a window bounded on the left only it is the reverse,
     which costs speed, not results."""
     mods = call.flags.mods
-    flex = FLEX_SECTION and mods is not None and mods.mask_mod is not None
+    flex = bool(int(FLEX_SECTION) & bit) and mods is not None and mods.mask_mod is not None
     return {"SECTION": section} if section and (call.flags.has_window or flex) and call.total_q is None else {}
 
 
@@ -362,7 +363,7 @@ def _backward_tc_plan(call, bq, bk):
         tma = WGMMA_BWD_TMA and call.total_q is None
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, True, *_flag_args(call.flags),
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
-                                             **_varlen(call), **_section(call, LPT_SECTION_BWD), **_exchange(d),
+                                             **_varlen(call), **_section(call, LPT_SECTION_BWD, 2), **_exchange(d),
                                              **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d),
                                              **({"TMA": True} if tma else {}), **_fast_grad(call))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
@@ -375,7 +376,7 @@ def _backward_tc_plan(call, bq, bk):
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
                                              split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
                                              **_tf32_keywords(call.dtype, call.precision),
-                                             **_section(call, LPT_SECTION_BWD), **({"DQ_FRAG": True} if frag else {}),
+                                             **_section(call, LPT_SECTION_BWD, 2), **({"DQ_FRAG": True} if frag else {}),
                                              **_fast_grad(call))
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
@@ -696,8 +697,9 @@ FLEX_MASK_INT32 = True
 # d 128, sliding window 1024: the Hopper forward 3504 -> 2664 SASS instructions (185 -> 166 registers), the Hopper
 # dK/dV kernel 4328 -> 4064 (its partial tile's straight run 700 -> 452; document 575 -> 465); docs/notes/
 # flex-kernels.md, sixth session.  Not yet measured on a GPU: off until then
-# (``python -m tools.flex_ab --settings "FLEX_MASK_NARROW=0;FLEX_MASK_NARROW=1"``)
-FLEX_MASK_NARROW = False
+# (``python -m tools.flex_ab --settings "FLEX_MASK_NARROW=0;FLEX_MASK_NARROW=3"``).  Bits: 1 the forward's
+# kernels, 2 the backward's
+FLEX_MASK_NARROW = 0
 
 
 def _flex_only(call):
