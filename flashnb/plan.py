@@ -281,10 +281,11 @@ LPT_SECTION_BWD = 8
 
 # a flex call's mask_mod takes the same block order (``_section``): its kept blocks usually follow causal's
 # direction (causal, documents, prefix-LM, causal windows), and the order costs speed, never results, where they do
-# not; the dense causal call's order measured 1-11% less forward time (above).  Not yet measured with flex: off
-# until then (``python -m tools.flex_ab --settings "FLEX_SECTION=0;FLEX_SECTION=3"``).  Bits: 1 the forward, 2 the
-# dK/dV kernel
-FLEX_SECTION = 0
+# not.  Bits: 1 the forward, 2 the dK/dV kernel.  Measured with FLEX_MASK_NARROW (below; H200, bf16, 16k tokens,
+# bench/results/h200-flex-2026-11-28g.md): in the forwards both help every case (d 128 causal 2.36 -> 2.19 ms,
+# ALiBi 3.01 -> 2.86, document 0.76 -> 0.69); in the dK/dV kernel the order was within noise (d 128 causal 8.59 ->
+# 8.70, document 2.55 -> 2.49 forward+backward): the forward's only
+FLEX_SECTION = 1
 
 
 def _section(call, section, bit):
@@ -695,11 +696,14 @@ FLEX_MASK_INT32 = True
 # with it, the partial tiles' bounds in int32 and the mask_mod's integer comparisons in int32 where their bounds fit
 # (``Mods.mask_narrow``; ``kernels._mod_float32.int32_compare_device_function``): the same decisions; ptxas at bf16
 # d 128, sliding window 1024: the Hopper forward 3504 -> 2664 SASS instructions (185 -> 166 registers), the Hopper
-# dK/dV kernel 4328 -> 4064 (its partial tile's straight run 700 -> 452; document 575 -> 465); docs/notes/
-# flex-kernels.md, sixth session.  Not yet measured on a GPU: off until then
-# (``python -m tools.flex_ab --settings "FLEX_MASK_NARROW=0;FLEX_MASK_NARROW=3"``).  Bits: 1 the forward's
-# kernels, 2 the backward's
-FLEX_MASK_NARROW = 0
+# dK/dV kernel 4328 -> 4064 (its partial tile's straight run 700 -> 452; document 575 -> 465).  Bits: 1 the
+# forward's kernels, 2 the backward's.  Measured (H200, bf16, 16k, ``python -m tools.flex_ab --settings
+# "FLEX_MASK_NARROW=0 FLEX_SECTION=0;FLEX_MASK_NARROW=1 FLEX_SECTION=1;..."``, bench/results/
+# h200-flex-2026-11-28g.md): the forwards 5-16% faster (d 64 sliding 0.62 -> 0.54 ms, document 0.88 -> 0.78), every
+# case's forward+backward 0.7-4% faster with the forward's bits alone; in the d 128 backward it cost 1-7% (ALiBi's
+# dK/dV kernel 8.32 -> 8.73 ms under ncu: the same 2.45 G instructions, 4.76 -> 5.03 cycles an issue, short
+# scoreboard and math-pipe stalls up: ptxas schedules the leaner code worse), so the forward's only
+FLEX_MASK_NARROW = 1
 
 
 def _flex_only(call):

@@ -402,8 +402,8 @@ def test_fp8_forward_plan():
     (False, {"FLEX_TWO_BLOCKS": False}, False)])
 def test_flex_launch_bounds(device, monkeypatch, score, setting, two_blocks):
     """A flex_attention call's Hopper forward at head dim 64: two blocks an SM for a mask_mod alone
-    (``FLEX_TWO_BLOCKS``), with a score_mod under ``FLEX_TWO_BLOCKS_SCORE``; no section order
-    (a flex call keeps the grid's order)."""
+    (``FLEX_TWO_BLOCKS``), with a score_mod under ``FLEX_TWO_BLOCKS_SCORE``; the mask_mod's call takes causal's
+    section order (``FLEX_SECTION``'s forward bit), and not with the bit off."""
     from flashnb import flex
     from flashnb.kernels._scores import Mods
     device(**H100)
@@ -417,4 +417,8 @@ def test_flex_launch_bounds(device, monkeypatch, score, setting, two_blocks):
     monkeypatch.setattr(plan, "make_forward_tc", lambda *a, **k: (built.update(k), real(*a, **k))[1])
     plan.forward(call(dtype="bfloat16", flags=flags))
     assert built.get("WGMMA") and built.get("MIN_BLOCKS") == (2 if two_blocks else None), built
+    assert built.get("SECTION") == plan.LPT_SECTION_FWD, built
+    monkeypatch.setattr(plan, "FLEX_SECTION", 2)
+    built.clear()
+    plan.forward(call(dtype="bfloat16", flags=flags))
     assert "SECTION" not in built, built
