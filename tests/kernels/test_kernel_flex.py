@@ -455,6 +455,45 @@ def test_the_straight_line_element_gradient_gives_the_same_results(monkeypatch):
             np.testing.assert_array_equal(a, b)
 
 
+def test_the_mask_mod_inside_the_backward_step_gives_the_same_results(monkeypatch):
+    """``plan.FLEX_BWD_MASK_INLINE`` (a partial tile's mask_mod decision as the exponent's -inf inside the dK/dV
+    kernel's plain step) against the bits written out, tested and zeroed after it: the same gradients, bit for bit,
+    with a document mask over captured ids and a sliding window, sequences ending inside a tile, and a row that
+    sees no key (its lse2 is +inf); the planner passes the setting to the kernel (checked)."""
+    from flashnb import _dispatch, plan
+    rng = np.random.default_rng(25)
+    L, S = 40, 56
+    ids = np.sort(rng.integers(0, 4, S)).astype(np.int32)
+
+    def doc(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx) & (q_idx != 7)
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= 9)
+
+    q = (2 * rng.standard_normal((1, 2, L, 16))).astype(np.float16)
+    k, v = ((2 * rng.standard_normal((1, 2, S, 16))).astype(np.float16) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    for fn in (doc, sliding):
+        mask = flashnb.create_block_mask(fn, None, None, L, S, BLOCK_SIZE=128)
+        out, lse = flashnb.flex_attention(q, k, v, block_mask=mask, return_lse=True, backend="tensorcore")
+        results = []
+        for inline in (False, True):
+            monkeypatch.setattr(plan, "FLEX_BWD_MASK_INLINE", inline)
+            _dispatch.clear()
+            seen = []
+            monkeypatch.setattr(plan, "make_dkdv_tc", lambda *a, _real=plan.make_dkdv_tc, **kw: (
+                seen.append(kw.get("MASK_INLINE", False)) if kw.get("MODS") else None) or _real(*a, **kw))
+            results.append(flashnb.flex_attention_backward(dout, q, k, v, out, lse, block_mask=mask,
+                                                           backend="tensorcore"))
+            monkeypatch.undo()
+            assert seen == [inline]
+        assert all(np.all(np.isfinite(g)) for g in results[0]) and np.any(results[0][1] != 0)
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+    _dispatch.clear()
+
+
 def test_the_block_order_of_a_mask_mod_changes_no_result(monkeypatch):
     """``plan.FLEX_SECTION`` (a flex call's blocks in the dense causal call's longest-first order, the kernels'
     ``SECTION``) against the plain order: the same output, lse, dK and dV (each block computes them whole), dQ within
