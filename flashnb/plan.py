@@ -344,8 +344,10 @@ BWD_FAST_GRAD = True
 # a mask_mod alone on a partial tile of the tensor-core dK/dV kernels: its decision as the exponent's -inf inside the
 # plain element step (``make_dkdv_tc(MASK_INLINE=True)``), not bits packed into words, tested, and both products
 # zeroed after it.  ptxas (bf16 d 128, ``python -m tools.flex_sass --case "sliding 1024" --settings
-# "FLEX_BWD_MASK_INLINE=0;FLEX_BWD_MASK_INLINE=1"``): see docs/notes/flex-kernels.md, seventh session.  Not yet
-# measured on a GPU: off until then (``python -m tools.flex_ab --settings "FLEX_BWD_MASK_INLINE=0;..."``)
+# "FLEX_BWD_MASK_INLINE=0;FLEX_BWD_MASK_INLINE=1"``): the Hopper dK/dV kernel 4328 -> 4176 SASS instructions,
+# document's 4216 -> 4056.  Not yet measured on a GPU, where fewer instructions in this latency-bound kernel did not
+# pay for FLEX_MASK_NARROW's backward bit (below): off until then (``python -m tools.flex_ab --settings
+# "FLEX_BWD_MASK_INLINE=0;FLEX_BWD_MASK_INLINE=1"``)
 FLEX_BWD_MASK_INLINE = False
 
 
