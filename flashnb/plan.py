@@ -395,8 +395,9 @@ def _backward_tc_plan(call, bq, bk):
         kern, shared, threads = make_dkdv_tc(bq, bk, d, call.dtype, call.layout[1], *_flag_args(call.flags),
                                              split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
                                              **_tf32_keywords(call.dtype, call.precision),
-                                             **_section(call, LPT_SECTION_BWD, 2), **({"DQ_FRAG": True} if frag else {}),
-                                             **_fast_grad(call), **_mask_inline(call))
+                                             **_section(call, LPT_SECTION_BWD, 2),
+                                             **({"DQ_FRAG": True} if frag else {}), **_fast_grad(call),
+                                             **_mask_inline(call))
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     cast = None
