@@ -18,10 +18,11 @@ attended on its own (``reference.fp8.fp8_flash_forward_varlen``).
 Layers as in ``api``: validate on the host (``_check``) -> plan (``plan.fp8_forward``: the V^T pre-pass and the
 forward, cached per shape) -> bind (word views of the codes, V^T's temporary, the tensor maps) -> launch.
 
-For callers holding 16-bit or float32 tensors, ``quantize_fp8(x, per="tensor"|"head", rotation=None, group=1)``
-gives the codes and descales (amax -> 448), and ``hadamard_rotation(headdim, seed)`` the random orthogonal matrix of FA3's
-incoherent processing: pass the same one for q and k (``q K^T`` is unchanged), none for v.  On Q and K with
-outlier channels it cuts the FP8 output's mean error about 3.5x (docs/notes/fp8.md step 3).
+For callers holding 16-bit or float32 tensors, ``quantize_fp8(x, per="tensor"|"head"|"block", rotation=None,
+group=1, block=128)`` gives the codes and descales (amax -> 448; "block": FA3's block quantisation, for
+``flash_attention_fp8``'s ``descale_block_q`` / ``descale_block_k``), and ``hadamard_rotation(headdim, seed)`` the
+random orthogonal matrix of FA3's incoherent processing: pass the same one for q and k (``q K^T`` is unchanged),
+none for v.  On Q and K with outlier channels it cuts the FP8 output's mean error about 3.5x (docs/notes/fp8.md step 3).
 """
 import math
 import threading
@@ -57,29 +58,42 @@ def hadamard_rotation(headdim, seed=0):
     return (h * signs[None, :] / math.sqrt(headdim)).astype(np.float32)
 
 
-def quantize_fp8(x, per="tensor", rotation=None, group=1):
+def quantize_fp8(x, per="tensor", rotation=None, group=1, block=128):
     """``(codes, descale)`` with ``x ~ codes * descale`` (after ``x @ rotation`` if given), for
     ``flash_attention_fp8``: ``x`` (batch, seqlen, heads, headdim), a PyTorch tensor (codes ``float8_e4m3fn`` on its
     device, descale a float32 tensor) or a NumPy array (codes ``uint8``, descale a float or a float32 array).
     ``per="tensor"``: one descale, ``amax / 448``; ``"head"``: one per (batch, ``group`` consecutive heads), shape
     (batch, heads / group): for q, ``group = nheads / nheads_k`` gives the one descale per key/value head the
-    kernel takes.  The codes round to the nearest e4m3 value (ties to even); an all-zero slice gets descale 1."""
+    kernel takes; ``"block"``: one per (batch, head, ``block`` rows), shape (batch, heads, ceil(seqlen / block)), for
+    ``flash_attention_fp8``'s ``descale_block_q`` / ``descale_block_k`` (FA3's block quantisation: an outlier costs
+    only its own block's precision).  The codes round to the nearest e4m3 value (ties to even); an all-zero slice
+    gets descale 1."""
     is_torch = torch is not None and isinstance(x, torch.Tensor)
     if not is_torch and not isinstance(x, np.ndarray):
         raise TypeError(f"x must be a PyTorch tensor or a NumPy array, got {type(x).__name__}")
-    if per not in ("tensor", "head"):
-        raise ValueError(f"per must be 'tensor' or 'head', got {per!r}")
+    if per not in ("tensor", "head", "block"):
+        raise ValueError(f"per must be 'tensor', 'head' or 'block', got {per!r}")
     if len(x.shape) != 4:
         raise ValueError(f"x must be 4-D (batch, seqlen, heads, headdim), got shape {tuple(x.shape)}")
     b, n, h, d = (int(s) for s in x.shape)
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1 or h % group:
         raise ValueError(f"group must be a positive int dividing the {h} heads, got {group!r}")
+    if per == "block" and (isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1):
+        raise ValueError(f"block must be a positive int, got {block!r}")
     if rotation is not None and tuple(rotation.shape) != (d, d):
         raise ValueError(f"rotation must be ({d}, {d}) for head dim {d}, got shape {tuple(rotation.shape)}")
+    nb = -(-n // block) if per == "block" else 0
     if is_torch:
         x = x.float()
         if rotation is not None:
             x = x @ torch.as_tensor(rotation, dtype=torch.float32, device=x.device)
+        if per == "block":
+            padded = torch.zeros((b, nb * block, h, d), dtype=torch.float32, device=x.device)
+            padded[:, :n] = x.abs()
+            amax = padded.reshape(b, nb, block, h, d).amax(dim=(2, 4)).transpose(1, 2)      # (b, h, nb)
+            descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+            rows = descale.repeat_interleave(block, 2)[:, :, :n].transpose(1, 2)[..., None]
+            return (x / rows).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), descale.float()
         amax = x.abs().amax(dim=(1, 3)).reshape(b, h // group, group).amax(-1) if per == "head" else x.abs().amax()
         descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
         scaled = x / (descale.repeat_interleave(group, 1)[:, None, :, None] if per == "head" else descale)
@@ -87,6 +101,13 @@ def quantize_fp8(x, per="tensor", rotation=None, group=1):
     x = np.asarray(x, np.float64)
     if rotation is not None:
         x = x @ np.asarray(rotation, np.float64)
+    if per == "block":
+        padded = np.zeros((b, nb * block, h, d))
+        padded[:, :n] = np.abs(x)
+        amax = padded.reshape(b, nb, block, h, d).max(axis=(2, 4), initial=0.0).transpose(0, 2, 1)
+        descale = np.where(amax > 0, amax / E4M3_MAX, 1.0)
+        rows = np.repeat(descale, block, 2)[:, :, :n].transpose(0, 2, 1)[..., None]
+        return e4m3_codes(x / rows).astype(np.uint8), descale.astype(np.float32)
     amax = np.abs(x).max(axis=(1, 3)).reshape(b, h // group, group).max(-1) if per == "head" else np.abs(x).max()
     descale = np.where(amax > 0, amax / E4M3_MAX, 1.0)
     scaled = x / (np.repeat(descale, group, 1)[:, None, :, None] if per == "head" else descale)
@@ -95,7 +116,8 @@ def quantize_fp8(x, per="tensor", rotation=None, group=1):
 
 
 def flash_attention_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None, *, causal=False,
-                        softmax_scale=None, out_dtype=None, return_lse=False, stream=None):
+                        softmax_scale=None, out_dtype=None, return_lse=False, stream=None, descale_block_q=None,
+                        descale_block_k=None):
     """FP8 attention's forward: ``out`` (batch, seqlen_q, nheads, headdim) in ``out_dtype``, and with
     ``return_lse`` the log-sum-exp (batch, nheads, seqlen_q) in float32.
 
@@ -103,8 +125,17 @@ def flash_attention_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
     be positive; head dims 64, 128, 256; ``nheads`` a multiple of ``nheads_k`` (grouped-query attention).  Needs a
     Hopper GPU (compute capability 9.0), or Numba's simulator.
 
+    Block quantisation (``quantize_fp8(x, per="block", block=...)``): ``descale_block_q`` rows a block of q, whose
+    ``q_descale`` is then (batch, nheads, ceil(seqlen_q / descale_block_q)) (a query head's own), and
+    ``descale_block_k`` rows a block of k and v, whose descales are (batch, nheads_k, ceil(seqlen_k /
+    descale_block_k)); multiples of 128 (the kernel's tiles).  Either may be given alone (the other tensors' descales
+    as above); the descales are then NumPy arrays or PyTorch tensors (or floats), and the call takes the full path.
+
     A call is replayed from the dispatch cache (``_dispatch``) when one with the same signature has run: PyTorch
-    or Numba device arrays, descales floats, None or float32 device arrays, no ``stream``."""
+    or Numba device arrays, descales floats, None or float32 device arrays, no ``stream``, no blocks."""
+    if descale_block_q is not None or descale_block_k is not None:
+        return _full_forward(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, out_dtype, return_lse,
+                             stream, blocks=(descale_block_q, descale_block_k))
     descales = (q_descale, k_descale, v_descale)
     held = tuple(d if _is_array(d) else None for d in descales)
     values = tuple(None if _is_array(d) else d for d in descales)
@@ -118,20 +149,28 @@ def _is_array(d):
     return d is not None and not isinstance(d, (int, float, np.integer, np.floating))
 
 
-def _full_forward(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, out_dtype, return_lse, stream):
-    """``flash_attention_fp8``'s full path: validate, plan, bind, launch."""
+def _full_forward(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, out_dtype, return_lse, stream,
+                  blocks=None):
+    """``flash_attention_fp8``'s full path: validate, plan, bind, launch.  ``blocks``: (descale_block_q,
+    descale_block_k), block quantisation."""
     kind, dims = _check(q, k, v, softmax_scale)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = dims
+    if blocks is not None:
+        _check_blocks(blocks)
     out_dtype, scale = _settings(kind, headdim, softmax_scale, out_dtype, q_descale, k_descale)
     launch_stream = _arrays.resolve_stream(stream, kind, q)
     with _arrays.stream_scope(launch_stream, kind, q):
-        descale = [_descale(d, name, kind, q, batch, nheads_k, launch_stream)
-                   for d, name in zip((q_descale, k_descale, v_descale), ("q_descale", "k_descale", "v_descale"))]
+        if blocks is None:
+            descale = [_descale(d, name, kind, q, batch, nheads_k, launch_stream)
+                       for d, name in zip((q_descale, k_descale, v_descale), ("q_descale", "k_descale", "v_descale"))]
+        else:
+            descale = _block_descales(blocks, (q_descale, k_descale, v_descale), kind, q, dims, launch_stream)
         out, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), out_dtype, q, launch_stream,
                                              bits=True)
         lse, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), "float32", q, launch_stream)
         if batch and seqlen_q and nheads:
-            p = plan.fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, bool(causal), out_dtype)
+            p = plan.fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, bool(causal), out_dtype,
+                                 blocks is not None)
             qw, kw, vb = (_codes(x, name, launch_stream) for x, name in ((q, "q"), (k, "k"), (v, "v")))
             vt_w = _transposed_v(p, vb, kind, q, launch_stream)
             args = p.forward_args(qw, kw, vt_w, _arrays.word_view(out_d), lse_d, *descale,
@@ -478,6 +517,71 @@ def _descale(d, name, kind, q, batch, nheads_k, stream):
     if tuple(dev.shape) != (batch, nheads_k):                         # one value for every (batch, key head)
         dev = _arrays.strided_view(dev, (batch, nheads_k), (0, 0))
     return _arrays.any_layout(dev)
+
+
+def _check_blocks(blocks):
+    for name, block in zip(("descale_block_q", "descale_block_k"), blocks):
+        if block is not None and (isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer))
+                                  or block < BLOCK_K or block % BLOCK_K):
+            raise ValueError(f"{name} must be None or a positive multiple of {BLOCK_K} (the kernel's tiles), got "
+                             f"{block!r}")
+
+
+def _block_descales(blocks, descales, kind, q, dims, stream):
+    """A block-quantised call's descales as the kernel reads them (``make_forward_fp8(BLOCKS=True)``), checked
+    before any launch: q's per (batch, nheads, query tile), k's and v's per (batch, nheads_k, key tile), float32
+    on q's device; a descale without blocks (a float, None, or (batch, nheads_k)) repeated over them."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, _ = dims
+    is_torch_q = torch is not None and isinstance(q, torch.Tensor)
+    n_qt, n_kt = -(-seqlen_q // BLOCK_K), -(-seqlen_k // BLOCK_K)        # (BLOCK_Q = BLOCK_K = 128)
+    out = []
+    for d, name, block, heads, tiles, seqlen in (
+            (descales[0], "q_descale", blocks[0], nheads, n_qt, seqlen_q),
+            (descales[1], "k_descale", blocks[1], nheads_k, n_kt, seqlen_k),
+            (descales[2], "v_descale", blocks[1], nheads_k, n_kt, seqlen_k)):
+        is_torch = torch is not None and isinstance(d, torch.Tensor)
+        if is_torch and not is_torch_q:
+            raise TypeError(f"{name} is a PyTorch tensor but q is not: pass a float or a NumPy array")
+        if _is_array(d) and not (is_torch or isinstance(d, (np.ndarray, np.generic))):
+            raise TypeError(f"{name}: a call with descale blocks takes floats, NumPy arrays or PyTorch tensors, got "
+                            f"{type(d).__name__}")
+        if block is None and (is_torch or isinstance(d, np.ndarray)) and tuple(d.shape) not in ((), (1,)):
+            if tuple(d.shape) != (batch, nheads_k):
+                raise ValueError(f"{name} must be a float or of shape (batch, nheads_k) = ({batch}, {nheads_k}), "
+                                 f"got shape {tuple(d.shape)}")
+            per = _repeat(d[:, :, None], heads // nheads_k, 1)            # (batch, heads, 1)
+            per = _repeat(per, tiles, 2)
+        elif block is None and is_torch:                                  # one value, on the device
+            per = d.reshape(1, 1, 1).expand(batch, heads, tiles)
+        elif block is None:
+            per = np.full((batch, heads, tiles), _scalar(d, name), np.float32)
+        else:
+            nb = -(-seqlen // block)
+            if not (is_torch or isinstance(d, np.ndarray)) or tuple(d.shape) != (batch, heads, nb):
+                what = "nheads" if name == "q_descale" else "nheads_k"
+                raise ValueError(f"{name} with blocks of {block} rows must be an array of shape (batch, {what}, "
+                                 f"ceil(seqlen / {block})) = ({batch}, {heads}, {nb}), got "
+                                 f"{type(d).__name__} {tuple(getattr(d, 'shape', ()))}")
+            per = _repeat(d, block // BLOCK_K, 2)[:, :, :tiles]
+        if is_torch:
+            if per.device != q.device:
+                raise ValueError(f"{name} must be on q's device {q.device}, got {per.device}")
+            dev = per.to(torch.float32).contiguous()
+        else:
+            dev = np.ascontiguousarray(per, np.float32)
+            if not (np.all(np.isfinite(dev)) and np.all(dev > 0)):
+                raise ValueError(f"{name} must be positive and finite in float32")
+            if is_torch_q:
+                dev = torch.from_numpy(dev).to(q.device)
+        out.append(_arrays.any_layout(_arrays.to_device(dev, stream)))
+    return out
+
+
+def _repeat(x, n, axis):
+    """Each entry of ``x`` ``n`` times along ``axis`` (NumPy or PyTorch)."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.repeat_interleave(n, axis)
+    return np.repeat(np.asarray(x), n, axis)
 
 
 def _one_value(value, q, stream):

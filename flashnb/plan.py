@@ -1223,11 +1223,13 @@ FP8_TWO_BLOCKS = True
 
 
 @lru_cache(maxsize=256)
-def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, out_dtype):
+def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, out_dtype, blocks=False):
     """The launches of an FP8 forward of that shape (``kernels.forward_fp8``): Hopper only (compute capability
-    9.0, or the simulator), head dims 64, 128, 256, dense batches."""
+    9.0, or the simulator), head dims 64, 128, 256, dense batches; ``blocks``: the descales per tile (block
+    quantisation)."""
     min_blocks = 2 if FP8_TWO_BLOCKS and headdim == 64 else 1
-    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), min_blocks)
+    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), min_blocks,
+                                         **({"BLOCKS": True} if blocks else {}))
     check_shared(shared, f"the FP8 forward at head dim {headdim}")
     grid = batch * nheads * -(-seqlen_q // _fp8.BLOCK_Q)
     prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)

@@ -254,7 +254,7 @@ def p_quantization_bound(q, k, v, p_descale=1.0, softmax_scale=None, **opts):
 
 
 def fp8_flash_forward(q8, k8, v8, q_descale=None, k_descale=None, v_descale=None, p_descale=1.0, block_k=64,
-                      causal=False, softmax_scale=None):
+                      causal=False, softmax_scale=None, *, descale_block_q=None, descale_block_k=None):
     """``(out, lse)`` of FA3's FP8 forward, in float64. ``causal`` is bottom-right aligned, as ``attention``.
     For each key tile ``j`` of ``block_k`` keys, per query row:
 
@@ -266,9 +266,10 @@ def fp8_flash_forward(q8, k8, v8, q_descale=None, k_descale=None, v_descale=None
         m = m_new
 
     and then ``out = acc / l``, ``lse = m + log l``. A row that sees no key gives ``out = 0`` and
-    ``lse = -inf``.
+    ``lse = -inf``.  Block quantisation: ``descale_block_q``, ``descale_block_k`` as ``fp8_attention``'s
+    ``block_q``, ``block_k`` (the descales' rows a block; ``block_k`` here is the key tile).
     """
-    q, k, v = _dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale)
+    q, k, v = _dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale, descale_block_q, descale_block_k)
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, group = k.shape[1], nheads // k.shape[2]
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)

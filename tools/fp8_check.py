@@ -1,8 +1,8 @@
 """FP8 forward on a Hopper GPU: correctness against the oracle, and speed against flashnb's own 16-bit forward.
 
     python -m tools.fp8_check check            # shapes x options against reference.fp8.fp8_flash_forward
-    python -m tools.fp8_check small            # one small call per head dim and causal, dense, packed and over a
-                                               # KV cache (for compute-sanitizer)
+    python -m tools.fp8_check small            # one small call per head dim and causal, dense, packed, over a
+                                               # KV cache and with block descales (for compute-sanitizer)
     python -m tools.fp8_check bench [--seqlens 4096,16384] [--headdims 128,256] [--settings "A=1;B=1"]
     python -m tools.fp8_check profile --headdims 128 --seqlens 4096   # one call, for ncu --profile-from-start off
 
@@ -108,7 +108,14 @@ def small():
                                                       kn, vn, causal=causal)
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()
-    print("18 configurations ran (dense, packed and over a KV cache)")
+            # block descales (query blocks of 128, key blocks of 256: the last block partial)
+            (qb, dq), (kb, dk), (vb, dv) = (flashnb.quantize_fp8(x, per="block", block=n)
+                                            for x, n in ((q, 128), (k, 256), (v, 256)))
+            out = flashnb.flash_attention_fp8(qb, kb, vb, dq, dk, dv, causal=causal, descale_block_q=128,
+                                              descale_block_k=256)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all()
+    print("24 configurations ran (dense, packed, over a KV cache, and with block descales)")
     return 0
 
 

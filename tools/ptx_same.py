@@ -131,6 +131,15 @@ for d in (64, 128, 256):
                                 types.Array(types.uint64, 2, "C")) + (types.Array(types.int32, 1, "C"),) * 3
             print("fp8 varlen fwd", d, causal, h(cuda.compile_ptx(k.py_func, sig, cc=(9, 0, "a"),
                                                                   launch_bounds=k.targetoptions.get("launch_bounds"))[0]))
+for d in (64, 128, 256):
+    for causal in (False, True):
+        if want("fp8 blocks fwd %d %s" % (d, causal)):
+            k = _fp8.make_forward_fp8(d, "bfloat16", causal, BLOCKS=True)[0]
+            f3a = types.Array(types.float32, 3, "A")
+            sig = (u4w,) * 4 + (f3, f3a, f3a, f3a, types.int64, types.int64, types.float32,
+                                types.Array(types.uint64, 2, "C")) + (types.Array(types.int32, 1, "C"),) * 3
+            print("fp8 blocks fwd", d, causal, h(cuda.compile_ptx(k.py_func, sig, cc=(9, 0, "a"),
+                                                                  launch_bounds=k.targetoptions.get("launch_bounds"))[0]))
 if want("fp8 prepare"):
     b8 = types.Array(types.uint8, 4, "A")
     print("fp8 prepare", h(cuda.compile_ptx(_fp8.make_prepare_vt(128).py_func, (b8, b8), cc=(9, 0))[0]))

@@ -142,7 +142,7 @@ def make_prepare_vt_packed(HEAD_DIM):
 
 @lru_cache(maxsize=None)
 @kernel_factory
-def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False):
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False):
     """``forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps, cu_seqlens_q,
     cu_seqlens_k, vt_start)`` and its shared bytes: ``q``, ``k``
     (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
@@ -159,11 +159,18 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False):
     to the next one: its keys are masked, its queries' rows never stored).  Dense calls pass one-entry
     ``cu_seqlens_*`` and ``vt_start``, unread.
 
+    ``BLOCKS``: block quantisation (dense batches): the descales per tile, ``q_descale`` (batch, nheads, query
+    tiles) (a query head's own), ``k_descale`` and ``v_descale`` (batch, nheads_k, key tiles), the host's
+    expansion of the caller's blocks (multiples of the tiles).  Key tile ``j``'s scores take ``q_descale *
+    k_descale[j]`` in their exponent scale; the accumulator is kept in units of the last tile's V descale and
+    rescaled when the next tile's differs (``v_rescale``), so ``P V_j`` adds V_j's codes as they are.
+
     ``MIN_BLOCKS``: launch bounds for that many blocks an SM (2 at head dim 64: 16 warps an SM instead of 8).
     Measured no faster on an H200 and removed (docs/notes/fp8.md step 4; the code is in commit 8bbdd68): three
     stages, FA3's order of the products, the warpgroups' turns by named barriers, S_{j+1} in flight under the
     softmax of S_j."""
     assert HEAD_DIM in HEAD_DIMS
+    assert not (BLOCKS and VARLEN), "block descales are for dense batches"
     F32 = np.float32
     U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
@@ -289,6 +296,15 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False):
                     lse[b, h, q_start + i] = NEG_INF if l == ZERO else (m_i[r] + math.log2(l)) * LN2_T
 
     @device_function
+    def v_rescale(o_acc, vd, vd_j):
+        """``BLOCKS``: the accumulator, in units of V descale ``vd``, into those of tile j's ``vd_j``."""
+        if vd_j != vd:
+            r = vd / vd_j
+            for n in range(N_ACC_O):
+                o_acc[n] *= r
+        return vd_j
+
+    @device_function
     def hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, b):
         """Every thread is done with tile j's stage: thread 0 refills it with tile ``j + STAGES``."""
         cuda.syncthreads()
@@ -333,7 +349,12 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False):
         tid = cuda.threadIdx.x
         wg = tid // 128
         row_g = qt * BLOCK_Q + 64 * wg + 16 * ((tid // 32) % 4) + (tid % 32) // 4   # this thread's first row
-        c = F32(scale) * q_descale[b, hk] * k_descale[b, hk] * LOG2E_T
+        if BLOCKS:                          # the query tile's descale; each key tile's below
+            c_q = F32(scale) * q_descale[b, h, qt] * LOG2E_T
+            c = c_q
+            vd = v_descale[b, hk, 0]
+        else:
+            c = F32(scale) * q_descale[b, hk] * k_descale[b, hk] * LOG2E_T
         k_end = min(seqlen_k, qt * BLOCK_Q + BLOCK_Q + off) if CAUSAL else seqlen_k   # keys past it: seen by none
         n_kt = (k_end + BLOCK_K - 1) // BLOCK_K if k_end > 0 else 0
 
@@ -367,10 +388,17 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False):
         mbar_wait(smem, Q_FULL, 0)
         for j in range(n_kt):
             scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                     # S = Q K_j^T
+            if BLOCKS:
+                c = c_q * k_descale[b, hk, j]
             softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
+            if BLOCKS:
+                vd = v_rescale(o_acc, vd, v_descale[b, hk, j])
             pack_p(s_acc, p_frag)
             wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)       # acc += P V_j
             hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, bd)
-        store_out_lse(out, lse, o_acc, m_i, l_i, row_g, bd, h, seqlen_q, q_start, v_descale[b, hk], scratch)
+        if BLOCKS:
+            store_out_lse(out, lse, o_acc, m_i, l_i, row_g, bd, h, seqlen_q, q_start, vd, scratch)
+        else:
+            store_out_lse(out, lse, o_acc, m_i, l_i, row_g, bd, h, seqlen_q, q_start, v_descale[b, hk], scratch)
 
     return forward, SHARED_BYTES

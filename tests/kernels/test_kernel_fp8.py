@@ -41,14 +41,14 @@ def _descales(rng, per_head, batch, nheads_k):
     return [float(rng.uniform(1 / 200, 1 / 50)) for _ in range(3)]
 
 
-def _flips(q8, k8, v8, qd, kd, vd, causal):
+def _flips(q8, k8, v8, qd, kd, vd, causal, blocks=(None, None)):
     """Two P entries a row rounded to the neighbouring e4m3 code: the kernel's float32 ``exp2`` and the oracle's
     float64 ``exp`` differ by ~1e-6 relative, so an entry that close to a midpoint between codes rounds the other
     way (on the order of one a row at these sizes); each moves ``out`` by at most one code's step, ``2^-3 P_ij
     |v_j|``.  A key paired with another key's value moves it by ~``P_ij |v_j|`` over many rows."""
     from reference import attention_probs
     from reference.fp8 import _dequantize_inputs
-    q, k, v = _dequantize_inputs(q8, k8, v8, qd, kd, vd)
+    q, k, v = _dequantize_inputs(q8, k8, v8, qd, kd, vd, *blocks)
     probs = attention_probs(q, k, v, causal=causal)                      # (batch, nheads, seqlen_q, seqlen_k)
     v_r = np.abs(np.repeat(v, q.shape[2] // k.shape[2], axis=2)).transpose(0, 2, 1, 3)
     top = np.zeros(probs.shape[:3] + (v.shape[3],))
@@ -84,12 +84,12 @@ def _check(b, sq, sk, hk, group, d, causal, per_head, seed):
     assert np.all(out[~seen.transpose(0, 2, 1)] == 0), "rows that see no key: out 0"
 
 
-def _check_against_exact(out, lse, ref, ref_lse, q8, k8, v8, qd, kd, vd, causal):
+def _check_against_exact(out, lse, ref, ref_lse, q8, k8, v8, qd, kd, vd, causal, blocks=(None, None)):
     """On a GPU (module docstring): max |out - exact| <= 2 max |ref - exact| + float16's rounding, exact the float64
     attention of the dequantised inputs; |lse - ref_lse| within the FP8 products' bound on S."""
     from reference import attention
     from reference.fp8 import _dequantize_inputs
-    q, k, v = _dequantize_inputs(q8, k8, v8, qd, kd, vd)
+    q, k, v = _dequantize_inputs(q8, k8, v8, qd, kd, vd, *blocks)
     exact, _ = attention(q, k, v, causal=causal)
     top = max(np.abs(exact).max(), 1e-30)
     kernel_err = np.abs(out.astype(np.float64) - exact).max()
@@ -109,6 +109,73 @@ def test_fp8_forward_matches_its_oracle(d, causal, sq, sk):
     """Explicit cases: one query tile over two key tiles (the last partial) at head dims 64 and 128, causal with
     two query tiles and more queries than keys (the first rows see no key)."""
     _check(1, sq, sk, 1, 2, d, causal, True, d + sq)
+
+
+@pytest.mark.parametrize("d, causal, sq, sk, block_q, block_k", [
+    (64, True, 260, 300, 256, 128), (128, False, 70, 300, None, 256), (64, True, 200, 150, 128, None)])
+def test_fp8_forward_with_block_descales_matches_its_oracle(d, causal, sq, sk, block_q, block_k):
+    """Block quantisation (``quantize_fp8(per="block")``, ``descale_block_q`` / ``descale_block_k``): the rows of
+    each block at their own scale (4^i for block i, so every key tile's K and V descales differ and the kernel's
+    accumulator changes units each tile), grouped heads; the other tensors' descales per (batch, key head) where
+    only one side has blocks.  Held to ``fp8_flash_forward`` with the same blocks, as ``_check`` holds the plain
+    call."""
+    rng = np.random.default_rng(d + sq + sk)
+    b, hk, group = 1, 1, 2
+
+    def data(L, h, block):
+        x = rng.standard_normal((b, L, h, d))
+        if block is not None:
+            x *= 4.0 ** (np.arange(L) // block)[None, :, None, None]
+        return x
+
+    q, k, v = data(sq, hk * group, block_q), data(sk, hk, block_k), data(sk, hk, block_k)
+    if block_q is None:
+        q8, dq = flashnb.quantize_fp8(q, per="head", group=group)
+    else:
+        q8, dq = flashnb.quantize_fp8(q, per="block", block=block_q)
+    (k8, dk), (v8, dv) = (flashnb.quantize_fp8(x, per="block" if block_k else "head", block=block_k or 1)
+                          for x in (k, v))
+    assert (block_q is None or len(np.unique(dq)) > 1) and (block_k is None or len(np.unique(dk)) > 1)
+    copies = [x.copy() for x in (q8, k8, v8, dq, dk, dv)]
+    blocks = dict(descale_block_q=block_q, descale_block_k=block_k)
+    out, lse = flashnb.flash_attention_fp8(q8, k8, v8, dq, dk, dv, causal=causal, return_lse=True, **blocks)
+    for x, c in zip((q8, k8, v8, dq, dk, dv), copies):
+        assert np.array_equal(x, c), "an input was modified"
+    ref, ref_lse = fp8_flash_forward(q8, k8, v8, dq, dk, dv, block_k=forward_fp8.BLOCK_K, causal=causal, **blocks)
+    seen = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), seen)
+    if SIMULATOR:
+        err = np.abs(out.astype(np.float64) - ref)
+        bound = 2.0 ** -10 * np.abs(ref) + 2.0 ** -14 * np.abs(ref).max() + _flips(
+            q8, k8, v8, dq, dk, dv, causal, (block_q, block_k))
+        worst = np.unravel_index(np.argmax(err - bound), err.shape)
+        assert np.all(err <= bound), f"out at {worst}: {out[worst]} against {ref[worst]} (bound {bound[worst]:.2e})"
+        assert np.allclose(lse[seen], ref_lse[seen], rtol=1e-5, atol=1e-5)
+    else:
+        _check_against_exact(out, lse, ref, ref_lse, q8, k8, v8, dq, dk, dv, causal, (block_q, block_k))
+    assert np.all(out[~seen.transpose(0, 2, 1)] == 0)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(descale_block_q=100), ValueError, "descale_block_q"),
+    (dict(descale_block_k=True), ValueError, "descale_block_k"),
+    (dict(descale_block_q=128, q_descale=np.ones((1, 2, 1), np.float32)), ValueError, "q_descale"),
+    (dict(descale_block_k=128, v_descale=np.ones((1, 1), np.float32)), ValueError, "v_descale"),
+    (dict(descale_block_k=128, k_descale=-np.ones((1, 1, 2), np.float32)), ValueError, "k_descale"),
+])
+def test_fp8_block_descales_refuse_bad_input(change, error, words):
+    """Blocks that are not multiples of the tiles, descales of the wrong shape (q's a query head's own; k's and v's
+    per key head) or not positive: refused before any launch, naming the argument."""
+    rng = np.random.default_rng(3)
+    q8, k8, v8 = _codes(rng, (1, 200, 2, 64), 1 / 100), _codes(rng, (1, 150, 1, 64), 1 / 100), _codes(
+        rng, (1, 150, 1, 64), 1 / 100)
+    kw = dict(q_descale=np.full((1, 2, 2), 0.01, np.float32), k_descale=np.full((1, 1, 2), 0.01, np.float32),
+              v_descale=np.full((1, 1, 2), 0.01, np.float32), descale_block_q=128, descale_block_k=128)
+    kw.update(change)
+    if "descale_block_q" in change and change["descale_block_q"] != 128:
+        kw["q_descale"] = 0.01
+    with pytest.raises(error, match=words):
+        flashnb.flash_attention_fp8(q8, k8, v8, **kw)
 
 
 @settings(max_examples=3, deadline=None)
@@ -252,6 +319,25 @@ def test_quantize_fp8_round_trips_within_e4m3_rounding(per):
         assert np.abs(dequantize_e4m3(codes)).max() == 448
 
 
+def test_quantize_fp8_per_block_is_the_oracles():
+    """``per="block"``: the oracle's block quantiser (``reference.fp8.quantize_blocks_e4m3``), codes and descales,
+    a last block shorter than the others; PyTorch's codes the same but at a float32 rounding tie."""
+    from reference.fp8 import quantize_blocks_e4m3
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 21, 3, 64)) * 4.0 ** (np.arange(21) // 8)[None, :, None, None]
+    x[1, 8:16, 2] = 0.0                                                  # an all-zero block: descale 1
+    codes, descale = flashnb.quantize_fp8(x, "block", block=8)
+    want_codes, want_descale = quantize_blocks_e4m3(x, 8)
+    assert descale.shape == (2, 3, 3) and descale.dtype == np.float32 and descale[1, 2, 1] == 1.0
+    np.testing.assert_allclose(descale, want_descale, rtol=1e-7)
+    assert np.array_equal(codes, want_codes)
+    torch = pytest.importorskip("torch")
+    c_t, d_t = flashnb.quantize_fp8(torch.tensor(x, dtype=torch.float32), "block", block=8)
+    assert c_t.dtype == torch.float8_e4m3fn and tuple(d_t.shape) == (2, 3, 3)
+    assert np.allclose(d_t.numpy(), descale, rtol=1e-6)
+    assert (c_t.view(torch.uint8).numpy() == codes).mean() > 0.999
+
+
 def test_quantize_fp8_torch_codes_are_numpys():
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(6).standard_normal((1, 33, 2, 128)).astype(np.float32)
@@ -305,6 +391,7 @@ def test_incoherent_rotation_keeps_scores_and_cuts_outlier_error():
     (lambda: flashnb.quantize_fp8([[[[1.0]]]], "tensor"), TypeError, "x must be a PyTorch tensor or a NumPy"),
     (lambda: flashnb.hadamard_rotation(96), ValueError, "power of two"),
     (lambda: flashnb.quantize_fp8(np.zeros((1, 2, 3, 4)), "head", group=2), ValueError, "group must be"),
+    (lambda: flashnb.quantize_fp8(np.zeros((1, 2, 3, 4)), "block", block=0), ValueError, "block must be"),
 ])
 def test_quantize_fp8_refuses_bad_input(call, error, words):
     with pytest.raises(error, match=words):

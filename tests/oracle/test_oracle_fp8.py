@@ -225,6 +225,34 @@ def test_the_fa3_algorithm_stays_within_the_p_bound(p, p_descale, block_k):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)      # l from the unquantised P
 
 
+@settings(max_examples=30, deadline=None)
+@given(p=problems(), block_q=st.integers(1, 5), block_k=st.integers(1, 5), tile=st.integers(1, 7))
+def test_the_fa3_algorithm_with_block_descales(p, block_q, block_k, tile):
+    """``fp8_flash_forward`` with block descales (``descale_block_q``, ``descale_block_k``) against
+    ``fp8_attention`` of the same blocks: within the P bound of the blocks' dequantised inputs, lse the oracle's;
+    descales equal across the blocks give the per-(batch, head) call's result exactly."""
+    q, k, v, _, causal, scale = p
+    (q8, dq), (k8, dk), (v8, dv) = (fp8.quantize_blocks_e4m3(x, b) for x, b in ((q, block_q), (k, block_k),
+                                                                                 (v, block_k)))
+    blocks = dict(descale_block_q=block_q, descale_block_k=block_k)
+    out, lse = fp8.fp8_flash_forward(q8, k8, v8, dq, dk, dv, 1.0, tile, causal=causal, softmax_scale=scale, **blocks)
+    want, want_lse = fp8.fp8_attention(q8, k8, v8, dq, dk, dv, block_q=block_q, block_k=block_k, causal=causal,
+                                       softmax_scale=scale)
+    qd, kd, vd = fp8._dequantize_inputs(q8, k8, v8, dq, dk, dv, block_q, block_k)
+    bound = fp8.p_quantization_bound(qd, kd, vd, 1.0, softmax_scale=scale, causal=causal)
+    assert np.all(np.abs(out - want) <= bound * (1 + 1e-9) + 1e-12), np.max(np.abs(out - want) - bound)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    B, Hq, Hk = q.shape[0], q.shape[2], k.shape[2]
+    per_q, per_kv = (np.random.default_rng(6).uniform(0.5, 2, (B, Hk)) for _ in range(2))
+    blocks_q = np.repeat(np.repeat(per_q, Hq // Hk, axis=1)[..., None], -(-q.shape[1] // block_q), axis=2)
+    blocks_k = np.repeat(per_kv[..., None], -(-k.shape[1] // block_k), axis=2)
+    a = fp8.fp8_flash_forward(q8, k8, v8, blocks_q, blocks_k, blocks_k, 1.0, tile, causal=causal,
+                              softmax_scale=scale, **blocks)
+    b = fp8.fp8_flash_forward(q8, k8, v8, per_q, per_kv, per_kv, 1.0, tile, causal=causal, softmax_scale=scale)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_the_fa3_algorithm_quantises_p():
     """Not the unquantised attention: on data whose probabilities are not e4m3 values the outputs differ."""
     rng = np.random.default_rng(11)
