@@ -1,7 +1,8 @@
 """SASS of ``bench --flex``'s kernels at bf16 on the CPU machine (no GPU): the Hopper forward (wgmma + TMA) and the
 Hopper dK/dV kernel (wgmma, dQ by wgmma, Q_i / dO_i by TMA) with a case's score_mod / mask_mod, built as
 ``flex.flex_attention`` builds them under plan settings given as ``NAME=VALUE`` (as ``tools.flex_ab`` takes them).
-Prints registers, spills, the instruction count and the opcodes whose counts differ between the settings.
+Prints registers, spills, the instruction count and the opcodes whose counts differ between the settings
+(``--keep DIR``: each setting's files in ``DIR/N/``).
 
     python -m tools.flex_sass --case alibi --headdim 128 --settings "FLEX_MASK_NARROW=0;FLEX_MASK_NARROW=3"
 
@@ -84,12 +85,14 @@ def main(argv=None):
     ap.add_argument("--settings", default="")
     ap.add_argument("--fwd-tiles", default="128,128")
     ap.add_argument("--bwd-tiles", default="64,128")
+    ap.add_argument("--keep", default=None, help="a folder to keep each setting's PTX, cubin and SASS in")
     args = ap.parse_args(argv)
     fwd_tiles = tuple(int(x) for x in args.fwd_tiles.split(","))
     bwd_tiles = tuple(int(x) for x in args.bwd_tiles.split(","))
     saved = {k: getattr(plan, k) for k in dir(plan) if k.isupper()}
     counts = []
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = args.keep or tmp
         for i, setting in enumerate(s.strip() for s in args.settings.split(";")):
             for k, v in saved.items():
                 setattr(plan, k, v)

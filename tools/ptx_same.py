@@ -113,33 +113,17 @@ for dt, d, extra in PLAN_DKDV:
         print(label, h(cuda.compile_ptx(k.py_func, (u4w,)*4 + (f3, f3, u4w, u4w, f4c, types.int64, types.int64) + opts + (types.Array(types.uint64, 2, "C"),), cc=arch)[0]))
 # the FP8 forward (e4m3, Hopper) and its V^T pre-pass
 from flashnb.kernels import forward_fp8 as _fp8
-for d in (64, 128, 256):
-    for causal in (False, True):
-        if want("fp8 fwd %d %s" % (d, causal)):
-            k = _fp8.make_forward_fp8(d, "bfloat16", causal)[0]
-            f2a = types.Array(types.float32, 2, "A")
-            sig = (u4w,) * 4 + (f3, f2a, f2a, f2a, types.int64, types.int64, types.float32,
-                                types.Array(types.uint64, 2, "C")) + (types.Array(types.int32, 1, "C"),) * 3
-            print("fp8 fwd", d, causal, h(cuda.compile_ptx(k.py_func, sig, cc=(9, 0, "a"),
+for label, keywords, ndim in (("fp8 fwd", {}, 2), ("fp8 varlen fwd", {"VARLEN": True}, 2),
+                              ("fp8 blocks fwd", {"BLOCKS": True}, 3)):     # (the descales' dimensions)
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            if want("%s %d %s" % (label, d, causal)):
+                k = _fp8.make_forward_fp8(d, "bfloat16", causal, **keywords)[0]
+                fd = types.Array(types.float32, ndim, "A")
+                sig = (u4w,) * 4 + (f3, fd, fd, fd, types.int64, types.int64, types.float32,
+                                    types.Array(types.uint64, 2, "C")) + (types.Array(types.int32, 1, "C"),) * 3
+                print(label, d, causal, h(cuda.compile_ptx(k.py_func, sig, cc=(9, 0, "a"),
                                                            launch_bounds=k.targetoptions.get("launch_bounds"))[0]))
-for d in (64, 128, 256):
-    for causal in (False, True):
-        if want("fp8 varlen fwd %d %s" % (d, causal)):
-            k = _fp8.make_forward_fp8(d, "bfloat16", causal, VARLEN=True)[0]
-            f2a = types.Array(types.float32, 2, "A")
-            sig = (u4w,) * 4 + (f3, f2a, f2a, f2a, types.int64, types.int64, types.float32,
-                                types.Array(types.uint64, 2, "C")) + (types.Array(types.int32, 1, "C"),) * 3
-            print("fp8 varlen fwd", d, causal, h(cuda.compile_ptx(k.py_func, sig, cc=(9, 0, "a"),
-                                                                  launch_bounds=k.targetoptions.get("launch_bounds"))[0]))
-for d in (64, 128, 256):
-    for causal in (False, True):
-        if want("fp8 blocks fwd %d %s" % (d, causal)):
-            k = _fp8.make_forward_fp8(d, "bfloat16", causal, BLOCKS=True)[0]
-            f3a = types.Array(types.float32, 3, "A")
-            sig = (u4w,) * 4 + (f3, f3a, f3a, f3a, types.int64, types.int64, types.float32,
-                                types.Array(types.uint64, 2, "C")) + (types.Array(types.int32, 1, "C"),) * 3
-            print("fp8 blocks fwd", d, causal, h(cuda.compile_ptx(k.py_func, sig, cc=(9, 0, "a"),
-                                                                  launch_bounds=k.targetoptions.get("launch_bounds"))[0]))
 if want("fp8 prepare"):
     b8 = types.Array(types.uint8, 4, "A")
     print("fp8 prepare", h(cuda.compile_ptx(_fp8.make_prepare_vt(128).py_func, (b8, b8), cc=(9, 0))[0]))

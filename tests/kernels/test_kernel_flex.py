@@ -396,6 +396,15 @@ def test_the_written_out_mask_bits_and_int32_indices_give_the_same_results(monke
             np.testing.assert_array_equal(a, b)
 
 
+def _spy_dkdv(monkeypatch, plan, keyword, taken):
+    """``plan.make_dkdv_tc`` spied on: the returned list gets ``keyword``'s value (False where absent) of each call
+    that ``taken(args, keywords)`` keeps."""
+    seen = []
+    monkeypatch.setattr(plan, "make_dkdv_tc", lambda *a, _real=plan.make_dkdv_tc, **kw: (
+        seen.append(kw.get(keyword, False)) if taken(a, kw) else None) or _real(*a, **kw))
+    return seen
+
+
 def test_the_straight_line_element_gradient_gives_the_same_results(monkeypatch):
     """``plan.BWD_FAST_GRAD`` (the tensor-core dK/dV kernel's element step with one exp2 and the masks as selects,
     ``make_element_grad(FAST=True)``) against the branches and ``math.exp2``: the same gradients for a score_mod
@@ -444,9 +453,7 @@ def test_the_straight_line_element_gradient_gives_the_same_results(monkeypatch):
     for fast in (False, True):
         monkeypatch.setattr(plan, "BWD_FAST_GRAD", fast)
         _dispatch.clear()
-        seen = []
-        monkeypatch.setattr(plan, "make_dkdv_tc", lambda *a, _real=plan.make_dkdv_tc, **kw: (
-            seen.append(kw.get("FAST_GRAD", False)) if any(a[5:12]) or kw.get("MODS") else None) or _real(*a, **kw))
+        seen = _spy_dkdv(monkeypatch, plan, "FAST_GRAD", lambda a, kw: any(a[5:12]) or kw.get("MODS"))
         results.append([call() for call in calls])
         assert len(seen) >= len(calls) and set(seen) == {fast}          # (the kernels with an element step)
     for before, after in zip(*results):
@@ -481,9 +488,7 @@ def test_the_mask_mod_inside_the_backward_step_gives_the_same_results(monkeypatc
         for inline in (False, True):
             monkeypatch.setattr(plan, "FLEX_BWD_MASK_INLINE", inline)
             _dispatch.clear()
-            seen = []
-            monkeypatch.setattr(plan, "make_dkdv_tc", lambda *a, _real=plan.make_dkdv_tc, **kw: (
-                seen.append(kw.get("MASK_INLINE", False)) if kw.get("MODS") else None) or _real(*a, **kw))
+            seen = _spy_dkdv(monkeypatch, plan, "MASK_INLINE", lambda a, kw: kw.get("MODS"))
             results.append(flashnb.flex_attention_backward(dout, q, k, v, out, lse, block_mask=mask,
                                                            backend="tensorcore"))
             monkeypatch.undo()
