@@ -534,6 +534,7 @@ def _block_descales(blocks, descales, kind, q, dims, stream):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, _ = dims
     is_torch_q = torch is not None and isinstance(q, torch.Tensor)
     n_qt, n_kt = -(-seqlen_q // BLOCK_K), -(-seqlen_k // BLOCK_K)        # (BLOCK_Q = BLOCK_K = 128)
+    n_kt = max(n_kt, 1)          # (with no key the kernel still reads tile 0's V descale; its rows give 0)
     out = []
     for d, name, block, heads, tiles, seqlen in (
             (descales[0], "q_descale", blocks[0], nheads, n_qt, seqlen_q),
@@ -563,6 +564,8 @@ def _block_descales(blocks, descales, kind, q, dims, stream):
                                  f"ceil(seqlen / {block})) = ({batch}, {heads}, {nb}), got "
                                  f"{type(d).__name__} {tuple(getattr(d, 'shape', ()))}")
             per = _repeat(d, block // BLOCK_K, 2)[:, :, :tiles]
+            if per.shape[2] < tiles:                                      # no key: one value, unread
+                per = torch.ones((batch, heads, 1), device=d.device) if is_torch else np.ones((batch, heads, 1))
         if is_torch:
             if per.device != q.device:
                 raise ValueError(f"{name} must be on q's device {q.device}, got {per.device}")

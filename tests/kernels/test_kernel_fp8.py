@@ -319,6 +319,18 @@ def test_quantize_fp8_round_trips_within_e4m3_rounding(per):
         assert np.abs(dequantize_e4m3(codes)).max() == 448
 
 
+def test_fp8_block_descales_with_no_key():
+    """No key: every row 0 and lse -inf, and the kernel's one read of tile 0's V descale stays inside its array (the
+    host gives it one value; the simulator's arrays raise on a read past their end)."""
+    rng = np.random.default_rng(4)
+    q8 = _codes(rng, (1, 20, 2, 64), 1 / 100)
+    k8 = np.zeros((1, 0, 1, 64), np.uint8)
+    none = np.zeros((1, 1, 0), np.float32)
+    out, lse = flashnb.flash_attention_fp8(q8, k8, k8, np.full((1, 2, 1), 0.01, np.float32), none, none,
+                                           return_lse=True, descale_block_q=128, descale_block_k=128)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
 def test_quantize_fp8_per_block_is_the_oracles():
     """``per="block"``: the oracle's block quantiser (``reference.fp8.quantize_blocks_e4m3``), codes and descales,
     a last block shorter than the others; PyTorch's codes the same but at a float32 rounding tie."""
