@@ -164,7 +164,7 @@ def _full_forward(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
             descale = [_descale(d, name, kind, q, batch, nheads_k, launch_stream)
                        for d, name in zip((q_descale, k_descale, v_descale), ("q_descale", "k_descale", "v_descale"))]
         else:
-            descale = _block_descales(blocks, (q_descale, k_descale, v_descale), kind, q, dims, launch_stream)
+            descale = _block_descales(blocks, (q_descale, k_descale, v_descale), kind, q, dims, scale, launch_stream)
         out, out_d = _arrays.empty_like_kind(kind, (batch, seqlen_q, nheads, headdim), out_dtype, q, launch_stream,
                                              bits=True)
         lse, lse_d = _arrays.empty_like_kind(kind, (batch, nheads, seqlen_q), "float32", q, launch_stream)
@@ -527,15 +527,17 @@ def _check_blocks(blocks):
                              f"{block!r}")
 
 
-def _block_descales(blocks, descales, kind, q, dims, stream):
+def _block_descales(blocks, descales, kind, q, dims, scale, stream):
     """A block-quantised call's descales as the kernel reads them (``make_forward_fp8(BLOCKS=True)``), checked
     before any launch: q's per (batch, nheads, query tile), k's and v's per (batch, nheads_k, key tile), float32
-    on q's device; a descale without blocks (a float, None, or (batch, nheads_k)) repeated over them."""
+    on q's device; a descale without blocks (a float, None, or (batch, nheads_k)) repeated over them.  Host values
+    (floats, NumPy) are checked positive and finite, and so is the kernel's exponent scale ``scale q_descale
+    k_descale`` at their extremes, in float32."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, _ = dims
     is_torch_q = torch is not None and isinstance(q, torch.Tensor)
     n_qt, n_kt = -(-seqlen_q // BLOCK_K), -(-seqlen_k // BLOCK_K)        # (BLOCK_Q = BLOCK_K = 128)
     n_kt = max(n_kt, 1)          # (with no key the kernel still reads tile 0's V descale; its rows give 0)
-    out = []
+    out, host = [], {}
     for d, name, block, heads, tiles, seqlen in (
             (descales[0], "q_descale", blocks[0], nheads, n_qt, seqlen_q),
             (descales[1], "k_descale", blocks[1], nheads_k, n_kt, seqlen_k),
@@ -574,9 +576,18 @@ def _block_descales(blocks, descales, kind, q, dims, stream):
             dev = np.ascontiguousarray(per, np.float32)
             if not (np.all(np.isfinite(dev)) and np.all(dev > 0)):
                 raise ValueError(f"{name} must be positive and finite in float32")
+            host[name] = dev
             if is_torch_q:
                 dev = torch.from_numpy(dev).to(q.device)
         out.append(_arrays.any_layout(_arrays.to_device(dev, stream)))
+    qd, kd = host.get("q_descale"), host.get("k_descale")     # (a PyTorch tensor's values stay on the device)
+    if qd is not None and kd is not None and qd.size:
+        with np.errstate(over="ignore", under="ignore"):
+            extremes = (np.float32(scale) * qd.min() * kd.min(), np.float32(scale) * qd.max() * kd.max())
+        for c in extremes:
+            if not (np.isfinite(c) and c > 0):
+                raise ValueError(f"softmax_scale * q_descale * k_descale must be positive and finite in float32, "
+                                 f"got {c} at the descales' extremes")
     return out
 
 

@@ -395,6 +395,21 @@ def test_fp8_forward_plan():
     assert plan.fp8_forward(2, 300, 500, 8, 2, 128, False, "bfloat16").forward.kernel is not p.forward.kernel
 
 
+def test_flex_section_bits_pick_the_pass(monkeypatch):
+    """``FLEX_SECTION``'s bits: 1 gives a mask_mod's forward the section order, 2 its dK/dV kernel; a call without
+    a mask_mod never takes it from them."""
+    from flashnb import flex
+    from flashnb.kernels._scores import Mods
+    mods = Mods(None, flex._compiled(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx), None, (128, 128))
+    masked = call(dtype="bfloat16", flags=_options.Flags(False, False, True, False, False, False, False, mods))
+    plain = call(dtype="bfloat16")
+    for bits, fwd, bwd in ((0, False, False), (1, True, False), (2, False, True), (3, True, True)):
+        monkeypatch.setattr(plan, "FLEX_SECTION", bits)
+        assert plan._section(masked, 8, 1) == ({"SECTION": 8} if fwd else {})
+        assert plan._section(masked, 8, 2) == ({"SECTION": 8} if bwd else {})
+        assert plan._section(plain, 8, 1) == {} and plan._section(plain, 8, 2) == {}
+
+
 @pytest.mark.parametrize("score, setting, two_blocks", [
     (False, {}, True),                                       # the mask alone: FLEX_TWO_BLOCKS (on, measured)
     (True, {}, True),                                        # a score_mod too: FLEX_TWO_BLOCKS_SCORE (on, measured)

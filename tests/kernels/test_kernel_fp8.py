@@ -111,16 +111,18 @@ def test_fp8_forward_matches_its_oracle(d, causal, sq, sk):
     _check(1, sq, sk, 1, 2, d, causal, True, d + sq)
 
 
-@pytest.mark.parametrize("d, causal, sq, sk, block_q, block_k", [
-    (64, True, 260, 300, 256, 128), (128, False, 70, 300, None, 256), (64, True, 200, 150, 128, None)])
-def test_fp8_forward_with_block_descales_matches_its_oracle(d, causal, sq, sk, block_q, block_k):
+@pytest.mark.parametrize("d, causal, sq, sk, block_q, block_k, hk", [
+    (64, True, 260, 300, 256, 128, 1), (128, False, 70, 300, None, 256, 1), (64, True, 200, 150, 128, None, 1),
+    (64, False, 40, 200, None, 128, 2)])
+def test_fp8_forward_with_block_descales_matches_its_oracle(d, causal, sq, sk, block_q, block_k, hk):
     """Block quantisation (``quantize_fp8(per="block")``, ``descale_block_q`` / ``descale_block_k``): the rows of
     each block at their own scale (4^i for block i, so every key tile's K and V descales differ and the kernel's
-    accumulator changes units each tile), grouped heads; the other tensors' descales per (batch, key head) where
-    only one side has blocks.  Held to ``fp8_flash_forward`` with the same blocks, as ``_check`` holds the plain
-    call."""
+    accumulator changes units each tile), two query heads a key head (with two key heads: each query head's
+    per-head descale its key head's, h // 2, and each key head's own blocks); the other tensors' descales per
+    (batch, key head) where only one side has blocks.  Held to ``fp8_flash_forward`` with the same blocks, as
+    ``_check`` holds the plain call."""
     rng = np.random.default_rng(d + sq + sk)
-    b, hk, group = 1, 1, 2
+    b, group = 1, 2
 
     def data(L, h, block):
         x = rng.standard_normal((b, L, h, d))
@@ -129,6 +131,8 @@ def test_fp8_forward_with_block_descales_matches_its_oracle(d, causal, sq, sk, b
         return x
 
     q, k, v = data(sq, hk * group, block_q), data(sk, hk, block_k), data(sk, hk, block_k)
+    q *= (1.0 + np.arange(hk * group))[None, None, :, None]              # each head its own scale
+    k *= (1.0 + 3 * np.arange(hk))[None, None, :, None]
     if block_q is None:
         q8, dq = flashnb.quantize_fp8(q, per="head", group=group)
     else:
@@ -162,10 +166,13 @@ def test_fp8_forward_with_block_descales_matches_its_oracle(d, causal, sq, sk, b
     (dict(descale_block_q=128, q_descale=np.ones((1, 2, 1), np.float32)), ValueError, "q_descale"),
     (dict(descale_block_k=128, v_descale=np.ones((1, 1), np.float32)), ValueError, "v_descale"),
     (dict(descale_block_k=128, k_descale=-np.ones((1, 1, 2), np.float32)), ValueError, "k_descale"),
+    (dict(descale_block_k=128, k_descale=np.array([[[1e-30, 1.0]]], np.float32),
+          q_descale=np.full((1, 2, 2), 1e-20, np.float32)), ValueError, "softmax_scale \\* q_descale"),
 ])
 def test_fp8_block_descales_refuse_bad_input(change, error, words):
     """Blocks that are not multiples of the tiles, descales of the wrong shape (q's a query head's own; k's and v's
-    per key head) or not positive: refused before any launch, naming the argument."""
+    per key head), not positive, or whose product with the scale leaves float32 (1e-20 x 1e-30 underflows to 0):
+    refused before any launch, naming the argument."""
     rng = np.random.default_rng(3)
     q8, k8, v8 = _codes(rng, (1, 200, 2, 64), 1 / 100), _codes(rng, (1, 150, 1, 64), 1 / 100), _codes(
         rng, (1, 150, 1, 64), 1 / 100)
