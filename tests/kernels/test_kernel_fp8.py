@@ -111,18 +111,18 @@ def test_fp8_forward_matches_its_oracle(d, causal, sq, sk):
     _check(1, sq, sk, 1, 2, d, causal, True, d + sq)
 
 
-@pytest.mark.parametrize("d, causal, sq, sk, block_q, block_k, hk", [
-    (64, True, 260, 300, 256, 128, 1), (128, False, 70, 300, None, 256, 1), (64, True, 200, 150, 128, None, 1),
-    (64, False, 40, 200, None, 128, 2)])
-def test_fp8_forward_with_block_descales_matches_its_oracle(d, causal, sq, sk, block_q, block_k, hk):
+@pytest.mark.parametrize("d, causal, sq, sk, block_q, block_k, hk, group", [
+    (64, True, 260, 300, 256, 128, 1, 1), (128, False, 70, 300, None, 256, 1, 2), (64, True, 200, 150, 128, None, 1, 2),
+    (64, False, 40, 200, None, 128, 2, 2)])
+def test_fp8_forward_with_block_descales_matches_its_oracle(d, causal, sq, sk, block_q, block_k, hk, group):
     """Block quantisation (``quantize_fp8(per="block")``, ``descale_block_q`` / ``descale_block_k``): the rows of
     each block at their own scale (4^i for block i, so every key tile's K and V descales differ and the kernel's
-    accumulator changes units each tile), two query heads a key head (with two key heads: each query head's
-    per-head descale its key head's, h // 2, and each key head's own blocks); the other tensors' descales per
+    accumulator changes units each tile), grouped query heads (with two key heads: each query head's per-head
+    descale its key head's, h // 2, and each key head's own blocks); the other tensors' descales per
     (batch, key head) where only one side has blocks.  Held to ``fp8_flash_forward`` with the same blocks, as
     ``_check`` holds the plain call."""
     rng = np.random.default_rng(d + sq + sk)
-    b, group = 1, 2
+    b = 1
 
     def data(L, h, block):
         x = rng.standard_normal((b, L, h, d))
