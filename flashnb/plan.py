@@ -341,23 +341,6 @@ def _cast_launch(kern, n):
 BWD_FAST_GRAD = True
 
 
-# a mask_mod alone on a partial tile of the tensor-core dK/dV kernels: its decision as the exponent's -inf inside the
-# plain element step (``make_dkdv_tc(MASK_INLINE=True)``), not bits packed into words, tested, and both products
-# zeroed after it.  ptxas (bf16 d 128, ``python -m tools.flex_sass --case "sliding 1024" --settings
-# "FLEX_BWD_MASK_INLINE=0;FLEX_BWD_MASK_INLINE=1"``): the Hopper dK/dV kernel 4328 -> 4176 SASS instructions,
-# document's 4216 -> 4056.  Not yet measured on a GPU, where fewer instructions in this latency-bound kernel did not
-# pay for FLEX_MASK_NARROW's backward bit (below): off until then (``python -m tools.flex_ab --settings
-# "FLEX_BWD_MASK_INLINE=0;FLEX_BWD_MASK_INLINE=1"``)
-FLEX_BWD_MASK_INLINE = False
-
-
-def _mask_inline(call):
-    """``MASK_INLINE`` for a flex call's dK/dV kernel with a mask_mod (the kernel takes it where no score option
-    or score_mod needs the element step)."""
-    mods = call.flags.mods
-    return {"MASK_INLINE": True} if FLEX_BWD_MASK_INLINE and mods is not None and mods.mask_mod is not None else {}
-
-
 def _fast_grad(call):
     """``FAST_GRAD`` for the tensor-core dK/dV kernels where an element step runs ``make_element_grad``: a score
     option or a mod (the plain kernels keep their keywords, and so their compiled and cached kernels)."""
@@ -383,8 +366,7 @@ def _backward_tc_plan(call, bq, bk):
                                              wgmma_bwd_dim_split(d), _red2(), DEFER_DQ=False, WGMMA=True,
                                              **_varlen(call), **_section(call, LPT_SECTION_BWD, 2), **_exchange(d),
                                              **({"DQ_FRAG": True} if frag else {}), **_dq_wgmma(frag, bq, d),
-                                             **({"TMA": True} if tma else {}), **_fast_grad(call),
-                                             **_mask_inline(call))
+                                             **({"TMA": True} if tma else {}), **_fast_grad(call))
         check_shared(shared, f"the Hopper dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     elif call.seqlen_k > 0:
@@ -396,8 +378,7 @@ def _backward_tc_plan(call, bq, bk):
                                              split, _red2(), MTK=mtk, SHARE=share, **_varlen(call),
                                              **_tf32_keywords(call.dtype, call.precision),
                                              **_section(call, LPT_SECTION_BWD, 2),
-                                             **({"DQ_FRAG": True} if frag else {}), **_fast_grad(call),
-                                             **_mask_inline(call))
+                                             **({"DQ_FRAG": True} if frag else {}), **_fast_grad(call))
         check_shared(shared, f"the tensor-core dK/dV kernel with block_q={bq}, block_k={bk}, head dim {d}")
         dkdv = Launch(kern, _key_tiles(call, bk), threads, shared)
     cast = None

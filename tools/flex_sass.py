@@ -62,7 +62,6 @@ def build(case, d, fwd_tiles, bwd_tiles, out_dir):
     sig = (u4, u4, u4, u4, f3, types.int64, types.int64) + _options() + tmaps
     out["forward"] = _build(kern, sig, shared, threads, os.path.join(out_dir, "fwd"), "8.5", arch="sm_90a")[2:]
     fast = {"FAST_GRAD": True} if plan.BWD_FAST_GRAD else {}
-    fast.update({"MASK_INLINE": True} if plan.FLEX_BWD_MASK_INLINE and has_mask else {})
     kern, shared, threads = make_dkdv_tc(*bwd_tiles, d, "bfloat16", True, *flags, 1, True, DEFER_DQ=False,
                                          WGMMA=True, DQ_FRAG=True, DQ_WGMMA=True, TMA=True,
                                          MODS=_mods(case, 8, True), **fast, **section(2))

@@ -241,7 +241,7 @@ def dq_pairs(MQ, NP_D, NWARPS, DSPLIT):
 def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DSPLIT=1, RED2=False, MTK=1, DQ_NP=0,
                  DEFER_DQ=None, SHARE=False, VARLEN=False, TF32X3=True, WGMMA=False, EXCHANGE=False, SECTION=0,
-                 DQ_FRAG=False, DQ_WGMMA=False, TMA=False, MODS=None, FAST_GRAD=False, MASK_INLINE=False):
+                 DQ_FRAG=False, DQ_WGMMA=False, TMA=False, MODS=None, FAST_GRAD=False):
     """Build the tensor-core dK/dV (+ atomic dQ) kernel: (kernel, dynamic shared bytes, threads per block).
 
     ``DSPLIT``: warps per 16 MTK keys.  With 2, each warp of a pair accumulates dK, dV for half of the head
@@ -330,9 +330,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     ``MODS``: a ``flex_attention`` call's functions, element by element through ``backward.make_element_grad``.
     ``FAST_GRAD``: that element step as straight-line code (``make_element_grad(FAST=True)``: one MUFU.EX2, the
     masks as selects), for the score options and mods (``plan.BWD_FAST_GRAD``).
-    ``MASK_INLINE``: a mask_mod alone (no score option) on a partial tile, with its bits written out: the
-    mask_mod's decision sets the element's exponent to -inf inside the plain step (``plain_grad_mod``) instead of
-    bits packed into words, then tested and both products zeroed (``plan.FLEX_BWD_MASK_INLINE``).
     """
     DEFER_DQ = DSPLIT > 1 if DEFER_DQ is None else DEFER_DQ
     # Above head dim 64, a string test that Numba evaluates at run time (not folded) in the guard of dq_phase's
@@ -439,7 +436,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
     MASK_WRITTEN = bool(MODS and MODS.mask_written & 2) and ONE_BLOCK     # (as in ``forward_tc``)
     MASK_WORDS = (MTK * NT_QA * 4 + 31) // 32        # a mask_mod's bits of one thread's S^T (``mask_words_t``)
     PLAIN_MASK_MOD = PLAIN and HAS_MASK_MOD
-    MASK_INLINE = bool(MASK_INLINE) and PLAIN_MASK_MOD and MASK_WRITTEN
     _, tile_state = make_window_helpers(BLOCK_Q, BLOCK_K, HAS_WINDOW, HAS_ATTN_MASK, HAS_BLOCK_MASK,
                                         mask_block(MODS))
     query_tile_range = make_query_tile_range(BLOCK_Q)
@@ -485,26 +481,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         return plain_grad
 
     plain_grad, plain_grad_masked = make_plain_grad(False), make_plain_grad(True)
-
-    @device_function
-    def plain_grad_mod(s_reg, dp_reg, fsmem, lb, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, scale_log2,
-                       left, right, attn_mask, block_mask, bm_q, bm_k):
-        """``plain_grad`` on a partial tile of a mask_mod (``MASK_INLINE``): the exponent is -inf (P = 0, so
-        dS = 0) where ``tile_mask`` refuses the pair, element by element, with no bits in between."""
-        for n in range(NT_QA):
-            for c in range(2):
-                il = 8 * n + 2 * t + c
-                lse_c = fsmem[U(lb + qa + il)]
-                delta_c = fsmem[U(lb + BLOCK_Q + qa + il)]
-                for m in range(MTK):
-                    for r in range(2):
-                        e = 2 * r + c
-                        ok = tile_mask(q0 + qa + il, k0 + 16 * (MTK * kw + m) + g + 8 * r, b, h, seqlen_q, seqlen_k,
-                                       off, left, right, attn_mask, block_mask, bm_q, bm_k)
-                        x = s_reg[m, n, e] * scale_log2 - lse_c
-                        pe = exp2(x if ok else NEG_INF)
-                        dp_reg[m, n, e] = pe * (dp_reg[m, n, e] - delta_c)
-                        s_reg[m, n, e] = pe
 
     @device_function
     def next_work(w, gi, qi, n_work, nqt, qt_lo, hk, group, b, k0, seqlen_q, seqlen_k, off, left, right,
@@ -1126,9 +1102,6 @@ def make_dkdv_tc(BLOCK_Q, BLOCK_K, HEAD_DIM, DTYPE_NAME, VEC16, HAS_WINDOW, HAS_
         a tile with no option and no mask, the window's comparisons, or every option and mask in memory."""
         if PLAIN and not need_mask:
             plain_grad(s_reg, dp_reg, fsmem, lb + qa, t, scale_log2, 0, 0, 0, 0)
-        elif MASK_INLINE:                            # the plain form with the mask_mod's -inf in the exponent
-            plain_grad_mod(s_reg, dp_reg, fsmem, lb, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, scale_log2,
-                           left, right, attn_mask, block_mask, bm_q, bm_k)
         elif PLAIN_MASK_MOD:                         # the plain form, then P, dS = 0 where the mask's bit is not set
             words = cuda.local.array(MASK_WORDS, np.uint32)
             mask_words_t(words, k0, q0, qa, kw, g, t, b, h, seqlen_q, seqlen_k, off, left, right, attn_mask,
