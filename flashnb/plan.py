@@ -1201,6 +1201,20 @@ class FP8Plan(NamedTuple):
 # The FP8 forward at head dim 64 with launch bounds for two blocks an SM (kernels.forward_fp8's MIN_BLOCKS=2: 16
 # warps an SM; 128 registers, 44 bytes of spill): 1.19-1.36x one block (H200, bench/results/h200-fp8-2026-11-28.md)
 FP8_TWO_BLOCKS = True
+# FlashAttention-3's warp-specialised FP8 forward (kernels.forward_fp8's WARP_SPECIALISED: a producer warpgroup
+# issuing the copies, two consumer warpgroups of up to 240 registers, no block barrier in the loop): correct in the
+# simulator, not yet run on a GPU (docs/notes/fp8.md step 5), so off until it is measured
+FP8_WARP_SPECIALISED = False
+
+
+def _fp8_kernel(headdim, out_dtype, causal, **flags):
+    """The FP8 forward's kernel, its shared bytes and its threads under the plan's FP8 constants."""
+    if FP8_WARP_SPECIALISED:
+        kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), WARP_SPECIALISED=True, **flags)
+        return kern, shared, _fp8.threads(True)
+    min_blocks = 2 if FP8_TWO_BLOCKS and headdim == 64 else 1
+    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), min_blocks, **flags)
+    return kern, shared, _fp8.threads()
 
 
 @lru_cache(maxsize=256)
@@ -1208,14 +1222,12 @@ def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, ou
     """The launches of an FP8 forward of that shape (``kernels.forward_fp8``): Hopper only (compute capability
     9.0, or the simulator), head dims 64, 128, 256, dense batches; ``blocks``: the descales per tile (block
     quantisation)."""
-    min_blocks = 2 if FP8_TWO_BLOCKS and headdim == 64 else 1
-    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), min_blocks,
-                                         **({"BLOCKS": True} if blocks else {}))
+    kern, shared, nthreads = _fp8_kernel(headdim, out_dtype, causal, **({"BLOCKS": True} if blocks else {}))
     check_shared(shared, f"the FP8 forward at head dim {headdim}")
     grid = batch * nheads * -(-seqlen_q // _fp8.BLOCK_Q)
     prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)
     return FP8Plan(Launch(_fp8.make_prepare_vt(headdim), prep_grid, _fp8.PREP_THREADS, 0),
-                   Launch(kern, grid, _fp8.NTHREADS, shared), _fp8.vt_keys(seqlen_k))
+                   Launch(kern, grid, nthreads, shared), _fp8.vt_keys(seqlen_k))
 
 
 @lru_cache(maxsize=256)
@@ -1223,13 +1235,12 @@ def fp8_forward_packed(batch, max_seqlen_q, vt_groups, nheads, nheads_k, headdim
     """The launches of an FP8 forward of a packed batch of ``batch`` sequences: the V^T pre-pass over ``vt_groups``
     column groups of 32 (each sequence's keys padded to whole key tiles, ``forward_fp8.vt_tile_keys``), the
     forward over the longest sequence's query tiles x heads x sequences."""
-    min_blocks = 2 if FP8_TWO_BLOCKS and headdim == 64 else 1
-    kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), min_blocks, VARLEN=True)
+    kern, shared, nthreads = _fp8_kernel(headdim, out_dtype, causal, VARLEN=True)
     check_shared(shared, f"the FP8 forward at head dim {headdim}")
     grid = batch * nheads * -(-max_seqlen_q // _fp8.BLOCK_Q)
     prep_grid = vt_groups * (headdim // _fp8.VT_KEYS) * nheads_k
     return FP8Plan(Launch(_fp8.make_prepare_vt_packed(headdim), prep_grid, _fp8.PREP_THREADS, 0),
-                   Launch(kern, grid, _fp8.NTHREADS, shared), vt_groups * _fp8.VT_KEYS)
+                   Launch(kern, grid, nthreads, shared), vt_groups * _fp8.VT_KEYS)
 
 
 def fp8_refusal():

@@ -144,6 +144,7 @@ def _apply(setting):
         assert name.startswith("FP8_") and hasattr(plan, name), name
         setattr(plan, name, int(value))
     plan.fp8_forward.cache_clear()
+    plan.fp8_forward_packed.cache_clear()
     _dispatch.clear()
 
 

@@ -12,7 +12,7 @@ renumbered by first appearance, so equal hashes mean the same instructions.  Com
     python -m tools.ptx_same > new.txt; diff old.txt new.txt
 
 Arguments, if any, are label prefixes: only those lines are compiled and printed (``python -m tools.ptx_same decode``).
-The FP8 forward (dense and packed) and its pre-passes too (``fp8``).  ``PTX_SAME_DUMP=DIR`` also writes each normalised PTX to ``DIR/NNN.ptx`` (in the printed order), for a diff, and
+The FP8 forward (dense and packed, plain and warp-specialised) and its pre-passes too (``fp8``).  ``PTX_SAME_DUMP=DIR`` also writes each normalised PTX to ``DIR/NNN.ptx`` (in the printed order), for a diff, and
 the PTX as compiled to ``DIR/NNN.raw`` (for ptxas).
 """
 import os
@@ -114,7 +114,10 @@ for dt, d, extra in PLAN_DKDV:
 # the FP8 forward (e4m3, Hopper) and its V^T pre-pass
 from flashnb.kernels import forward_fp8 as _fp8
 for label, keywords, ndim in (("fp8 fwd", {}, 2), ("fp8 varlen fwd", {"VARLEN": True}, 2),
-                              ("fp8 blocks fwd", {"BLOCKS": True}, 3)):     # (the descales' dimensions)
+                              ("fp8 blocks fwd", {"BLOCKS": True}, 3),      # (the descales' dimensions)
+                              ("fp8 ws fwd", {"WARP_SPECIALISED": True}, 2),
+                              ("fp8 ws varlen fwd", {"WARP_SPECIALISED": True, "VARLEN": True}, 2),
+                              ("fp8 ws blocks fwd", {"WARP_SPECIALISED": True, "BLOCKS": True}, 3)):
     for d in (64, 128, 256):
         for causal in (False, True):
             if want("%s %d %s" % (label, d, causal)):

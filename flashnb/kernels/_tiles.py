@@ -25,6 +25,7 @@ import numpy as np
 from numba import cuda
 
 from ._jit import SIMULATOR, device_function
+from ._sync import group_sync
 
 FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in the shuffle
 # Index cast for hot loops.  Numba indexes with signed 64-bit integers and, for a
@@ -208,13 +209,15 @@ def make_mm_acc(TR, TD, THREADS_C, KDIM, HEAD_DIM, P_STRIDE, V_STRIDE, ACC, TRAN
     return mm
 
 
-def make_row_allreduce(TR, THREADS_C, NTHREADS, ACC, is_max):
+def make_row_allreduce(TR, THREADS_C, NTHREADS, ACC, is_max, ROW_SYNC=False):
     """``reduce(vals, scratch, ty, tx)``: every thread of a row ends with the row's max (or sum) in ``vals[r]``.
 
     GPU: butterfly ``shfl_xor`` over the ``THREADS_C`` consecutive lanes of the
     row (log2(THREADS_C) steps, no shared memory, no barrier).  Simulator: write
     partials to ``scratch[row, tx]``, barrier, read them all back, barrier.
-    ``scratch`` holds ``ROWS * THREADS_C`` values (unused on the GPU).
+    ``scratch`` holds ``ROWS * THREADS_C`` values (unused on the GPU).  ``ROW_SYNC``: the simulator's barriers
+    are over the row's own threads (``_sync.group_sync``), not the block (a warp-specialised kernel's consumers,
+    whose producer never reaches their barriers).
     """
     assert THREADS_C & (THREADS_C - 1) == 0 and THREADS_C <= 32
     STEPS = int(math.log2(THREADS_C))
@@ -235,18 +238,27 @@ def make_row_allreduce(TR, THREADS_C, NTHREADS, ACC, is_max):
 
         return reduce_gpu
 
+    if ROW_SYNC:
+        @device_function
+        def sync(ty):
+            group_sync(("row", ty), THREADS_C)
+    else:
+        @device_function
+        def sync(ty):
+            cuda.syncthreads()
+
     @device_function
     def reduce_sim(vals, scratch, ty, tx):
         for r in range(TR):
             scratch[(ty * TR + r) * THREADS_C + tx] = vals[r]
-        cuda.syncthreads()
+        sync(ty)
         for r in range(TR):
             x = scratch[(ty * TR + r) * THREADS_C]
             for t in range(1, THREADS_C):
                 y = scratch[(ty * TR + r) * THREADS_C + t]
                 x = max(x, y) if is_max else x + y
             vals[r] = x
-        cuda.syncthreads()
+        sync(ty)
 
     return reduce_sim
 

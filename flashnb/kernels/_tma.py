@@ -27,6 +27,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, View, _driver, device_address as _address, device_function
 from ._mma import memory_primitives
+from ._sync import SIM_COND, sim_block_state, sim_wait
 from ._wgmma import SWIZZLE_BYTES, BLOCK_COLS, swizzled_offset
 
 MAP_WORDS = 16                # a tensor map: 128 bytes, 64-byte aligned
@@ -145,26 +146,96 @@ def _sim_primitives():
                 mbar_arrive=mbar_arrive, mbar_wait=mbar_wait, tma_load_4d=None)
 
 
+# ------------------------------------------------------------------------------------------------------------
+# The simulator, for a warp-specialised kernel: barriers that wait
+# ------------------------------------------------------------------------------------------------------------
+def _sim_waiting_primitives():
+    """Twins of the barrier operations that keep each barrier's state (its count, arrivals and bytes pending,
+    phases completed) and make ``mbar_wait`` wait for its phase, as the GPU's do; ``mbar_complete_tx`` is the copy
+    engine's side (the simulated box load calls it after its copy).  A wait that cannot finish raises instead of
+    hanging (``_sync``).  With them a kernel needs no ``syncthreads`` to order its simulated copies: a producer /
+    consumer kernel, whose roles wait on each other and never on the whole block."""
+    def barrier(off):
+        bar = sim_block_state().get(("mbar", off))
+        if bar is None:
+            raise RuntimeError(f"mbarrier at byte {off} used before mbar_init")
+        return bar
+
+    def complete_if_done(bar):
+        if bar["arrivals"] == 0 and bar["tx"] == 0:     # the phase completes; the next expects as many arrivals
+            bar["phases"] += 1
+            bar["arrivals"] = bar["count"]
+            SIM_COND.notify_all()
+
+    def arrive(off, nbytes):
+        with SIM_COND:
+            bar = barrier(off)
+            if bar["arrivals"] <= 0:
+                raise RuntimeError(f"mbarrier at byte {off}: more arrivals than its count {bar['count']}")
+            bar["tx"] += nbytes
+            bar["arrivals"] -= 1
+            complete_if_done(bar)
+
+    @device_function
+    def mbar_init(smem, off, count):
+        with SIM_COND:
+            sim_block_state()[("mbar", off)] = dict(count=count, arrivals=count, tx=0, phases=0)
+
+    @device_function
+    def mbar_fence_init():
+        pass
+
+    @device_function
+    def mbar_arrive_expect_tx(smem, off, nbytes):
+        arrive(off, nbytes)
+
+    @device_function
+    def mbar_arrive(smem, off):
+        arrive(off, 0)
+
+    @device_function
+    def mbar_complete_tx(smem, off, nbytes):
+        with SIM_COND:
+            bar = barrier(off)
+            bar["tx"] -= nbytes
+            complete_if_done(bar)
+
+    @device_function
+    def mbar_wait(smem, off, parity):
+        # the phase of parity ``parity`` has completed once the current phase's parity differs from it
+        with SIM_COND:
+            bar = barrier(off)
+            sim_wait(lambda: bar["phases"] % 2 != parity, f"mbarrier at byte {off}, parity {parity}")
+
+    return dict(mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_arrive_expect_tx=mbar_arrive_expect_tx,
+                mbar_arrive=mbar_arrive, mbar_wait=mbar_wait, mbar_complete_tx=mbar_complete_tx, tma_load_4d=None)
+
+
 _cache = {}
 
 
-def tma_primitives():
+def tma_primitives(waiting=False):
     """The barrier operations (``mbar_init``, ``mbar_fence_init``, ``mbar_arrive_expect_tx``, ``mbar_arrive``,
-    ``mbar_wait``) and, on the GPU, ``tma_load_4d``."""
-    if "prims" not in _cache:
-        _cache["prims"] = _sim_primitives() if SIMULATOR else _gpu_primitives()
-    return _cache["prims"]
+    ``mbar_wait``) and, on the GPU, ``tma_load_4d``.  ``waiting``: in the simulator, barriers that wait (for a
+    kernel with no ``syncthreads`` between its copies and their readers), with ``mbar_complete_tx``; the GPU's
+    are the same either way."""
+    key = "waiting" if waiting and SIMULATOR else "prims"
+    if key not in _cache:
+        _cache[key] = (_sim_waiting_primitives() if waiting else _sim_primitives()) if SIMULATOR \
+            else _gpu_primitives()
+    return _cache[key]
 
 
-def make_tile_load(NROWS, HEAD_WORDS, NBLK):
+def make_tile_load(NROWS, HEAD_WORDS, NBLK, WAITING=False):
     """``load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, c2, c3, bar)``: rows ``row0 ..
     row0 + NROWS - 1`` of a (batch, seq, head, word) tensor's (batch ``c3``, head ``c2``) slice, as ``NBLK``
     boxes of 64 columns, into the swizzled tile at byte ``dst`` of ``smem`` (blocks of 64 columns ``NROWS * 128``
     bytes apart), completing on the barrier at byte ``bar``.  Rows past the sequence (``nrows`` from ``row0``)
     and columns past the head dim arrive as zeros.  The GPU's copy reads tensor map ``which`` of ``maps``
     (``src``, ``src_base`` and ``src_row``, the word view's element offset of row 0 and its words per row, name
-    the same data for the simulator, whose copy is made by the calling thread, at once)."""
-    box = make_box_load(NROWS, NBLK)
+    the same data for the simulator, whose copy is made by the calling thread, at once; ``WAITING``: with
+    ``tma_primitives(waiting=True)``'s barriers, the copy then completes its bytes on ``bar``)."""
+    box = make_box_load(NROWS, NBLK, WAITING)
 
     @device_function
     def load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, c2, c3, bar):
@@ -173,7 +244,7 @@ def make_tile_load(NROWS, HEAD_WORDS, NBLK):
     return load
 
 
-def make_box_load(NROWS, NBLK):
+def make_box_load(NROWS, NBLK, WAITING=False):
     """``make_tile_load``'s ``load`` from word column ``col0`` on: ``load(smem, dst, maps, which, src, src_base,
     src_row, row0, nrows, col0, ncols, c2, c3, bar)``, columns from ``ncols`` on arriving as zeros (the
     simulator's; the GPU's past the tensor map's extent)."""
@@ -190,6 +261,7 @@ def make_box_load(NROWS, NBLK):
 
     CHUNKS = NBLK * BOX_COLS // 8          # 16-byte chunks of a padded row
     cp_async16 = memory_primitives()["cp_async16"]
+    complete_tx = tma_primitives(waiting=True)["mbar_complete_tx"] if WAITING else None
 
     @device_function
     def load(smem, dst, maps, which, src, src_base, src_row, row0, nrows, col0, ncols, c2, c3, bar):
@@ -198,6 +270,8 @@ def make_box_load(NROWS, NBLK):
                 ok = r < nrows and col0 + 4 * c < ncols
                 cp_async16(smem, (dst + swizzled_offset(NROWS, r, 8 * c)) // 4, src,
                            src_base + (row0 + r) * src_row + col0 + 4 * c if ok else 0, 16 if ok else 0)
+        if WAITING:
+            complete_tx(smem, bar, NROWS * CHUNKS * 16)    # the box's bytes, zero fill included, as the GPU's
 
     return load
 

@@ -76,6 +76,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function
 from ._mma import FORMATS, halves_to_float, primitives, tf32_values
+from ._sync import group_sync
 
 SWIZZLE_BYTES = 128          # a row of a swizzled block: 64 16-bit values
 BLOCK_COLS = 64
@@ -289,7 +290,7 @@ def _a_fragment(word, ks, tt, reg, fmt):
     return reg % 2, 16 * ks + 2 * tt + 8 * (reg // 2), halves_to_float(np.array([word, word]), np.array([0, 1]), fmt)
 
 
-def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
+def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, quad_sync=False):
     NACC = N // 2
     KSTEPS = len(b_steps)
     assert KSTEPS <= MAX_RS_KSTEPS
@@ -328,6 +329,14 @@ def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
         return wgmma_ss
 
     U32 = np.dtype(np.uint32)
+    if quad_sync:
+        @device_function
+        def sync():
+            group_sync(("quad", cuda.threadIdx.x // 4), 4)
+    else:
+        @device_function
+        def sync():
+            cuda.syncthreads()
 
     @device_function
     def wgmma_rs(acc, a_regs, smem, b_off, accumulate):
@@ -339,7 +348,7 @@ def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
         g, t = lane // 4, lane % 4
         for i in range(4 * KSTEPS):
             frags[tid, i] = a_regs.reshape(-1)[i] if hasattr(a_regs, "reshape") else a_regs[i]
-        cuda.syncthreads()
+        sync()
         quad = tid - t                                      # lane 4 g of this warp
         rows = np.zeros((2, KS * KSTEPS))
         for tt in range(4):
@@ -347,7 +356,7 @@ def _sim_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
                 for reg in range(4):                       # reg: (row g | g + 8) x (first | second column group)
                     row, col, vals = _a_fragment(frags[quad + tt, 4 * ks + reg], ks, tt, reg, fmt)
                     rows[row, col:col + len(vals)] = vals
-        cuda.syncthreads()
+        sync()
         b = np.concatenate([b_operand(smem, b_off, ks) for ks in range(KSTEPS)], axis=0)
         store(acc, rows, b, accumulate, w, g, t)
 
@@ -362,13 +371,16 @@ def _sim_fence_proxy_async():
 _cache = {}
 
 
-def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0, trans_a=0):
+def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0, trans_a=0, quad_sync=False):
     """``wgmma_ss(acc, smem, a_off, b_off, accumulate)`` (``kind="ss"``) or ``wgmma_rs(acc, a_regs, smem, b_off,
     accumulate)`` (``"rs"``) for one product shape: ``m64nNk16`` on ``dtype_name`` operands (``"float16"``,
     ``"bfloat16"``; ``m64nNk8`` for ``"tf32"`` or ``"float32"``: tf32 operands, K-major only), the k-steps' start
     offsets (bytes, from the operands' ``*_off``) ``a_steps`` / ``b_steps``, the LBO of MN-major operands,
     ``trans_b`` 1 for an MN-major B, ``trans_a`` 1 for an MN-major A (``"ss"`` only: the backward's dQ = dS K_j
-    with dS^T stored key by key).  ``acc``: a local float32 array of ``N / 2`` values (any shape, C order)."""
+    with dS^T stored key by key).  ``acc``: a local float32 array of ``N / 2`` values (any shape, C order).
+    ``quad_sync``: the simulator's ``wgmma_rs`` exchanges A's fragments within each quad by ``_sync.group_sync``
+    instead of ``syncthreads`` (a warp-specialised kernel, whose other roles never reach its barrier); the GPU's
+    product is the same."""
     if kind not in ("ss", "rs"):
         raise ValueError(f"kind must be 'ss' or 'rs', got {kind!r}")
     if dtype_name not in WGMMA_FORMATS:
@@ -378,10 +390,15 @@ def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=
         raise ValueError(f"trans_b must be 0 for {fmt} operands: PTX has no transpose for them (B K-major only)")
     if trans_a and (fmt == "tf32" or fmt in EIGHT_BIT or kind != "ss"):
         raise ValueError("trans_a needs 16-bit operands and A in shared memory (kind 'ss')")
-    key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, trans_a)
-    if key not in _cache:
-        make = _sim_wgmma if SIMULATOR else _gpu_wgmma
-        _cache[key] = make(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt)
+    if SIMULATOR:
+        key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, trans_a, quad_sync)
+        if key not in _cache:
+            _cache[key] = _sim_wgmma(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt,
+                                     quad_sync)
+    else:
+        key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, trans_a)
+        if key not in _cache:
+            _cache[key] = _gpu_wgmma(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt)
     return _cache[key]
 
 

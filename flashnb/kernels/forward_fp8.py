@@ -31,6 +31,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import memory_primitives, primitives
+from ._sync import register_handover, warp_sync
 from ._tiles import make_row_allreduce
 from ._tma import make_box_load, make_tile_load, tma_primitives
 from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, pack_e4m3x4
@@ -40,6 +41,13 @@ BLOCK_Q = 128                     # two warpgroups of 64 query rows
 BLOCK_K = 128                     # keys of a tile: one 128-byte row of V_j^T, 4 k-steps of 32
 NTHREADS = 256
 STAGES = 2                        # K_j / V_j^T stages of the copy engine
+NTHREADS_WS = 384                 # warp-specialised: a producer warpgroup, then the two consumer warpgroups
+PRODUCER_REGS, CONSUMER_REGS = 24, 240      # setmaxnreg: 128 x 24 + 256 x 240 <= 65536
+
+
+def threads(WARP_SPECIALISED=False):
+    """A block's threads of ``make_forward_fp8``'s kernel."""
+    return NTHREADS_WS if WARP_SPECIALISED else NTHREADS
 HEAD_DIMS = (64, 128, 256)
 VT_KEYS = 32                      # V^T's keys are padded to (and relabelled within) groups of 32
 PREP_THREADS = 256
@@ -142,7 +150,7 @@ def make_prepare_vt_packed(HEAD_DIM):
 
 @lru_cache(maxsize=None)
 @kernel_factory
-def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False):
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False, WARP_SPECIALISED=False):
     """``forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps, cu_seqlens_q,
     cu_seqlens_k, vt_start)`` and its shared bytes: ``q``, ``k``
     (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
@@ -165,12 +173,26 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     k_descale[j]`` in their exponent scale; the accumulator is kept in units of the last tile's V descale and
     rescaled when the next tile's differs (``v_rescale``), so ``P V_j`` adds V_j's codes as they are.
 
+    ``WARP_SPECIALISED``: FlashAttention-3's roles, ``NTHREADS_WS`` threads.  Warpgroup 0 is the producer: it
+    gives up its registers (``setmaxnreg.dec``) and its thread 0 issues every copy, refilling a stage as soon as
+    both consumers have handed it back on the stage's ``empty`` barrier.  Warpgroups 1 and 2 are the consumers
+    (64 query rows each, up to ``CONSUMER_REGS`` registers by ``setmaxnreg.inc``): each runs its own chain (wait for
+    the stage's ``full`` phase, S, softmax, P V, hand the stage back, one arrival a warp) with no block barrier in
+    the loop, so one warpgroup's products overlap the other's softmax as the scheduler finds them.  The launch
+    bounds (one block of ``NTHREADS_WS``) give the register cap at entry that ``setmaxnreg`` needs.  In the
+    simulator, barriers that wait (``tma_primitives(waiting=True)``) and reductions and fragment exchanges over
+    quads order the roles; a protocol error raises there instead of hanging.
+
     ``MIN_BLOCKS``: launch bounds for that many blocks an SM (2 at head dim 64: 16 warps an SM instead of 8).
     Measured no faster on an H200 and removed (docs/notes/fp8.md step 4; the code is in commit 8bbdd68): three
     stages, FA3's order of the products, the warpgroups' turns by named barriers, S_{j+1} in flight under the
     softmax of S_j."""
     assert HEAD_DIM in HEAD_DIMS
     assert not (BLOCKS and VARLEN), "block descales are for dense batches"
+    assert not (WARP_SPECIALISED and MIN_BLOCKS != 1), "the warp-specialised block takes the SM's registers"
+    WS = WARP_SPECIALISED
+    THREADS = threads(WS)
+    CONSUMER_WARPS = 8                               # the two consumer warpgroups: one arrival each on ``empty``
     F32 = np.float32
     U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
@@ -186,24 +208,26 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     STAGE_BYTES = K_BYTES + VT_BYTES
     Q_OFF = 0
     STAGE0 = Q_BYTES
-    FULL = STAGE0 + STAGES * STAGE_BYTES             # full[s], then Q's barrier: 8 bytes each
+    FULL = STAGE0 + STAGES * STAGE_BYTES             # full[s], then Q's barrier, then empty[s]: 8 bytes each
     Q_FULL = FULL + 8 * STAGES
-    SCRATCH = Q_FULL + 8                             # the quad reductions' scratch (simulator only)
-    SCRATCH_WORDS = 2 * NTHREADS if SIMULATOR else 0
+    EMPTY = Q_FULL + 8                               # (WARP_SPECIALISED) the consumers hand stage s back
+    SCRATCH = EMPTY + (8 * STAGES if WS else 0)      # the quad reductions' scratch (simulator only)
+    SCRATCH_WORDS = 2 * THREADS if SIMULATOR else 0
     SHARED_BYTES = SCRATCH + 4 * SCRATCH_WORDS
     wgmma_s = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_K, KSTEPS_D))
-    wgmma_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32))
+    wgmma_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32), quad_sync=WS)
     pack4 = pack_e4m3x4()
     _, pack2, _ = primitives(OUT_DTYPE)
     exp2 = memory_primitives()["exp2_ftz"]
-    tma = tma_primitives()
-    mbar_init, mbar_fence_init, mbar_expect, mbar_wait = (tma["mbar_init"], tma["mbar_fence_init"],
-                                                          tma["mbar_arrive_expect_tx"], tma["mbar_wait"])
-    load_q = make_tile_load(BLOCK_Q, HEAD_WORDS, NBLK)
-    load_k = make_tile_load(BLOCK_K, HEAD_WORDS, NBLK)
-    load_vt = make_box_load(HEAD_DIM, 1)
-    quad_max = make_row_allreduce(2, 4, NTHREADS, F32, is_max=True)
-    quad_sum = make_row_allreduce(2, 4, NTHREADS, F32, is_max=False)
+    tma = tma_primitives(waiting=WS)
+    mbar_init, mbar_fence_init, mbar_expect, mbar_wait, mbar_arrive = (
+        tma["mbar_init"], tma["mbar_fence_init"], tma["mbar_arrive_expect_tx"], tma["mbar_wait"], tma["mbar_arrive"])
+    load_q = make_tile_load(BLOCK_Q, HEAD_WORDS, NBLK, WAITING=WS)
+    load_k = make_tile_load(BLOCK_K, HEAD_WORDS, NBLK, WAITING=WS)
+    load_vt = make_box_load(HEAD_DIM, 1, WAITING=WS)
+    quad_max = make_row_allreduce(2, 4, THREADS, F32, is_max=True, ROW_SYNC=WS)
+    quad_sum = make_row_allreduce(2, 4, THREADS, F32, is_max=False, ROW_SYNC=WS)
+    release_registers, take_registers = register_handover(PRODUCER_REGS, CONSUMER_REGS)
 
     @device_function
     def block_coords(n_qt, nheads):
@@ -312,6 +336,26 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
             load_stage(smem, maps, k, vt, j + STAGES, k_start, vt_col, hk, b, j % STAGES)
 
     @device_function
+    def release_stage(smem, j):
+        """``WARP_SPECIALISED``: this warp is done with tile j's stage; its lane 0 arrives on the stage's ``empty``
+        barrier (``CONSUMER_WARPS`` arrivals complete its phase)."""
+        warp_sync()
+        if cuda.threadIdx.x % 32 == 0:
+            mbar_arrive(smem, EMPTY + 8 * (j % STAGES))
+
+    @device_function
+    def produce(smem, maps, q, k, vt, n_kt, q_start, qt, k_start, vt_col, h, hk, bd):
+        """``WARP_SPECIALISED``, the producer's thread 0: Q, then each key tile into its stage once both consumers
+        have handed the stage back (the ``empty`` phase of its last use; the first ``STAGES`` tiles wait for none:
+        parity 1 of a fresh barrier counts as complete)."""
+        mbar_expect(smem, Q_FULL, Q_BYTES)
+        load_q(smem, Q_OFF, maps, 0, q, (bd * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2,
+               q_start + qt * BLOCK_Q, q.shape[1] - q_start - qt * BLOCK_Q, h, bd, Q_FULL)
+        for j in range(n_kt):
+            mbar_wait(smem, EMPTY + 8 * (j % STAGES), (j // STAGES + 1) % 2)
+            load_stage(smem, maps, k, vt, j, k_start, vt_col, hk, bd, j % STAGES)
+
+    @device_function
     def scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off):
         """S = Q K_j^T (tile j's stage), masked where the tile reaches past the keys or the diagonal."""
         mbar_wait(smem, FULL + 8 * (j % STAGES), (j // STAGES) % 2)
@@ -327,7 +371,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         k_start, n_k = cu_seqlens_k[b], cu_seqlens_k[b + 1] - cu_seqlens_k[b]
         return q_start, n_q, k_start, n_k, vt_start[b]
 
-    @kernel(min_blocks=MIN_BLOCKS, threads=NTHREADS)
+    @kernel(min_blocks=MIN_BLOCKS, threads=THREADS)
     def forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps, cu_seqlens_q,
                 cu_seqlens_k, vt_start):
         nheads = q.shape[2]
@@ -347,7 +391,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
             bd = b
         hk = h // group
         tid = cuda.threadIdx.x
-        wg = tid // 128
+        wg = tid // 128 - 1 if WS else tid // 128       # the consumer warpgroup (-1: the producer)
         row_g = qt * BLOCK_Q + 64 * wg + 16 * ((tid // 32) % 4) + (tid % 32) // 4   # this thread's first row
         if BLOCKS:                          # the query tile's descale; each key tile's below
             c_q = F32(scale) * q_descale[b, h, qt] * LOG2E_T
@@ -363,16 +407,26 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         if tid == 0:
             for s in range(STAGES):
                 mbar_init(smem, FULL + 8 * s, 1)
+                if WS:
+                    mbar_init(smem, EMPTY + 8 * s, CONSUMER_WARPS)
             mbar_init(smem, Q_FULL, 1)
             mbar_fence_init()
         cuda.syncthreads()
-        if tid == 0:
-            mbar_expect(smem, Q_FULL, Q_BYTES)
-            load_q(smem, Q_OFF, maps, 0, q, (bd * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2,
-                   q_start + qt * BLOCK_Q, q.shape[1] - q_start - qt * BLOCK_Q, h, bd, Q_FULL)
-            for j in range(min(n_kt, STAGES)):
-                load_stage(smem, maps, k, vt, j, k_start, vt_col, hk, bd, j)
-        cuda.syncthreads()                               # (the simulator's copies are made by thread 0, at once)
+        if WS:                                           # the block's last barrier: the roles part here
+            if wg < 0:
+                release_registers()
+                if tid == 0:
+                    produce(smem, maps, q, k, vt, n_kt, q_start, qt, k_start, vt_col, h, hk, bd)
+                return
+            take_registers()
+        else:
+            if tid == 0:
+                mbar_expect(smem, Q_FULL, Q_BYTES)
+                load_q(smem, Q_OFF, maps, 0, q, (bd * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2,
+                       q_start + qt * BLOCK_Q, q.shape[1] - q_start - qt * BLOCK_Q, h, bd, Q_FULL)
+                for j in range(min(n_kt, STAGES)):
+                    load_stage(smem, maps, k, vt, j, k_start, vt_col, hk, bd, j)
+            cuda.syncthreads()                           # (the simulator's copies are made by thread 0, at once)
 
         s_acc = cuda.local.array(N_ACC_S, F32)
         o_acc = cuda.local.array(N_ACC_O, F32)
@@ -395,7 +449,10 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
                 vd = v_rescale(o_acc, vd, v_descale[b, hk, j])
             pack_p(s_acc, p_frag)
             wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)       # acc += P V_j
-            hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, bd)
+            if WS:
+                release_stage(smem, j)
+            else:
+                hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, bd)
         if BLOCKS:
             store_out_lse(out, lse, o_acc, m_i, l_i, row_g, bd, h, seqlen_q, q_start, vd, scratch)
         else:

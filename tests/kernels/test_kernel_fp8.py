@@ -600,3 +600,35 @@ def test_fp8_packed_forward_is_each_sequence_dense_bit_for_bit():
                                                     *(x[b:b + 1] for x in ds), causal=causal, return_lse=True)
                 assert np.array_equal(out[qs:qe], o[0]), f"d {d} causal {causal} sequence {b}: out"
                 assert np.array_equal(lse[:, qs:qe], l_[0]), f"d {d} causal {causal} sequence {b}: lse"
+
+
+@pytest.fixture
+def warp_specialised():
+    """``plan.FP8_WARP_SPECIALISED`` on for one test (the plan and dispatch caches cleared either side)."""
+    from flashnb import _dispatch, plan
+
+    def clear():
+        plan.fp8_forward.cache_clear()
+        plan.fp8_forward_packed.cache_clear()
+        _dispatch.clear()
+
+    before = plan.FP8_WARP_SPECIALISED
+    plan.FP8_WARP_SPECIALISED = True
+    clear()
+    yield
+    plan.FP8_WARP_SPECIALISED = before
+    clear()
+
+
+@pytest.mark.parametrize("case", ["blocks", "packed"])
+def test_the_warp_specialised_forward_matches_its_oracle(warp_specialised, case):
+    """FlashAttention-3's roles (``make_forward_fp8(WARP_SPECIALISED=True)``: a producer warpgroup refilling each
+    stage once both consumer warpgroups hand it back, no block barrier in the loop), held to the oracle as the
+    plain kernel is.  Three key tiles through two stages, so a stage is refilled while the other is read; causal,
+    so the last tile is masked.  ``blocks``: a descale per key tile (the accumulator changes units each tile);
+    ``packed``: two sequences, the second's keys within one tile.  It fails if the producer does not wait for a
+    stage to come back (tried: the sums go wrong, or the simulator reports the wait that would hang)."""
+    if case == "blocks":
+        test_fp8_forward_with_block_descales_matches_its_oracle(64, True, 70, 300, None, 128, 1, 1)
+    else:
+        test_fp8_forward_of_a_packed_batch_matches_its_oracle((70, 9), (300, 40), 1, 1, 64, True, True)
