@@ -5,7 +5,7 @@ compute) has no block barrier in its loop: its roles wait on ``mbarrier`` phases
 lanes, a row of a fragment on its quad.  Numba's simulator runs each thread of a block as a Python thread and
 knows only ``syncthreads``, which waits for every live thread, so a consumer waiting there would wait on a
 producer that is itself waiting for the consumers to free a stage.  The twins here keep their state per simulated
-block (on the simulator's block manager: one per launch) under one condition variable, and a wait that cannot
+block (on the simulator's block manager, which runs one block) under one condition variable, and a wait that cannot
 finish raises after ``SIM_WAIT_S`` (or when the simulator aborts the block) instead of hanging: a protocol error
 is a failing test.
 
@@ -13,6 +13,8 @@ is a failing test.
   same key ``group`` (a warp's lanes, a quad); nothing on the GPU, where the kernels use ``warp_sync`` and warp
   shuffles.
 * ``warp_sync()``: ``bar.warp.sync`` on the GPU; a barrier over the warp's 32 lanes in the simulator.
+* ``full_parity(j, STAGES)``, ``empty_parity(j, STAGES)``: the parities a ring of ``STAGES`` stages waits on
+  for its ``j``-th item (``*_d``: the device functions).
 * ``register_handover(DEC, INC)``: ``setmaxnreg.dec`` / ``.inc`` (Hopper; the kernel needs launch bounds for the
   register cap at entry, docs/notes/hopper.md step 21); nothing in the simulator.
 """
@@ -28,8 +30,9 @@ SIM_COND = threading.Condition()
 
 
 def sim_block_state():
-    """This simulated block's barrier state: a dict kept on the simulator's block manager (one per launch), keyed
-    by the block's index, so a launch's barriers never meet another's.  Call with ``SIM_COND`` held."""
+    """This simulated block's barrier state: a dict kept on the simulator's block manager (one per block, made
+    afresh for each; keyed by the block's index besides), so a block's barriers never meet another's.  Call with
+    ``SIM_COND`` held."""
     thread = threading.current_thread()
     blocks = thread._manager.__dict__.setdefault("_flashnb_barriers", {})
     return blocks.setdefault(tuple(thread.blockIdx), {})
@@ -43,7 +46,7 @@ def sim_wait(done, what):
         if getattr(thread, "abort", False):
             raise RuntimeError(f"{what}: the block was aborted")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: no progress in {SIM_WAIT_S:.0f} s (the GPU would hang here)")
+            raise RuntimeError(f"{what}: no progress in {SIM_WAIT_S:g} s (the GPU would hang here)")
         SIM_COND.wait(0.01)
 
 
@@ -74,6 +77,22 @@ else:
     @device_function
     def warp_sync():
         cuda.syncwarp()
+
+
+def full_parity(j, STAGES):
+    """The parity a consumer waits on for item ``j`` of a ring of ``STAGES`` stages: the stage's ``full`` barrier
+    completes one phase per fill, and item ``j`` is its fill number ``j // STAGES`` (from 0)."""
+    return (j // STAGES) % 2
+
+
+def empty_parity(j, STAGES):
+    """The parity the producer waits on before it fills item ``j``'s stage: the stage's ``empty`` barrier completes
+    one phase per use handed back, and the use before item ``j`` is number ``j // STAGES - 1``; for the first
+    ``STAGES`` items, parity 1 of a fresh barrier, which counts as complete."""
+    return (j // STAGES + 1) % 2
+
+
+full_parity_d, empty_parity_d = device_function(full_parity), device_function(empty_parity)
 
 
 def register_handover(DEC, INC):

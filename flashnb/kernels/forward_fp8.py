@@ -31,7 +31,7 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import memory_primitives, primitives
-from ._sync import register_handover, warp_sync
+from ._sync import empty_parity_d, full_parity_d, register_handover, warp_sync
 from ._tiles import make_row_allreduce
 from ._tma import make_box_load, make_tile_load, tma_primitives
 from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, pack_e4m3x4
@@ -42,15 +42,20 @@ BLOCK_K = 128                     # keys of a tile: one 128-byte row of V_j^T, 4
 NTHREADS = 256
 STAGES = 2                        # K_j / V_j^T stages of the copy engine
 NTHREADS_WS = 384                 # warp-specialised: a producer warpgroup, then the two consumer warpgroups
-PRODUCER_REGS, CONSUMER_REGS = 24, 240      # setmaxnreg: 128 x 24 + 256 x 240 <= 65536
+# setmaxnreg moves registers within what the launch gave the block: launch bounds of one block of 384 threads
+# cap a thread at 168 at entry (65536 / 384, rounded down to 8), and 128 x 24 + 256 x 240 = 384 x 168 exactly
+# (an increase past the pool would wait for ever)
+ENTRY_REGS = 65536 // NTHREADS_WS // 8 * 8
+PRODUCER_REGS, CONSUMER_REGS = 24, 240
+assert 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= NTHREADS_WS * ENTRY_REGS
+HEAD_DIMS = (64, 128, 256)
+VT_KEYS = 32                      # V^T's keys are padded to (and relabelled within) groups of 32
+PREP_THREADS = 256
 
 
 def threads(WARP_SPECIALISED=False):
     """A block's threads of ``make_forward_fp8``'s kernel."""
     return NTHREADS_WS if WARP_SPECIALISED else NTHREADS
-HEAD_DIMS = (64, 128, 256)
-VT_KEYS = 32                      # V^T's keys are padded to (and relabelled within) groups of 32
-PREP_THREADS = 256
 
 
 def key_at(c):
@@ -192,7 +197,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     assert not (WARP_SPECIALISED and MIN_BLOCKS != 1), "the warp-specialised block takes the SM's registers"
     WS = WARP_SPECIALISED
     THREADS = threads(WS)
-    CONSUMER_WARPS = 8                               # the two consumer warpgroups: one arrival each on ``empty``
+    CONSUMER_WARPS = 8                               # the two consumer warpgroups: one arrival a warp on ``empty``
     F32 = np.float32
     U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
     ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
@@ -352,13 +357,13 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         load_q(smem, Q_OFF, maps, 0, q, (bd * q.strides[0] + h * q.strides[2]) >> 2, q.strides[1] >> 2,
                q_start + qt * BLOCK_Q, q.shape[1] - q_start - qt * BLOCK_Q, h, bd, Q_FULL)
         for j in range(n_kt):
-            mbar_wait(smem, EMPTY + 8 * (j % STAGES), (j // STAGES + 1) % 2)
+            mbar_wait(smem, EMPTY + 8 * (j % STAGES), empty_parity_d(j, STAGES))
             load_stage(smem, maps, k, vt, j, k_start, vt_col, hk, bd, j % STAGES)
 
     @device_function
     def scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off):
         """S = Q K_j^T (tile j's stage), masked where the tile reaches past the keys or the diagonal."""
-        mbar_wait(smem, FULL + 8 * (j % STAGES), (j // STAGES) % 2)
+        mbar_wait(smem, FULL + 8 * (j % STAGES), full_parity_d(j, STAGES))
         wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
         k0 = j * BLOCK_K
         if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):

@@ -624,11 +624,13 @@ def warp_specialised():
 def test_the_warp_specialised_forward_matches_its_oracle(warp_specialised, case):
     """FlashAttention-3's roles (``make_forward_fp8(WARP_SPECIALISED=True)``: a producer warpgroup refilling each
     stage once both consumer warpgroups hand it back, no block barrier in the loop), held to the oracle as the
-    plain kernel is.  Three key tiles through two stages, so a stage is refilled while the other is read; causal,
-    so the last tile is masked.  ``blocks``: a descale per key tile (the accumulator changes units each tile);
-    ``packed``: two sequences, the second's keys within one tile.  It fails if the producer does not wait for a
-    stage to come back (tried: the sums go wrong, or the simulator reports the wait that would hang)."""
+    plain kernel is; causal, so the last tile is masked.  ``blocks``: five key tiles through two stages, so each
+    stage's barriers come back to a parity they have waited on before, and a descale per key tile (the
+    accumulator changes units each tile).  ``packed``: three sequences, the first of two query tiles (the second
+    query tile's blocks of the others return before the barriers are made), the second with no key (Q loaded,
+    no stage), the third's keys within one tile.  It fails if the producer does not wait for a stage to come back
+    (tried: the sums go wrong, or the simulator reports the wait that would hang)."""
     if case == "blocks":
-        test_fp8_forward_with_block_descales_matches_its_oracle(64, True, 70, 300, None, 128, 1, 1)
+        test_fp8_forward_with_block_descales_matches_its_oracle(64, True, 70, 600, None, 128, 1, 1)
     else:
-        test_fp8_forward_of_a_packed_batch_matches_its_oracle((70, 9), (300, 40), 1, 1, 64, True, True)
+        test_fp8_forward_of_a_packed_batch_matches_its_oracle((130, 9, 20), (300, 0, 40), 1, 1, 64, True, True)

@@ -155,3 +155,22 @@ def test_row_reductions_over_their_own_threads_run_while_a_producer_waits():
     kernel[1, 64](x, out, flag)
     assert np.array_equal(out[32:], np.repeat(x.reshape(8, 4).max(axis=1), 4))
     assert flag[0] == x.max()
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_the_ring_parities_wait_for_exactly_the_phase_each_item_needs(stages):
+    """``_sync.full_parity`` / ``empty_parity`` against a model of the ring.  A wait on parity ``p`` returns once
+    ``phases % 2 != p``.  Before filling item ``j``, the producer has seen the stage's ``j // stages - 1`` uses
+    handed back (it filled item ``j - stages``) and at most ``j // stages``: its wait must return exactly when the
+    use before ``j`` (number ``j // stages - 1``) is back.  A consumer of item ``j`` sees the stage filled
+    ``j // stages`` or ``j // stages + 1`` times: its wait must return exactly when fill ``j // stages`` (item
+    ``j``'s own) has landed.  An off-by-one-phase parity, which the simulated kernel can miss when its threads
+    happen to finish a stage before the producer refills it, fails here."""
+    for j in range(4 * stages + 3):
+        use = j // stages                                   # item j is its stage's use number `use`
+        for handed_back in {max(use - 1, 0), use}:
+            returns = handed_back % 2 != _sync.empty_parity(j, stages)
+            assert returns == (handed_back >= use), (j, handed_back)
+        for fills in (use, use + 1):
+            returns = fills % 2 != _sync.full_parity(j, stages)
+            assert returns == (fills >= use + 1), (j, fills)
