@@ -71,6 +71,8 @@ a word) are ``mma.m16n8k32``'s 8-bit a: ``a0`` = row ``16 w + g``, columns ``32 
 ``a2``, ``a3`` the same rows at columns ``+ 16``. The twin decodes the bytes by ``e4m3_values`` and sums in float64;
 the hardware's FP8 accumulation is reported to keep fewer bits than float32's, which the kernels' tests bound.
 """
+from functools import lru_cache
+
 import numpy as np
 from numba import cuda
 
@@ -260,23 +262,45 @@ def e4m3_values(codes):
     return np.where(c & 0x80, -mag, mag)
 
 
-def operand_values(words, start, rows, cols, major, lbo, fmt):
-    """float64 ``rows x cols`` operand of one k-step read the hardware's way from the shared array ``words``
-    (uint32) at byte ``start``: K-major (``rows`` = M or N, ``cols`` = 16 k, 8 for tf32) or MN-major (``rows`` =
-    16 k, ``cols`` = N; 16-bit only).  tf32 words are read with their low 13 bits ignored, as the hardware does."""
+_BYTE_SHIFTS = np.arange(0, 32, 8)
+
+
+@lru_cache(maxsize=None)
+def _e4m3_table():
+    """The float64 value of each of the 256 e4m3 codes."""
+    return e4m3_values(np.arange(256))
+
+
+@lru_cache(maxsize=None)
+def _operand_addresses(start, rows, cols, major, lbo, fmt):
+    """``operand_values``'s (word index, bit shift) of each value: the same for every call at the same offset, so
+    the simulator's twins, which read an operand once per thread, work the swizzle out once per layout."""
     r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
     if fmt == "tf32":                                       # 4 values a 16-byte chunk, K-major only
         off = (r % 8) * 128 + (r // 8) * ATOM_BYTES + (c % 4) * 4 + (c // 4) * 16
-        return tf32_values(np.asarray(words)[_swizzle(start + off) >> 2])
+        return _swizzle(start + off) >> 2, None
     if fmt in EIGHT_BIT:                                    # 16 values a 16-byte chunk, K-major only
         addr = _swizzle(start + (r % 8) * 128 + (r // 8) * ATOM_BYTES + c)
-        return e4m3_values((np.asarray(words)[addr >> 2] >> (8 * (addr & 3))) & 0xFF)
+        return addr >> 2, (8 * (addr & 3)).astype(np.uint32)
     if major == "k":
         off = (r % 8) * 128 + (r // 8) * ATOM_BYTES + (c % 8) * 2 + (c // 8) * 16
     else:
         off = (c % 8) * 2 + ((c // 8) % 8) * 16 + (c // 64) * lbo + (r % 8) * 128 + (r // 8) * ATOM_BYTES
     addr = _swizzle(start + off)
-    return halves_to_float(np.asarray(words)[addr >> 2], (addr >> 1) & 1, fmt)
+    return addr >> 2, (addr >> 1) & 1
+
+
+def operand_values(words, start, rows, cols, major, lbo, fmt):
+    """float64 ``rows x cols`` operand of one k-step read the hardware's way from the shared array ``words``
+    (uint32) at byte ``start``: K-major (``rows`` = M or N, ``cols`` = 16 k, 8 for tf32) or MN-major (``rows`` =
+    16 k, ``cols`` = N; 16-bit only).  tf32 words are read with their low 13 bits ignored, as the hardware does."""
+    index, part = _operand_addresses(int(start), rows, cols, major, int(lbo), fmt)
+    w = np.asarray(words)[index]
+    if fmt == "tf32":
+        return tf32_values(w)
+    if fmt in EIGHT_BIT:
+        return _e4m3_table()[(w >> part) & 0xFF]
+    return halves_to_float(w, part, fmt)
 
 
 def _a_fragment(word, ks, tt, reg, fmt):
@@ -286,7 +310,7 @@ def _a_fragment(word, ks, tt, reg, fmt):
     if fmt == "tf32":
         return reg % 2, 8 * ks + tt + 4 * (reg // 2), tf32_values(np.array([word]))
     if fmt in EIGHT_BIT:                    # four bytes: columns 32 ks + 4 tt (+ 16) ..
-        return reg % 2, 32 * ks + 4 * tt + 16 * (reg // 2), e4m3_values((int(word) >> np.arange(0, 32, 8)) & 0xFF)
+        return reg % 2, 32 * ks + 4 * tt + 16 * (reg // 2), _e4m3_table()[(int(word) >> _BYTE_SHIFTS) & 0xFF]
     return reg % 2, 16 * ks + 2 * tt + 8 * (reg // 2), halves_to_float(np.array([word, word]), np.array([0, 1]), fmt)
 
 
