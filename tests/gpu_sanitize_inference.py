@@ -338,6 +338,11 @@ if __name__ == "__main__":
     import os
     if os.environ.get("FLEX_HEADDIMS"):
         HEADDIMS_FLEX = tuple(int(d) for d in os.environ["FLEX_HEADDIMS"].split(","))
+    for item in os.environ.get("PLAN_SETTINGS", "").split():     # e.g. "FLEX_MASK_NARROW=1 FLEX_SECTION=1"
+        name, value = item.split("=")
+        assert hasattr(flashnb.plan, name), name
+        setattr(flashnb.plan, name, int(value))
+        print(f"plan.{name} = {value}", flush=True)
     parts = sys.argv[1:] or ["varlen", "kvcache", "routed", "rotary", "clients", "flex", "learned"]
     rng = np.random.default_rng(0)
     if "varlen" in parts:

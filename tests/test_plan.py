@@ -424,6 +424,7 @@ def test_flex_launch_bounds(device, monkeypatch, score, setting, two_blocks):
     device(**H100)
     for name, value in setting.items():
         monkeypatch.setattr(plan, name, value)
+    monkeypatch.setattr(plan, "FLEX_SECTION", 1)
     mods = Mods(flex._compiled(lambda score, b, h, q_idx, kv_idx: score * 0.5) if score else None,
                 flex._compiled(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx), None, (128, 128))
     flags = _options.Flags(False, False, True, False, False, False, False, mods)
