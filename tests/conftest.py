@@ -155,10 +155,29 @@ _profile = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI")
 settings.load_profile(_profile)
 
 
+def _plan_settings():
+    """``PLAN_SETTINGS="NAME=INT ..."`` in the environment: those constants of ``flashnb.plan`` for the whole session
+    (a recorded GPU run of a flag that is off by default, e.g. ``PLAN_SETTINGS="FP8_WARP_SPECIALISED=1"``); the
+    pytest header lists them.  Unset in CI."""
+    settings_ = os.environ.get("PLAN_SETTINGS", "").split()
+    if settings_:
+        from flashnb import plan
+        for item in settings_:
+            name, value = item.split("=")
+            if not hasattr(plan, name):
+                raise pytest.UsageError(f"PLAN_SETTINGS: flashnb.plan has no {name}")
+            setattr(plan, name, type(getattr(plan, name))(int(value)))
+    return settings_
+
+
+_PLAN_SETTINGS = _plan_settings()
+
+
 def pytest_report_header(config):
     where = ("Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1): no CUDA device found" if SIMULATOR
              else "real CUDA device")
-    return [f"flashnb: kernels run on the {where}", f"flashnb: hypothesis profile '{_profile}'"]
+    return [f"flashnb: kernels run on the {where}", f"flashnb: hypothesis profile '{_profile}'"] + (
+        [f"flashnb: plan settings {' '.join(_PLAN_SETTINGS)}"] if _PLAN_SETTINGS else [])
 
 
 def pytest_collection_modifyitems(config, items):
