@@ -10,8 +10,8 @@ finish raises after ``SIM_WAIT_S`` (or when the simulator aborts the block) inst
 is a failing test.
 
 * ``group_sync(group, nthreads)``: the simulator's barrier over the ``nthreads`` threads that call it with the
-  same key ``group`` (a warp's lanes, a quad); nothing on the GPU, where the kernels use ``warp_sync`` and warp
-  shuffles.
+  same key ``group`` (a warp's lanes, a quad); None on the GPU, where the kernels use ``warp_sync`` and warp
+  shuffles (so a GPU kernel that calls it fails to compile instead of running without a barrier).
 * ``warp_sync()``: ``bar.warp.sync`` on the GPU; a barrier over the warp's 32 lanes in the simulator.
 * ``full_parity(j, STAGES)``, ``empty_parity(j, STAGES)``: the parities a ring of ``STAGES`` stages waits on
   for its ``j``-th item (``*_d``: the device functions).
@@ -70,9 +70,7 @@ if SIMULATOR:
     def warp_sync():
         group_sync(("warp", cuda.threadIdx.x // 32), 32)
 else:
-    @device_function
-    def group_sync(group, nthreads):
-        pass
+    group_sync = None          # the simulator's only: a GPU kernel that called it would compile no barrier
 
     @device_function
     def warp_sync():
