@@ -3,7 +3,7 @@
     python -m tools.fp8_check check            # shapes x options against reference.fp8.fp8_flash_forward
     python -m tools.fp8_check small            # one small call per head dim and causal, dense, packed, over a
                                                # KV cache and with block descales (for compute-sanitizer)
-    python -m tools.fp8_check bench [--seqlens 4096,16384] [--headdims 128,256] [--settings "A=1;B=1"]
+    python -m tools.fp8_check bench [--seqlens 4096,16384] [--headdims 128,256] [--settings "A=1;B=1"] [--blocks]
     python -m tools.fp8_check profile --headdims 128 --seqlens 4096   # one call, for ncu --profile-from-start off
 
 ``check``: torch float8_e4m3fn inputs (per-(batch, kv head) descales); the kernel's error against the exact
@@ -148,17 +148,18 @@ def _apply(setting):
     _dispatch.clear()
 
 
-def bench(seqlens, headdims, settings=("",)):
+def bench(seqlens, headdims, settings=("",), blocks=False):
     import torch
     import flashnb
     for setting in settings:
         _apply(setting)
-        print(f"setting: {setting or 'as shipped'}")
-        _bench(torch, flashnb, seqlens, headdims)
+        print(f"setting: {setting or 'as shipped'}" + (" (FP8 with block descales: query and key blocks of 128)"
+                                                      if blocks else ""))
+        _bench(torch, flashnb, seqlens, headdims, blocks)
     return 0
 
 
-def _bench(torch, flashnb, seqlens, headdims):
+def _bench(torch, flashnb, seqlens, headdims, blocks=False):
     print("| d | N | causal | fp16 ms | FP8 ms | fp16 TFLOP/s | FP8 TFLOP/s | FP8 / fp16 speed | host us fp16 / FP8 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for d in headdims:
@@ -166,10 +167,15 @@ def _bench(torch, flashnb, seqlens, headdims):
             b, h = 16384 // n, 2048 // d
             q, k, v = (x.half() for x in _inputs(torch, b, n, n, h, h, d, 0))
             q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+            descales = dict()
+            if blocks:      # one descale a (batch, head, block of 128 rows): codes and descales from the quantiser
+                (q8, dq), (k8, dk), (v8, dv) = (flashnb.quantize_fp8(x, per="block", block=128) for x in (q, k, v))
+                descales = dict(q_descale=dq, k_descale=dk, v_descale=dv, descale_block_q=128, descale_block_k=128)
             for causal in (False, True):
                 times = {}
                 for name, fn in (("fp16", lambda: flashnb.flash_attention(q, k, v, causal=causal)),
-                                 ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal))):
+                                 ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal,
+                                                                            **descales))):
                     for _ in range(3):
                         fn()
                     ts, host = [], []
@@ -198,6 +204,7 @@ def main(argv=None):
     ap.add_argument("--settings", default="", help="bench: settings separated by ';', each NAME=INT assignments "
                     "of flashnb.plan's FP8 constants (FP8_TWO_BLOCKS=0)")
     ap.add_argument("--setting", default="", help="check / small: one such setting")
+    ap.add_argument("--blocks", action="store_true", help="bench: FP8 with block descales (blocks of 128 rows)")
     a = ap.parse_args(argv)
     _apply(a.setting)
     if a.what == "check":
@@ -207,7 +214,7 @@ def main(argv=None):
     if a.what == "profile":
         return profile(int(a.headdims.split(",")[0]), int(a.seqlens.split(",")[0]))
     return bench([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")],
-                 a.settings.split(";"))
+                 a.settings.split(";"), a.blocks)
 
 
 if __name__ == "__main__":
