@@ -284,9 +284,9 @@ LPT_SECTION_BWD = 8
 # not.  Bits: 1 the forward, 2 the dK/dV kernel.  Measured with FLEX_MASK_NARROW (below; H200, bf16, 16k tokens,
 # bench/results/h200-flex-2026-11-28g.md): in the forwards both help every case (d 128 causal 2.36 -> 2.19 ms,
 # ALiBi 3.01 -> 2.86, document 0.76 -> 0.69); in the dK/dV kernel the order was within noise (d 128 causal 8.59 ->
-# 8.70, document 2.55 -> 2.49 forward+backward): the forward's only, once compute-sanitizer has run on those
-# forwards; until then off (0), the kernels as sanitized before (h200-flex-2026-11-28f.md; docs/notes/flex-kernels.md)
-FLEX_SECTION = 0
+# 8.70, document 2.55 -> 2.49 forward+backward): the forward's only (1).  compute-sanitizer memcheck, racecheck
+# and synccheck on those forwards: 0 errors (H200, 2026-11-29, bench/results/h200-fp8-2026-11-29.md)
+FLEX_SECTION = 1
 
 
 def _section(call, section, bit):
@@ -703,9 +703,9 @@ FLEX_MASK_INT32 = True
 # h200-flex-2026-11-28g.md): the forwards 5-16% faster (d 64 sliding 0.62 -> 0.54 ms, document 0.88 -> 0.78), every
 # case's forward+backward 0.7-4% faster with the forward's bits alone; in the d 128 backward it cost 1-7% (ALiBi's
 # dK/dV kernel 8.32 -> 8.73 ms under ncu: the same 2.45 G instructions, 4.76 -> 5.03 cycles an issue, short
-# scoreboard and math-pipe stalls up: ptxas schedules the leaner code worse), so the forward's only (1), once
-# compute-sanitizer has run on those forwards; until then off, as FLEX_SECTION
-FLEX_MASK_NARROW = 0
+# scoreboard and math-pipe stalls up: ptxas schedules the leaner code worse), so the forward's only (1);
+# compute-sanitizer on those forwards: 0 errors (H200, 2026-11-29, bench/results/h200-fp8-2026-11-29.md)
+FLEX_MASK_NARROW = 1
 
 
 def _flex_only(call):
