@@ -31,10 +31,10 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import memory_primitives, primitives
-from ._sync import empty_parity_d, full_parity_d, register_handover, warp_sync
+from ._sync import empty_parity_d, full_parity_d, register_handover, turns, warp_sync
 from ._tiles import make_row_allreduce
 from ._tma import make_box_load, make_tile_load, tma_primitives
-from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, pack_e4m3x4
+from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, make_wgmma_wait, pack_e4m3x4
 from .forward import LN2, LOG2E
 
 BLOCK_Q = 128                     # two warpgroups of 64 query rows
@@ -47,6 +47,8 @@ NTHREADS_WS = 384                 # warp-specialised: a producer warpgroup, then
 # (an increase past the pool would wait for ever)
 ENTRY_REGS = 65536 // NTHREADS_WS // 8 * 8
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
+TURN = 1                          # (PINGPONG) named barrier TURN + w: consumer warpgroup w's turn at the tensor cores
+TURN_THREADS = 256                # both consumer warpgroups count in each phase
 assert 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= NTHREADS_WS * ENTRY_REGS
 HEAD_DIMS = (64, 128, 256)
 VT_KEYS = 32                      # V^T's keys are padded to (and relabelled within) groups of 32
@@ -155,7 +157,8 @@ def make_prepare_vt_packed(HEAD_DIM):
 
 @lru_cache(maxsize=None)
 @kernel_factory
-def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False, WARP_SPECIALISED=False):
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False, WARP_SPECIALISED=False,
+                     PINGPONG=False):
     """``forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps, cu_seqlens_q,
     cu_seqlens_k, vt_start)`` and its shared bytes: ``q``, ``k``
     (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
@@ -188,6 +191,12 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     simulator, barriers that wait (``tma_primitives(waiting=True)``) and reductions and fragment exchanges over
     quads order the roles; a protocol error raises there instead of hanging.
 
+    ``PINGPONG`` (with ``WARP_SPECIALISED``): FlashAttention-3's pingpong.  The consumers take turns at the tensor
+    cores through two named barriers: in turn ``j`` a warpgroup issues S_j = Q K_j^T and P_{j-1} V_{j-1} without
+    waiting, lets the other take its turn (``bar.arrive``), then waits for its products, hands stage ``j - 1``
+    back and runs the softmax of S_j, which so runs under the other warpgroup's products.  The turns are
+    ``_sync.turns``' (warpgroup 0 first, ``n_kt + 1`` each; every phase completes, none is left pending).
+
     ``MIN_BLOCKS``: launch bounds for that many blocks an SM (2 at head dim 64: 16 warps an SM instead of 8).
     Measured no faster on an H200 and removed (docs/notes/fp8.md step 4; the code is in commit 8bbdd68): three
     stages, FA3's order of the products, the warpgroups' turns by named barriers, S_{j+1} in flight under the
@@ -195,6 +204,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     assert HEAD_DIM in HEAD_DIMS
     assert not (BLOCKS and VARLEN), "block descales are for dense batches"
     assert not (WARP_SPECIALISED and MIN_BLOCKS != 1), "the warp-specialised block takes the SM's registers"
+    assert WARP_SPECIALISED or not PINGPONG, "the pingpong's turns are the consumer warpgroups'"
     WS = WARP_SPECIALISED
     THREADS = threads(WS)
     CONSUMER_WARPS = 8                               # the two consumer warpgroups: one arrival a warp on ``empty``
@@ -221,6 +231,12 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     SHARED_BYTES = SCRATCH + 4 * SCRATCH_WORDS
     wgmma_s = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_K, KSTEPS_D))
     wgmma_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32), quad_sync=WS)
+    wgmma_s_issue = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D),
+                               k_major_steps(BLOCK_K, KSTEPS_D), wait=False)
+    wgmma_pv_issue = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32), quad_sync=WS,
+                                wait=False)
+    wait_s, wait_o = make_wgmma_wait(N_ACC_S), make_wgmma_wait(N_ACC_O)
+    open_turns, take_turn, pass_turn = turns(TURN, TURN_THREADS)
     pack4 = pack_e4m3x4()
     _, pack2, _ = primitives(OUT_DTYPE)
     exp2 = memory_primitives()["exp2_ftz"]
@@ -361,13 +377,47 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
             load_stage(smem, maps, k, vt, j, k_start, vt_col, hk, bd, j % STAGES)
 
     @device_function
+    def mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off):
+        """Tile j's scores masked where the tile reaches past the keys or the diagonal."""
+        k0 = j * BLOCK_K
+        if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
+            mask_tile(s_acc, k0, seqlen_k, row_g, off)
+
+    @device_function
     def scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off):
         """S = Q K_j^T (tile j's stage), masked where the tile reaches past the keys or the diagonal."""
         mbar_wait(smem, FULL + 8 * (j % STAGES), full_parity_d(j, STAGES))
         wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
-        k0 = j * BLOCK_K
-        if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
-            mask_tile(s_acc, k0, seqlen_k, row_g, off)
+        mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off)
+
+    @device_function
+    def issue_scores(s_acc, smem, wg, j):
+        """``PINGPONG``: S_j = Q K_j^T once tile j's stage is full, issued, not waited for."""
+        mbar_wait(smem, FULL + 8 * (j % STAGES), full_parity_d(j, STAGES))
+        wgmma_s_issue(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
+
+    @device_function
+    def issue_pv(o_acc, p_frag, smem, j):
+        """``PINGPONG``: acc += P_j V_j, issued, not waited for."""
+        wgmma_pv_issue(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)
+
+    @device_function
+    def tile_scales(c, vd, c_q, k_descale, v_descale, b, hk, j):
+        """``PINGPONG``: key tile j's exponent scale and V descale (``BLOCKS``: its own; else ``c`` and ``vd``)."""
+        if BLOCKS:
+            return c_q * k_descale[b, hk, j], v_descale[b, hk, j]
+        return c, vd
+
+    @device_function
+    def tile_softmax(s_acc, o_acc, p_frag, m_i, l_i, row, scratch, wg, j, qt, seqlen_k, row_g, off, c, vd, vd_j):
+        """``PINGPONG``: S_j masked, the online softmax, (``BLOCKS``) the accumulator into tile j's V descale
+        ``vd_j``, P_j's fragments; returns the accumulator's V descale."""
+        mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off)
+        softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
+        if BLOCKS:
+            vd = v_rescale(o_acc, vd, vd_j)
+        pack_p(s_acc, p_frag)
+        return vd
 
     @device_function
     def sequence(cu_seqlens_q, cu_seqlens_k, vt_start, b):
@@ -404,6 +454,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
             vd = v_descale[b, hk, 0]
         else:
             c = F32(scale) * q_descale[b, hk] * k_descale[b, hk] * LOG2E_T
+            c_q, vd = c, c                               # (PINGPONG's helpers pass them through, unused)
         k_end = min(seqlen_k, qt * BLOCK_Q + BLOCK_Q + off) if CAUSAL else seqlen_k   # keys past it: seen by none
         n_kt = (k_end + BLOCK_K - 1) // BLOCK_K if k_end > 0 else 0
 
@@ -445,19 +496,50 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         for n in range(N_ACC_O):
             o_acc[n] = ZERO
         mbar_wait(smem, Q_FULL, 0)
-        for j in range(n_kt):
-            scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                     # S = Q K_j^T
-            if BLOCKS:
-                c = c_q * k_descale[b, hk, j]
-            softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
-            if BLOCKS:
-                vd = v_rescale(o_acc, vd, v_descale[b, hk, j])
-            pack_p(s_acc, p_frag)
-            wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)       # acc += P V_j
-            if WS:
-                release_stage(smem, j)
-            else:
-                hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, bd)
+        if PINGPONG:
+            if n_kt > 0:
+                # turn 0: S_0; turn j: S_j and P_{j-1} V_{j-1}; turn n_kt: P V of the last tile.  A product's issue and
+                # its wait are in one straight run (no branch merges the accumulators in between: ptxas would
+                # serialise the products), so the first and last turns are peeled
+                n_turns = n_kt + 1
+                open_turns(wg, n_turns)                      # warpgroup 0 takes the first turn
+                take_turn(wg)
+                issue_scores(s_acc, smem, wg, 0)
+                pass_turn(wg, 0, n_turns)                    # the other's turn
+                wait_s(s_acc)
+                c_j, vd_j = tile_scales(c, vd, c_q, k_descale, v_descale, b, hk, 0)
+                vd = tile_softmax(s_acc, o_acc, p_frag, m_i, l_i, row, scratch, wg, 0, qt, seqlen_k, row_g, off, c_j,
+                                  vd, vd_j)
+                for j in range(1, n_kt):
+                    take_turn(wg)
+                    issue_scores(s_acc, smem, wg, j)
+                    issue_pv(o_acc, p_frag, smem, j - 1)
+                    pass_turn(wg, j, n_turns)
+                    wait_s(s_acc)
+                    wait_o(o_acc)
+                    release_stage(smem, j - 1)
+                    c_j, vd_j = tile_scales(c, vd, c_q, k_descale, v_descale, b, hk, j)
+                    vd = tile_softmax(s_acc, o_acc, p_frag, m_i, l_i, row, scratch, wg, j, qt, seqlen_k, row_g, off,
+                                      c_j, vd, vd_j)
+                take_turn(wg)
+                issue_pv(o_acc, p_frag, smem, n_kt - 1)
+                pass_turn(wg, n_kt, n_turns)
+                wait_o(o_acc)
+                release_stage(smem, n_kt - 1)
+        else:
+            for j in range(n_kt):
+                scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                     # S = Q K_j^T
+                if BLOCKS:
+                    c = c_q * k_descale[b, hk, j]
+                softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
+                if BLOCKS:
+                    vd = v_rescale(o_acc, vd, v_descale[b, hk, j])
+                pack_p(s_acc, p_frag)
+                wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)       # acc += P V_j
+                if WS:
+                    release_stage(smem, j)
+                else:
+                    hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, bd)
         if BLOCKS:
             store_out_lse(out, lse, o_acc, m_i, l_i, row_g, bd, h, seqlen_q, q_start, vd, scratch)
         else:

@@ -174,3 +174,94 @@ def test_the_ring_parities_wait_for_exactly_the_phase_each_item_needs(stages):
         for fills in (use, use + 1):
             returns = fills % 2 != _sync.full_parity(j, stages)
             assert returns == (fills >= use + 1), (j, fills)
+
+
+def _turns_kernel(n, skip_opening=False, extra_pass=False):
+    """Two warps (groups 0 and 1 of ``_sync.turns``) each taking ``n`` turns; the group whose turn it is writes its
+    id at the turn's slot of ``log`` (turn ``i`` of group ``w``: slot ``2 i + w``); thread 0 reports the barriers'
+    pending arrivals at the end.  The mutations: group 1 never opens (``skip_opening``), or passes after its last
+    turn too (``extra_pass``)."""
+    open_turns, take_turn, pass_turn = _sync.turns(1, 64)
+    bar_sync, bar_arrive = _sync.named_barriers()
+
+    @cuda.jit
+    def kernel(log, pending):
+        w, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        if not skip_opening:
+            open_turns(w, n)
+        count = cuda.shared.array(1, np.int32)
+        if cuda.threadIdx.x == 0:
+            count[0] = 0
+        for i in range(n):
+            take_turn(w)
+            if lane == 0:
+                log[count[0]] = 2 * i + w          # the order the turns ran in
+                count[0] += 1
+            _sync.warp_sync()
+            pass_turn(w, i, n)
+            if extra_pass and w == 1 and i == n - 1:
+                bar_arrive(1, 64)
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            for bar, arrived in _sync.sim_pending_named().items():
+                pending[bar] = arrived
+
+    return kernel
+
+
+@pytest.mark.parametrize("n", [0, 1, 4])
+def test_turns_alternate_and_leave_no_phase_pending(monkeypatch, n):
+    """``_sync.turns`` (the FP8 forward's pingpong): the two groups' turns run strictly alternately, group 0 first,
+    and both barriers end with no arrival pending.  Group 1 passing after its last turn too leaves group 0's barrier
+    with a warp's arrivals pending; group 1 not opening leaves group 0 waiting (the GPU would hang)."""
+    log, pending = np.full(2 * n, -1, np.int64), np.zeros(4, np.int64)
+    _turns_kernel(n)[1, 64](log, pending)
+    assert list(log) == list(range(2 * n))
+    assert not pending.any()
+    if n:
+        pending[:] = 0
+        _turns_kernel(n, extra_pass=True)[1, 64](np.zeros(2 * n, np.int64), pending)
+        assert pending[1] == 32
+        monkeypatch.setattr(_sync, "SIM_WAIT_S", 0.5)
+        with pytest.raises(RuntimeError, match="GPU would hang"):
+            _turns_kernel(n, skip_opening=True)[1, 64](np.zeros(2 * n, np.int64), pending)
+
+
+def test_named_barrier_arrive_counts_without_waiting(monkeypatch):
+    """``bar_arrive`` counts and goes on: warp 0 arrives on the named barrier, then on an mbarrier that warp 1 waits
+    for before it syncs on the named one (so an arrive that waited would never finish: the simulator's error); warp
+    1 is released once both warps' 64 arrivals are in.  A phase named with two thread counts is an error."""
+    monkeypatch.setattr(_sync, "SIM_WAIT_S", 5.0)
+    bar_sync, bar_arrive = _sync.named_barriers()
+    prims = tma_primitives(waiting=True)
+    init, arrive, wait = prims["mbar_init"], prims["mbar_arrive"], prims["mbar_wait"]
+
+    @cuda.jit
+    def kernel(out):
+        smem = cuda.shared.array(2, np.uint32)
+        w, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        if cuda.threadIdx.x == 0:
+            init(smem, 0, 32)
+        cuda.syncthreads()
+        if w == 0:
+            bar_arrive(3, 64)
+            out[lane] = 1
+            arrive(smem, 0)                         # warp 0 is past its bar_arrive
+        else:
+            wait(smem, 0, 0)
+            bar_sync(3, 64)
+            out[32 + lane] = 2
+
+    out = np.zeros(64, np.int64)
+    kernel[1, 64](out)
+    assert (out[:32] == 1).all() and (out[32:] == 2).all()
+
+    @cuda.jit
+    def mismatched(out):
+        if cuda.threadIdx.x < 32:
+            bar_arrive(3, 64)
+        else:
+            bar_arrive(3, 96)
+
+    with pytest.raises(RuntimeError, match="threads"):
+        mismatched[1, 64](out)
