@@ -1210,13 +1210,16 @@ FP8_WARP_SPECIALISED = False
 # with it, FlashAttention-3's pingpong (kernels.forward_fp8's PINGPONG): the consumers' products issued in turns by
 # two named barriers, each one's softmax under the other's products; built in the simulator, not yet on a GPU
 FP8_PINGPONG = False
+# with FP8_WARP_SPECIALISED, FlashAttention-3's intra-warpgroup overlap (kernels.forward_fp8's OVERLAP: the softmax
+# of S_j while the same warpgroup's P_{j-1} V_{j-1} is in flight); built in the simulator, not yet on a GPU
+FP8_OVERLAP = False
 
 
 def _fp8_kernel(headdim, out_dtype, causal, **flags):
     """The FP8 forward's kernel, its shared bytes and its threads under the plan's FP8 constants."""
     if FP8_WARP_SPECIALISED:
         kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), WARP_SPECIALISED=True,
-                                             PINGPONG=bool(FP8_PINGPONG), **flags)
+                                             PINGPONG=bool(FP8_PINGPONG), OVERLAP=bool(FP8_OVERLAP), **flags)
         return kern, shared, _fp8.threads(True)
     min_blocks = 2 if FP8_TWO_BLOCKS and headdim == 64 else 1
     kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), min_blocks, **flags)

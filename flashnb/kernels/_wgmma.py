@@ -430,14 +430,15 @@ def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=
     return _cache[key]
 
 
-def make_wgmma_wait(NACC):
-    """``wgmma_wait(acc)``: ``wgmma.wait_group 0`` with this thread's ``NACC`` accumulators of a product issued by
-    ``make_wgmma(..., wait=False)`` as its operands, tied in and out, so nothing reads or writes them before the
-    tensor cores are done (ptxas tracks them from the issue on).  A second call on another product's accumulators
-    after the first waits for nothing and only ties them.  Nothing in the simulator."""
-    key = ("wait", NACC)
+def make_wgmma_wait(NACC, pending=0):
+    """``wgmma_wait(acc)``: ``wgmma.wait_group pending`` with this thread's ``NACC`` accumulators of a product issued
+    by ``make_wgmma(..., wait=False)`` as its operands, tied in and out, so nothing reads or writes them before the
+    tensor cores are done (ptxas tracks them from the issue on).  Groups complete in the order committed:
+    ``pending=1`` waits for all but the last committed (its product stays in flight).  A second call on another
+    product's accumulators after the first waits for nothing and only ties them.  Nothing in the simulator."""
+    key = ("wait", NACC, pending)
     if key not in _cache:
-        _cache[key] = _sim_wgmma_wait if SIMULATOR else _gpu_wgmma_wait(NACC)
+        _cache[key] = _sim_wgmma_wait if SIMULATOR else _gpu_wgmma_wait(NACC, pending)
     return _cache[key]
 
 
@@ -446,7 +447,7 @@ def _sim_wgmma_wait(acc):
     pass
 
 
-def _gpu_wgmma_wait(NACC):
+def _gpu_wgmma_wait(NACC, pending):
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -460,7 +461,8 @@ def _gpu_wgmma_wait(NACC):
             ary = context.make_array(signature.args[0])(context, builder, args[0])
             ptrs = [builder.gep(ary.data, [ir.Constant(i64, i)]) for i in range(NACC)]
             fnty = ir.FunctionType(ir.LiteralStructType([f32] * NACC), [f32] * NACC)
-            res = builder.call(ir.InlineAsm(fnty, "wgmma.wait_group.sync.aligned 0;", cons, side_effect=True),
+            res = builder.call(ir.InlineAsm(fnty, f"wgmma.wait_group.sync.aligned {pending};", cons,
+                                            side_effect=True),
                                [builder.load(p) for p in ptrs])
             for i, p in enumerate(ptrs):
                 builder.store(builder.extract_value(res, i), p)
