@@ -1204,20 +1204,29 @@ class FP8Plan(NamedTuple):
 # warps an SM; 128 registers, 44 bytes of spill): 1.19-1.36x one block (H200, bench/results/h200-fp8-2026-11-28.md)
 FP8_TWO_BLOCKS = True
 # FlashAttention-3's warp-specialised FP8 forward (kernels.forward_fp8's WARP_SPECIALISED: a producer warpgroup
-# issuing the copies, two consumer warpgroups of up to 240 registers, no block barrier in the loop): correct in the
-# simulator, not yet run on a GPU (docs/notes/fp8.md step 5), so off until it is measured
-FP8_WARP_SPECIALISED = False
+# issuing the copies, two consumer warpgroups of up to 240 registers, no block barrier in the loop).  0: off; 1: every
+# head dim; 2: head dims 128 and 256, where it is faster than the plain kernel at every point measured (H200,
+# bench/results/h200-fp8-2026-11-29.md, call 1: 1.5-7%); at head dim 64 the plain kernel at two blocks an SM
+# (FP8_TWO_BLOCKS) is faster (call 2: 0.76x -> 0.84x at N 4096, 0.93x -> 0.96x at N 16384 against float16)
+FP8_WARP_SPECIALISED = 2
 # with it, FlashAttention-3's pingpong (kernels.forward_fp8's PINGPONG): the consumers' products issued in turns by
-# two named barriers, each one's softmax under the other's products; built in the simulator, not yet on a GPU
-FP8_PINGPONG = False
+# two named barriers, each one's softmax under the other's products.  Correct and sanitizer-clean on an H200, not
+# faster (h200-fp8-2026-11-29.md, call 2: d 128 within noise, d 256 4-7% slower), so off
+FP8_PINGPONG = 0
 # with FP8_WARP_SPECIALISED, FlashAttention-3's intra-warpgroup overlap (kernels.forward_fp8's OVERLAP: the softmax
-# of S_j while the same warpgroup's P_{j-1} V_{j-1} is in flight); built in the simulator, not yet on a GPU
-FP8_OVERLAP = False
+# of S_j while the same warpgroup's P_{j-1} V_{j-1} is in flight).  Correct and sanitizer-clean on an H200, slower
+# (h200-fp8-2026-11-29.md, call 3: 1.5x the time at d 128, N 16384; with PINGPONG 1.2x), so off
+FP8_OVERLAP = 0
+
+
+def _fp8_warp_specialised(headdim):
+    """Whether the plan's FP8 forward at ``headdim`` is the warp-specialised kernel (``FP8_WARP_SPECIALISED``)."""
+    return int(FP8_WARP_SPECIALISED) == 1 or (int(FP8_WARP_SPECIALISED) == 2 and headdim != 64)
 
 
 def _fp8_kernel(headdim, out_dtype, causal, **flags):
     """The FP8 forward's kernel, its shared bytes and its threads under the plan's FP8 constants."""
-    if FP8_WARP_SPECIALISED:
+    if _fp8_warp_specialised(headdim):
         kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), WARP_SPECIALISED=True,
                                              PINGPONG=bool(FP8_PINGPONG), OVERLAP=bool(FP8_OVERLAP), **flags)
         return kern, shared, _fp8.threads(True)
