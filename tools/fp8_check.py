@@ -5,6 +5,7 @@
                                                # KV cache and with block descales (for compute-sanitizer)
     python -m tools.fp8_check bench [--seqlens 4096,16384] [--headdims 128,256] [--settings "A=1;B=1"] [--blocks]
     python -m tools.fp8_check profile --headdims 128 --seqlens 4096   # one call, for ncu --profile-from-start off
+    python -m tools.fp8_check kernels [--seqlens ...] [--headdims ...] # each call's kernels timed apart
 
 ``check``: torch float8_e4m3fn inputs (per-(batch, kv head) descales); the kernel's error against the exact
 answer (float64 attention of the dequantised inputs) at most twice the oracle's (``fp8_flash_forward``: P
@@ -196,9 +197,50 @@ def _bench(torch, flashnb, seqlens, headdims, blocks=False):
                       f"{flops / f8 / 1e9:.0f} | {f16 / f8:.2f}x | {times['fp16 host']:.0f} / {times['fp8 host']:.0f} |")
 
 
+def kernels(seqlens, headdims):
+    """Each call's kernels, timed apart (``torch.profiler``'s CUDA activity, 10 calls after 3): V^T's pre-pass and the
+    FP8 forward against the float16 forward's own kernels, so a ratio of calls can be split into the kernels' and the
+    rest (host time, launch gaps)."""
+    import torch
+    import flashnb
+    from torch.profiler import ProfilerActivity, profile
+    print("| d | N | causal | fp16 kernels us | FP8 forward us | V^T pre-pass us | FP8 / fp16, kernels only |")
+    print("|---|---|---|---|---|---|---|")
+    for d in headdims:
+        for n in seqlens:
+            b, h = 16384 // n, 2048 // d
+            q, k, v = (x.half() for x in _inputs(torch, b, n, n, h, h, d, 0))
+            q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+            for causal in (False, True):
+                per = {}
+                for name, fn in (("fp16", lambda: flashnb.flash_attention(q, k, v, causal=causal)),
+                                 ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal))):
+                    for _ in range(3):
+                        fn()
+                    torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(10):
+                            fn()
+                        torch.cuda.synchronize()
+                    for e in prof.key_averages():
+                        us = getattr(e, "self_device_time_total", None)
+                        if us is None:
+                            us = getattr(e, "self_cuda_time_total", 0.0)
+                        if us > 0:
+                            us /= 10
+                            kind = "prep" if "prepare" in e.key else "fwd"
+                            per[name, kind] = per.get((name, kind), 0.0) + us
+                            if (d, n, causal) == (headdims[0], seqlens[0], False):
+                                print(f"  ({name}: {kind} {e.key[:70]} {us:.1f} us a call)", file=sys.stderr)
+                f16 = per.get(("fp16", "fwd"), 0.0) + per.get(("fp16", "prep"), 0.0)
+                f8, pre = per.get(("fp8", "fwd"), 0.0), per.get(("fp8", "prep"), 0.0)
+                print(f"| {d} | {n} | {causal} | {f16:.0f} | {f8:.0f} | {pre:.0f} | {f16 / (f8 + pre):.2f}x |")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("check", "small", "bench", "profile"))
+    ap.add_argument("what", choices=("check", "small", "bench", "profile", "kernels"))
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--headdims", default="64,128,256")
     ap.add_argument("--settings", default="", help="bench: settings separated by ';', each NAME=INT assignments "
@@ -211,6 +253,8 @@ def main(argv=None):
         return check()
     if a.what == "small":
         return small()
+    if a.what == "kernels":
+        return kernels([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")])
     if a.what == "profile":
         return profile(int(a.headdims.split(",")[0]), int(a.seqlens.split(",")[0]))
     return bench([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")],
