@@ -634,8 +634,8 @@ def _scalar(d, name):
 
 def _codes(x, name, stream):
     """The kernels' byte view of ``x``'s codes; for q and k (read by the copy engine in 16-byte-aligned rows) its
-    word view, from a fresh copy where a PyTorch tensor's rows are not aligned.  v is read byte by byte by the
-    V^T pre-pass, any strides."""
+    word view, from a fresh copy where a PyTorch tensor's rows are not aligned.  v is read by the V^T pre-pass,
+    four bytes at a time where it has a word view, else byte by byte (any strides)."""
     if torch is not None and isinstance(x, torch.Tensor):
         x = x.view(torch.uint8)
         d = _arrays.to_device(x, stream)
@@ -656,11 +656,17 @@ def _aligned(d):
 
 
 def _transposed_v(p, vb, kind, like, stream):
-    """V^T's word view (batch, headdim, nheads_k, keys / 4), made by the pre-pass from ``vb`` (v's bytes)."""
+    """V^T's word view (batch, headdim, nheads_k, keys / 4), made by the pre-pass from ``vb`` (v's bytes): four bytes
+    at a time where v has a word view (``plan.FP8Plan.prepare_words``), else byte by byte (any strides)."""
     batch, _, nheads_k, headdim = vb.shape
     vt = _arrays.scratch((batch, nheads_k, headdim, p.vt_keys), np.uint8, kind, like, stream)
     s = vt.strides
     vt = _arrays.strided_view(vt, (batch, headdim, nheads_k, p.vt_keys), (s[0], s[2], s[1], s[3]))
+    vw = _arrays.word_view(vb) if p.prepare_words is not None else None
+    if vw is not None:
+        vt_w = _arrays.word_view(vt)
+        _run(p.prepare_words, stream, (vw, vt_w))
+        return vt_w
     _run(p.prepare, stream, (vb, vt))
     return _arrays.word_view(vt)
 

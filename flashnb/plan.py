@@ -1188,6 +1188,7 @@ class FP8Plan(NamedTuple):
     prepare: Launch
     forward: Launch
     vt_keys: int                    # V^T's row length (keys padded to groups of 32)
+    prepare_words: Launch = None    # the pre-pass four bytes at a time, where v has a word view (dense batches)
 
     def forward_args(self, q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, stream,
                      packed=None):
@@ -1245,7 +1246,9 @@ def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, ou
     grid = batch * nheads * -(-seqlen_q // _fp8.BLOCK_Q)
     prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)
     return FP8Plan(Launch(_fp8.make_prepare_vt(headdim), prep_grid, _fp8.PREP_THREADS, 0),
-                   Launch(kern, grid, nthreads, shared), _fp8.vt_keys(seqlen_k))
+                   Launch(kern, grid, nthreads, shared), _fp8.vt_keys(seqlen_k),
+                   Launch(_fp8.make_prepare_vt_words(headdim), _fp8.prepare_vt_words_grid(batch, seqlen_k, nheads_k),
+                          _fp8.PREP_THREADS, 0))
 
 
 @lru_cache(maxsize=256)

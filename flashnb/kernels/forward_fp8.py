@@ -122,6 +122,63 @@ def make_prepare_vt(HEAD_DIM):
     return prepare
 
 
+VT_TILE_KEYS = 128                # the word pre-pass's keys a block (four groups of 32)
+U0 = np.uint32(0)
+U8_MASK = np.uint32(0xFF)
+
+
+def prepare_vt_words_grid(batch, seqlen_k, nheads_k):
+    return batch * nheads_k * -(-vt_keys(seqlen_k) // VT_TILE_KEYS)
+
+
+@device_function
+def vt_word(tile, pitch, d, kw):
+    """V^T's word ``kw`` of row (dim) ``d`` of a block's 128 positions: the bytes at dim ``d`` of positions ``4 kw
+    .. 4 kw + 3``'s keys (``key_at`` within each group of 32), from ``tile``'s key rows of ``pitch`` words."""
+    word = U0
+    for i in range(4):
+        c = 4 * kw + i
+        key = 32 * (c // 32) + key_at_d(c % 32)
+        byte = (tile[key * pitch + d // 4] >> np.uint32(8 * (d % 4))) & U8_MASK
+        word |= byte << np.uint32(8 * i)
+    return word
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_prepare_vt_words(HEAD_DIM):
+    """``prepare(v, vt)``: ``make_prepare_vt``'s V^T four bytes a load and a store, for a ``v`` with a word view:
+    ``v`` (batch, seqlen_k, nheads_k, HEAD_DIM / 4) words of codes, ``vt`` V^T's word view (batch, HEAD_DIM,
+    nheads_k, ``vt_keys`` / 4).  One block per (128 keys, head, batch): the keys' rows into a shared tile (rows of
+    HEAD_DIM / 4 + 1 words; a warp reads a key's row), then V^T's rows of those 128 positions (a warp writes 128
+    contiguous bytes of one row), zero past the keys.  The byte pre-pass moves a byte a thread a load, about 0.3 TB/s
+    on an H200 (bench/results/h200-fp8-2026-11-29.md, call 5)."""
+    WORDS = HEAD_DIM // 4
+    PITCH = WORDS + 1
+    ROW_WORDS = VT_TILE_KEYS // 4                         # V^T's words of one row of a block
+    TILE_WORDS = VT_TILE_KEYS * PITCH                     # (a shared array's shape must be a closure constant)
+
+    @kernel
+    def prepare(v, vt):
+        seqlen_k, nheads_k = v.shape[1], v.shape[2]
+        tiles = (4 * vt.shape[3] + VT_TILE_KEYS - 1) // VT_TILE_KEYS
+        kt, bh = cuda.blockIdx.x % tiles, cuda.blockIdx.x // tiles
+        b, h = bh // nheads_k, bh % nheads_k
+        first = kt * VT_TILE_KEYS
+        tile = cuda.shared.array(TILE_WORDS, np.uint32)
+        for w in range(cuda.threadIdx.x, VT_TILE_KEYS * WORDS, PREP_THREADS):       # V's rows, along the dims
+            r, c = w // WORDS, w % WORDS
+            tile[r * PITCH + c] = v[b, first + r, h, c] if first + r < seqlen_k else U0
+        cuda.syncthreads()
+        col0 = first // 4
+        for w in range(cuda.threadIdx.x, HEAD_DIM * ROW_WORDS, PREP_THREADS):       # V^T's rows, along the keys
+            d, kw = w // ROW_WORDS, w % ROW_WORDS
+            if col0 + kw < vt.shape[3]:
+                vt[b, d, h, col0 + kw] = vt_word(tile, PITCH, d, kw)
+
+    return prepare
+
+
 def vt_tile_keys(seqlen_k):
     """A packed batch's V^T: each sequence's keys padded to whole key tiles, so that a tile never reads the next
     sequence's values (its columns past the keys are zeros)."""

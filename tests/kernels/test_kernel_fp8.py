@@ -238,6 +238,29 @@ def test_key_at_pairs_p_fragments_with_their_keys():
                 assert keys[16 * h + 4 * t + i] == 8 * (2 * h + i // 2) + 2 * t + i % 2
 
 
+@pytest.mark.parametrize("seqlen_k, nheads_k, d", [(150, 2, 64), (300, 1, 128)])
+def test_the_word_pre_pass_writes_v_transposed_and_relabelled(seqlen_k, nheads_k, d):
+    """``make_prepare_vt_words`` (four bytes a load and a store): V^T's position ``p`` of row ``d`` holds key ``32 (p
+    // 32) + key_at(p % 32)``'s byte ``d``, zero past the keys; the keys not a multiple of a group (32) nor of a
+    block (128), so the last block writes only V^T's padded length.  V^T is poisoned first; its memory is (batch,
+    nheads_k, d, keys) as the call's scratch is."""
+    from numba import cuda
+    from flashnb import _arrays
+    rng = np.random.default_rng(seqlen_k)
+    v = rng.integers(1, 256, (2, seqlen_k, nheads_k, d), dtype=np.uint8)
+    n = forward_fp8.vt_keys(seqlen_k)
+    vt_d = cuda.to_device(np.full((2, nheads_k, d, n // 4), 0xABABABAB, np.uint32))
+    s = vt_d.strides
+    vt_view = _arrays.strided_view(vt_d, (2, d, nheads_k, n // 4), (s[0], s[2], s[1], s[3]))
+    grid = forward_fp8.prepare_vt_words_grid(2, seqlen_k, nheads_k)
+    forward_fp8.make_prepare_vt_words(d)[grid, forward_fp8.PREP_THREADS](_arrays.word_view(cuda.to_device(v)),
+                                                                         vt_view)
+    got = vt_d.copy_to_host().view(np.uint8)                       # (2, nheads_k, d, n)
+    keys = np.array([32 * (p // 32) + forward_fp8.key_at(p % 32) for p in range(n)])
+    want = np.where(keys < seqlen_k, v[:, np.minimum(keys, seqlen_k - 1)].transpose(0, 2, 3, 1), 0)
+    assert np.array_equal(got, want)
+
+
 def test_e4m3_codes_are_the_oracles_quantiser():
     """The simulator's twin of ``cvt.rn.satfinite.e4m3x2.f32``: nearest, ties to even, saturating, signed zeros."""
     rng = np.random.default_rng(3)
