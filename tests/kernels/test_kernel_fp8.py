@@ -246,15 +246,17 @@ def test_the_word_pre_pass_writes_v_transposed_and_relabelled(seqlen_k, nheads_k
     nheads_k, d, keys) as the call's scratch is."""
     from numba import cuda
     from flashnb import _arrays
+    from flashnb.kernels._jit import launch
     rng = np.random.default_rng(seqlen_k)
     v = rng.integers(1, 256, (2, seqlen_k, nheads_k, d), dtype=np.uint8)
     n = forward_fp8.vt_keys(seqlen_k)
+    stream = _arrays.resolve_stream(cuda.default_stream(), None)
     vt_d = cuda.to_device(np.full((2, nheads_k, d, n // 4), 0xABABABAB, np.uint32))
     s = vt_d.strides
     vt_view = _arrays.strided_view(vt_d, (2, d, nheads_k, n // 4), (s[0], s[2], s[1], s[3]))
-    grid = forward_fp8.prepare_vt_words_grid(2, seqlen_k, nheads_k)
-    forward_fp8.make_prepare_vt_words(d)[grid, forward_fp8.PREP_THREADS](_arrays.word_view(cuda.to_device(v)),
-                                                                         vt_view)
+    launch(forward_fp8.make_prepare_vt_words(d), forward_fp8.prepare_vt_words_grid(2, seqlen_k, nheads_k),
+           forward_fp8.PREP_THREADS, stream, 0, (_arrays.word_view(_arrays.to_device(v, stream)), vt_view))
+    cuda.synchronize()
     got = vt_d.copy_to_host().view(np.uint8)                       # (2, nheads_k, d, n)
     keys = np.array([32 * (p // 32) + forward_fp8.key_at(p % 32) for p in range(n)])
     want = np.where(keys < seqlen_k, v[:, np.minimum(keys, seqlen_k - 1)].transpose(0, 2, 3, 1), 0)
