@@ -31,7 +31,7 @@ import numpy as np
 
 from . import _arrays, _dispatch, plan, varlen
 from .kernels._jit import launch
-from .kernels.forward_fp8 import BLOCK_K, HEAD_DIMS, VT_KEYS, vt_tile_keys
+from .kernels.forward_fp8 import BLOCK_K, HEAD_DIMS, VT_KEYS, VT_TILE_KEYS, flat_words, vt_tile_keys
 from .kernels._wgmma import e4m3_codes
 
 try:  # optional: PyTorch tensors in and out
@@ -665,10 +665,20 @@ def _transposed_v(p, vb, kind, like, stream):
     vw = _arrays.word_view(vb) if p.prepare_words is not None else None
     if vw is not None:
         vt_w = _arrays.word_view(vt)
-        _run(p.prepare_words, stream, (vw, vt_w))
+        _run(p.prepare_words, stream, lean_prepass_args(vw, vt_w) if p.lean_prepass else (vw, vt_w))
         return vt_w
     _run(p.prepare, stream, (vb, vt))
     return _arrays.word_view(vt)
+
+
+def lean_prepass_args(vw, vt_w):
+    """``make_prepare_vt_lean``'s arguments: flat word views of v's words ``vw`` (batch, seqlen_k, nheads_k, headdim
+    / 4) and of V^T's ``vt_w`` (batch, headdim, nheads_k, keys / 4), the sizes, and their strides in words."""
+    batch, seqlen_k, nheads_k, _ = vw.shape
+    (v_span, v_st), (vt_span, vt_st) = (flat_words(x.shape, x.strides) for x in (vw, vt_w))
+    tiles = -(-4 * vt_w.shape[3] // VT_TILE_KEYS)
+    return (_arrays.strided_view(vw, (v_span,), (4,)), _arrays.strided_view(vt_w, (vt_span,), (4,)), seqlen_k,
+            nheads_k, tiles, v_st[0], v_st[1], v_st[2], vt_st[0], vt_st[1], vt_st[2], vt_w.shape[3])
 
 
 def _run(step, stream, args):

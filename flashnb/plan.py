@@ -1189,6 +1189,7 @@ class FP8Plan(NamedTuple):
     forward: Launch
     vt_keys: int                    # V^T's row length (keys padded to groups of 32)
     prepare_words: Launch = None    # the pre-pass four bytes at a time, where v has a word view (dense batches)
+    lean_prepass: bool = False      # prepare_words is make_prepare_vt_lean's (flat views and strides)
 
     def forward_args(self, q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, stream,
                      packed=None):
@@ -1218,6 +1219,11 @@ FP8_PINGPONG = 0
 # of S_j while the same warpgroup's P_{j-1} V_{j-1} is in flight).  Correct and sanitizer-clean on an H200, slower
 # (h200-fp8-2026-11-29.md, call 3: 1.5x the time at d 128, N 16384; with PINGPONG 1.2x), so off
 FP8_OVERLAP = 0
+# V^T's pre-pass with its index arithmetic out of the loops and unsigned (kernels.forward_fp8.make_prepare_vt_lean):
+# ptxas gives ~3x fewer instructions a word than the word pre-pass, which costs ~190-210 us a 16k-token call on an
+# H200 for a cause not yet found (its traffic is ~15 us, its instructions ~45 us of issue; h200-fp8-2026-11-29.md,
+# call 6).  Built and checked in the simulator and by ptxas, not yet run on a GPU: off
+FP8_PREPASS_LEAN = 0
 
 
 def _fp8_warp_specialised(headdim):
@@ -1245,10 +1251,11 @@ def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, ou
     check_shared(shared, f"the FP8 forward at head dim {headdim}")
     grid = batch * nheads * -(-seqlen_q // _fp8.BLOCK_Q)
     prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)
+    words = (_fp8.make_prepare_vt_lean if FP8_PREPASS_LEAN else _fp8.make_prepare_vt_words)(headdim)
     return FP8Plan(Launch(_fp8.make_prepare_vt(headdim), prep_grid, _fp8.PREP_THREADS, 0),
                    Launch(kern, grid, nthreads, shared), _fp8.vt_keys(seqlen_k),
-                   Launch(_fp8.make_prepare_vt_words(headdim), _fp8.prepare_vt_words_grid(batch, seqlen_k, nheads_k),
-                          _fp8.PREP_THREADS, 0))
+                   Launch(words, _fp8.prepare_vt_words_grid(batch, seqlen_k, nheads_k), _fp8.PREP_THREADS, 0),
+                   bool(FP8_PREPASS_LEAN))
 
 
 @lru_cache(maxsize=256)

@@ -125,6 +125,7 @@ def make_prepare_vt(HEAD_DIM):
 VT_TILE_KEYS = 128                # the word pre-pass's keys a block (four groups of 32)
 U0 = np.uint32(0)
 U8_MASK = np.uint32(0xFF)
+U32, U64 = np.uint32, np.uint64
 
 
 def prepare_vt_words_grid(batch, seqlen_k, nheads_k):
@@ -151,8 +152,8 @@ def make_prepare_vt_words(HEAD_DIM):
     ``v`` (batch, seqlen_k, nheads_k, HEAD_DIM / 4) words of codes, ``vt`` V^T's word view (batch, HEAD_DIM,
     nheads_k, ``vt_keys`` / 4).  One block per (128 keys, head, batch): the keys' rows into a shared tile (rows of
     HEAD_DIM / 4 + 1 words; a warp reads a key's row), then V^T's rows of those 128 positions (a warp writes 128
-    contiguous bytes of one row), zero past the keys.  The byte pre-pass moves a byte a thread a load, about 0.3 TB/s
-    on an H200 (bench/results/h200-fp8-2026-11-29.md, call 5)."""
+    contiguous bytes of one row), zero past the keys.  On an H200 it takes ~190-210 us a 16k-token call, the byte
+    pre-pass ~207-228 (bench/results/h200-fp8-2026-11-29.md, calls 5-6): neither is bound by its bytes."""
     WORDS = HEAD_DIM // 4
     PITCH = WORDS + 1
     ROW_WORDS = VT_TILE_KEYS // 4                         # V^T's words of one row of a block
@@ -175,6 +176,76 @@ def make_prepare_vt_words(HEAD_DIM):
             d, kw = w // ROW_WORDS, w % ROW_WORDS
             if col0 + kw < vt.shape[3]:
                 vt[b, d, h, col0 + kw] = vt_word(tile, PITCH, d, kw)
+
+    return prepare
+
+
+@device_function
+def vt_tile_key(c):
+    """The key (of a block's 128) at the block's V^T position ``c``: ``key_at`` within its group of 32."""
+    return 32 * (c >> 5) + key_at_d(c & 31)
+
+
+def flat_words(shape, strides):
+    """The span in words of a word array of ``shape`` and byte ``strides`` (non-negative), and its strides in words:
+    ``make_prepare_vt_lean``'s flat views."""
+    return 1 + sum((n - 1) * (st // 4) for n, st in zip(shape, strides)), tuple(st // 4 for st in strides)
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_prepare_vt_lean(HEAD_DIM):
+    """``prepare(v, vt, seqlen_k, nheads_k, tiles, v_b, v_k, v_h, vt_b, vt_d, vt_h, vt_words)``:
+    ``make_prepare_vt_words``' V^T with its index arithmetic out of the loops.  ``v`` and ``vt`` are flat word views
+    (``flat_words``) with the strides in words of v's (batch, key, head) and V^T's (batch, dim, head) axes;
+    ``vt_words`` is V^T's row length in words.  A thread keeps one column of the key rows it loads (``WORDS`` a
+    row, ``PREP_THREADS / WORDS`` rows a pass) and one word of the V^T rows it stores (8 rows a pass): the four keys
+    behind its word (``key_at``), their shared offsets and the byte shift are fixed before the loops, which only add,
+    and the offsets are unsigned (no negative-index fix-up).  ptxas at d 128: ~56 instructions a word moved, against
+    the word pre-pass's ~170 (its signed 64-bit indexing of four-dimensional arrays); not yet run on a GPU
+    (bench/results/h200-fp8-2026-11-29.md, call 6)."""
+    WORDS = HEAD_DIM // 4
+    LOG2_WORDS = WORDS.bit_length() - 1
+    PITCH = WORDS + 1
+    TILE_WORDS = VT_TILE_KEYS * PITCH
+    ROW_WORDS = VT_TILE_KEYS // 4                         # V^T's words of one row of a block: 32
+    KEYS_PER_PASS = PREP_THREADS // WORDS
+    LOAD_PASSES = VT_TILE_KEYS // KEYS_PER_PASS
+    DIMS_PER_PASS = PREP_THREADS // ROW_WORDS             # 8
+    STORE_PASSES = HEAD_DIM // DIMS_PER_PASS
+    assert WORDS == 1 << LOG2_WORDS and DIMS_PER_PASS % 4 == 0
+
+    @kernel
+    def prepare(v, vt, seqlen_k, nheads_k, tiles, v_b, v_k, v_h, vt_b, vt_d, vt_h, vt_words):
+        tid = cuda.threadIdx.x
+        kt, bh = cuda.blockIdx.x % tiles, cuda.blockIdx.x // tiles
+        b, h = bh // nheads_k, bh % nheads_k
+        first = kt * VT_TILE_KEYS
+        tile = cuda.shared.array(TILE_WORDS, np.uint32)
+        c, r = tid & (WORDS - 1), tid >> LOG2_WORDS      # this thread's column and first row of the tile
+        # offsets as unsigned: Numba adds no negative-index fix-up to an unsigned index
+        src = U64(b * v_b + h * v_h + (first + r) * v_k + c)
+        at = U32(r * PITCH + c)
+        for p in range(LOAD_PASSES):                      # V's rows, along the dims
+            tile[at] = v[src] if first + r + p * KEYS_PER_PASS < seqlen_k else U0
+            src += U64(KEYS_PER_PASS * v_k)
+            at += U32(KEYS_PER_PASS * PITCH)
+        cuda.syncthreads()
+        kw, d0 = tid & (ROW_WORDS - 1), tid >> 5          # this thread's word of a row, its first row (dim)
+        col = first // 4 + kw
+        if col < vt_words:
+            shift = np.uint32(8 * (d0 & 3))               # dims d0 + 8 p share d0's byte in their word
+            k0, k1, k2, k3 = (vt_tile_key(4 * kw), vt_tile_key(4 * kw + 1), vt_tile_key(4 * kw + 2),
+                              vt_tile_key(4 * kw + 3))
+            a0, a1, a2, a3 = (U32(k0 * PITCH + (d0 >> 2)), U32(k1 * PITCH + (d0 >> 2)), U32(k2 * PITCH + (d0 >> 2)),
+                              U32(k3 * PITCH + (d0 >> 2)))
+            dst = U64(b * vt_b + h * vt_h + d0 * vt_d + col)
+            for p in range(STORE_PASSES):                 # V^T's rows d0 + 8 p, along the keys
+                o = U32(2 * p)                            # (d0 + 8 p) // 4 = d0 // 4 + 2 p
+                vt[dst] = (((tile[a0 + o] >> shift) & U8_MASK) | (((tile[a1 + o] >> shift) & U8_MASK) << np.uint32(8))
+                           | (((tile[a2 + o] >> shift) & U8_MASK) << np.uint32(16))
+                           | (((tile[a3 + o] >> shift) & U8_MASK) << np.uint32(24)))
+                dst += U64(DIMS_PER_PASS * vt_d)
 
     return prepare
 

@@ -238,24 +238,31 @@ def test_key_at_pairs_p_fragments_with_their_keys():
                 assert keys[16 * h + 4 * t + i] == 8 * (2 * h + i // 2) + 2 * t + i % 2
 
 
-@pytest.mark.parametrize("seqlen_k, nheads_k, d", [(150, 2, 64), (300, 1, 128)])
-def test_the_word_pre_pass_writes_v_transposed_and_relabelled(seqlen_k, nheads_k, d):
-    """``make_prepare_vt_words`` (four bytes a load and a store): V^T's position ``p`` of row ``d`` holds key ``32 (p
-    // 32) + key_at(p % 32)``'s byte ``d``, zero past the keys; the keys not a multiple of a group (32) nor of a
-    block (128), so the last block writes only V^T's padded length.  V^T is poisoned first; its memory is (batch,
-    nheads_k, d, keys) as the call's scratch is."""
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize("seqlen_k, nheads_k, d", [(150, 2, 64), (300, 1, 128), (200, 3, 256)])
+def test_the_word_pre_pass_writes_v_transposed_and_relabelled(seqlen_k, nheads_k, d, lean):
+    """``make_prepare_vt_words`` (four bytes a load and a store; ``lean``: ``make_prepare_vt_lean``, the same on flat
+    views): V^T's position ``p`` of row ``d`` holds key ``32 (p // 32) + key_at(p % 32)``'s byte ``d``, zero past
+    the keys; the keys not a multiple of a group (32) nor of a block (128), so the last block writes only V^T's
+    padded length.  V^T is poisoned first; its memory is (batch, nheads_k, d, keys) as the call's scratch is, and v
+    is a slice of a wider array (its key stride is not its row's)."""
     from numba import cuda
     from flashnb import _arrays
     from flashnb.kernels._jit import launch
+    from flashnb.fp8 import lean_prepass_args
     rng = np.random.default_rng(seqlen_k)
-    v = rng.integers(1, 256, (2, seqlen_k, nheads_k, d), dtype=np.uint8)
+    wide = rng.integers(1, 256, (2, seqlen_k, nheads_k + 1, d), dtype=np.uint8)
+    v = wide[:, :, :nheads_k]
     n = forward_fp8.vt_keys(seqlen_k)
     stream = _arrays.resolve_stream(cuda.default_stream(), None)
     vt_d = cuda.to_device(np.full((2, nheads_k, d, n // 4), 0xABABABAB, np.uint32))
     s = vt_d.strides
     vt_view = _arrays.strided_view(vt_d, (2, d, nheads_k, n // 4), (s[0], s[2], s[1], s[3]))
-    launch(forward_fp8.make_prepare_vt_words(d), forward_fp8.prepare_vt_words_grid(2, seqlen_k, nheads_k),
-           forward_fp8.PREP_THREADS, stream, 0, (_arrays.word_view(_arrays.to_device(v, stream)), vt_view))
+    wide_w = _arrays.word_view(_arrays.to_device(wide, stream))
+    vw = _arrays.strided_view(wide_w, (2, seqlen_k, nheads_k, d // 4), wide_w.strides)     # heads 0 .. nheads_k - 1
+    kern = (forward_fp8.make_prepare_vt_lean if lean else forward_fp8.make_prepare_vt_words)(d)
+    launch(kern, forward_fp8.prepare_vt_words_grid(2, seqlen_k, nheads_k), forward_fp8.PREP_THREADS, stream, 0,
+           lean_prepass_args(vw, vt_view) if lean else (vw, vt_view))
     cuda.synchronize()
     got = vt_d.copy_to_host().view(np.uint8)                       # (2, nheads_k, d, n)
     keys = np.array([32 * (p // 32) + forward_fp8.key_at(p % 32) for p in range(n)])
