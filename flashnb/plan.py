@@ -1220,7 +1220,7 @@ FP8_PINGPONG = 0
 # (h200-fp8-2026-11-29.md, call 3: 1.5x the time at d 128, N 16384; with PINGPONG 1.2x), so off
 FP8_OVERLAP = 0
 # V^T's pre-pass with its index arithmetic out of the loops and unsigned (kernels.forward_fp8.make_prepare_vt_lean):
-# ptxas gives ~3x fewer instructions a word than the word pre-pass, which costs ~190-210 us a 16k-token call on an
+# ptxas gives ~1.7x fewer instructions a word than the word pre-pass, which costs ~190-210 us a 16k-token call on an
 # H200 for a cause not yet found (its traffic is ~15 us, its instructions ~45 us of issue; h200-fp8-2026-11-29.md,
 # call 6).  Built and checked in the simulator and by ptxas, not yet run on a GPU: off
 FP8_PREPASS_LEAN = 0

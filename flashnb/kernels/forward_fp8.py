@@ -201,7 +201,7 @@ def make_prepare_vt_lean(HEAD_DIM):
     ``vt_words`` is V^T's row length in words.  A thread keeps one column of the key rows it loads (``WORDS`` a
     row, ``PREP_THREADS / WORDS`` rows a pass) and one word of the V^T rows it stores (8 rows a pass): the four keys
     behind its word (``key_at``), their shared offsets and the byte shift are fixed before the loops, which only add,
-    and the offsets are unsigned (no negative-index fix-up).  ptxas at d 128: ~56 instructions a word moved, against
+    and the offsets are unsigned (no negative-index fix-up).  ptxas at d 128: ~100 instructions a word moved, against
     the word pre-pass's ~170 (its signed 64-bit indexing of four-dimensional arrays); not yet run on a GPU
     (bench/results/h200-fp8-2026-11-29.md, call 6)."""
     WORDS = HEAD_DIM // 4
