@@ -1211,14 +1211,9 @@ FP8_TWO_BLOCKS = True
 # bench/results/h200-fp8-2026-11-29.md, call 1: 1.5-7%); at head dim 64 the plain kernel at two blocks an SM
 # (FP8_TWO_BLOCKS) is faster (call 2: 0.76x -> 0.84x at N 4096, 0.93x -> 0.96x at N 16384 against float16)
 FP8_WARP_SPECIALISED = 2
-# with it, FlashAttention-3's pingpong (kernels.forward_fp8's PINGPONG): the consumers' products issued in turns by
-# two named barriers, each one's softmax under the other's products.  Correct and sanitizer-clean on an H200, not
-# faster (h200-fp8-2026-11-29.md, call 2: d 128 within noise, d 256 4-7% slower), so off
-FP8_PINGPONG = 0
-# with FP8_WARP_SPECIALISED, FlashAttention-3's intra-warpgroup overlap (kernels.forward_fp8's OVERLAP: the softmax
-# of S_j while the same warpgroup's P_{j-1} V_{j-1} is in flight).  Correct and sanitizer-clean on an H200, slower
-# (h200-fp8-2026-11-29.md, call 3: 1.5x the time at d 128, N 16384; with PINGPONG 1.2x), so off
-FP8_OVERLAP = 0
+# FlashAttention-3's pingpong and intra-warpgroup overlap on that kernel were built, correct and sanitizer-clean on
+# an H200, and not faster (h200-fp8-2026-11-29.md, calls 2-3: the pingpong within noise at d 128 and 1-7% slower at
+# d 256, the overlap 1.1-1.5x slower); removed (the code is in commit c32a386)
 # V^T's pre-pass with its index arithmetic out of the loops and unsigned (kernels.forward_fp8.make_prepare_vt_lean):
 # ptxas gives ~1.7x fewer instructions a word than the word pre-pass, which costs ~190-210 us a 16k-token call on an
 # H200 for a cause not yet found (its traffic is ~15 us, its instructions ~45 us of issue; h200-fp8-2026-11-29.md,
@@ -1234,8 +1229,7 @@ def _fp8_warp_specialised(headdim):
 def _fp8_kernel(headdim, out_dtype, causal, **flags):
     """The FP8 forward's kernel, its shared bytes and its threads under the plan's FP8 constants."""
     if _fp8_warp_specialised(headdim):
-        kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), WARP_SPECIALISED=True,
-                                             PINGPONG=bool(FP8_PINGPONG), OVERLAP=bool(FP8_OVERLAP), **flags)
+        kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), WARP_SPECIALISED=True, **flags)
         return kern, shared, _fp8.threads(True)
     min_blocks = 2 if FP8_TWO_BLOCKS and headdim == 64 else 1
     kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), min_blocks, **flags)

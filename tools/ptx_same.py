@@ -117,13 +117,7 @@ for label, keywords, ndim in (("fp8 fwd", {}, 2), ("fp8 varlen fwd", {"VARLEN": 
                               ("fp8 blocks fwd", {"BLOCKS": True}, 3),      # (the descales' dimensions)
                               ("fp8 ws fwd", {"WARP_SPECIALISED": True}, 2),
                               ("fp8 ws varlen fwd", {"WARP_SPECIALISED": True, "VARLEN": True}, 2),
-                              ("fp8 ws blocks fwd", {"WARP_SPECIALISED": True, "BLOCKS": True}, 3),
-                              ("fp8 pp fwd", {"WARP_SPECIALISED": True, "PINGPONG": True}, 2),
-                              ("fp8 pp varlen fwd", {"WARP_SPECIALISED": True, "PINGPONG": True, "VARLEN": True}, 2),
-                              ("fp8 pp blocks fwd", {"WARP_SPECIALISED": True, "PINGPONG": True, "BLOCKS": True}, 3),
-                              ("fp8 ov fwd", {"WARP_SPECIALISED": True, "OVERLAP": True}, 2),
-                              ("fp8 ov blocks fwd", {"WARP_SPECIALISED": True, "OVERLAP": True, "BLOCKS": True}, 3),
-                              ("fp8 ppov fwd", {"WARP_SPECIALISED": True, "PINGPONG": True, "OVERLAP": True}, 2)):
+                              ("fp8 ws blocks fwd", {"WARP_SPECIALISED": True, "BLOCKS": True}, 3)):
     for d in (64, 128, 256):
         for causal in (False, True):
             if want("%s %d %s" % (label, d, causal)):

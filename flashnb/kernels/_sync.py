@@ -15,13 +15,6 @@ is a failing test.
 * ``warp_sync()``: ``bar.warp.sync`` on the GPU; a barrier over the warp's 32 lanes in the simulator.
 * ``full_parity(j, STAGES)``, ``empty_parity(j, STAGES)``: the parities a ring of ``STAGES`` stages waits on
   for its ``j``-th item (``*_d``: the device functions).
-* ``named_barriers()``: ``(bar_sync, bar_arrive)``, hardware barriers ``1..15`` shared by ``nthreads`` threads (a
-  multiple of 32): ``bar_sync(id, n)`` counts this thread and waits for the phase to complete, ``bar_arrive(id, n)``
-  only counts (FlashAttention-3's pingpong: one warpgroup lets the other take its turn).  The simulator's count and
-  wait per block as the hardware does.
-* ``turns(FIRST, NTHREADS)``: two groups (warpgroups 0 and 1 of a kernel's consumers) taking turns through named
-  barriers ``FIRST`` and ``FIRST + 1``, group 0 first, each taking the same number of turns; every phase completes,
-  none is left pending at the end.
 * ``register_handover(DEC, INC)``: ``setmaxnreg.dec`` / ``.inc`` (Hopper; the kernel needs launch bounds for the
   register cap at entry, docs/notes/hopper.md step 21); nothing in the simulator.
 """
@@ -82,106 +75,6 @@ else:
     @device_function
     def warp_sync():
         cuda.syncwarp()
-
-
-def _sim_named_barrier(bar_id, nthreads, wait):
-    with SIM_COND:
-        b = sim_block_state().setdefault(("named", bar_id), dict(arrived=0, generation=0, nthreads=nthreads))
-        if b["nthreads"] != nthreads:
-            raise RuntimeError(f"named barrier {bar_id}: {nthreads} threads, but {b['nthreads']} in this phase")
-        generation = b["generation"]
-        b["arrived"] += 1
-        if b["arrived"] == nthreads:
-            b["arrived"] = 0
-            b["generation"] += 1
-            SIM_COND.notify_all()
-        elif wait:
-            sim_wait(lambda: b["generation"] != generation, f"named barrier {bar_id}")
-
-
-def _gpu_named_barriers():
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    def make(op):
-        @intrinsic
-        def barrier(typingctx, bar_id, nthreads):
-            """``bar.{op} bar_id, nthreads``."""
-            def codegen(context, builder, signature, args):
-                vals = [context.cast(builder, v, t, types.int32) for v, t in zip(args, signature.args)]
-                i32 = ir.IntType(32)
-                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i32]), f"bar.{op} $0, $1;",
-                                          "r,r,~{memory}", side_effect=True), vals)
-                return context.get_dummy_value()
-            return types.void(bar_id, nthreads), codegen
-        return barrier
-
-    return make("sync"), make("arrive")
-
-
-_named = []
-
-
-def named_barriers():
-    """``(bar_sync, bar_arrive)``: named barrier ``bar_id`` (1..15; 0 is ``syncthreads``') over ``nthreads`` threads,
-    whole warps.  ``bar_sync`` counts the calling thread and waits until ``nthreads`` have arrived; ``bar_arrive``
-    counts it and goes on.  A phase must not take more arrivals than ``nthreads`` (the kernel's protocol keeps one
-    phase pending at most)."""
-    if not _named:
-        if SIMULATOR:
-            @device_function
-            def bar_sync(bar_id, nthreads):
-                _sim_named_barrier(bar_id, nthreads, True)
-
-            @device_function
-            def bar_arrive(bar_id, nthreads):
-                _sim_named_barrier(bar_id, nthreads, False)
-
-            _named.extend((bar_sync, bar_arrive))
-        else:
-            _named.extend(_gpu_named_barriers())
-    return tuple(_named)
-
-
-def sim_pending_named():
-    """The simulator's named barriers of this block that have arrivals in a phase not completed: {id: arrivals}
-    (a protocol that leaves none pending ends with this empty).  Call from the block."""
-    with SIM_COND:
-        return {key[1]: b["arrived"] for key, b in sim_block_state().items()
-                if key[0] == "named" and b["arrived"]}
-
-
-def turns(FIRST, NTHREADS):
-    """``(open_turns, take_turn, pass_turn)``: groups ``w`` = 0 and 1 of ``NTHREADS / 2`` threads each (whole warps)
-    alternating, group 0 first, through named barriers ``FIRST + w`` (``w``'s turn) of ``NTHREADS`` threads.
-
-        open_turns(w, n)           # before the loop: group 1 lets group 0 take turn 0 (if n > 0)
-        for i in range(n):
-            take_turn(w)           # waits for the other group's pass (or the opening)
-            ...                    # this group's turn
-            pass_turn(w, i, n)     # the other group's turn; group 1 passes nothing after its last
-
-    Group 0's barrier gets the opening and group 1's first ``n - 1`` passes, group 1's barrier group 0's ``n``
-    passes: each phase completes with one group's sync and the other's arrival, and a phase is never given two
-    groups' arrivals (a pass needs the other's turn taken first)."""
-    bar_sync, bar_arrive = named_barriers()
-
-    @device_function
-    def open_turns(w, n):
-        if w == 1 and n > 0:
-            bar_arrive(FIRST, NTHREADS)
-
-    @device_function
-    def take_turn(w):
-        bar_sync(FIRST + w, NTHREADS)
-
-    @device_function
-    def pass_turn(w, i, n):
-        if w == 0 or i < n - 1:
-            bar_arrive(FIRST + 1 - w, NTHREADS)
-
-    return open_turns, take_turn, pass_turn
 
 
 def full_parity(j, STAGES):

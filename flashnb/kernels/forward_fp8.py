@@ -31,10 +31,10 @@ from numba import cuda
 
 from ._jit import SIMULATOR, device_function, kernel, kernel_factory
 from ._mma import memory_primitives, primitives
-from ._sync import empty_parity_d, full_parity_d, register_handover, turns, warp_sync
+from ._sync import empty_parity_d, full_parity_d, register_handover, warp_sync
 from ._tiles import make_row_allreduce
 from ._tma import make_box_load, make_tile_load, tma_primitives
-from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, make_wgmma_wait, pack_e4m3x4
+from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, pack_e4m3x4
 from .forward import LN2, LOG2E
 
 BLOCK_Q = 128                     # two warpgroups of 64 query rows
@@ -47,8 +47,6 @@ NTHREADS_WS = 384                 # warp-specialised: a producer warpgroup, then
 # (an increase past the pool would wait for ever)
 ENTRY_REGS = 65536 // NTHREADS_WS // 8 * 8
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
-TURN = 1                          # (PINGPONG) named barrier TURN + w: consumer warpgroup w's turn at the tensor cores
-TURN_THREADS = 256                # both consumer warpgroups count in each phase
 assert 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= NTHREADS_WS * ENTRY_REGS
 HEAD_DIMS = (64, 128, 256)
 VT_KEYS = 32                      # V^T's keys are padded to (and relabelled within) groups of 32
@@ -285,8 +283,7 @@ def make_prepare_vt_packed(HEAD_DIM):
 
 @lru_cache(maxsize=None)
 @kernel_factory
-def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False, WARP_SPECIALISED=False,
-                     PINGPONG=False, OVERLAP=False):
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False, WARP_SPECIALISED=False):
     """``forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps, cu_seqlens_q,
     cu_seqlens_k, vt_start)`` and its shared bytes: ``q``, ``k``
     (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
@@ -319,32 +316,21 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     simulator, barriers that wait (``tma_primitives(waiting=True)``) and reductions and fragment exchanges over
     quads order the roles; a protocol error raises there instead of hanging.
 
-    ``PINGPONG`` (with ``WARP_SPECIALISED``): FlashAttention-3's pingpong.  The consumers take turns at the tensor
-    cores through two named barriers: in turn ``j`` a warpgroup issues S_j = Q K_j^T and P_{j-1} V_{j-1} without
-    waiting, lets the other take its turn (``bar.arrive``), then waits for its products, hands stage ``j - 1``
-    back and runs the softmax of S_j, which so runs under the other warpgroup's products.  The turns are
-    ``_sync.turns``' (warpgroup 0 first, ``n_kt + 1`` each; every phase completes, none is left pending).
-
-    ``OVERLAP`` (with ``WARP_SPECIALISED``; with ``PINGPONG`` or without): FlashAttention-3's intra-warpgroup
-    overlap, in the same order of products (S_j, then P_{j-1} V_{j-1}).  The warpgroup waits for S_j alone
-    (``wgmma.wait_group 1``), runs the softmax of S_j while its P_{j-1} V_{j-1} is still in flight, then waits for
-    it, rescales the accumulator by the softmax's ``alpha`` and packs P_j (P_j stays in S's registers until then:
-    P_{j-1}'s fragments are the product's operands).
-
     ``MIN_BLOCKS``: launch bounds for that many blocks an SM (2 at head dim 64: 16 warps an SM instead of 8).
     Measured no faster on an H200 and removed (docs/notes/fp8.md step 4; the code is in commit 8bbdd68): three
     stages, FA3's order of the products, the warpgroups' turns by named barriers, S_{j+1} in flight under the
-    softmax of S_j."""
+    softmax of S_j.  On the warp-specialised kernel (step 6; the code is in commit c32a386): FlashAttention-3's
+    pingpong (the consumers' products in turns by named barriers) and its intra-warpgroup overlap (the softmax of
+    S_j under P_{j-1} V_{j-1}), each correct and sanitizer-clean on an H200, neither faster."""
     assert HEAD_DIM in HEAD_DIMS
     assert not (BLOCKS and VARLEN), "block descales are for dense batches"
     assert not (WARP_SPECIALISED and MIN_BLOCKS != 1), "the warp-specialised block takes the SM's registers"
-    assert WARP_SPECIALISED or not (PINGPONG or OVERLAP), "the turns and the overlap are the consumers' loop"
     WS = WARP_SPECIALISED
     THREADS = threads(WS)
     CONSUMER_WARPS = 8                               # the two consumer warpgroups: one arrival a warp on ``empty``
     F32 = np.float32
     U32_DT, F32_DT = np.dtype(np.uint32), np.dtype(np.float32)
-    ZERO, ONE, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(1), F32(-np.inf), F32(LOG2E), F32(LN2)
+    ZERO, NEG_INF, LOG2E_T, LN2_T = F32(0), F32(-np.inf), F32(LOG2E), F32(LN2)
     NBLK = -(-HEAD_DIM // SWIZZLE_BYTES)             # 128-byte blocks of a row
     HEAD_WORDS = HEAD_DIM // 4
     KSTEPS_D = HEAD_DIM // 32                        # S's k-steps
@@ -365,13 +351,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     SHARED_BYTES = SCRATCH + 4 * SCRATCH_WORDS
     wgmma_s = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_K, KSTEPS_D))
     wgmma_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32), quad_sync=WS)
-    wgmma_s_issue = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D),
-                               k_major_steps(BLOCK_K, KSTEPS_D), wait=False)
-    wgmma_pv_issue = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32), quad_sync=WS,
-                                wait=False)
-    wait_s, wait_o = make_wgmma_wait(N_ACC_S), make_wgmma_wait(N_ACC_O)
-    wait_s_only = make_wgmma_wait(N_ACC_S, pending=1)      # (OVERLAP) S_j's group; P_{j-1} V_{j-1} in flight
-    open_turns, take_turn, pass_turn = turns(TURN, TURN_THREADS)
     pack4 = pack_e4m3x4()
     _, pack2, _ = primitives(OUT_DTYPE)
     exp2 = memory_primitives()["exp2_ftz"]
@@ -448,41 +427,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
             l_i[r] += l_tile
 
     @device_function
-    def softmax_scores(s_acc, m_i, l_i, c, row, scratch, alpha):
-        """``OVERLAP``: ``softmax_step`` without the accumulator (in flight): S -> P, m_i, l_i, and each row's
-        rescale factor in ``alpha`` (1 where the max did not move) for ``rescale_acc``."""
-        for r in range(2):
-            x = NEG_INF
-            for n in range(BLOCK_K // 8):
-                x = max(x, max(s_acc[4 * n + 2 * r], s_acc[4 * n + 2 * r + 1]))
-            row[r] = x * c
-        quad_max(row, scratch, cuda.threadIdx.x // 4, cuda.threadIdx.x % 4)
-        for r in range(2):
-            m_new = max(m_i[r], row[r])
-            m_use = m_new if m_new != NEG_INF else ZERO      # nothing seen yet: exp2(-inf) = 0, not NaN
-            l_tile = ZERO
-            for n in range(BLOCK_K // 8):
-                for e in range(2 * r, 2 * r + 2):
-                    p = exp2(s_acc[4 * n + e] * c - m_use)
-                    l_tile += p
-                    s_acc[4 * n + e] = p
-            alpha[r] = ONE
-            if m_new > m_i[r]:
-                alpha[r] = exp2(m_i[r] - m_use)
-                l_i[r] *= alpha[r]
-            m_i[r] = m_new
-            l_i[r] += l_tile
-
-    @device_function
-    def rescale_acc(o_acc, alpha):
-        """``OVERLAP``: the accumulator's rows times ``softmax_scores``' ``alpha``, where the max moved."""
-        for r in range(2):
-            if alpha[r] != ONE:
-                for n in range(HEAD_DIM // 8):
-                    o_acc[4 * n + 2 * r] *= alpha[r]
-                    o_acc[4 * n + 2 * r + 1] *= alpha[r]
-
-    @device_function
     def pack_p(s_acc, p_frag):
         """P's A fragments, 4 words a k-step of 32 keys: rows g, g + 8 x n-tiles (4 kk, 4 kk + 1), (4 kk + 2, + 3)."""
         for kk in range(BLOCK_K // 32):
@@ -547,47 +491,13 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
             load_stage(smem, maps, k, vt, j, k_start, vt_col, hk, bd, j % STAGES)
 
     @device_function
-    def mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off):
-        """Tile j's scores masked where the tile reaches past the keys or the diagonal."""
-        k0 = j * BLOCK_K
-        if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
-            mask_tile(s_acc, k0, seqlen_k, row_g, off)
-
-    @device_function
     def scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off):
         """S = Q K_j^T (tile j's stage), masked where the tile reaches past the keys or the diagonal."""
         mbar_wait(smem, FULL + 8 * (j % STAGES), full_parity_d(j, STAGES))
         wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
-        mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off)
-
-    @device_function
-    def issue_scores(s_acc, smem, wg, j):
-        """``PINGPONG``: S_j = Q K_j^T once tile j's stage is full, issued, not waited for."""
-        mbar_wait(smem, FULL + 8 * (j % STAGES), full_parity_d(j, STAGES))
-        wgmma_s_issue(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
-
-    @device_function
-    def issue_pv(o_acc, p_frag, smem, j):
-        """``PINGPONG`` / ``OVERLAP``: acc += P_j V_j, issued, not waited for."""
-        wgmma_pv_issue(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)
-
-    @device_function
-    def tile_scales(c, vd, c_q, k_descale, v_descale, b, hk, j):
-        """``PINGPONG``: key tile j's exponent scale and V descale (``BLOCKS``: its own; else ``c`` and ``vd``)."""
-        if BLOCKS:
-            return c_q * k_descale[b, hk, j], v_descale[b, hk, j]
-        return c, vd
-
-    @device_function
-    def tile_softmax(s_acc, o_acc, p_frag, m_i, l_i, row, scratch, wg, j, qt, seqlen_k, row_g, off, c, vd, vd_j):
-        """``PINGPONG``: S_j masked, the online softmax, (``BLOCKS``) the accumulator into tile j's V descale
-        ``vd_j``, P_j's fragments; returns the accumulator's V descale."""
-        mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off)
-        softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
-        if BLOCKS:
-            vd = v_rescale(o_acc, vd, vd_j)
-        pack_p(s_acc, p_frag)
-        return vd
+        k0 = j * BLOCK_K
+        if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
+            mask_tile(s_acc, k0, seqlen_k, row_g, off)
 
     @device_function
     def sequence(cu_seqlens_q, cu_seqlens_k, vt_start, b):
@@ -624,7 +534,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
             vd = v_descale[b, hk, 0]
         else:
             c = F32(scale) * q_descale[b, hk] * k_descale[b, hk] * LOG2E_T
-            c_q, vd = c, c                               # (PINGPONG's helpers pass them through, unused)
         k_end = min(seqlen_k, qt * BLOCK_Q + BLOCK_Q + off) if CAUSAL else seqlen_k   # keys past it: seen by none
         n_kt = (k_end + BLOCK_K - 1) // BLOCK_K if k_end > 0 else 0
 
@@ -660,74 +569,25 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         m_i = cuda.local.array(2, F32)
         l_i = cuda.local.array(2, F32)
         row = cuda.local.array(2, F32)
-        alpha = cuda.local.array(2, F32)                 # (OVERLAP)
         for r in range(2):
             m_i[r] = NEG_INF
             l_i[r] = ZERO
         for n in range(N_ACC_O):
             o_acc[n] = ZERO
         mbar_wait(smem, Q_FULL, 0)
-        if PINGPONG or OVERLAP:
-            if n_kt > 0:
-                # turn 0: S_0; turn j: S_j and P_{j-1} V_{j-1}; turn n_kt: P V of the last tile.  A product's issue and
-                # its wait are in one straight run (no branch merges the accumulators in between: ptxas would
-                # serialise the products), so the first and last turns are peeled
-                n_turns = n_kt + 1
-                if PINGPONG:
-                    open_turns(wg, n_turns)                  # warpgroup 0 takes the first turn
-                    take_turn(wg)
-                issue_scores(s_acc, smem, wg, 0)
-                if PINGPONG:
-                    pass_turn(wg, 0, n_turns)                # the other's turn
-                wait_s(s_acc)
-                c_j, vd_j = tile_scales(c, vd, c_q, k_descale, v_descale, b, hk, 0)
-                vd = tile_softmax(s_acc, o_acc, p_frag, m_i, l_i, row, scratch, wg, 0, qt, seqlen_k, row_g, off, c_j,
-                                  vd, vd_j)
-                for j in range(1, n_kt):
-                    if PINGPONG:
-                        take_turn(wg)
-                    issue_scores(s_acc, smem, wg, j)
-                    issue_pv(o_acc, p_frag, smem, j - 1)
-                    if PINGPONG:
-                        pass_turn(wg, j, n_turns)
-                    c_j, vd_j = tile_scales(c, vd, c_q, k_descale, v_descale, b, hk, j)
-                    if OVERLAP:                              # the softmax of S_j under P_{j-1} V_{j-1}
-                        wait_s_only(s_acc)
-                        mask_edge(s_acc, wg, j, qt, seqlen_k, row_g, off)
-                        softmax_scores(s_acc, m_i, l_i, c_j, row, scratch, alpha)
-                        wait_o(o_acc)
-                        release_stage(smem, j - 1)
-                        rescale_acc(o_acc, alpha)
-                        if BLOCKS:
-                            vd = v_rescale(o_acc, vd, vd_j)
-                        pack_p(s_acc, p_frag)
-                    else:
-                        wait_s(s_acc)
-                        wait_o(o_acc)
-                        release_stage(smem, j - 1)
-                        vd = tile_softmax(s_acc, o_acc, p_frag, m_i, l_i, row, scratch, wg, j, qt, seqlen_k, row_g,
-                                          off, c_j, vd, vd_j)
-                if PINGPONG:
-                    take_turn(wg)
-                issue_pv(o_acc, p_frag, smem, n_kt - 1)
-                if PINGPONG:
-                    pass_turn(wg, n_kt, n_turns)
-                wait_o(o_acc)
-                release_stage(smem, n_kt - 1)
-        else:
-            for j in range(n_kt):
-                scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                     # S = Q K_j^T
-                if BLOCKS:
-                    c = c_q * k_descale[b, hk, j]
-                softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
-                if BLOCKS:
-                    vd = v_rescale(o_acc, vd, v_descale[b, hk, j])
-                pack_p(s_acc, p_frag)
-                wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)       # acc += P V_j
-                if WS:
-                    release_stage(smem, j)
-                else:
-                    hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, bd)
+        for j in range(n_kt):
+            scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                     # S = Q K_j^T
+            if BLOCKS:
+                c = c_q * k_descale[b, hk, j]
+            softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
+            if BLOCKS:
+                vd = v_rescale(o_acc, vd, v_descale[b, hk, j])
+            pack_p(s_acc, p_frag)
+            wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)       # acc += P V_j
+            if WS:
+                release_stage(smem, j)
+            else:
+                hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, bd)
         if BLOCKS:
             store_out_lse(out, lse, o_acc, m_i, l_i, row_g, bd, h, seqlen_q, q_start, vd, scratch)
         else:

@@ -634,10 +634,9 @@ def test_fp8_packed_forward_is_each_sequence_dense_bit_for_bit():
                 assert np.array_equal(lse[:, qs:qe], l_[0]), f"d {d} causal {causal} sequence {b}: lse"
 
 
-@pytest.fixture(params=["roles", "pingpong", "overlap", "pingpong+overlap"])
-def warp_specialised(request):
-    """``plan.FP8_WARP_SPECIALISED`` on for one test, with ``plan.FP8_PINGPONG`` and ``plan.FP8_OVERLAP`` as the
-    parameter names them (the plan and dispatch caches cleared either side)."""
+@pytest.fixture
+def warp_specialised():
+    """``plan.FP8_WARP_SPECIALISED`` on for one test (the plan and dispatch caches cleared either side)."""
     from flashnb import _dispatch, plan
 
     def clear():
@@ -645,12 +644,11 @@ def warp_specialised(request):
         plan.fp8_forward_packed.cache_clear()
         _dispatch.clear()
 
-    before = plan.FP8_WARP_SPECIALISED, plan.FP8_PINGPONG, plan.FP8_OVERLAP
-    plan.FP8_WARP_SPECIALISED, plan.FP8_PINGPONG, plan.FP8_OVERLAP = (True, "pingpong" in request.param,
-                                                                       "overlap" in request.param)
+    before = plan.FP8_WARP_SPECIALISED
+    plan.FP8_WARP_SPECIALISED = True
     clear()
     yield
-    plan.FP8_WARP_SPECIALISED, plan.FP8_PINGPONG, plan.FP8_OVERLAP = before
+    plan.FP8_WARP_SPECIALISED = before
     clear()
 
 
@@ -663,13 +661,7 @@ def test_the_warp_specialised_forward_matches_its_oracle(warp_specialised, case)
     accumulator changes units each tile).  ``packed``: three sequences, the first of two query tiles (the second
     query tile's blocks of the others return before the barriers are made), the second with no key (Q loaded,
     no stage), the third's keys within one tile.  It fails if the producer does not wait for a stage to come back
-    (tried: the sums go wrong, or the simulator reports the wait that would hang).  ``pingpong``: the consumers'
-    turns by named barriers (the simulator's wait as the GPU's); it fails with warpgroup 1's first arrival dropped
-    (the simulator reports the wait that would hang).  A stage handed back a turn early (tile j's after its S, not
-    tile j - 1's) passed here: the simulated producer did not refill it before its last read.  ``overlap``: the
-    softmax of S_j before P_{j-1} V_{j-1} is waited for, the accumulator's rescale after; it fails with the rescale
-    dropped (tried).  The simulator's products are done when issued, so the waits' placement is the GPU's to
-    check (its suite, compute-sanitizer)."""
+    (tried: the sums go wrong, or the simulator reports the wait that would hang)."""
     if case == "blocks":
         test_fp8_forward_with_block_descales_matches_its_oracle(64, True, 70, 600, None, 128, 1, 1)
     else:
