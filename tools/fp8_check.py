@@ -160,41 +160,47 @@ def bench(seqlens, headdims, settings=("",), blocks=False):
     return 0
 
 
-def _bench(torch, flashnb, seqlens, headdims, blocks=False):
-    print("| d | N | causal | fp16 ms | FP8 ms | fp16 TFLOP/s | FP8 TFLOP/s | FP8 / fp16 speed | host us fp16 / FP8 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def _shapes(torch, seqlens, headdims):
+    """The bench's problems: (d, N, batch, heads, float16 q, k, v, their e4m3 casts), batch x N = 16k tokens, heads x
+    d = 2048."""
     for d in headdims:
         for n in seqlens:
             b, h = 16384 // n, 2048 // d
             q, k, v = (x.half() for x in _inputs(torch, b, n, n, h, h, d, 0))
-            q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
-            descales = dict()
-            if blocks:      # one descale a (batch, head, block of 128 rows): codes and descales from the quantiser
-                (q8, dq), (k8, dk), (v8, dv) = (flashnb.quantize_fp8(x, per="block", block=128) for x in (q, k, v))
-                descales = dict(q_descale=dq, k_descale=dk, v_descale=dv, descale_block_q=128, descale_block_k=128)
-            for causal in (False, True):
-                times = {}
-                for name, fn in (("fp16", lambda: flashnb.flash_attention(q, k, v, causal=causal)),
-                                 ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal,
-                                                                            **descales))):
-                    for _ in range(3):
-                        fn()
-                    ts, host = [], []
-                    for _ in range(20):
-                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        e0.record()
-                        t0 = time.perf_counter()
-                        fn()
-                        host.append(time.perf_counter() - t0)
-                        e1.record()
-                        torch.cuda.synchronize()
-                        ts.append(e0.elapsed_time(e1))
-                    times[name] = float(np.median(ts))
-                    times[name + " host"] = float(np.median(host)) * 1e6
-                flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                f16, f8 = times["fp16"], times["fp8"]
-                print(f"| {d} | {n} | {causal} | {f16:.3f} | {f8:.3f} | {flops / f16 / 1e9:.0f} | "
-                      f"{flops / f8 / 1e9:.0f} | {f16 / f8:.2f}x | {times['fp16 host']:.0f} / {times['fp8 host']:.0f} |")
+            yield (d, n, b, h, q, k, v) + tuple(x.to(torch.float8_e4m3fn) for x in (q, k, v))
+
+
+def _bench(torch, flashnb, seqlens, headdims, blocks=False):
+    print("| d | N | causal | fp16 ms | FP8 ms | fp16 TFLOP/s | FP8 TFLOP/s | FP8 / fp16 speed | host us fp16 / FP8 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for d, n, b, h, q, k, v, q8, k8, v8 in _shapes(torch, seqlens, headdims):
+        descales = dict()
+        if blocks:      # one descale a (batch, head, block of 128 rows): codes and descales from the quantiser
+            (q8, dq), (k8, dk), (v8, dv) = (flashnb.quantize_fp8(x, per="block", block=128) for x in (q, k, v))
+            descales = dict(q_descale=dq, k_descale=dk, v_descale=dv, descale_block_q=128, descale_block_k=128)
+        for causal in (False, True):
+            times = {}
+            for name, fn in (("fp16", lambda: flashnb.flash_attention(q, k, v, causal=causal)),
+                             ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal,
+                                                                        **descales))):
+                for _ in range(3):
+                    fn()
+                ts, host = [], []
+                for _ in range(20):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    t0 = time.perf_counter()
+                    fn()
+                    host.append(time.perf_counter() - t0)
+                    e1.record()
+                    torch.cuda.synchronize()
+                    ts.append(e0.elapsed_time(e1))
+                times[name] = float(np.median(ts))
+                times[name + " host"] = float(np.median(host)) * 1e6
+            flops = 4 * b * h * n * n * d / (2 if causal else 1)
+            f16, f8 = times["fp16"], times["fp8"]
+            print(f"| {d} | {n} | {causal} | {f16:.3f} | {f8:.3f} | {flops / f16 / 1e9:.0f} | "
+                  f"{flops / f8 / 1e9:.0f} | {f16 / f8:.2f}x | {times['fp16 host']:.0f} / {times['fp8 host']:.0f} |")
 
 
 def kernels(seqlens, headdims):
@@ -206,35 +212,31 @@ def kernels(seqlens, headdims):
     from torch.profiler import ProfilerActivity, profile
     print("| d | N | causal | fp16 kernels us | FP8 forward us | V^T pre-pass us | FP8 / fp16, kernels only |")
     print("|---|---|---|---|---|---|---|")
-    for d in headdims:
-        for n in seqlens:
-            b, h = 16384 // n, 2048 // d
-            q, k, v = (x.half() for x in _inputs(torch, b, n, n, h, h, d, 0))
-            q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
-            for causal in (False, True):
-                per = {}
-                for name, fn in (("fp16", lambda: flashnb.flash_attention(q, k, v, causal=causal)),
-                                 ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal))):
-                    for _ in range(3):
+    for d, n, b, h, q, k, v, q8, k8, v8 in _shapes(torch, seqlens, headdims):
+        for causal in (False, True):
+            per = {}
+            for name, fn in (("fp16", lambda: flashnb.flash_attention(q, k, v, causal=causal)),
+                             ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal))):
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
                         fn()
                     torch.cuda.synchronize()
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(10):
-                            fn()
-                        torch.cuda.synchronize()
-                    for e in prof.key_averages():
-                        us = getattr(e, "self_device_time_total", None)
-                        if us is None:
-                            us = getattr(e, "self_cuda_time_total", 0.0)
-                        if us > 0:
-                            us /= 10
-                            kind = "prep" if "prepare" in e.key else "fwd"
-                            per[name, kind] = per.get((name, kind), 0.0) + us
-                            if (d, n, causal) == (headdims[0], seqlens[0], False):
-                                print(f"  ({name}: {kind} {e.key[:70]} {us:.1f} us a call)", file=sys.stderr)
-                f16 = per.get(("fp16", "fwd"), 0.0) + per.get(("fp16", "prep"), 0.0)
-                f8, pre = per.get(("fp8", "fwd"), 0.0), per.get(("fp8", "prep"), 0.0)
-                print(f"| {d} | {n} | {causal} | {f16:.0f} | {f8:.0f} | {pre:.0f} | {f16 / (f8 + pre):.2f}x |")
+                for e in prof.key_averages():
+                    us = getattr(e, "self_device_time_total", None)
+                    if us is None:
+                        us = getattr(e, "self_cuda_time_total", 0.0)
+                    if us > 0:
+                        us /= 10
+                        kind = "prep" if "prepare" in e.key else "fwd"
+                        per[name, kind] = per.get((name, kind), 0.0) + us
+                        if (d, n, causal) == (headdims[0], seqlens[0], False):
+                            print(f"  ({name}: {kind} {e.key[:70]} {us:.1f} us a call)", file=sys.stderr)
+            f16 = per.get(("fp16", "fwd"), 0.0) + per.get(("fp16", "prep"), 0.0)
+            f8, pre = per.get(("fp8", "fwd"), 0.0), per.get(("fp8", "prep"), 0.0)
+            print(f"| {d} | {n} | {causal} | {f16:.0f} | {f8:.0f} | {pre:.0f} | {f16 / (f8 + pre):.2f}x |")
     return 0
 
 
