@@ -665,13 +665,13 @@ def _transposed_v(p, vb, kind, like, stream):
     vw = _arrays.word_view(vb) if p.prepare_words is not None else None
     if vw is not None:
         vt_w = _arrays.word_view(vt)
-        _run(p.prepare_words, stream, lean_prepass_args(vw, vt_w) if p.lean_prepass else (vw, vt_w))
+        _run(p.prepare_words, stream, _lean_prepass_args(vw, vt_w) if p.lean_prepass else (vw, vt_w))
         return vt_w
     _run(p.prepare, stream, (vb, vt))
     return _arrays.word_view(vt)
 
 
-def lean_prepass_args(vw, vt_w):
+def _lean_prepass_args(vw, vt_w):
     """``make_prepare_vt_lean``'s arguments: flat word views of v's words ``vw`` (batch, seqlen_k, nheads_k, headdim
     / 4) and of V^T's ``vt_w`` (batch, headdim, nheads_k, keys / 4), the sizes, and their strides in words."""
     batch, seqlen_k, nheads_k, _ = vw.shape

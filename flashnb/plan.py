@@ -1209,11 +1209,11 @@ FP8_TWO_BLOCKS = True
 # issuing the copies, two consumer warpgroups of up to 240 registers, no block barrier in the loop).  0: off; 1: every
 # head dim; 2: head dims 128 and 256, where it is faster than the plain kernel at every point measured (H200,
 # bench/results/h200-fp8-2026-11-29.md, call 1: 1.5-7%); at head dim 64 the plain kernel at two blocks an SM
-# (FP8_TWO_BLOCKS) is faster (call 2: 0.76x -> 0.84x at N 4096, 0.93x -> 0.96x at N 16384 against float16)
-FP8_WARP_SPECIALISED = 2
+# (FP8_TWO_BLOCKS) is faster (call 2: 0.76x -> 0.84x at N 4096, 0.93x -> 0.96x at N 16384 against float16).
 # FlashAttention-3's pingpong and intra-warpgroup overlap on that kernel were built, correct and sanitizer-clean on
-# an H200, and not faster (h200-fp8-2026-11-29.md, calls 2-3: the pingpong within noise at d 128 and 1-7% slower at
-# d 256, the overlap 1.1-1.5x slower); removed (the code is in commit c32a386)
+# an H200, and not faster (calls 2-3: the pingpong within noise at d 128 and 1-7% slower at d 256, the overlap
+# 1.1-1.5x slower); removed (the code is in commit c32a386)
+FP8_WARP_SPECIALISED = 2
 # V^T's pre-pass with its index arithmetic out of the loops and unsigned (kernels.forward_fp8.make_prepare_vt_lean):
 # ptxas gives ~1.7x fewer instructions a word than the word pre-pass, which costs ~190-210 us a 16k-token call on an
 # H200 for a cause not yet found (its traffic is ~15 us, its instructions ~45 us of issue; h200-fp8-2026-11-29.md,

@@ -249,7 +249,7 @@ def test_the_word_pre_pass_writes_v_transposed_and_relabelled(seqlen_k, nheads_k
     from numba import cuda
     from flashnb import _arrays
     from flashnb.kernels._jit import launch
-    from flashnb.fp8 import lean_prepass_args
+    from flashnb.fp8 import _lean_prepass_args
     rng = np.random.default_rng(seqlen_k)
     wide = rng.integers(1, 256, (2, seqlen_k, nheads_k + 1, d), dtype=np.uint8)
     v = wide[:, :, :nheads_k]
@@ -262,7 +262,7 @@ def test_the_word_pre_pass_writes_v_transposed_and_relabelled(seqlen_k, nheads_k
     vw = _arrays.strided_view(wide_w, (2, seqlen_k, nheads_k, d // 4), wide_w.strides)     # heads 0 .. nheads_k - 1
     kern = (forward_fp8.make_prepare_vt_lean if lean else forward_fp8.make_prepare_vt_words)(d)
     launch(kern, forward_fp8.prepare_vt_words_grid(2, seqlen_k, nheads_k), forward_fp8.PREP_THREADS, stream, 0,
-           lean_prepass_args(vw, vt_view) if lean else (vw, vt_view))
+           _lean_prepass_args(vw, vt_view) if lean else (vw, vt_view))
     cuda.synchronize()
     got = vt_d.copy_to_host().view(np.uint8)                       # (2, nheads_k, d, n)
     keys = np.array([32 * (p // 32) + forward_fp8.key_at(p % 32) for p in range(n)])
