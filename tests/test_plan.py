@@ -385,14 +385,15 @@ def test_split_kv_decode_split_count_choice():
 def test_fp8_forward_plan():
     """The FP8 forward's launches: a block per (128 queries, head, batch), 384 threads at head dim 128 (the
     warp-specialised kernel: a producer warpgroup, two consumers), 256 at head dim 64 (the plain kernel, two blocks an
-    SM); V^T's pre-pass a block per (32 keys, 32 dims, key head, batch) over the keys padded to 32; one plan per
-    shape (cached)."""
+    SM); V^T's pre-pass a block per (32 keys, 32 dims, key head, batch) over the keys padded to 32, its word form
+    (taken where v has a word view) a block per (128 keys, key head, batch); one plan per shape (cached)."""
     from flashnb.kernels import forward_fp8
     p = plan.fp8_forward(2, 300, 500, 8, 2, 128, True, "bfloat16")
     assert p.forward.grid == 2 * 8 * 3 and p.forward.threads == forward_fp8.NTHREADS_WS == 384
     assert plan.fp8_forward(2, 300, 500, 8, 2, 64, True, "bfloat16").forward.threads == forward_fp8.NTHREADS == 256
     assert p.vt_keys == 512 and p.prepare.grid == 2 * 2 * (512 // 32) * (128 // 32)
     assert p.prepare.threads == forward_fp8.PREP_THREADS
+    assert p.prepare_words.grid == 2 * 2 * (512 // 128) and p.prepare_words.threads == forward_fp8.PREP_THREADS
     assert p.forward.shared >= 128 * 128 + 2 * (128 * 128 + 128 * 128), "Q, then two stages of K_j and V_j^T"
     assert plan.fp8_forward(2, 300, 500, 8, 2, 128, True, "bfloat16") is p
     assert plan.fp8_forward(2, 300, 500, 8, 2, 128, False, "bfloat16").forward.kernel is not p.forward.kernel
