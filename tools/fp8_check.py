@@ -6,6 +6,7 @@
     python -m tools.fp8_check bench [--seqlens 4096,16384] [--headdims 128,256] [--settings "A=1;B=1"] [--blocks]
     python -m tools.fp8_check profile --headdims 128 --seqlens 4096   # one call, for ncu --profile-from-start off
     python -m tools.fp8_check kernels [--seqlens ...] [--headdims ...] # each call's kernels timed apart
+    python -m tools.fp8_check prepass [--seqlens ...] [--headdims ...] [--once]  # V^T's pre-passes alone
 
 ``check``: torch float8_e4m3fn inputs (per-(batch, kv head) descales); the kernel's error against the exact
 answer (float64 attention of the dequantised inputs) at most twice the oracle's (``fp8_flash_forward``: P
@@ -240,15 +241,67 @@ def kernels(seqlens, headdims):
     return 0
 
 
+def prepass(seqlens, headdims, once=False):
+    """V^T's pre-passes launched alone (byte, word, lean), each against PyTorch's copy of v and its transpose
+    ``permute(0, 2, 3, 1).contiguous()`` (the same bytes moved, no relabelling): CUDA events around 20 launches after
+    3, and the three pre-passes' outputs compared byte for byte.  ``--once``: one launch of each, for ncu."""
+    import torch
+    from flashnb import _arrays, fp8, plan
+    from flashnb.kernels import forward_fp8 as kf
+    print("| d | N | batch | heads | copy us | torch transpose us | byte us | word us | lean us | GB/s (lean) | equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for d, n, b, h, q, k, v, q8, k8, v8 in _shapes(torch, seqlens, headdims):
+        kind, _ = fp8._check(q8, k8, v8, None)
+        stream = _arrays.resolve_stream(None, kind, q8)
+        outs, times = {}, {}
+        with _arrays.stream_scope(stream, kind, q8):
+            vb = fp8._codes(v8, "v", stream)
+            base = plan.fp8_forward(b, n, n, h, h, d, False, "bfloat16")
+            words = plan.Launch(kf.make_prepare_vt_words(d), kf.prepare_vt_words_grid(b, n, h), kf.PREP_THREADS, 0)
+            lean = plan.Launch(kf.make_prepare_vt_lean(d), words.grid, kf.PREP_THREADS, 0)
+            variants = {"byte": base._replace(prepare_words=None), "word": base._replace(prepare_words=words,
+                        lean_prepass=False), "lean": base._replace(prepare_words=lean, lean_prepass=True)}
+            u8 = v8.view(torch.uint8)
+            fns = {"copy": lambda: u8.clone(), "torch": lambda: u8.permute(0, 2, 3, 1).contiguous()}
+            for name, p in variants.items():
+                fns[name] = (lambda p=p: fp8._transposed_v(p, vb, kind, q8, stream))
+            for name, fn in fns.items():
+                if once:
+                    fn()
+                    continue
+                for _ in range(3):
+                    fn()
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                for _ in range(20):
+                    r = fn()
+                stop.record()
+                torch.cuda.synchronize()
+                times[name] = start.elapsed_time(stop) * 1000 / 20
+                if name in variants:
+                    outs[name] = torch.as_tensor(r, device="cuda").clone()
+        torch.cuda.synchronize()
+        if once:
+            print(f"| {d} | {n} | {b} | {h} | once |")
+            continue
+        equal = all(torch.equal(outs["byte"], outs[x]) for x in ("word", "lean"))
+        gbs = 2 * v8.numel() / times["lean"] / 1e3
+        print(f"| {d} | {n} | {b} | {h} | {times['copy']:.1f} | {times['torch']:.1f} | {times['byte']:.1f} | "
+              f"{times['word']:.1f} | {times['lean']:.1f} | {gbs:.0f} | {equal} |")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("check", "small", "bench", "profile", "kernels"))
+    ap.add_argument("what", choices=("check", "small", "bench", "profile", "kernels", "prepass"))
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--headdims", default="64,128,256")
     ap.add_argument("--settings", default="", help="bench: settings separated by ';', each NAME=INT assignments "
                     "of flashnb.plan's FP8 constants (FP8_TWO_BLOCKS=0)")
     ap.add_argument("--setting", default="", help="check / small: one such setting")
     ap.add_argument("--blocks", action="store_true", help="bench: FP8 with block descales (blocks of 128 rows)")
+    ap.add_argument("--once", action="store_true", help="prepass: one launch of each (for ncu)")
     a = ap.parse_args(argv)
     _apply(a.setting)
     if a.what == "check":
@@ -257,6 +310,8 @@ def main(argv=None):
         return small()
     if a.what == "kernels":
         return kernels([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")])
+    if a.what == "prepass":
+        return prepass([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")], a.once)
     if a.what == "profile":
         return profile(int(a.headdims.split(",")[0]), int(a.seqlens.split(",")[0]))
     return bench([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")],
