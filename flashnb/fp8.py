@@ -397,7 +397,12 @@ def _packed_forward(kind, q, q4, k4, v4, cu_q, cu_k, tiles, max_seqlen_q, descal
         st = vt.strides
         vt = _arrays.strided_view(vt, (1, headdim, nheads_k, cols), (st[0], st[2], st[1], st[3]))
         if group_seq.shape[0]:
-            _run(p.prepare, launch_stream, (vb, vt, cu_k_d, vt_start_d, group_d))
+            vw = _arrays.word_view(vb)
+            if vw is not None:
+                _run(p.prepare_words, launch_stream, _packed_words_args(vw, _arrays.word_view(vt), cu_k_d, vt_start_d,
+                                                                        group_d))
+            else:
+                _run(p.prepare, launch_stream, (vb, vt, cu_k_d, vt_start_d, group_d))
         out_w = _arrays.word_view(_arrays.strided_view(out_d, (1,) + tuple(out_d.shape),
                                                        (0,) + tuple(out_d.strides)))
         lse_v = _arrays.strided_view(lse_d, (1,) + tuple(lse_d.shape), (0,) + tuple(lse_d.strides))
@@ -665,20 +670,29 @@ def _transposed_v(p, vb, kind, like, stream):
     vw = _arrays.word_view(vb) if p.prepare_words is not None else None
     if vw is not None:
         vt_w = _arrays.word_view(vt)
-        _run(p.prepare_words, stream, _lean_prepass_args(vw, vt_w) if p.lean_prepass else (vw, vt_w))
+        _run(p.prepare_words, stream, _words_prepass_args(vw, vt_w))
         return vt_w
     _run(p.prepare, stream, (vb, vt))
     return _arrays.word_view(vt)
 
 
-def _lean_prepass_args(vw, vt_w):
-    """``make_prepare_vt_lean``'s arguments: flat word views of v's words ``vw`` (batch, seqlen_k, nheads_k, headdim
+def _words_prepass_args(vw, vt_w):
+    """``make_prepare_vt_words``' arguments: flat word views of v's words ``vw`` (batch, seqlen_k, nheads_k, headdim
     / 4) and of V^T's ``vt_w`` (batch, headdim, nheads_k, keys / 4), the sizes, and their strides in words."""
     batch, seqlen_k, nheads_k, _ = vw.shape
     (v_span, v_st), (vt_span, vt_st) = (flat_words(x.shape, x.strides) for x in (vw, vt_w))
     tiles = -(-4 * vt_w.shape[3] // VT_TILE_KEYS)
     return (_arrays.strided_view(vw, (v_span,), (4,)), _arrays.strided_view(vt_w, (vt_span,), (4,)), seqlen_k,
             nheads_k, tiles, v_st[0], v_st[1], v_st[2], vt_st[0], vt_st[1], vt_st[2], vt_w.shape[3])
+
+
+def _packed_words_args(vw, vt_w, cu_k, vt_start, group_seq):
+    """``make_prepare_vt_packed_words``' arguments: flat word views of v's words ``vw`` (1, total_k, nheads_k,
+    headdim / 4) and of V^T's ``vt_w`` (1, headdim, nheads_k, columns / 4), the device offsets, the column tiles and
+    the strides in words."""
+    (v_span, v_st), (vt_span, vt_st) = (flat_words(x.shape, x.strides) for x in (vw, vt_w))
+    return (_arrays.strided_view(vw, (v_span,), (4,)), _arrays.strided_view(vt_w, (vt_span,), (4,)), cu_k, vt_start,
+            group_seq, group_seq.shape[0] // 4, v_st[1], v_st[2], vt_st[1], vt_st[2])
 
 
 def _run(step, stream, args):

@@ -1188,8 +1188,7 @@ class FP8Plan(NamedTuple):
     prepare: Launch
     forward: Launch
     vt_keys: int                    # V^T's row length (keys padded to groups of 32)
-    prepare_words: Launch = None    # the pre-pass four bytes at a time, where v has a word view (dense batches)
-    lean_prepass: bool = False      # prepare_words is make_prepare_vt_lean's (flat views and strides)
+    prepare_words: Launch = None    # the pre-pass four bytes at a time, where v has a word view
 
     def forward_args(self, q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, stream,
                      packed=None):
@@ -1214,11 +1213,6 @@ FP8_TWO_BLOCKS = True
 # an H200, and not faster (calls 2-3: the pingpong within noise at d 128 and 1-7% slower at d 256, the overlap
 # 1.1-1.5x slower); removed (the code is in commit c32a386)
 FP8_WARP_SPECIALISED = 2
-# V^T's pre-pass with its index arithmetic out of the loops and unsigned (kernels.forward_fp8.make_prepare_vt_lean):
-# ptxas gives ~1.7x fewer instructions a word than the word pre-pass, which costs ~190-210 us a 16k-token call on an
-# H200 for a cause not yet found (its traffic is ~15 us, its instructions ~45 us of issue; h200-fp8-2026-11-29.md,
-# call 6).  Built and checked in the simulator and by ptxas, not yet run on a GPU: off
-FP8_PREPASS_LEAN = 0
 
 
 def _fp8_warp_specialised(headdim):
@@ -1245,11 +1239,10 @@ def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, ou
     check_shared(shared, f"the FP8 forward at head dim {headdim}")
     grid = batch * nheads * -(-seqlen_q // _fp8.BLOCK_Q)
     prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)
-    words = (_fp8.make_prepare_vt_lean if FP8_PREPASS_LEAN else _fp8.make_prepare_vt_words)(headdim)
+    words = Launch(_fp8.make_prepare_vt_words(headdim), _fp8.prepare_vt_words_grid(batch, seqlen_k, nheads_k),
+                   _fp8.PREP_THREADS, 0)
     return FP8Plan(Launch(_fp8.make_prepare_vt(headdim), prep_grid, _fp8.PREP_THREADS, 0),
-                   Launch(kern, grid, nthreads, shared), _fp8.vt_keys(seqlen_k),
-                   Launch(words, _fp8.prepare_vt_words_grid(batch, seqlen_k, nheads_k), _fp8.PREP_THREADS, 0),
-                   bool(FP8_PREPASS_LEAN))
+                   Launch(kern, grid, nthreads, shared), _fp8.vt_keys(seqlen_k), words)
 
 
 @lru_cache(maxsize=256)
@@ -1261,8 +1254,9 @@ def fp8_forward_packed(batch, max_seqlen_q, vt_groups, nheads, nheads_k, headdim
     check_shared(shared, f"the FP8 forward at head dim {headdim}")
     grid = batch * nheads * -(-max_seqlen_q // _fp8.BLOCK_Q)
     prep_grid = vt_groups * (headdim // _fp8.VT_KEYS) * nheads_k
+    words = Launch(_fp8.make_prepare_vt_packed_words(headdim), vt_groups // 4 * nheads_k, _fp8.PREP_THREADS, 0)
     return FP8Plan(Launch(_fp8.make_prepare_vt_packed(headdim), prep_grid, _fp8.PREP_THREADS, 0),
-                   Launch(kern, grid, nthreads, shared), vt_groups * _fp8.VT_KEYS)
+                   Launch(kern, grid, nthreads, shared), vt_groups * _fp8.VT_KEYS, words)
 
 
 def fp8_refusal():

@@ -396,6 +396,8 @@ def test_fp8_forward_plan():
     assert p.prepare_words.grid == 2 * 2 * (512 // 128) and p.prepare_words.threads == forward_fp8.PREP_THREADS
     assert p.forward.shared >= 128 * 128 + 2 * (128 * 128 + 128 * 128), "Q, then two stages of K_j and V_j^T"
     assert plan.fp8_forward(2, 300, 500, 8, 2, 128, True, "bfloat16") is p
+    packed = plan.fp8_forward_packed(3, 200, 12, 8, 2, 128, False, "bfloat16")     # 12 column groups: 3 tiles
+    assert packed.prepare_words.grid == 3 * 2 and packed.prepare_words.threads == forward_fp8.PREP_THREADS
     assert plan.fp8_forward(2, 300, 500, 8, 2, 128, False, "bfloat16").forward.kernel is not p.forward.kernel
 
 

@@ -242,14 +242,17 @@ def kernels(seqlens, headdims):
 
 
 def prepass(seqlens, headdims, once=False):
-    """V^T's pre-passes launched alone (byte, word, lean), each against PyTorch's copy of v and its transpose
-    ``permute(0, 2, 3, 1).contiguous()`` (the same bytes moved, no relabelling): CUDA events around 20 launches after
-    3, and the three pre-passes' outputs compared byte for byte.  ``--once``: one launch of each, for ncu."""
+    """V^T's pre-passes launched alone, each kernel's device time by ``torch.profiler`` (10 launches after 3): the
+    byte and word pre-passes of a dense batch and of the same keys as a packed batch (``b`` sequences of ``N``),
+    against PyTorch's copy of v and its transpose ``permute(0, 2, 3, 1).contiguous()`` (the same bytes moved, no
+    relabelling); the byte and word outputs compared byte for byte.  ``--once``: one launch of each, for ncu."""
     import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
     from flashnb import _arrays, fp8, plan
     from flashnb.kernels import forward_fp8 as kf
-    print("| d | N | batch | heads | copy us | torch transpose us | byte us | word us | lean us | GB/s (lean) | equal |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| d | N | batch | heads | copy us | torch transpose us | byte us | word us | GB/s (word) | packed byte us | "
+          "packed word us | equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d, n, b, h, q, k, v, q8, k8, v8 in _shapes(torch, seqlens, headdims):
         kind, _ = fp8._check(q8, k8, v8, None)
         stream = _arrays.resolve_stream(None, kind, q8)
@@ -257,38 +260,55 @@ def prepass(seqlens, headdims, once=False):
         with _arrays.stream_scope(stream, kind, q8):
             vb = fp8._codes(v8, "v", stream)
             base = plan.fp8_forward(b, n, n, h, h, d, False, "bfloat16")
-            words = plan.Launch(kf.make_prepare_vt_words(d), kf.prepare_vt_words_grid(b, n, h), kf.PREP_THREADS, 0)
-            lean = plan.Launch(kf.make_prepare_vt_lean(d), words.grid, kf.PREP_THREADS, 0)
-            variants = {"byte": base._replace(prepare_words=None), "word": base._replace(prepare_words=words,
-                        lean_prepass=False), "lean": base._replace(prepare_words=lean, lean_prepass=True)}
             u8 = v8.view(torch.uint8)
-            fns = {"copy": lambda: u8.clone(), "torch": lambda: u8.permute(0, 2, 3, 1).contiguous()}
-            for name, p in variants.items():
-                fns[name] = (lambda p=p: fp8._transposed_v(p, vb, kind, q8, stream))
+            fns = {"copy": lambda: u8.clone(), "torch": lambda: u8.permute(0, 2, 3, 1).contiguous(),
+                   "byte": lambda: fp8._transposed_v(base._replace(prepare_words=None), vb, kind, q8, stream),
+                   "word": lambda: fp8._transposed_v(base, vb, kind, q8, stream)}
+            # the same keys as one packed batch of b sequences of n: fp8._packed_forward's pre-pass
+            lens = np.full(b, n)
+            cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            tiles = fp8._tiles_of(lens)
+            vt_start = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
+            group_seq = np.repeat(np.arange(b, dtype=np.int32), tiles // kf.VT_KEYS)
+            pk = plan.fp8_forward_packed(b, n, group_seq.shape[0], h, h, d, False, "bfloat16")
+            dev = [torch.as_tensor(x, device="cuda") for x in (cu_k, vt_start, group_seq)]
+            dev = [_arrays.to_device(x, stream) for x in dev]
+            vbp = _arrays.to_device(u8.reshape(1, b * n, h, d), stream)
+            cols = int(vt_start[-1])
+            vt_p = torch.empty((1, h, d, cols), dtype=torch.uint8, device="cuda")
+            vt_d = _arrays.to_device(vt_p, stream)
+            st = vt_d.strides
+            vt_v = _arrays.strided_view(vt_d, (1, d, h, cols), (st[0], st[2], st[1], st[3]))
+            fns["packed byte"] = lambda: fp8._run(pk.prepare, stream, (vbp, vt_v, *dev)) or vt_p
+            fns["packed word"] = lambda: fp8._run(pk.prepare_words, stream, fp8._packed_words_args(
+                _arrays.word_view(vbp), _arrays.word_view(vt_v), *dev)) or vt_p
             for name, fn in fns.items():
                 if once:
                     fn()
                     continue
                 for _ in range(3):
-                    fn()
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                for _ in range(20):
                     r = fn()
-                stop.record()
                 torch.cuda.synchronize()
-                times[name] = start.elapsed_time(stop) * 1000 / 20
-                if name in variants:
+                if name in ("byte", "word", "packed byte", "packed word"):
                     outs[name] = torch.as_tensor(r, device="cuda").clone()
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        fn()
+                    torch.cuda.synchronize()
+                us = 0.0
+                for e in prof.key_averages():
+                    t = getattr(e, "self_device_time_total", None)
+                    us += (t if t is not None else getattr(e, "self_cuda_time_total", 0.0))
+                times[name] = us / 10
         torch.cuda.synchronize()
         if once:
             print(f"| {d} | {n} | {b} | {h} | once |")
             continue
-        equal = all(torch.equal(outs["byte"], outs[x]) for x in ("word", "lean"))
-        gbs = 2 * v8.numel() / times["lean"] / 1e3
+        equal = torch.equal(outs["byte"], outs["word"]) and torch.equal(outs["packed byte"], outs["packed word"])
+        gbs = 2 * v8.numel() / times["word"] / 1e3
         print(f"| {d} | {n} | {b} | {h} | {times['copy']:.1f} | {times['torch']:.1f} | {times['byte']:.1f} | "
-              f"{times['word']:.1f} | {times['lean']:.1f} | {gbs:.0f} | {equal} |")
+              f"{times['word']:.1f} | {gbs:.0f} | {times['packed byte']:.1f} | {times['packed word']:.1f} | "
+              f"{equal} |")
     return 0
 
 

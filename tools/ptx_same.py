@@ -133,14 +133,13 @@ if want("fp8 prepare"):
     i1 = types.Array(types.int32, 1, "C")
     print("fp8 prepare packed", h(cuda.compile_ptx(_fp8.make_prepare_vt_packed(128).py_func, (b8, b8, i1, i1, i1),
                                                    cc=(9, 0))[0]))
-    w4 = types.Array(types.uint32, 4, "A")
-    for d in (64, 128, 256):
-        print("fp8 prepare words", d, h(cuda.compile_ptx(_fp8.make_prepare_vt_words(d).py_func, (w4, w4),
-                                                          cc=(9, 0))[0]))
     w1, i8 = types.Array(types.uint32, 1, "A"), types.int64
     for d in (64, 128, 256):
-        print("fp8 prepare lean", d, h(cuda.compile_ptx(_fp8.make_prepare_vt_lean(d).py_func, (w1, w1) + (i8,) * 10,
-                                                         cc=(9, 0))[0]))
+        print("fp8 prepare words", d, h(cuda.compile_ptx(_fp8.make_prepare_vt_words(d).py_func, (w1, w1) + (i8,) * 10,
+                                                          cc=(9, 0))[0]))
+    for d in (64, 128, 256):
+        print("fp8 prepare packed words", d, h(cuda.compile_ptx(_fp8.make_prepare_vt_packed_words(d).py_func,
+                                                                 (w1, w1, i1, i1, i1) + (i8,) * 5, cc=(9, 0))[0]))
 # the decode kernel at kvcache's settings: (dtype, head dim, group, seqlen_q, vec16, PAGED, HAS_SEQLENS, split,
 # window, softcap, alibi, LEAN, leftpad, STAGES (None: kvcache's, fitted))
 i64, f32t = types.int64, types.float32

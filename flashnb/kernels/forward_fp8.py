@@ -131,54 +131,6 @@ def prepare_vt_words_grid(batch, seqlen_k, nheads_k):
 
 
 @device_function
-def vt_word(tile, pitch, d, kw):
-    """V^T's word ``kw`` of row (dim) ``d`` of a block's 128 positions: the bytes at dim ``d`` of positions ``4 kw
-    .. 4 kw + 3``'s keys (``key_at`` within each group of 32), from ``tile``'s key rows of ``pitch`` words."""
-    word = U0
-    for i in range(4):
-        c = 4 * kw + i
-        key = 32 * (c // 32) + key_at_d(c % 32)
-        byte = (tile[key * pitch + d // 4] >> np.uint32(8 * (d % 4))) & U8_MASK
-        word |= byte << np.uint32(8 * i)
-    return word
-
-
-@lru_cache(maxsize=None)
-@kernel_factory
-def make_prepare_vt_words(HEAD_DIM):
-    """``prepare(v, vt)``: ``make_prepare_vt``'s V^T four bytes a load and a store, for a ``v`` with a word view:
-    ``v`` (batch, seqlen_k, nheads_k, HEAD_DIM / 4) words of codes, ``vt`` V^T's word view (batch, HEAD_DIM,
-    nheads_k, ``vt_keys`` / 4).  One block per (128 keys, head, batch): the keys' rows into a shared tile (rows of
-    HEAD_DIM / 4 + 1 words; a warp reads a key's row), then V^T's rows of those 128 positions (a warp writes 128
-    contiguous bytes of one row), zero past the keys.  On an H200 it takes ~190-210 us a 16k-token call, the byte
-    pre-pass ~207-228 (bench/results/h200-fp8-2026-11-29.md, calls 5-6): neither is bound by its bytes."""
-    WORDS = HEAD_DIM // 4
-    PITCH = WORDS + 1
-    ROW_WORDS = VT_TILE_KEYS // 4                         # V^T's words of one row of a block
-    TILE_WORDS = VT_TILE_KEYS * PITCH                     # (a shared array's shape must be a closure constant)
-
-    @kernel
-    def prepare(v, vt):
-        seqlen_k, nheads_k = v.shape[1], v.shape[2]
-        tiles = (4 * vt.shape[3] + VT_TILE_KEYS - 1) // VT_TILE_KEYS
-        kt, bh = cuda.blockIdx.x % tiles, cuda.blockIdx.x // tiles
-        b, h = bh // nheads_k, bh % nheads_k
-        first = kt * VT_TILE_KEYS
-        tile = cuda.shared.array(TILE_WORDS, np.uint32)
-        for w in range(cuda.threadIdx.x, VT_TILE_KEYS * WORDS, PREP_THREADS):       # V's rows, along the dims
-            r, c = w // WORDS, w % WORDS
-            tile[r * PITCH + c] = v[b, first + r, h, c] if first + r < seqlen_k else U0
-        cuda.syncthreads()
-        col0 = first // 4
-        for w in range(cuda.threadIdx.x, HEAD_DIM * ROW_WORDS, PREP_THREADS):       # V^T's rows, along the keys
-            d, kw = w // ROW_WORDS, w % ROW_WORDS
-            if col0 + kw < vt.shape[3]:
-                vt[b, d, h, col0 + kw] = vt_word(tile, PITCH, d, kw)
-
-    return prepare
-
-
-@device_function
 def vt_tile_key(c):
     """The key (of a block's 128) at the block's V^T position ``c``: ``key_at`` within its group of 32."""
     return 32 * (c >> 5) + key_at_d(c & 31)
@@ -186,26 +138,26 @@ def vt_tile_key(c):
 
 def flat_words(shape, strides):
     """The span in words of a word array of ``shape`` and byte ``strides`` (non-negative), and its strides in words:
-    ``make_prepare_vt_lean``'s flat views."""
+    ``make_prepare_vt_words``' flat views."""
     return 1 + sum((n - 1) * (st // 4) for n, st in zip(shape, strides)), tuple(st // 4 for st in strides)
 
 
 @lru_cache(maxsize=None)
-@kernel_factory
-def make_prepare_vt_lean(HEAD_DIM):
-    """``prepare(v, vt, seqlen_k, nheads_k, tiles, v_b, v_k, v_h, vt_b, vt_d, vt_h, vt_words)``:
-    ``make_prepare_vt_words``' V^T with its index arithmetic out of the loops.  ``v`` and ``vt`` are flat word views
-    (``flat_words``) with the strides in words of v's (batch, key, head) and V^T's (batch, dim, head) axes;
-    ``vt_words`` is V^T's row length in words.  A thread keeps one column of the key rows it loads (``WORDS`` a
-    row, ``PREP_THREADS / WORDS`` rows a pass) and one word of the V^T rows it stores (8 rows a pass): the four keys
+def make_words_tile(HEAD_DIM):
+    """``move(tile, v, vt, src, valid, dst, cols, v_k, vt_d)``: V^T's 128 positions (one block's) of every dim,
+    through ``tile`` (rows of HEAD_DIM / 4 + 1 words), four bytes a load and a store: ``v``, ``vt`` flat word views
+    (``flat_words``), ``src`` the word offset of the block's first key at word 0 of its head, ``valid`` its keys
+    (the rows past them read as zeros), ``dst`` the offset of V^T's row 0 at the block's first word, ``cols``
+    V^T's words from there on (those past its row are not written), ``v_k`` and ``vt_d`` the strides in words of a key and of a
+    V^T row.
+
+    A thread keeps one column of the key rows it loads (``WORDS`` a row, ``PREP_THREADS / WORDS`` rows a pass) and
+    one word of the V^T rows it stores (8 rows a pass; a warp writes 128 contiguous bytes of a row): the four keys
     behind its word (``key_at``), their shared offsets and the byte shift are fixed before the loops, which only add,
-    and the offsets are unsigned (no negative-index fix-up).  ptxas at d 128: ~100 instructions a word moved, against
-    the word pre-pass's ~170 (its signed 64-bit indexing of four-dimensional arrays); not yet run on a GPU
-    (bench/results/h200-fp8-2026-11-29.md, call 6)."""
+    and the offsets are unsigned (no negative-index fix-up)."""
     WORDS = HEAD_DIM // 4
     LOG2_WORDS = WORDS.bit_length() - 1
     PITCH = WORDS + 1
-    TILE_WORDS = VT_TILE_KEYS * PITCH
     ROW_WORDS = VT_TILE_KEYS // 4                         # V^T's words of one row of a block: 32
     KEYS_PER_PASS = PREP_THREADS // WORDS
     LOAD_PASSES = VT_TILE_KEYS // KEYS_PER_PASS
@@ -213,37 +165,82 @@ def make_prepare_vt_lean(HEAD_DIM):
     STORE_PASSES = HEAD_DIM // DIMS_PER_PASS
     assert WORDS == 1 << LOG2_WORDS and DIMS_PER_PASS % 4 == 0
 
-    @kernel
-    def prepare(v, vt, seqlen_k, nheads_k, tiles, v_b, v_k, v_h, vt_b, vt_d, vt_h, vt_words):
+    @device_function
+    def move(tile, v, vt, src, valid, dst, cols, v_k, vt_d):
         tid = cuda.threadIdx.x
-        kt, bh = cuda.blockIdx.x % tiles, cuda.blockIdx.x // tiles
-        b, h = bh // nheads_k, bh % nheads_k
-        first = kt * VT_TILE_KEYS
-        tile = cuda.shared.array(TILE_WORDS, np.uint32)
         c, r = tid & (WORDS - 1), tid >> LOG2_WORDS      # this thread's column and first row of the tile
-        # offsets as unsigned: Numba adds no negative-index fix-up to an unsigned index
-        src = U64(b * v_b + h * v_h + (first + r) * v_k + c)
         at = U32(r * PITCH + c)
+        src += U64(r * v_k + c)
         for p in range(LOAD_PASSES):                      # V's rows, along the dims
-            tile[at] = v[src] if first + r + p * KEYS_PER_PASS < seqlen_k else U0
+            tile[at] = v[src] if r + p * KEYS_PER_PASS < valid else U0
             src += U64(KEYS_PER_PASS * v_k)
             at += U32(KEYS_PER_PASS * PITCH)
         cuda.syncthreads()
         kw, d0 = tid & (ROW_WORDS - 1), tid >> 5          # this thread's word of a row, its first row (dim)
-        col = first // 4 + kw
-        if col < vt_words:
+        if kw < cols:
             shift = np.uint32(8 * (d0 & 3))               # dims d0 + 8 p share d0's byte in their word
             k0, k1, k2, k3 = (vt_tile_key(4 * kw), vt_tile_key(4 * kw + 1), vt_tile_key(4 * kw + 2),
                               vt_tile_key(4 * kw + 3))
             a0, a1, a2, a3 = (U32(k0 * PITCH + (d0 >> 2)), U32(k1 * PITCH + (d0 >> 2)), U32(k2 * PITCH + (d0 >> 2)),
                               U32(k3 * PITCH + (d0 >> 2)))
-            dst = U64(b * vt_b + h * vt_h + d0 * vt_d + col)
+            dst += U64(d0 * vt_d + kw)
             for p in range(STORE_PASSES):                 # V^T's rows d0 + 8 p, along the keys
                 o = U32(2 * p)                            # (d0 + 8 p) // 4 = d0 // 4 + 2 p
                 vt[dst] = (((tile[a0 + o] >> shift) & U8_MASK) | (((tile[a1 + o] >> shift) & U8_MASK) << np.uint32(8))
                            | (((tile[a2 + o] >> shift) & U8_MASK) << np.uint32(16))
                            | (((tile[a3 + o] >> shift) & U8_MASK) << np.uint32(24)))
                 dst += U64(DIMS_PER_PASS * vt_d)
+
+    return move, VT_TILE_KEYS * PITCH
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_prepare_vt_words(HEAD_DIM):
+    """``prepare(v, vt, seqlen_k, nheads_k, tiles, v_b, v_k, v_h, vt_b, vt_d, vt_h, vt_words)``: ``make_prepare_vt``'s
+    V^T four bytes a load and a store (``make_words_tile``), for a ``v`` with a word view.  ``v`` and ``vt`` are flat
+    word views (``flat_words``) of v's codes (batch, seqlen_k, nheads_k, HEAD_DIM / 4 words) and of V^T's word view
+    (batch, HEAD_DIM, nheads_k, ``vt_words`` = ``vt_keys`` / 4), with the strides in words of v's (batch, key, head)
+    and V^T's (batch, dim, head) axes.  One block per (128 keys, head, batch), ``tiles`` key tiles a head, zero past
+    the keys.
+
+    The first word pre-pass indexed the four-dimensional arrays in each iteration (signed 64-bit, with the
+    negative-index fix-ups): issue-bound, 251 us a 16k-token call at d 128 under ncu, this one 35 us (H200,
+    bench/results/h200-fp8-2026-11-29b.md, call 1)."""
+    move, TILE_WORDS = make_words_tile(HEAD_DIM)
+
+    @kernel
+    def prepare(v, vt, seqlen_k, nheads_k, tiles, v_b, v_k, v_h, vt_b, vt_d, vt_h, vt_words):
+        kt, bh = cuda.blockIdx.x % tiles, cuda.blockIdx.x // tiles
+        b, h = bh // nheads_k, bh % nheads_k
+        first = kt * VT_TILE_KEYS
+        col0 = first // 4
+        tile = cuda.shared.array(TILE_WORDS, np.uint32)
+        move(tile, v, vt, U64(b * v_b + h * v_h + first * v_k), seqlen_k - first,
+             U64(b * vt_b + h * vt_h + col0), vt_words - col0, v_k, vt_d)
+
+    return prepare
+
+
+@lru_cache(maxsize=None)
+@kernel_factory
+def make_prepare_vt_packed_words(HEAD_DIM):
+    """``prepare(v, vt, cu_seqlens_k, vt_start, group_seq, tiles, v_k, v_h, vt_d, vt_h)``: ``make_prepare_vt_packed``'s
+    V^T four bytes a load and a store (``make_words_tile``): ``v`` and ``vt`` flat word views of v's codes (1,
+    total_k, nheads_k, HEAD_DIM / 4 words) and of V^T's word view (1, HEAD_DIM, nheads_k, ``vt_start[-1]`` / 4), with
+    the strides in words of v's (key, head) and V^T's (dim, head) axes.  One block per (128 columns, head), ``tiles``
+    column tiles a head: a sequence's columns are whole tiles, so tile ``t``'s sequence is ``group_seq[4 t]``."""
+    assert VT_TILE_KEYS == BLOCK_K == 4 * VT_KEYS         # (``vt_tile_keys``' padding)
+    move, TILE_WORDS = make_words_tile(HEAD_DIM)
+
+    @kernel
+    def prepare(v, vt, cu_seqlens_k, vt_start, group_seq, tiles, v_k, v_h, vt_d, vt_h):
+        t, h = cuda.blockIdx.x % tiles, cuda.blockIdx.x // tiles
+        b = group_seq[4 * t]
+        first = cu_seqlens_k[b] + t * VT_TILE_KEYS - vt_start[b]          # the tile's first key (packed row)
+        tile = cuda.shared.array(TILE_WORDS, np.uint32)
+        move(tile, v, vt, U64(h * v_h + first * v_k), cu_seqlens_k[b + 1] - first,
+             U64(h * vt_h + t * (VT_TILE_KEYS // 4)), VT_TILE_KEYS // 4, v_k, vt_d)
 
     return prepare
 
