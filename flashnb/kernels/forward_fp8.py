@@ -399,29 +399,21 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         """m_i, l_i, o_acc rescaled to the new row max (over the quad's lanes), S -> P = exp2(S c - m_new).  The
         max is taken of S and then scaled (c > 0), so each exponent is one fused multiply-add; o_acc is rescaled
         only where the max moved."""
-        for r in range(2):            # four partial maxima a row: chains of BLOCK_K / 32, not BLOCK_K / 8
-            x0, x1, x2, x3 = NEG_INF, NEG_INF, NEG_INF, NEG_INF
-            for n in range(0, BLOCK_K // 8, 2):
-                x0 = max(x0, s_acc[4 * n + 2 * r])
-                x1 = max(x1, s_acc[4 * n + 2 * r + 1])
-                x2 = max(x2, s_acc[4 * n + 4 + 2 * r])
-                x3 = max(x3, s_acc[4 * n + 5 + 2 * r])
-            row[r] = max(max(x0, x1), max(x2, x3)) * c
+        for r in range(2):
+            x = NEG_INF
+            for n in range(BLOCK_K // 8):
+                x = max(x, max(s_acc[4 * n + 2 * r], s_acc[4 * n + 2 * r + 1]))
+            row[r] = x * c
         quad_max(row, scratch, cuda.threadIdx.x // 4, cuda.threadIdx.x % 4)
         for r in range(2):
             m_new = max(m_i[r], row[r])
             m_use = m_new if m_new != NEG_INF else ZERO      # nothing seen yet: exp2(-inf) = 0, not NaN
-            l0, l1, l2, l3 = ZERO, ZERO, ZERO, ZERO          # four partial sums a row, as the maxima
-            for n in range(0, BLOCK_K // 8, 2):
-                a = 4 * n + 2 * r
-                p0, p1 = exp2(s_acc[a] * c - m_use), exp2(s_acc[a + 1] * c - m_use)
-                p2, p3 = exp2(s_acc[a + 4] * c - m_use), exp2(s_acc[a + 5] * c - m_use)
-                l0 += p0
-                l1 += p1
-                l2 += p2
-                l3 += p3
-                s_acc[a], s_acc[a + 1], s_acc[a + 4], s_acc[a + 5] = p0, p1, p2, p3
-            l_tile = (l0 + l1) + (l2 + l3)
+            l_tile = ZERO
+            for n in range(BLOCK_K // 8):
+                for e in range(2 * r, 2 * r + 2):
+                    p = exp2(s_acc[4 * n + e] * c - m_use)
+                    l_tile += p
+                    s_acc[4 * n + e] = p
             if m_new > m_i[r]:
                 alpha = exp2(m_i[r] - m_use)
                 l_i[r] *= alpha
