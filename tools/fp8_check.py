@@ -204,13 +204,21 @@ def _bench(torch, flashnb, seqlens, headdims, blocks=False):
                   f"{flops / f8 / 1e9:.0f} | {f16 / f8:.2f}x | {times['fp16 host']:.0f} / {times['fp8 host']:.0f} |")
 
 
-def kernels(seqlens, headdims):
+def kernels(seqlens, headdims, settings=("",)):
     """Each call's kernels, timed apart (``torch.profiler``'s CUDA activity, 10 calls after 3): V^T's pre-pass and the
     FP8 forward against the float16 forward's own kernels, so a ratio of calls can be split into the kernels' and the
     rest (host time, launch gaps)."""
     import torch
     import flashnb
     from torch.profiler import ProfilerActivity, profile
+    for setting in settings:
+        _apply(setting)
+        print(f"setting: {setting or 'as shipped'}")
+        _kernels(torch, flashnb, profile, ProfilerActivity, seqlens, headdims)
+    return 0
+
+
+def _kernels(torch, flashnb, profile, ProfilerActivity, seqlens, headdims):
     print("| d | N | causal | fp16 kernels us | FP8 forward us | V^T pre-pass us | FP8 / fp16, kernels only |")
     print("|---|---|---|---|---|---|---|")
     for d, n, b, h, q, k, v, q8, k8, v8 in _shapes(torch, seqlens, headdims):
@@ -238,7 +246,6 @@ def kernels(seqlens, headdims):
             f16 = per.get(("fp16", "fwd"), 0.0) + per.get(("fp16", "prep"), 0.0)
             f8, pre = per.get(("fp8", "fwd"), 0.0), per.get(("fp8", "prep"), 0.0)
             print(f"| {d} | {n} | {causal} | {f16:.0f} | {f8:.0f} | {pre:.0f} | {f16 / (f8 + pre):.2f}x |")
-    return 0
 
 
 def prepass(seqlens, headdims, once=False):
@@ -317,7 +324,7 @@ def main(argv=None):
     ap.add_argument("what", choices=("check", "small", "bench", "profile", "kernels", "prepass"))
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--headdims", default="64,128,256")
-    ap.add_argument("--settings", default="", help="bench: settings separated by ';', each NAME=INT assignments "
+    ap.add_argument("--settings", default="", help="bench, kernels: settings separated by ';', each NAME=INT assignments "
                     "of flashnb.plan's FP8 constants (FP8_TWO_BLOCKS=0)")
     ap.add_argument("--setting", default="", help="check / small: one such setting")
     ap.add_argument("--blocks", action="store_true", help="bench: FP8 with block descales (blocks of 128 rows)")
@@ -329,7 +336,8 @@ def main(argv=None):
     if a.what == "small":
         return small()
     if a.what == "kernels":
-        return kernels([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")])
+        return kernels([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")],
+                       a.settings.split(";"))
     if a.what == "prepass":
         return prepass([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")], a.once)
     if a.what == "profile":
