@@ -1213,10 +1213,6 @@ FP8_TWO_BLOCKS = True
 # an H200, and not faster (calls 2-3: the pingpong within noise at d 128 and 1-7% slower at d 256, the overlap
 # 1.1-1.5x slower); removed (the code is in commit c32a386)
 FP8_WARP_SPECIALISED = 2
-# The warp-specialised consumers' P_j V_j and S_{j+1} issued together and waited for once (kernels.forward_fp8's
-# PAIRED): ncu (H200, bench/results/h200-fp8-2026-11-29b.md, call 4) has the d-128 consumers stalled 20% of their
-# samples on the wait after each product.  Off until measured
-FP8_PAIRED = 0
 
 
 def _fp8_warp_specialised(headdim):
@@ -1227,8 +1223,7 @@ def _fp8_warp_specialised(headdim):
 def _fp8_kernel(headdim, out_dtype, causal, **flags):
     """The FP8 forward's kernel, its shared bytes and its threads under the plan's FP8 constants."""
     if _fp8_warp_specialised(headdim):
-        kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), WARP_SPECIALISED=True,
-                                             PAIRED=bool(FP8_PAIRED), **flags)
+        kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), WARP_SPECIALISED=True, **flags)
         return kern, shared, _fp8.threads(True)
     min_blocks = 2 if FP8_TWO_BLOCKS and headdim == 64 else 1
     kern, shared = _fp8.make_forward_fp8(headdim, out_dtype, bool(causal), min_blocks, **flags)

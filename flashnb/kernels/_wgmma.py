@@ -125,7 +125,7 @@ def _descriptor_bits(lbo, sbo):
     return ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62)
 
 
-def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, wait=True):
+def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt):
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -157,7 +157,7 @@ def _gpu_wgmma(kind, N, a_steps, b_steps, a_lbo, b_lbo, trans_a, trans_b, fmt, w
             trans = "" if fmt == "tf32" or fmt in EIGHT_BIT else f", {trans_b}"
             lines.append(f"wgmma.mma_async.sync.aligned.{shape} {acc_list}, {{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, "
                          f"db, {scale_d}, 1, 1{trans};")
-    lines += ["wgmma.commit_group.sync.aligned;"] + (["wgmma.wait_group.sync.aligned 0;"] if wait else []) + ["}"]
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     ptx = " ".join(lines)
     a_bits, b_bits = _descriptor_bits(a_lbo, 1024), _descriptor_bits(b_lbo, 1024)
 
@@ -395,8 +395,7 @@ def _sim_fence_proxy_async():
 _cache = {}
 
 
-def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0, trans_a=0, quad_sync=False,
-               wait=True):
+def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=0, trans_a=0, quad_sync=False):
     """``wgmma_ss(acc, smem, a_off, b_off, accumulate)`` (``kind="ss"``) or ``wgmma_rs(acc, a_regs, smem, b_off,
     accumulate)`` (``"rs"``) for one product shape: ``m64nNk16`` on ``dtype_name`` operands (``"float16"``,
     ``"bfloat16"``; ``m64nNk8`` for ``"tf32"`` or ``"float32"``: tf32 operands, K-major only), the k-steps' start
@@ -405,9 +404,7 @@ def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=
     with dS^T stored key by key).  ``acc``: a local float32 array of ``N / 2`` values (any shape, C order).
     ``quad_sync``: the simulator's ``wgmma_rs`` exchanges A's fragments within each quad by ``_sync.group_sync``
     instead of ``syncthreads`` (a warp-specialised kernel, whose other roles never reach its barrier); the GPU's
-    product is the same.  ``wait=False``: the product is issued and committed, not waited for; ``make_wgmma_wait``'s
-    wait, given the same accumulators, completes it before anything reads them (and A's registers of ``"rs"`` must
-    not change until then).  The simulator's product is complete when it returns."""
+    product is the same."""
     if kind not in ("ss", "rs"):
         raise ValueError(f"kind must be 'ss' or 'rs', got {kind!r}")
     if dtype_name not in WGMMA_FORMATS:
@@ -423,53 +420,10 @@ def make_wgmma(kind, dtype_name, N, a_steps, b_steps, a_lbo=0, b_lbo=0, trans_b=
             _cache[key] = _sim_wgmma(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt,
                                      quad_sync)
     else:
-        key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, trans_a, wait)
+        key = (kind, fmt, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_b, trans_a)
         if key not in _cache:
-            _cache[key] = _gpu_wgmma(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt,
-                                     wait)
+            _cache[key] = _gpu_wgmma(kind, N, tuple(a_steps), tuple(b_steps), a_lbo, b_lbo, trans_a, trans_b, fmt)
     return _cache[key]
-
-
-def make_wgmma_wait(NACC, pending=0):
-    """``wgmma_wait(acc)``: ``wgmma.wait_group pending`` with this thread's ``NACC`` accumulators of a product issued
-    by ``make_wgmma(..., wait=False)`` as its operands, tied in and out, so nothing reads or writes them before the
-    tensor cores are done (ptxas tracks them from the issue on).  Groups complete in the order committed:
-    ``pending=1`` waits for all but the last committed (its product stays in flight).  A second call on another
-    product's accumulators after the first waits for nothing and only ties them.  Nothing in the simulator."""
-    key = ("wait", NACC, pending)
-    if key not in _cache:
-        _cache[key] = _sim_wgmma_wait if SIMULATOR else _gpu_wgmma_wait(NACC, pending)
-    return _cache[key]
-
-
-@device_function
-def _sim_wgmma_wait(acc):
-    pass
-
-
-def _gpu_wgmma_wait(NACC, pending):
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    f32, i64 = ir.FloatType(), ir.IntType(64)
-    cons = ",".join(["=f"] * NACC + [str(i) for i in range(NACC)])
-
-    @intrinsic
-    def wgmma_wait(typingctx, acc):
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            ptrs = [builder.gep(ary.data, [ir.Constant(i64, i)]) for i in range(NACC)]
-            fnty = ir.FunctionType(ir.LiteralStructType([f32] * NACC), [f32] * NACC)
-            res = builder.call(ir.InlineAsm(fnty, f"wgmma.wait_group.sync.aligned {pending};", cons,
-                                            side_effect=True),
-                               [builder.load(p) for p in ptrs])
-            for i, p in enumerate(ptrs):
-                builder.store(builder.extract_value(res, i), p)
-            return context.get_dummy_value()
-        return types.void(acc), codegen
-
-    return wgmma_wait
 
 
 def make_pack_a(dtype_name, ksteps):

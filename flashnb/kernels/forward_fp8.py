@@ -34,7 +34,7 @@ from ._mma import memory_primitives, primitives
 from ._sync import empty_parity_d, full_parity_d, register_handover, warp_sync
 from ._tiles import make_row_allreduce
 from ._tma import make_box_load, make_tile_load, tma_primitives
-from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, make_wgmma_wait, pack_e4m3x4
+from ._wgmma import SMEM_ALIGN, SWIZZLE_BYTES, k_major_steps, make_wgmma, pack_e4m3x4
 from .forward import LN2, LOG2E
 
 BLOCK_Q = 128                     # two warpgroups of 64 query rows
@@ -280,8 +280,7 @@ def make_prepare_vt_packed(HEAD_DIM):
 
 @lru_cache(maxsize=None)
 @kernel_factory
-def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False, WARP_SPECIALISED=False,
-                     PAIRED=False):
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False, WARP_SPECIALISED=False):
     """``forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps, cu_seqlens_q,
     cu_seqlens_k, vt_start)`` and its shared bytes: ``q``, ``k``
     (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
@@ -314,13 +313,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     simulator, barriers that wait (``tma_primitives(waiting=True)``) and reductions and fragment exchanges over
     quads order the roles; a protocol error raises there instead of hanging.
 
-    ``PAIRED`` (``WARP_SPECIALISED``): a consumer issues P_j V_j and S_{j+1} = Q K_{j+1}^T together (after waiting for
-    stage j + 1's copies) and waits once for both, so the tensor cores run them back to back: one wait a tile
-    instead of two.  No other register is live across the products than before but S_{j+1}'s accumulators, which
-    the softmax of S_j has already turned into P's fragments.  The first S is computed before the loop and the last
-    P V alone, each product waited for in the branch that issued it, so no branch merges accumulators in flight
-    (ptxas would serialise the products: C7515).
-
     ``MIN_BLOCKS``: launch bounds for that many blocks an SM (2 at head dim 64: 16 warps an SM instead of 8).
     Measured no faster on an H200 and removed (docs/notes/fp8.md step 4; the code is in commit 8bbdd68): three
     stages, FA3's order of the products, the warpgroups' turns by named barriers, S_{j+1} in flight under the
@@ -330,7 +322,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     assert HEAD_DIM in HEAD_DIMS
     assert not (BLOCKS and VARLEN), "block descales are for dense batches"
     assert not (WARP_SPECIALISED and MIN_BLOCKS != 1), "the warp-specialised block takes the SM's registers"
-    assert WARP_SPECIALISED or not PAIRED, "the paired products are the warp-specialised consumers'"
     WS = WARP_SPECIALISED
     THREADS = threads(WS)
     CONSUMER_WARPS = 8                               # the two consumer warpgroups: one arrival a warp on ``empty``
@@ -357,12 +348,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     SHARED_BYTES = SCRATCH + 4 * SCRATCH_WORDS
     wgmma_s = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_K, KSTEPS_D))
     wgmma_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32), quad_sync=WS)
-    if PAIRED:                                       # issued and committed, waited for by ``paired_wait``
-        issue_s = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_K, KSTEPS_D),
-                             wait=False)
-        issue_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32), quad_sync=WS,
-                              wait=False)
-        wait_o, tie_s = make_wgmma_wait(N_ACC_O), make_wgmma_wait(N_ACC_S)
     pack4 = pack_e4m3x4()
     _, pack2, _ = primitives(OUT_DTYPE)
     exp2 = memory_primitives()["exp2_ftz"]
@@ -507,24 +492,9 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         """S = Q K_j^T (tile j's stage), masked where the tile reaches past the keys or the diagonal."""
         mbar_wait(smem, FULL + 8 * (j % STAGES), full_parity_d(j, STAGES))
         wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
-        mask_if_needed(s_acc, j, wg, qt, seqlen_k, row_g, off)
-
-    @device_function
-    def mask_if_needed(s_acc, j, wg, qt, seqlen_k, row_g, off):
         k0 = j * BLOCK_K
         if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
             mask_tile(s_acc, k0, seqlen_k, row_g, off)
-
-    @device_function
-    def paired_products(s_acc, o_acc, p_frag, smem, wg, j):
-        """``PAIRED``: acc += P_j V_j and S_{j+1} = Q K_{j+1}^T issued together once stage j + 1 is full, one wait
-        for both; then tile j's stage is handed back."""
-        mbar_wait(smem, FULL + 8 * ((j + 1) % STAGES), full_parity_d(j + 1, STAGES))
-        issue_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)
-        issue_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + ((j + 1) % STAGES) * STAGE_BYTES, 0)
-        wait_o(o_acc)                                # wait_group 0: both products
-        tie_s(s_acc)
-        release_stage(smem, j)
 
     @device_function
     def sequence(cu_seqlens_q, cu_seqlens_k, vt_start, b):
@@ -602,36 +572,19 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         for n in range(N_ACC_O):
             o_acc[n] = ZERO
         mbar_wait(smem, Q_FULL, 0)
-        if PAIRED:
-            if n_kt > 0:
-                scores(s_acc, smem, wg, 0, qt, seqlen_k, row_g, off)                 # S = Q K_0^T
-            for j in range(n_kt):
-                if BLOCKS:
-                    c = c_q * k_descale[b, hk, j]
-                softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
-                if BLOCKS:
-                    vd = v_rescale(o_acc, vd, v_descale[b, hk, j])
-                pack_p(s_acc, p_frag)
-                if j + 1 < n_kt:
-                    paired_products(s_acc, o_acc, p_frag, smem, wg, j)           # acc += P V_j, S = Q K_{j+1}^T
-                    mask_if_needed(s_acc, j + 1, wg, qt, seqlen_k, row_g, off)
-                else:
-                    wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)
-                    release_stage(smem, j)
-        else:
-            for j in range(n_kt):
-                scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                 # S = Q K_j^T
-                if BLOCKS:
-                    c = c_q * k_descale[b, hk, j]
-                softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
-                if BLOCKS:
-                    vd = v_rescale(o_acc, vd, v_descale[b, hk, j])
-                pack_p(s_acc, p_frag)
-                wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)   # acc += P V_j
-                if WS:
-                    release_stage(smem, j)
-                else:
-                    hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, bd)
+        for j in range(n_kt):
+            scores(s_acc, smem, wg, j, qt, seqlen_k, row_g, off)                     # S = Q K_j^T
+            if BLOCKS:
+                c = c_q * k_descale[b, hk, j]
+            softmax_step(s_acc, m_i, l_i, o_acc, c, row, scratch)
+            if BLOCKS:
+                vd = v_rescale(o_acc, vd, v_descale[b, hk, j])
+            pack_p(s_acc, p_frag)
+            wgmma_pv(o_acc, p_frag, smem, STAGE0 + (j % STAGES) * STAGE_BYTES + K_BYTES, 1)       # acc += P V_j
+            if WS:
+                release_stage(smem, j)
+            else:
+                hand_back(smem, maps, k, vt, j, n_kt, k_start, vt_col, hk, bd)
         if BLOCKS:
             store_out_lse(out, lse, o_acc, m_i, l_i, row_g, bd, h, seqlen_q, q_start, vd, scratch)
         else:

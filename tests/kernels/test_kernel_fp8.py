@@ -671,9 +671,8 @@ def test_fp8_packed_forward_is_each_sequence_dense_bit_for_bit():
 
 
 @pytest.fixture
-def warp_specialised(request):
-    """``plan.FP8_WARP_SPECIALISED`` on for one test, and ``plan.FP8_PAIRED`` as the test's parameter asks (off
-    unless parametrized), the plan and dispatch caches cleared either side."""
+def warp_specialised():
+    """``plan.FP8_WARP_SPECIALISED`` on for one test (the plan and dispatch caches cleared either side)."""
     from flashnb import _dispatch, plan
 
     def clear():
@@ -681,15 +680,14 @@ def warp_specialised(request):
         plan.fp8_forward_packed.cache_clear()
         _dispatch.clear()
 
-    before = plan.FP8_WARP_SPECIALISED, plan.FP8_PAIRED
-    plan.FP8_WARP_SPECIALISED, plan.FP8_PAIRED = True, int(getattr(request, "param", False))
+    before = plan.FP8_WARP_SPECIALISED
+    plan.FP8_WARP_SPECIALISED = True
     clear()
     yield
-    plan.FP8_WARP_SPECIALISED, plan.FP8_PAIRED = before
+    plan.FP8_WARP_SPECIALISED = before
     clear()
 
 
-@pytest.mark.parametrize("warp_specialised", [False, True], indirect=True, ids=["one-wait-a-product", "paired"])
 @pytest.mark.parametrize("case", ["blocks", "packed"])
 def test_the_warp_specialised_forward_matches_its_oracle(warp_specialised, case):
     """FlashAttention-3's roles (``make_forward_fp8(WARP_SPECIALISED=True)``: a producer warpgroup refilling each
@@ -699,8 +697,7 @@ def test_the_warp_specialised_forward_matches_its_oracle(warp_specialised, case)
     accumulator changes units each tile).  ``packed``: three sequences, the first of two query tiles (the second
     query tile's blocks of the others return before the barriers are made), the second with no key (Q loaded,
     no stage), the third's keys within one tile.  It fails if the producer does not wait for a stage to come back
-    (tried: the sums go wrong, or the simulator reports the wait that would hang).  ``paired``: P_j V_j and S_{j+1}
-    issued together (``PAIRED``); it fails with the next stage's wait dropped, or with S_{j+1} taken from stage j."""
+    (tried: the sums go wrong, or the simulator reports the wait that would hang)."""
     if case == "blocks":
         test_fp8_forward_with_block_descales_matches_its_oracle(64, True, 70, 600, None, 128, 1, 1)
     else:
