@@ -1189,13 +1189,12 @@ class FP8Plan(NamedTuple):
     forward: Launch
     vt_keys: int                    # V^T's row length (keys padded to groups of 32)
     prepare_words: Launch = None    # the pre-pass four bytes at a time, where v has a word view
-    key_tile: int = _fp8.BLOCK_K    # the forward's keys a tile (K's box rows)
 
     def forward_args(self, q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, stream,
                      packed=None):
         """The forward's arguments after its word views: the tensor maps of q, k, V^T, then ``packed`` (a packed
         batch's int32 device ``cu_seqlens_q``, ``cu_seqlens_k``, ``vt_start``; one-entry dummies for a dense one)."""
-        maps = tensor_maps(((q, _fp8.BLOCK_Q), (k, self.key_tile), (vt, vt.shape[1])), False, stream)
+        maps = tensor_maps(((q, _fp8.BLOCK_Q), (k, _fp8.BLOCK_K), (vt, vt.shape[1])), False, stream)
         if packed is None:
             packed = (_options._dummy(1, np.int32),) * 3
         return (q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, np.float32(scale), maps) + tuple(
@@ -1214,9 +1213,6 @@ FP8_TWO_BLOCKS = True
 # an H200, and not faster (calls 2-3: the pingpong within noise at d 128 and 1-7% slower at d 256, the overlap
 # 1.1-1.5x slower); removed (the code is in commit c32a386)
 FP8_WARP_SPECIALISED = 2
-# The keys a tile of the warp-specialised FP8 forward at head dim 128, dense batches with per-head descales
-# (kernels.forward_fp8's BLOCK_N; FlashAttention-3 takes 224): S's accumulators BLOCK_N / 2 registers a thread
-FP8_KEY_TILE_D128 = 128
 
 
 def _fp8_warp_specialised(headdim):
@@ -1239,18 +1235,14 @@ def fp8_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, ou
     """The launches of an FP8 forward of that shape (``kernels.forward_fp8``): Hopper only (compute capability
     9.0, or the simulator), head dims 64, 128, 256, dense batches; ``blocks``: the descales per tile (block
     quantisation)."""
-    key_tile = _fp8.BLOCK_K
-    if headdim == 128 and not blocks and _fp8_warp_specialised(headdim):
-        key_tile = int(FP8_KEY_TILE_D128)
-    flags = {"BLOCKS": True} if blocks else ({"BLOCK_N": key_tile} if key_tile != _fp8.BLOCK_K else {})
-    kern, shared, nthreads = _fp8_kernel(headdim, out_dtype, causal, **flags)
+    kern, shared, nthreads = _fp8_kernel(headdim, out_dtype, causal, **({"BLOCKS": True} if blocks else {}))
     check_shared(shared, f"the FP8 forward at head dim {headdim}")
     grid = batch * nheads * -(-seqlen_q // _fp8.BLOCK_Q)
     prep_grid = _fp8.prepare_vt_grid(batch, seqlen_k, nheads_k, headdim)
     words = Launch(_fp8.make_prepare_vt_words(headdim), _fp8.prepare_vt_words_grid(batch, seqlen_k, nheads_k),
                    _fp8.PREP_THREADS, 0)
     return FP8Plan(Launch(_fp8.make_prepare_vt(headdim), prep_grid, _fp8.PREP_THREADS, 0),
-                   Launch(kern, grid, nthreads, shared), _fp8.vt_keys(seqlen_k), words, key_tile)
+                   Launch(kern, grid, nthreads, shared), _fp8.vt_keys(seqlen_k), words)
 
 
 @lru_cache(maxsize=256)

@@ -280,8 +280,7 @@ def make_prepare_vt_packed(HEAD_DIM):
 
 @lru_cache(maxsize=None)
 @kernel_factory
-def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False, WARP_SPECIALISED=False,
-                     BLOCK_N=BLOCK_K):
+def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BLOCKS=False, WARP_SPECIALISED=False):
     """``forward(q, k, vt, out, lse, q_descale, k_descale, v_descale, group, off, scale, maps, cu_seqlens_q,
     cu_seqlens_k, vt_start)`` and its shared bytes: ``q``, ``k``
     (batch, seq, heads, HEAD_DIM / 4) word views of e4m3 codes, ``vt`` ``make_prepare_vt``'s (batch, HEAD_DIM,
@@ -314,12 +313,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     simulator, barriers that wait (``tma_primitives(waiting=True)``) and reductions and fragment exchanges over
     quads order the roles; a protocol error raises there instead of hanging.
 
-    ``BLOCK_N``: the keys of a tile (``BLOCK_K`` unless asked; a multiple of 32 up to 256, dense batches with
-    per-head descales only: a packed batch's V^T and the block descales come in tiles of ``BLOCK_K``).  K_j is
-    ``BLOCK_N`` rows; V_j^T is ``ceil(BLOCK_N / 128)`` blocks of 128 keys (the copy engine's boxes, 128-byte
-    swizzled rows), of which the products read the first ``BLOCK_N``: FlashAttention-3 takes 224-key tiles for its
-    FP8 forward at head dim 128.
-
     ``MIN_BLOCKS``: launch bounds for that many blocks an SM (2 at head dim 64: 16 warps an SM instead of 8).
     Measured no faster on an H200 and removed (docs/notes/fp8.md step 4; the code is in commit 8bbdd68): three
     stages, FA3's order of the products, the warpgroups' turns by named barriers, S_{j+1} in flight under the
@@ -329,8 +322,6 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     assert HEAD_DIM in HEAD_DIMS
     assert not (BLOCKS and VARLEN), "block descales are for dense batches"
     assert not (WARP_SPECIALISED and MIN_BLOCKS != 1), "the warp-specialised block takes the SM's registers"
-    assert BLOCK_N % 32 == 0 and 32 <= BLOCK_N <= 256
-    assert BLOCK_N == BLOCK_K or not (VARLEN or BLOCKS), "packed batches and block descales: tiles of BLOCK_K"
     WS = WARP_SPECIALISED
     THREADS = threads(WS)
     CONSUMER_WARPS = 8                               # the two consumer warpgroups: one arrival a warp on ``empty``
@@ -340,13 +331,12 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     NBLK = -(-HEAD_DIM // SWIZZLE_BYTES)             # 128-byte blocks of a row
     HEAD_WORDS = HEAD_DIM // 4
     KSTEPS_D = HEAD_DIM // 32                        # S's k-steps
-    N_ACC_S = BLOCK_N // 2                           # a thread's accumulators of S: BLOCK_N / 8 n-tiles x 4
+    N_ACC_S = BLOCK_K // 2                           # a thread's accumulators of S: 16 n-tiles x 4
     N_ACC_O = HEAD_DIM // 2
-    P_WORDS = 4 * (BLOCK_N // 32)                    # P's A fragments: 4 words a k-step
+    P_WORDS = 4 * (BLOCK_K // 32)                    # P's A fragments: 4 words a k-step
     Q_BYTES = BLOCK_Q * SWIZZLE_BYTES * NBLK
-    K_BYTES = BLOCK_N * SWIZZLE_BYTES * NBLK
-    VT_BLKS = -(-BLOCK_N // 128)                     # V_j^T's blocks of 128 keys
-    VT_BYTES = VT_BLKS * HEAD_DIM * SWIZZLE_BYTES    # HEAD_DIM rows of 128 keys a block
+    K_BYTES = BLOCK_K * SWIZZLE_BYTES * NBLK
+    VT_BYTES = HEAD_DIM * SWIZZLE_BYTES              # HEAD_DIM rows of 128 keys
     STAGE_BYTES = K_BYTES + VT_BYTES
     Q_OFF = 0
     STAGE0 = Q_BYTES
@@ -356,8 +346,8 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     SCRATCH = EMPTY + (8 * STAGES if WS else 0)      # the quad reductions' scratch (simulator only)
     SCRATCH_WORDS = 2 * THREADS if SIMULATOR else 0
     SHARED_BYTES = SCRATCH + 4 * SCRATCH_WORDS
-    wgmma_s = make_wgmma("ss", "e4m3", BLOCK_N, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_N, KSTEPS_D))
-    wgmma_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_N // 32), quad_sync=WS)
+    wgmma_s = make_wgmma("ss", "e4m3", BLOCK_K, k_major_steps(BLOCK_Q, KSTEPS_D), k_major_steps(BLOCK_K, KSTEPS_D))
+    wgmma_pv = make_wgmma("rs", "e4m3", HEAD_DIM, (), k_major_steps(HEAD_DIM, BLOCK_K // 32), quad_sync=WS)
     pack4 = pack_e4m3x4()
     _, pack2, _ = primitives(OUT_DTYPE)
     exp2 = memory_primitives()["exp2_ftz"]
@@ -365,8 +355,8 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     mbar_init, mbar_fence_init, mbar_expect, mbar_wait, mbar_arrive = (
         tma["mbar_init"], tma["mbar_fence_init"], tma["mbar_arrive_expect_tx"], tma["mbar_wait"], tma["mbar_arrive"])
     load_q = make_tile_load(BLOCK_Q, HEAD_WORDS, NBLK, WAITING=WS)
-    load_k = make_tile_load(BLOCK_N, HEAD_WORDS, NBLK, WAITING=WS)
-    load_vt = make_box_load(HEAD_DIM, VT_BLKS, WAITING=WS)
+    load_k = make_tile_load(BLOCK_K, HEAD_WORDS, NBLK, WAITING=WS)
+    load_vt = make_box_load(HEAD_DIM, 1, WAITING=WS)
     quad_max = make_row_allreduce(2, 4, THREADS, F32, is_max=True, ROW_SYNC=WS)
     quad_sum = make_row_allreduce(2, 4, THREADS, F32, is_max=False, ROW_SYNC=WS)
     release_registers, take_registers = register_handover(PRODUCER_REGS, CONSUMER_REGS)
@@ -387,7 +377,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         bar = FULL + 8 * s
         mbar_expect(smem, bar, STAGE_BYTES)
         dst = STAGE0 + s * STAGE_BYTES
-        k0 = j * BLOCK_N
+        k0 = j * BLOCK_K
         load_k(smem, dst, maps, 1, k, (b * k.strides[0] + hk * k.strides[2]) >> 2, k.strides[1] >> 2, k_start + k0,
                k.shape[1] - k_start - k0, hk, b, bar)
         load_vt(smem, dst + K_BYTES, maps, 2, vt, (b * vt.strides[0] + hk * vt.strides[2]) >> 2, vt.strides[1] >> 2,
@@ -397,7 +387,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     def mask_tile(s_acc, k0, seqlen_k, row_g, off):
         """Scores of keys past the sequence, or (``CAUSAL``) past row ``i``'s last key ``i + off``, <- -inf."""
         t = cuda.threadIdx.x % 4
-        for n in range(BLOCK_N // 8):
+        for n in range(BLOCK_K // 8):
             for e in range(4):
                 j = k0 + 8 * n + 2 * t + e % 2
                 i = row_g + 8 * (e // 2)
@@ -411,7 +401,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         only where the max moved."""
         for r in range(2):
             x = NEG_INF
-            for n in range(BLOCK_N // 8):
+            for n in range(BLOCK_K // 8):
                 x = max(x, max(s_acc[4 * n + 2 * r], s_acc[4 * n + 2 * r + 1]))
             row[r] = x * c
         quad_max(row, scratch, cuda.threadIdx.x // 4, cuda.threadIdx.x % 4)
@@ -419,7 +409,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
             m_new = max(m_i[r], row[r])
             m_use = m_new if m_new != NEG_INF else ZERO      # nothing seen yet: exp2(-inf) = 0, not NaN
             l_tile = ZERO
-            for n in range(BLOCK_N // 8):
+            for n in range(BLOCK_K // 8):
                 for e in range(2 * r, 2 * r + 2):
                     p = exp2(s_acc[4 * n + e] * c - m_use)
                     l_tile += p
@@ -436,7 +426,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
     @device_function
     def pack_p(s_acc, p_frag):
         """P's A fragments, 4 words a k-step of 32 keys: rows g, g + 8 x n-tiles (4 kk, 4 kk + 1), (4 kk + 2, + 3)."""
-        for kk in range(BLOCK_N // 32):
+        for kk in range(BLOCK_K // 32):
             a = 16 * kk
             for r in range(2):
                 p_frag[4 * kk + r] = pack4(s_acc[a + 2 * r], s_acc[a + 2 * r + 1], s_acc[a + 4 + 2 * r],
@@ -502,8 +492,8 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         """S = Q K_j^T (tile j's stage), masked where the tile reaches past the keys or the diagonal."""
         mbar_wait(smem, FULL + 8 * (j % STAGES), full_parity_d(j, STAGES))
         wgmma_s(s_acc, smem, Q_OFF + 64 * wg * SWIZZLE_BYTES, STAGE0 + (j % STAGES) * STAGE_BYTES, 0)
-        k0 = j * BLOCK_N
-        if k0 + BLOCK_N > seqlen_k or (CAUSAL and k0 + BLOCK_N - 1 > qt * BLOCK_Q + 64 * wg + off):
+        k0 = j * BLOCK_K
+        if k0 + BLOCK_K > seqlen_k or (CAUSAL and k0 + BLOCK_K - 1 > qt * BLOCK_Q + 64 * wg + off):
             mask_tile(s_acc, k0, seqlen_k, row_g, off)
 
     @device_function
@@ -542,7 +532,7 @@ def make_forward_fp8(HEAD_DIM, OUT_DTYPE, CAUSAL, MIN_BLOCKS=1, VARLEN=False, BL
         else:
             c = F32(scale) * q_descale[b, hk] * k_descale[b, hk] * LOG2E_T
         k_end = min(seqlen_k, qt * BLOCK_Q + BLOCK_Q + off) if CAUSAL else seqlen_k   # keys past it: seen by none
-        n_kt = (k_end + BLOCK_N - 1) // BLOCK_N if k_end > 0 else 0
+        n_kt = (k_end + BLOCK_K - 1) // BLOCK_K if k_end > 0 else 0
 
         smem = cuda.shared.array(0, U32_DT, alignment=SMEM_ALIGN)
         scratch = cuda.shared.array(0, F32_DT)[SCRATCH // 4:SCRATCH // 4 + SCRATCH_WORDS]

@@ -57,7 +57,7 @@ def _flips(q8, k8, v8, qd, kd, vd, causal, blocks=(None, None)):
     return 2 * 2.0 ** -3 * top.transpose(0, 2, 1, 3)
 
 
-def _check(b, sq, sk, hk, group, d, causal, per_head, seed, block_k=forward_fp8.BLOCK_K):
+def _check(b, sq, sk, hk, group, d, causal, per_head, seed):
     rng = np.random.default_rng(seed)
     h = hk * group
     qd, kd, vd = _descales(rng, per_head, b, hk)
@@ -68,7 +68,7 @@ def _check(b, sq, sk, hk, group, d, causal, per_head, seed, block_k=forward_fp8.
     out, lse = flashnb.flash_attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal, return_lse=True)
     for x, c in zip((q8, k8, v8), copies):
         assert np.array_equal(x, c), "an input was modified"
-    ref, ref_lse = fp8_flash_forward(q8, k8, v8, qd, kd, vd, block_k=block_k, causal=causal)
+    ref, ref_lse = fp8_flash_forward(q8, k8, v8, qd, kd, vd, block_k=forward_fp8.BLOCK_K, causal=causal)
     assert out.dtype == np.float16 and out.shape == (b, sq, h, d)
     seen = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(lse), seen), "rows that see no key: lse -inf"
@@ -686,29 +686,6 @@ def warp_specialised():
     yield
     plan.FP8_WARP_SPECIALISED = before
     clear()
-
-
-@pytest.mark.parametrize("key_tile, causal, sq, sk", [(192, False, 70, 500), (224, True, 130, 300),
-                                                       (192, True, 130, 100)])
-def test_wide_key_tiles_match_the_oracle_with_their_tiles(warp_specialised, key_tile, causal, sq, sk):
-    """The warp-specialised forward at head dim 128 with ``key_tile`` keys a tile (``plan.FP8_KEY_TILE_D128``,
-    ``make_forward_fp8(BLOCK_N=)``: K_j of that many rows, V_j^T two 128-key boxes of which the products read the
-    first ``key_tile``), held to ``fp8_flash_forward`` with the same key tiles (P's running max, hence its
-    quantisation, is the tile's): three tiles, the last partial, over 2 key heads of 2 queries each; causal with two
-    query tiles whose diagonal crosses a key tile; fewer keys than one tile.  It fails with the k-steps of P V past
-    128 keys read from V^T's first box."""
-    from flashnb import _dispatch, plan
-    before = plan.FP8_KEY_TILE_D128
-    plan.FP8_KEY_TILE_D128 = key_tile
-    plan.fp8_forward.cache_clear()
-    _dispatch.clear()
-    try:
-        assert plan.fp8_forward(1, sq, sk, 4, 2, 128, causal, "float16").key_tile == key_tile
-        _check(1, sq, sk, 2, 2, 128, causal, True, key_tile + sq, block_k=key_tile)
-    finally:
-        plan.FP8_KEY_TILE_D128 = before
-        plan.fp8_forward.cache_clear()
-        _dispatch.clear()
 
 
 @pytest.mark.parametrize("case", ["blocks", "packed"])
