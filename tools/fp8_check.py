@@ -7,6 +7,7 @@
     python -m tools.fp8_check profile --headdims 128 --seqlens 4096   # one call, for ncu --profile-from-start off
     python -m tools.fp8_check kernels [--seqlens ...] [--headdims ...] # each call's kernels timed apart
     python -m tools.fp8_check prepass [--seqlens ...] [--headdims ...] [--once]  # V^T's pre-passes alone
+    python -m tools.fp8_check fixed [--headdims ...]   # a block's fixed cost: one query tile over 1..32 key tiles
 
 ``check``: torch float8_e4m3fn inputs (per-(batch, kv head) descales); the kernel's error against the exact
 answer (float64 attention of the dequantised inputs) at most twice the oracle's (``fp8_flash_forward``: P
@@ -319,9 +320,57 @@ def prepass(seqlens, headdims, once=False):
     return 0
 
 
+def fixed(headdims, key_tiles=(1, 2, 4, 8, 16, 32)):
+    """A block's fixed cost against its cost a key tile: one query tile (128 queries) over 128 x ``key_tiles`` keys,
+    batch x heads = 1056 blocks (8 a multiprocessor of an H100 / H200), each kernel's device time by
+    ``torch.profiler`` (10 calls after 3), FP8 (the forward kernel, V^T's pre-pass apart) and float16; a least-squares
+    line ``time = blocks per SM x (fixed + per tile x tiles)`` per kernel."""
+    import torch
+    import flashnb
+    from torch.profiler import ProfilerActivity, profile
+    per_sm = 1056 / torch.cuda.get_device_properties(0).multi_processor_count
+    print("| d | key tiles | fp16 kernels us | FP8 forward us | V^T pre-pass us |")
+    print("|---|---|---|---|---|")
+    fits = []
+    for d in headdims:
+        h = 2048 // d
+        b = 1056 // h
+        rows = []
+        for nt in key_tiles:
+            q, k, v = (x.half() for x in _inputs(torch, b, 128, 128 * nt, h, h, d, nt))
+            q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+            per = {}
+            for name, fn in (("fp16", lambda: flashnb.flash_attention(q, k, v)),
+                             ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8))):
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        fn()
+                    torch.cuda.synchronize()
+                for e in prof.key_averages():
+                    us = getattr(e, "self_device_time_total", None)
+                    us = (us if us is not None else getattr(e, "self_cuda_time_total", 0.0)) / 10
+                    kind = "prep" if "prepare" in e.key else "fwd"
+                    per[name, kind] = per.get((name, kind), 0.0) + us
+            rows.append((nt, per.get(("fp16", "fwd"), 0.0), per.get(("fp8", "fwd"), 0.0), per.get(("fp8", "prep"), 0)))
+            print(f"| {d} | {nt} | {rows[-1][1]:.1f} | {rows[-1][2]:.1f} | {rows[-1][3]:.1f} |")
+        x = np.array([r[0] for r in rows], float)
+        for name, col in (("fp16", 1), ("FP8", 2)):
+            y = np.array([r[col] for r in rows]) / per_sm
+            slope, icpt = np.polyfit(x, y, 1)
+            fits.append(f"| {d} | {name} | {icpt:.2f} | {slope:.3f} |")
+    print()
+    print("| d | kernel | a block's fixed cost us | us a key tile |")
+    print("|---|---|---|---|")
+    print("\n".join(fits))
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("check", "small", "bench", "profile", "kernels", "prepass"))
+    ap.add_argument("what", choices=("check", "small", "bench", "profile", "kernels", "prepass", "fixed"))
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--headdims", default="64,128,256")
     ap.add_argument("--settings", default="", help="bench, kernels: settings separated by ';', each NAME=INT assignments "
@@ -338,6 +387,8 @@ def main(argv=None):
     if a.what == "kernels":
         return kernels([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")],
                        a.settings.split(";"))
+    if a.what == "fixed":
+        return fixed([int(x) for x in a.headdims.split(",")])
     if a.what == "prepass":
         return prepass([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.headdims.split(",")], a.once)
     if a.what == "profile":
