@@ -205,47 +205,48 @@ def _bench(torch, flashnb, seqlens, headdims, blocks=False):
                   f"{flops / f8 / 1e9:.0f} | {f16 / f8:.2f}x | {times['fp16 host']:.0f} / {times['fp8 host']:.0f} |")
 
 
+def _device_us(torch, fn, calls=10):
+    """``fn``'s kernels' device time a call by ``torch.profiler`` (``calls`` calls after 3): {"prep": V^T's
+    pre-passes, "fwd": every other kernel}, and ``fn``'s last result."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        r = fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = (us if us is not None else getattr(e, "self_cuda_time_total", 0.0)) / calls
+        if us > 0:
+            kind = "prep" if "prepare" in e.key else "fwd"
+            per[kind] = per.get(kind, 0.0) + us
+    return per, r
+
+
 def kernels(seqlens, headdims, settings=("",)):
     """Each call's kernels, timed apart (``torch.profiler``'s CUDA activity, 10 calls after 3): V^T's pre-pass and the
     FP8 forward against the float16 forward's own kernels, so a ratio of calls can be split into the kernels' and the
     rest (host time, launch gaps)."""
     import torch
     import flashnb
-    from torch.profiler import ProfilerActivity, profile
     for setting in settings:
         _apply(setting)
         print(f"setting: {setting or 'as shipped'}")
-        _kernels(torch, flashnb, profile, ProfilerActivity, seqlens, headdims)
+        _kernels(torch, flashnb, seqlens, headdims)
     return 0
 
 
-def _kernels(torch, flashnb, profile, ProfilerActivity, seqlens, headdims):
+def _kernels(torch, flashnb, seqlens, headdims):
     print("| d | N | causal | fp16 kernels us | FP8 forward us | V^T pre-pass us | FP8 / fp16, kernels only |")
     print("|---|---|---|---|---|---|---|")
     for d, n, b, h, q, k, v, q8, k8, v8 in _shapes(torch, seqlens, headdims):
         for causal in (False, True):
-            per = {}
-            for name, fn in (("fp16", lambda: flashnb.flash_attention(q, k, v, causal=causal)),
-                             ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal))):
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(10):
-                        fn()
-                    torch.cuda.synchronize()
-                for e in prof.key_averages():
-                    us = getattr(e, "self_device_time_total", None)
-                    if us is None:
-                        us = getattr(e, "self_cuda_time_total", 0.0)
-                    if us > 0:
-                        us /= 10
-                        kind = "prep" if "prepare" in e.key else "fwd"
-                        per[name, kind] = per.get((name, kind), 0.0) + us
-                        if (d, n, causal) == (headdims[0], seqlens[0], False):
-                            print(f"  ({name}: {kind} {e.key[:70]} {us:.1f} us a call)", file=sys.stderr)
-            f16 = per.get(("fp16", "fwd"), 0.0) + per.get(("fp16", "prep"), 0.0)
-            f8, pre = per.get(("fp8", "fwd"), 0.0), per.get(("fp8", "prep"), 0.0)
+            f16 = sum(_device_us(torch, lambda: flashnb.flash_attention(q, k, v, causal=causal))[0].values())
+            per, _ = _device_us(torch, lambda: flashnb.flash_attention_fp8(q8, k8, v8, causal=causal))
+            f8, pre = per.get("fwd", 0.0), per.get("prep", 0.0)
             print(f"| {d} | {n} | {causal} | {f16:.0f} | {f8:.0f} | {pre:.0f} | {f16 / (f8 + pre):.2f}x |")
 
 
@@ -255,7 +256,6 @@ def prepass(seqlens, headdims, once=False):
     against PyTorch's copy of v and its transpose ``permute(0, 2, 3, 1).contiguous()`` (the same bytes moved, no
     relabelling); the byte and word outputs compared byte for byte.  ``--once``: one launch of each, for ncu."""
     import torch
-    from torch.profiler import ProfilerActivity, profile as torch_profile
     from flashnb import _arrays, fp8, plan
     from flashnb.kernels import forward_fp8 as kf
     print("| d | N | batch | heads | copy us | torch transpose us | byte us | word us | GB/s (word) | packed byte us | "
@@ -294,20 +294,10 @@ def prepass(seqlens, headdims, once=False):
                 if once:
                     fn()
                     continue
-                for _ in range(3):
-                    r = fn()
-                torch.cuda.synchronize()
+                per, r = _device_us(torch, fn)
+                times[name] = sum(per.values())
                 if name in ("byte", "word", "packed byte", "packed word"):
                     outs[name] = torch.as_tensor(r, device="cuda").clone()
-                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(10):
-                        fn()
-                    torch.cuda.synchronize()
-                us = 0.0
-                for e in prof.key_averages():
-                    t = getattr(e, "self_device_time_total", None)
-                    us += (t if t is not None else getattr(e, "self_cuda_time_total", 0.0))
-                times[name] = us / 10
         torch.cuda.synchronize()
         if once:
             print(f"| {d} | {n} | {b} | {h} | once |")
@@ -327,7 +317,6 @@ def fixed(headdims, key_tiles=(1, 2, 4, 8, 16, 32)):
     line ``time = blocks per SM x (fixed + per tile x tiles)`` per kernel."""
     import torch
     import flashnb
-    from torch.profiler import ProfilerActivity, profile
     per_sm = 1056 / torch.cuda.get_device_properties(0).multi_processor_count
     print("| d | key tiles | fp16 kernels us | FP8 forward us | V^T pre-pass us |")
     print("|---|---|---|---|---|")
@@ -339,21 +328,9 @@ def fixed(headdims, key_tiles=(1, 2, 4, 8, 16, 32)):
         for nt in key_tiles:
             q, k, v = (x.half() for x in _inputs(torch, b, 128, 128 * nt, h, h, d, nt))
             q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
-            per = {}
-            for name, fn in (("fp16", lambda: flashnb.flash_attention(q, k, v)),
-                             ("fp8", lambda: flashnb.flash_attention_fp8(q8, k8, v8))):
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(10):
-                        fn()
-                    torch.cuda.synchronize()
-                for e in prof.key_averages():
-                    us = getattr(e, "self_device_time_total", None)
-                    us = (us if us is not None else getattr(e, "self_cuda_time_total", 0.0)) / 10
-                    kind = "prep" if "prepare" in e.key else "fwd"
-                    per[name, kind] = per.get((name, kind), 0.0) + us
+            f16, _ = _device_us(torch, lambda: flashnb.flash_attention(q, k, v))
+            f8, _ = _device_us(torch, lambda: flashnb.flash_attention_fp8(q8, k8, v8))
+            per = {("fp16", "fwd"): sum(f16.values())} | {("fp8", kind): us for kind, us in f8.items()}
             rows.append((nt, per.get(("fp16", "fwd"), 0.0), per.get(("fp8", "fwd"), 0.0), per.get(("fp8", "prep"), 0)))
             print(f"| {d} | {nt} | {rows[-1][1]:.1f} | {rows[-1][2]:.1f} | {rows[-1][3]:.1f} |")
         x = np.array([r[0] for r in rows], float)
