@@ -350,8 +350,8 @@ def main(argv=None):
     ap.add_argument("what", choices=("check", "small", "bench", "profile", "kernels", "prepass", "fixed"))
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--headdims", default="64,128,256")
-    ap.add_argument("--settings", default="", help="bench, kernels: settings separated by ';', each NAME=INT assignments "
-                    "of flashnb.plan's FP8 constants (FP8_TWO_BLOCKS=0)")
+    ap.add_argument("--settings", default="", help="bench, kernels: settings separated by ';', each NAME=INT "
+                    "assignments of flashnb.plan's FP8 constants (FP8_TWO_BLOCKS=0)")
     ap.add_argument("--setting", default="", help="check / small: one such setting")
     ap.add_argument("--blocks", action="store_true", help="bench: FP8 with block descales (blocks of 128 rows)")
     ap.add_argument("--once", action="store_true", help="prepass: one launch of each (for ncu)")

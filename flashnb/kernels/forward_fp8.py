@@ -147,9 +147,9 @@ def make_words_tile(HEAD_DIM):
     """``move(tile, v, vt, src, valid, dst, cols, v_k, vt_d)``: V^T's 128 positions (one block's) of every dim,
     through ``tile`` (rows of HEAD_DIM / 4 + 1 words), four bytes a load and a store: ``v``, ``vt`` flat word views
     (``flat_words``), ``src`` the word offset of the block's first key at word 0 of its head, ``valid`` its keys
-    (the rows past them read as zeros), ``dst`` the offset of V^T's row 0 at the block's first word, ``cols``
-    V^T's words from there on (those past its row are not written), ``v_k`` and ``vt_d`` the strides in words of a key and of a
-    V^T row.
+    (the rows past them read as zeros), ``dst`` the offset of V^T's row 0 at the block's first word, ``cols`` V^T's
+    words from there on (those past its row are not written), ``v_k`` and ``vt_d`` the strides in words of a key and
+    of a V^T row.
 
     A thread keeps one column of the key rows it loads (``WORDS`` a row, ``PREP_THREADS / WORDS`` rows a pass) and
     one word of the V^T rows it stores (8 rows a pass; a warp writes 128 contiguous bytes of a row): the four keys

@@ -240,9 +240,9 @@ def test_key_at_pairs_p_fragments_with_their_keys():
 
 @pytest.mark.parametrize("seqlen_k, nheads_k, d", [(150, 2, 64), (300, 1, 128), (200, 3, 256)])
 def test_the_word_pre_pass_writes_v_transposed_and_relabelled(seqlen_k, nheads_k, d):
-    """``make_prepare_vt_words`` (four bytes a load and a store, on flat views): V^T's position ``p`` of row ``d`` holds key ``32 (p // 32) + key_at(p % 32)``'s byte ``d``, zero past
-    the keys; the keys not a multiple of a group (32) nor of a block (128), so the last block writes only V^T's
-    padded length.  V^T is poisoned first; its memory is (batch, nheads_k, d, keys) as the call's scratch is, and v
+    """``make_prepare_vt_words`` (four bytes a load and a store, on flat views): V^T's position ``p`` of row ``d``
+    holds key ``32 (p // 32) + key_at(p % 32)``'s byte ``d``, zero past the keys; the keys not a multiple of a group
+    (32) nor of a block (128), so the last block writes only V^T's padded length.  V^T is poisoned first; its memory is (batch, nheads_k, d, keys) as the call's scratch is, and v
     is a slice of a wider array (its key stride is not its row's)."""
     from numba import cuda
     from flashnb import _arrays
