@@ -238,12 +238,20 @@ def test_key_at_pairs_p_fragments_with_their_keys():
                 assert keys[16 * h + 4 * t + i] == 8 * (2 * h + i // 2) + 2 * t + i % 2
 
 
-@pytest.mark.parametrize("seqlen_k, nheads_k, d", [(150, 2, 64), (300, 1, 128), (200, 3, 256)])
-def test_the_word_pre_pass_writes_v_transposed_and_relabelled(seqlen_k, nheads_k, d):
-    """``make_prepare_vt_words`` (four bytes a load and a store, on flat views): V^T's position ``p`` of row ``d``
-    holds key ``32 (p // 32) + key_at(p % 32)``'s byte ``d``, zero past the keys; the keys not a multiple of a group
-    (32) nor of a block (128), so the last block writes only V^T's padded length.  V^T is poisoned first; its memory is (batch, nheads_k, d, keys) as the call's scratch is, and v
-    is a slice of a wider array (its key stride is not its row's)."""
+def _relabelled_keys(n):
+    """The key at each of V^T's ``n`` positions: ``32 (p // 32) + key_at(p % 32)``."""
+    return np.array([32 * (p // 32) + forward_fp8.key_at(p % 32) for p in range(n)])
+
+
+@pytest.mark.parametrize("seqlen_k, nheads_k, d, words", [(150, 2, 64, True), (300, 1, 128, True),
+                                                          (200, 3, 256, True), (150, 2, 64, False)])
+def test_the_pre_passes_write_v_transposed_and_relabelled(seqlen_k, nheads_k, d, words):
+    """``make_prepare_vt_words`` (four bytes a load and a store, on flat views; ``words``) and ``make_prepare_vt``
+    (byte by byte, any strides: v without a word view): V^T's position ``p`` of row ``d`` holds key ``32 (p // 32)
+    + key_at(p % 32)``'s byte ``d``, zero past the keys; the keys not a multiple of a group (32) nor of a block
+    (128), so the last block writes only V^T's padded length.  V^T is poisoned first; its memory is (batch,
+    nheads_k, d, keys) as the call's scratch is, and v is a slice of a wider array (its key stride is not its
+    row's)."""
     from numba import cuda
     from flashnb import _arrays
     from flashnb.kernels._jit import launch
@@ -253,25 +261,33 @@ def test_the_word_pre_pass_writes_v_transposed_and_relabelled(seqlen_k, nheads_k
     v = wide[:, :, :nheads_k]
     n = forward_fp8.vt_keys(seqlen_k)
     stream = _arrays.resolve_stream(cuda.default_stream(), None)
-    vt_d = cuda.to_device(np.full((2, nheads_k, d, n // 4), 0xABABABAB, np.uint32))
+    vt_d = cuda.to_device(np.full((2, nheads_k, d, n), 0xAB, np.uint8))
     s = vt_d.strides
-    vt_view = _arrays.strided_view(vt_d, (2, d, nheads_k, n // 4), (s[0], s[2], s[1], s[3]))
-    wide_w = _arrays.word_view(_arrays.to_device(wide, stream))
-    vw = _arrays.strided_view(wide_w, (2, seqlen_k, nheads_k, d // 4), wide_w.strides)     # heads 0 .. nheads_k - 1
-    launch(forward_fp8.make_prepare_vt_words(d), forward_fp8.prepare_vt_words_grid(2, seqlen_k, nheads_k),
-           forward_fp8.PREP_THREADS, stream, 0, _words_prepass_args(vw, vt_view))
+    vt_view = _arrays.strided_view(vt_d, (2, d, nheads_k, n), (s[0], s[2], s[1], s[3]))
+    wide_d = _arrays.to_device(wide, stream)
+    vb = _arrays.strided_view(wide_d, (2, seqlen_k, nheads_k, d), wide_d.strides)     # heads 0 .. nheads_k - 1
+    if words:
+        launch(forward_fp8.make_prepare_vt_words(d), forward_fp8.prepare_vt_words_grid(2, seqlen_k, nheads_k),
+               forward_fp8.PREP_THREADS, stream, 0, _words_prepass_args(_arrays.word_view(vb),
+                                                                        _arrays.word_view(vt_view)))
+    else:
+        launch(forward_fp8.make_prepare_vt(d), forward_fp8.prepare_vt_grid(2, seqlen_k, nheads_k, d),
+               forward_fp8.PREP_THREADS, stream, 0, (vb, vt_view))
     cuda.synchronize()
-    got = vt_d.copy_to_host().view(np.uint8)                       # (2, nheads_k, d, n)
-    keys = np.array([32 * (p // 32) + forward_fp8.key_at(p % 32) for p in range(n)])
+    got = vt_d.copy_to_host()                                      # (2, nheads_k, d, n)
+    keys = _relabelled_keys(n)
     want = np.where(keys < seqlen_k, v[:, np.minimum(keys, seqlen_k - 1)].transpose(0, 2, 3, 1), 0)
     assert np.array_equal(got, want)
 
 
-def test_the_packed_word_pre_pass_writes_what_the_byte_one_does():
-    """``make_prepare_vt_packed_words`` against ``make_prepare_vt_packed`` (whose relabelling the packed forward's
-    oracle test holds): V^T of a packed batch with an empty sequence, lengths off a group (32) and off a tile (128),
-    a sequence of two tiles; v a slice of a wider array (its key stride is not its row's); both outputs poisoned
-    first, every byte compared (the zeros past each sequence's keys included)."""
+@pytest.mark.parametrize("words", [True, False])
+def test_the_packed_pre_passes_write_each_sequence_transposed_and_relabelled(words):
+    """``make_prepare_vt_packed_words`` (``words``) and ``make_prepare_vt_packed`` (v without a word view): each
+    sequence's V^T from its column ``vt_start[b]``, position ``p`` holding its key ``32 (p // 32) + key_at(p % 32)``,
+    zero past its keys up to its whole tiles; a packed batch with an empty sequence, lengths off a group (32) and
+    off a tile (128), a sequence of two tiles; v a slice of a wider array (its key stride is not its row's); V^T
+    poisoned first, every byte compared.  The word form fails with the tile's first key off by the sequence's V^T
+    start."""
     from numba import cuda
     from flashnb import _arrays, plan
     from flashnb.fp8 import _packed_words_args, _tiles_of
@@ -282,28 +298,31 @@ def test_the_packed_word_pre_pass_writes_what_the_byte_one_does():
     vt_start = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
     group_seq = np.repeat(np.arange(len(lens), dtype=np.int32), tiles // forward_fp8.VT_KEYS)
     rng = np.random.default_rng(5)
-    wide = rng.integers(1, 0xAB, (1, int(cu_k[-1]), nheads_k + 1, d), dtype=np.uint8)     # never the poison
+    wide = rng.integers(1, 256, (1, int(cu_k[-1]), nheads_k + 1, d), dtype=np.uint8)
     stream = _arrays.resolve_stream(cuda.default_stream(), None)
     p = plan.fp8_forward_packed(len(lens), 8, group_seq.shape[0], nheads_k, nheads_k, d, False, "float16")
     cols = int(vt_start[-1])
     dev = [cuda.to_device(x) for x in (cu_k, vt_start, group_seq)]
-    got = []
-    for words in (False, True):
-        vt_d = cuda.to_device(np.full((1, nheads_k, d, cols), 0xAB, np.uint8))
-        s = vt_d.strides
-        vt = _arrays.strided_view(vt_d, (1, d, nheads_k, cols), (s[0], s[2], s[1], s[3]))
-        vb_wide = _arrays.to_device(wide, stream)
-        vb = _arrays.strided_view(vb_wide, (1, int(cu_k[-1]), nheads_k, d), vb_wide.strides)
-        if words:
-            launch(p.prepare_words.kernel, p.prepare_words.grid, p.prepare_words.threads, stream, 0,
-                   _packed_words_args(_arrays.word_view(vb), _arrays.word_view(vt), *dev))
-        else:
-            launch(p.prepare.kernel, p.prepare.grid, p.prepare.threads, stream, 0, (vb, vt, *dev))
-        cuda.synchronize()
-        got.append(vt_d.copy_to_host())
-    assert np.array_equal(got[0], got[1])
-    assert np.all(got[1] != 0xAB), "every column written"
-    assert np.all(got[1][..., :32] != 0) and np.all(got[1][..., 128:256] != 0), "keys, not padding"
+    vt_d = cuda.to_device(np.full((1, nheads_k, d, cols), 0xAB, np.uint8))
+    s = vt_d.strides
+    vt = _arrays.strided_view(vt_d, (1, d, nheads_k, cols), (s[0], s[2], s[1], s[3]))
+    wide_d = _arrays.to_device(wide, stream)
+    vb = _arrays.strided_view(wide_d, (1, int(cu_k[-1]), nheads_k, d), wide_d.strides)
+    if words:
+        launch(p.prepare_words.kernel, p.prepare_words.grid, p.prepare_words.threads, stream, 0,
+               _packed_words_args(_arrays.word_view(vb), _arrays.word_view(vt), *dev))
+    else:
+        launch(p.prepare.kernel, p.prepare.grid, p.prepare.threads, stream, 0, (vb, vt, *dev))
+    cuda.synchronize()
+    got = vt_d.copy_to_host()                                      # (1, nheads_k, d, cols)
+    want = np.zeros_like(got)
+    for b, n in enumerate(lens):
+        keys = _relabelled_keys(int(tiles[b]))
+        seq = wide[0, cu_k[b]:cu_k[b + 1], :nheads_k]              # (n, nheads_k, d)
+        if n:
+            want[0, :, :, vt_start[b]:vt_start[b + 1]] = np.where(
+                keys < n, seq[np.minimum(keys, n - 1)].transpose(1, 2, 0), 0)
+    assert np.array_equal(got, want)
 
 
 def test_e4m3_codes_are_the_oracles_quantiser():
